@@ -1,0 +1,1 @@
+"""Pieces shared by every kvroute service: HTTP plumbing and the built-in offline tokenizer."""
