@@ -1,0 +1,204 @@
+"""Router configuration: every ``--router-*`` flag of the router guide with its ``DYN_*`` variable.
+
+Precedence is the reference's: command line > environment variable > default. Boolean flags come
+in ``--x`` / ``--no-x`` pairs and their variables accept ``1/true/yes/on`` and ``0/false/no/off``.
+The same parser feeds ``python -m frontend`` and anything else that routes (benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+ROUTER_MODES = ("kv", "round_robin", "random")
+QUEUE_POLICIES = ("fcfs", "lcfs", "wspt")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def normalize_router_mode(value: str) -> str:
+    """``round-robin`` and ``round_robin`` are the same mode."""
+    mode = value.strip().lower().replace("-", "_")
+    if mode not in ROUTER_MODES:
+        raise argparse.ArgumentTypeError(f"invalid router mode {value!r} (choose from kv, round_robin, random)")
+    return mode
+
+
+def _parse_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+
+
+def _optional_float(value: str) -> float | None:
+    if value is None or value.strip().lower() in ("", "none", "null"):
+        return None
+    return float(value)
+
+
+def _optional_int(value: str) -> int | None:
+    if value is None or value.strip().lower() in ("", "none", "null"):
+        return None
+    return int(value)
+
+
+def _positive_float(value: str) -> float:
+    v = float(value)
+    if v <= 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return v
+
+
+def _nonneg_optional_float(value: str) -> float | None:
+    v = _optional_float(value)
+    if v is not None and v < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return v
+
+
+def _unit_optional_float(value: str) -> float | None:
+    v = _optional_float(value)
+    if v is not None and not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError("must be between 0.0 and 1.0")
+    return v
+
+
+def _queue_policy(value: str) -> str:
+    v = value.strip().lower()
+    if v not in QUEUE_POLICIES:
+        raise argparse.ArgumentTypeError(f"invalid queue policy {value!r} (choose from fcfs, lcfs, wspt)")
+    return v
+
+
+def _session_ttl(value: str) -> float | None:
+    v = _optional_float(value)
+    if v is not None and not 1 <= v <= 31_536_000:
+        raise argparse.ArgumentTypeError("must be between 1 and 31536000 seconds")
+    return v
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Everything that shapes a routing decision. Defaults are the router guide's."""
+
+    router_mode: str = "round_robin"
+    router_temperature: float = 0.0
+    kv_cache_block_size: int | None = None  # None: take the workers' block size
+    router_kv_events: bool = True
+    router_kv_overlap_score_weight: float = 1.0
+    router_ttl_secs: float = 120.0
+    router_max_tree_size: int = 1 << 20
+    router_prune_target_ratio: float = 0.8
+    router_event_threads: int = 1
+    router_track_active_blocks: bool = True
+    router_track_output_blocks: bool = False
+    router_assume_kv_reuse: bool = True
+    router_track_prefill_tokens: bool = True
+    router_queue_threshold: float | None = None
+    router_queue_policy: str = "fcfs"
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+    router_session_affinity_ttl_secs: float | None = None
+    router_replica_sync: bool = False
+    router_min_initial_workers: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def uses_indexer(self) -> bool:
+        """A weight of 0 means pure load balancing: the reference builds no indexer at all."""
+        return self.router_mode == "kv" and self.router_kv_overlap_score_weight != 0
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> "RouterConfig":
+        values = {f.name: getattr(ns, f.name) for f in fields(cls) if f.name != "extra" and hasattr(ns, f.name)}
+        return cls(**values)
+
+
+# (flag, dest, env vars (first wins), type, default, help). Booleans use type=bool.
+_FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
+    ("--router-mode", "router_mode", ("DYN_ROUTER_MODE",), normalize_router_mode, "round_robin",
+     "kv | round_robin (round-robin) | random"),
+    ("--router-temperature", "router_temperature", ("DYN_ROUTER_TEMPERATURE",), float, 0.0,
+     "softmax temperature over min-max normalised costs; 0 = lowest cost, random among ties"),
+    ("--kv-cache-block-size", "kv_cache_block_size", ("DYN_KV_CACHE_BLOCK_SIZE",), _optional_int, None,
+     "router block size in tokens (must match the engines'); default: the workers' block size"),
+    ("--router-kv-events", "router_kv_events", ("DYN_ROUTER_USE_KV_EVENTS", "DYN_ROUTER_KV_EVENTS"), bool, True,
+     "learn cached blocks from the workers' ZMQ KV events; --no-router-kv-events = approximate mode"),
+    ("--router-kv-overlap-score-weight", "router_kv_overlap_score_weight",
+     ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT"), float, 1.0,
+     "weight of prefill blocks in cost = weight * prefill_blocks + decode_blocks; 0 = pure load balancing"),
+    ("--router-ttl-secs", "router_ttl_secs", ("DYN_ROUTER_TTL_SECS", "DYN_ROUTER_TTL"), _positive_float, 120.0,
+     "approximate mode: lifetime of predicted blocks"),
+    ("--router-max-tree-size", "router_max_tree_size", ("DYN_ROUTER_MAX_TREE_SIZE",), int, 1 << 20,
+     "approximate mode: prune when the predicted index holds more blocks than this"),
+    ("--router-prune-target-ratio", "router_prune_target_ratio", ("DYN_ROUTER_PRUNE_TARGET_RATIO",), float, 0.8,
+     "approximate mode: prune down to this fraction of --router-max-tree-size"),
+    ("--router-event-threads", "router_event_threads", ("DYN_ROUTER_EVENT_THREADS",), int, 1,
+     "kvroute: KV events are decoded and applied on the event loop; values > 1 are accepted and ignored"),
+    ("--router-track-active-blocks", "router_track_active_blocks", ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",), bool, True,
+     "count in-flight prompt blocks per worker as decode load"),
+    ("--router-track-output-blocks", "router_track_output_blocks", ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS",), bool, False,
+     "add placeholder blocks as output tokens stream, decayed by agent_hints.osl"),
+    ("--router-assume-kv-reuse", "router_assume_kv_reuse", ("DYN_ROUTER_ASSUME_KV_REUSE",), bool, True,
+     "dedupe in-flight blocks by content; --no-router-assume-kv-reuse counts every request's blocks as unique"),
+    ("--router-track-prefill-tokens", "router_track_prefill_tokens", ("DYN_ROUTER_TRACK_PREFILL_TOKENS",), bool, True,
+     "count uncached prompt tokens in flight per worker as prefill load"),
+    ("--router-queue-threshold", "router_queue_threshold", ("DYN_ROUTER_QUEUE_THRESHOLD",), _nonneg_optional_float, None,
+     "hold requests while every rank's prefill tokens exceed this fraction of max_num_batched_tokens (unset = no queue)"),
+    ("--router-queue-policy", "router_queue_policy", ("DYN_ROUTER_QUEUE_POLICY",), _queue_policy, "fcfs",
+     "order of held requests: fcfs | lcfs | wspt"),
+    ("--active-decode-blocks-threshold", "active_decode_blocks_threshold", ("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",),
+     _unit_optional_float, None, "busy when active decode blocks exceed this fraction of the worker's KV blocks"),
+    ("--active-prefill-tokens-threshold", "active_prefill_tokens_threshold", ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",),
+     _optional_int, None, "busy when active prefill tokens exceed this count"),
+    ("--active-prefill-tokens-threshold-frac", "active_prefill_tokens_threshold_frac",
+     ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",), _nonneg_optional_float, None,
+     "busy when active prefill tokens exceed this fraction of max_num_batched_tokens"),
+    ("--router-session-affinity-ttl-secs", "router_session_affinity_ttl_secs",
+     ("DYN_ROUTER_SESSION_AFFINITY_TTL_SECS",), _session_ttl, None,
+     "bind X-Dynamo-Session-ID sessions to a worker for this idle TTL (unset = off)"),
+    ("--router-replica-sync", "router_replica_sync", ("DYN_ROUTER_REPLICA_SYNC",), bool, False,
+     "share active load with other frontend replicas"),
+    ("--router-min-initial-workers", "router_min_initial_workers", ("DYN_ROUTER_MIN_INITIAL_WORKERS",), int, 0,
+     "wait for this many workers before serving"),
+]
+
+
+def _env_default(envs: tuple[str, ...], conv: Any, default: Any, environ: dict[str, str]) -> Any:
+    for name in envs:
+        raw = environ.get(name)
+        if raw is None:
+            continue
+        try:
+            return _parse_bool(raw) if conv is bool else conv(raw)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise SystemExit(f"invalid value for {name}={raw!r}: {exc}") from None
+    return default
+
+
+def add_router_args(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
+    """Add every router flag to ``parser`` with defaults taken from the DYN_* environment."""
+    env = dict(os.environ if environ is None else environ)
+    group = parser.add_argument_group("router")
+    for flag, dest, envs, conv, default, help_text in _FLAGS:
+        value = _env_default(envs, conv, default, env)
+        help_full = f"{help_text} [env {envs[0]}; default {default}]"
+        if conv is bool:
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=value, help=help_full)
+        else:
+            group.add_argument(flag, dest=dest, type=conv, default=value, help=help_full)
+    # the reference's legacy spellings
+    group.add_argument("--kv-overlap-score-weight", dest="router_kv_overlap_score_weight", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    group.add_argument("--router-ttl", dest="router_ttl_secs", type=_positive_float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def router_flag_table() -> list[tuple[str, str, str, str]]:
+    """(flag, env, default, help) rows, for the README's flag table."""
+    return [(flag, envs[0], str(default), help_text) for flag, _d, envs, _c, default, help_text in _FLAGS]
