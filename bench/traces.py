@@ -1,0 +1,234 @@
+"""Request traces for the replay benchmark: the Mooncake traces, scaling, and the prefix-reuse oracle.
+
+A trace is a fixed schedule of token-id prompts. Mooncake traces describe prompts as ids of 512-token
+blocks (equal id at equal position = identical prefix); each id is turned into deterministic tokens
+with a generator seeded by (seed, id), so equal ids always give equal tokens and every router mode
+replays byte-identical requests. Everything that makes the trace fit this small machine (time window,
+rate, tokens per trace block, output length) is recorded in :class:`Scaling` and printed with the
+results, so a number is never shown without how it was obtained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from router.hashing import block_hashes
+
+MOONCAKE_BLOCK_TOKENS = 512
+# Token ids drawn for synthetic content: inside any real vocabulary, clear of the low special ids.
+VOCAB_LOW = 1000
+VOCAB_HIGH = 30000
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRACES_DIR = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "traces"))
+MOONCAKE_TRACES = {"conversation": "conversation_trace.jsonl", "mooncake_synthetic": "synthetic_trace.jsonl"}
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a schedule: when to send it (seconds from replay start) and what."""
+
+    index: int
+    arrival_s: float
+    tokens: list[int]
+    max_tokens: int
+    session: int | None = None
+
+
+@dataclass(slots=True)
+class Trace:
+    name: str
+    requests: list[TraceRequest]
+    scaling: dict = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s if self.requests else 0.0
+
+    def summary(self) -> dict:
+        n = len(self.requests)
+        prompt = [len(r.tokens) for r in self.requests]
+        out = [r.max_tokens for r in self.requests]
+        return {
+            "name": self.name,
+            "requests": n,
+            "span_s": round(self.duration_s, 2),
+            "rate_rps": round(n / self.duration_s, 2) if self.duration_s > 0 else None,
+            "mean_prompt_tokens": round(sum(prompt) / n, 1) if n else 0,
+            "max_prompt_tokens": max(prompt, default=0),
+            "mean_output_tokens": round(sum(out) / n, 1) if n else 0,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    """How a Mooncake trace is shrunk to this machine (all stated in the benchmark output).
+
+    * ``start_s``/``window_s``: the slice of trace time replayed (seconds of the original trace);
+    * ``rate_scale``: arrival times divided by this (2.0 = the slice is replayed twice as fast);
+    * ``tokens_per_block``: tokens generated per 512-token trace block (lengths scale by tokens_per_block/512);
+    * ``max_prompt_tokens``: longer scaled prompts are cut (prefix kept, so reuse structure survives);
+    * ``output_scale``/``max_output_tokens``: generated tokens = clamp(round(output_length * scale), 1, max);
+    * ``max_requests``: stop after this many requests of the window.
+    """
+
+    start_s: float = 0.0
+    window_s: float | None = 60.0
+    rate_scale: float = 1.0
+    tokens_per_block: int = 32
+    max_prompt_tokens: int | None = 4096
+    output_scale: float = 0.1
+    max_output_tokens: int = 32
+    max_requests: int | None = None
+
+    def describe(self) -> str:
+        window = f"{self.window_s:g} s" if self.window_s is not None else "all"
+        parts = [
+            f"trace time [{self.start_s:g} s, +{window}] replayed {self.rate_scale:g}x faster",
+            f"each 512-token trace block -> {self.tokens_per_block} tokens (lengths x{self.tokens_per_block / MOONCAKE_BLOCK_TOKENS:g})",
+        ]
+        if self.max_prompt_tokens:
+            parts.append(f"prompts cut to {self.max_prompt_tokens} tokens")
+        parts.append(f"output tokens = clamp(output_length x {self.output_scale:g}, 1, {self.max_output_tokens})")
+        if self.max_requests:
+            parts.append(f"first {self.max_requests} requests")
+        return "; ".join(parts)
+
+
+class BlockTokens:
+    """Deterministic token content per Mooncake hash id: same (seed, id) -> same tokens, always."""
+
+    def __init__(self, tokens_per_block: int, seed: int = 0, low: int = VOCAB_LOW, high: int = VOCAB_HIGH) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.seed = seed
+        self.low = low
+        self.high = high
+        self._cache: dict[int, list[int]] = {}
+
+    def __call__(self, hash_id: int) -> list[int]:
+        toks = self._cache.get(hash_id)
+        if toks is None:
+            rng = np.random.default_rng([self.seed, int(hash_id)])
+            toks = rng.integers(self.low, self.high, size=self.tokens_per_block).tolist()
+            self._cache[hash_id] = toks
+        return toks
+
+    def prompt(self, hash_ids: Sequence[int], n_tokens: int) -> list[int]:
+        """Concatenated blocks, the last one cut so the prompt has exactly ``n_tokens`` tokens."""
+        out: list[int] = []
+        for hid in hash_ids:
+            if len(out) >= n_tokens:
+                break
+            out.extend(self(hid))
+        del out[n_tokens:]
+        return out
+
+
+def read_mooncake(path: str) -> list[dict]:
+    """Rows of a Mooncake JSONL trace, validated (clear error naming the line on bad input)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+                ts = float(row["timestamp"])
+                inp = int(row["input_length"])
+                out = int(row["output_length"])
+                ids = [int(h) for h in row["hash_ids"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace row ({exc!r})") from None
+            rows.append({"timestamp": ts, "input_length": inp, "output_length": out, "hash_ids": ids})
+    rows.sort(key=lambda r: r["timestamp"])
+    return rows
+
+
+def scale_mooncake(rows: Iterable[dict], scaling: Scaling, seed: int = 0, name: str = "mooncake") -> Trace:
+    """Turn Mooncake rows into a replayable :class:`Trace` under ``scaling``."""
+    gen = BlockTokens(scaling.tokens_per_block, seed=seed)
+    start_ms = scaling.start_s * 1000.0
+    end_ms = math.inf if scaling.window_s is None else start_ms + scaling.window_s * 1000.0
+    requests: list[TraceRequest] = []
+    for row in rows:
+        ts = row["timestamp"]
+        if ts < start_ms or ts >= end_ms:
+            continue
+        if scaling.max_requests is not None and len(requests) >= scaling.max_requests:
+            break
+        ids = row["hash_ids"]
+        n = max(1, round(row["input_length"] * scaling.tokens_per_block / MOONCAKE_BLOCK_TOKENS))
+        n = min(n, len(ids) * scaling.tokens_per_block) if ids else n
+        if scaling.max_prompt_tokens:
+            n = min(n, scaling.max_prompt_tokens)
+        tokens = gen.prompt(ids, n) if ids else gen(-1 - len(requests))[:n]
+        max_tokens = min(scaling.max_output_tokens, max(1, round(row["output_length"] * scaling.output_scale)))
+        arrival = (ts - start_ms) / 1000.0 / scaling.rate_scale
+        requests.append(TraceRequest(len(requests), arrival, tokens, max_tokens))
+    if requests:  # the schedule starts with the first request of the window, not with empty time
+        t0 = requests[0].arrival_s
+        requests = [TraceRequest(r.index, r.arrival_s - t0, r.tokens, r.max_tokens) for r in requests]
+    return Trace(name, requests, {"kind": "mooncake", "seed": seed, **asdict(scaling), "description": scaling.describe()})
+
+
+def load_mooncake(path: str, scaling: Scaling, seed: int = 0, name: str | None = None) -> Trace:
+    return scale_mooncake(read_mooncake(path), scaling, seed=seed, name=name or os.path.splitext(os.path.basename(path))[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Oracle:
+    """Prefix reuse an infinite, perfectly shared cache would get on a schedule.
+
+    ``block_share``: full prompt blocks whose whole prefix appeared in an earlier request / all full
+    prompt blocks. ``token_share``: the same hits in tokens / all prompt tokens; this is the bound for
+    the engines' ``prefix_cache_hits / prefix_cache_queries`` (which count tokens, partial tails included).
+    """
+
+    block_size: int
+    prompt_tokens: int
+    prompt_blocks: int
+    hit_blocks: int
+
+    @property
+    def block_share(self) -> float:
+        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @property
+    def token_share(self) -> float:
+        return self.hit_blocks * self.block_size / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_blocks": self.prompt_blocks,
+            "hit_blocks": self.hit_blocks,
+            "block_share": round(self.block_share, 4),
+            "token_share": round(self.token_share, 4),
+        }
+
+
+def oracle(prompts: Iterable[Sequence[int]], block_size: int, recompute_last_token: bool = True) -> Oracle:
+    """Best possible prefix reuse of ``prompts`` in order, at ``block_size`` (the engine's block size).
+
+    With ``recompute_last_token`` (what vLLM does: a prompt always computes at least its last token),
+    a prompt of n tokens can hit at most (n - 1) // block_size blocks.
+    """
+    seen: set[int] = set()
+    prompt_tokens = prompt_blocks = hits = 0
+    for tokens in prompts:
+        _, seq = block_hashes(list(tokens), block_size)
+        prompt_tokens += len(tokens)
+        prompt_blocks += len(seq)
+        cap = (len(tokens) - 1) // block_size if recompute_last_token else len(seq)
+        for i, h in enumerate(seq):
+            if i < cap and h in seen:
+                hits += 1
+        seen.update(seq)
+    return Oracle(block_size, prompt_tokens, prompt_blocks, hits)
