@@ -1,0 +1,165 @@
+"""The built-in offline tokenizer and the shared vLLM-style prompt tokenisation."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from kvroute_common import tokenizer as T
+from kvroute_common.tokenizer import (
+    BUILTIN_TOKENIZER_DIR,
+    DEFAULT_MODEL_NAME,
+    PromptError,
+    chat_prompt_token_ids,
+    completion_prompt_token_ids,
+    load_tokenizer,
+    prompt_encoder,
+    render_chat_prompt,
+)
+from support import REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+def test_builtin_files_are_small_and_complete():
+    names = set(os.listdir(BUILTIN_TOKENIZER_DIR))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= names
+    total = sum(os.path.getsize(os.path.join(BUILTIN_TOKENIZER_DIR, n)) for n in names)
+    assert total < 1_500_000
+    cfg = json.load(open(os.path.join(BUILTIN_TOKENIZER_DIR, "tokenizer_config.json")))
+    assert cfg["chat_template"] and cfg["bos_token"] and cfg["eos_token"] and cfg["pad_token"]
+    assert DEFAULT_MODEL_NAME == "kvroute-demo"
+
+
+def test_loads_as_fast_tokenizer_with_special_tokens(tok):
+    assert tok.is_fast
+    assert 8000 <= len(tok) <= 16384
+    assert tok.bos_token == "<|startoftext|>" and tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>"
+    ids = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.convert_tokens_to_ids("<|im_start|>")}
+    assert len(ids) == 4 and None not in ids
+    assert load_tokenizer(None) is tok  # cached
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! The quick brown fox jumps over the lazy dog.",
+        "def f(x):\n    return x ** 2  # square\n\n\n",
+        "Ünïcödé — 日本語のテキスト, emoji 😀🚀 and € signs",
+        "   leading and trailing spaces   ",
+        "tabs\tand\r\nCRLF\r\n",
+        "",
+    ],
+)
+def test_round_trip(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert prompt_encoder(tok).encode(text) == ids
+
+
+def test_compresses_english_text(tok):
+    text = "The router picks the worker with the lowest cost for every request it receives. " * 20
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) < len(text) / 3.5
+
+
+def test_chat_template_renders_chatml(tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert render_chat_prompt(tok, msgs) == (
+        "<|startoftext|><|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert render_chat_prompt(tok, msgs, add_generation_prompt=False).endswith("Hi there<|im_end|>\n")
+
+
+def test_chat_content_parts_joined_with_newline_like_vllm(tok):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    plain = [{"role": "user", "content": "a\nb"}]
+    assert render_chat_prompt(tok, parts) == render_chat_prompt(tok, plain)
+
+
+def test_chat_token_ids_match_transformers(tok):
+    msgs = [{"role": "user", "content": "What is a KV cache?"}, {"role": "assistant", "content": "A cache."},
+            {"role": "user", "content": "Tell me more <|im_end|> please"}]
+    ids = chat_prompt_token_ids(tok, msgs)
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # BOS from the template only
+    tail = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert ids[-len(tail):] == tail
+
+
+def test_completion_prompts(tok):
+    ids = completion_prompt_token_ids(tok, "Hello world")
+    assert ids == tok("Hello world")["input_ids"]
+    assert ids[0] == tok.bos_token_id
+    assert completion_prompt_token_ids(tok, [5, 6, 7]) == [5, 6, 7]
+    assert completion_prompt_token_ids(tok, ["Hello world"]) == ids
+    assert completion_prompt_token_ids(tok, [[9, 10]]) == [9, 10]
+    for bad in ([], [1, -1], [1, len(tok)], [1, "x"], ["a", "b"], 42, None, [[1], [2]]):
+        with pytest.raises(PromptError):
+            completion_prompt_token_ids(tok, bad)
+
+
+def test_bad_messages_rejected(tok):
+    for bad in ([], "hi", [{"content": "x"}], [{"role": "user", "content": 5}],
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]):
+        with pytest.raises(PromptError):
+            chat_prompt_token_ids(tok, bad)
+
+
+def test_fast_encoder_is_exact_on_random_text(tok):
+    enc = prompt_encoder(tok)
+    assert enc.fast
+    rng = random.Random(7)
+    alphabet = list("abc XYZ019\t\n\r  .,;'\"()<>|_-ünï☃€😀") + [
+        "<|im_start|>", "<|im_end|>", "<|startoftext|>", "<|endoftext|>", "<|pad|>", "<|im_", "  \n", "\r\n", "word "]
+    for _ in range(1500):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80)))
+        for special in (False, True):
+            assert enc.encode(s, special) == tok(s, add_special_tokens=special)["input_ids"], repr(s)
+    long = "".join(rng.choice(alphabet) for _ in range(3000))
+    assert enc.encode(long) == enc.encode(long) == tok(long, add_special_tokens=False)["input_ids"]  # segment cache
+
+
+def test_loads_offline_without_network(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path),
+               HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    code = ("from kvroute_common.tokenizer import load_tokenizer, chat_prompt_token_ids as c;"
+            "t=load_tokenizer(None); print(len(c(t,[{'role':'user','content':'hi'}])))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip().splitlines()[-1]) > 5
+
+
+def test_load_from_explicit_directory(tmp_path):
+    import shutil
+
+    d = tmp_path / "tok"
+    shutil.copytree(BUILTIN_TOKENIZER_DIR, d)
+    t2 = load_tokenizer(str(d))
+    assert t2.encode("hello there") == load_tokenizer(None).encode("hello there")
+
+
+def test_build_script_reproduces_committed_files():
+    cfg = json.load(open(os.path.join(BUILTIN_TOKENIZER_DIR, "tokenizer_config.json")))
+    built_with = cfg["kvroute_build"]["python"]
+    if built_with != ".".join(map(str, sys.version_info[:3])):
+        pytest.skip(f"tokenizer built with Python {built_with}; the corpus is this Python's stdlib")
+    out = subprocess.run([sys.executable, "-m", "kvroute_common.build_tokenizer", "--check"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["identical"] is True
+
+
+def test_module_exports():
+    for name in ("load_tokenizer", "chat_prompt_token_ids", "completion_prompt_token_ids", "DEFAULT_MODEL_NAME"):
+        assert hasattr(T, name)
