@@ -21,9 +21,9 @@ import numpy as np
 from router.hashing import block_hashes
 
 MOONCAKE_BLOCK_TOKENS = 512
-# Token ids drawn for synthetic content: inside any real vocabulary, clear of the low special ids.
+# Token ids drawn for synthetic content: inside the offline tokenizer's 16k vocabulary (and any real one), clear of the low special ids.
 VOCAB_LOW = 1000
-VOCAB_HIGH = 30000
+VOCAB_HIGH = 16000
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACES_DIR = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "traces"))
 MOONCAKE_TRACES = {"conversation": "conversation_trace.jsonl", "mooncake_synthetic": "synthetic_trace.jsonl"}

@@ -1,0 +1,489 @@
+"""Trace replay: send a fixed schedule of requests to a frontend and measure routing quality.
+
+For each router mode the same schedule (same seed, same arrival times, same tokens) is replayed
+against freshly started, cold workers (or once against an already running frontend with ``--url``).
+Per mode it reports TTFT and end-to-end latency percentiles, throughput, and the prompt-token cache
+hit rate read from the workers' ``/metrics`` (``vllm:prefix_cache_hits / vllm:prefix_cache_queries``
+deltas, the same counters a real vLLM exposes), next to the trace's oracle: the best hit rate any
+router could reach with infinite caches.
+
+The client is open-loop (requests go out at their scheduled time, not when earlier ones finish),
+bounded by a maximum number of requests in flight and a maximum run time. TTFT is measured from the
+moment a request is sent; time spent waiting for a free concurrency slot is reported separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.launch import DEFAULT_MODEL, MockerOptions, start_cluster
+from bench.synthetic import SyntheticConfig, synthetic_trace
+from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, Scaling, Trace, load_mooncake, oracle
+
+MODES = ("kv", "round_robin", "random")
+HIT_METRIC = "vllm:prefix_cache_hits"
+QUERY_METRIC = "vllm:prefix_cache_queries"
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    scheduled_s: float
+    slot_wait_s: float = 0.0  # waiting for a free concurrency slot (client side)
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    prompt_tokens: int = 0
+    output_chunks: int = 0
+    cached_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.e2e_s is not None
+
+
+# -- one request ----------------------------------------------------------------------------------
+async def send_one(client: httpx.AsyncClient, url: str, model: str, tokens: list[int], max_tokens: int, result: RequestResult) -> None:
+    """Streamed completion with a token-id prompt; records TTFT, latency and the usage's cached tokens."""
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", content=orjson.dumps(body), headers={"content-type": "application/json"}) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")[:300]
+                result.error = f"HTTP {resp.status_code}: {text}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                if '"usage":{' in data.replace(" ", "") or '"usage": {' in data:
+                    _read_usage(data, result)
+                if '"choices":[]' in data.replace(" ", ""):
+                    continue
+                if result.ttft_s is None:
+                    result.ttft_s = time.perf_counter() - start
+                result.output_chunks += 1
+        result.e2e_s = time.perf_counter() - start
+        if result.ttft_s is None:
+            result.error = "no token streamed"
+    except (httpx.HTTPError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _read_usage(data: str, result: RequestResult) -> None:
+    with contextlib.suppress(Exception):
+        usage = orjson.loads(data).get("usage") or {}
+        result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            result.cached_tokens = int(details["cached_tokens"])
+
+
+# -- the schedule -----------------------------------------------------------------------------------
+async def run_schedule(
+    url: str,
+    trace: Trace,
+    model: str = DEFAULT_MODEL,
+    max_concurrency: int = 64,
+    max_duration_s: float = 300.0,
+    request_timeout_s: float = 120.0,
+    label: str = "",
+    progress: Callable[[str], None] | None = print,
+    progress_every_s: float = 5.0,
+) -> tuple[list[RequestResult], float]:
+    """Replay ``trace`` open-loop; returns per-request results and the wall time used.
+
+    Requests not sent before ``max_duration_s`` are recorded with error "not sent (time limit)";
+    requests still running at the limit are cancelled and recorded as "cancelled (time limit)".
+    """
+    sem = asyncio.Semaphore(max_concurrency)
+    results = [RequestResult(r.index, r.arrival_s, prompt_tokens=len(r.tokens)) for r in trace.requests]
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    timeout = httpx.Timeout(request_timeout_s, connect=10.0)
+    t0 = time.perf_counter()
+    done = 0
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def one(req, res: RequestResult) -> None:
+            nonlocal done
+            delay = req.arrival_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            waited = time.perf_counter()
+            async with sem:
+                res.slot_wait_s = time.perf_counter() - waited
+                await send_one(client, url, model, req.tokens, req.max_tokens, res)
+            done += 1
+
+        tasks = [asyncio.create_task(one(req, res)) for req, res in zip(trace.requests, results)]
+        reporter = asyncio.create_task(_report(lambda: done, results, len(tasks), t0, label, progress, progress_every_s)) if progress else None
+        _, pending = await asyncio.wait(tasks, timeout=max_duration_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        if reporter:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+    wall = time.perf_counter() - t0
+    for res in results:
+        if res.e2e_s is None and res.error is None:
+            res.error = "cancelled (time limit)" if res.ttft_s is not None or res.slot_wait_s else "not sent (time limit)"
+    if progress:
+        errors = sum(1 for r in results if not r.ok)
+        progress(f"[{label}] finished {len(results) - errors}/{len(results)} requests in {wall:.1f} s ({errors} failed or unsent)")
+    return results, wall
+
+
+async def _report(done: Callable[[], int], results, total: int, t0: float, label: str, progress, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        errors = sum(1 for r in results if r.error)
+        progress(f"[{label}] t={time.perf_counter() - t0:5.1f}s  done {done()}/{total}  errors {errors}")
+
+
+# -- engine counters -----------------------------------------------------------------------------------
+def read_counter(text: str, name: str) -> float | None:
+    """Sum of a Prometheus counter over all label sets (``name`` or ``name_total``); None if absent."""
+    total = None
+    wanted = {name, name + "_total"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                total = (total or 0.0) + float(sample.value)
+    return total
+
+
+def scrape_cache_counters(metrics_urls: Sequence[str]) -> dict[str, tuple[float, float] | None]:
+    """(prefix_cache_queries, prefix_cache_hits) per worker metrics URL; None when unreadable."""
+    out: dict[str, tuple[float, float] | None] = {}
+    for url in metrics_urls:
+        try:
+            text = httpx.get(url, timeout=5.0).text
+            q, h = read_counter(text, QUERY_METRIC), read_counter(text, HIT_METRIC)
+            out[url] = (q, h) if q is not None and h is not None else None
+        except httpx.HTTPError:
+            out[url] = None
+    return out
+
+
+def cache_delta(before: dict, after: dict) -> dict | None:
+    queries = hits = 0.0
+    per_worker = {}
+    for url, b in before.items():
+        a = after.get(url)
+        if a is None or b is None:
+            return None
+        dq, dh = a[0] - b[0], a[1] - b[1]
+        per_worker[url] = {"queries": dq, "hits": dh}
+        queries += dq
+        hits += dh
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None, "per_worker": per_worker}
+
+
+# -- statistics ------------------------------------------------------------------------------------
+def percentile(values: Sequence[float], p: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    cached = [r for r in ok if r.cached_tokens is not None]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = (r.error or "unknown").split(":")[0]
+            errors[key] = errors.get(key, 0) + 1
+    ms = lambda v: None if v is None else round(v * 1000.0, 1)  # noqa: E731
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": errors,
+        "wall_s": round(wall_s, 2),
+        "ttft_ms": {f"p{p}": ms(percentile(ttft, p)) for p in (50, 90, 99)},
+        "e2e_ms": {f"p{p}": ms(percentile(e2e, p)) for p in (50, 90, 99)},
+        "mean_slot_wait_ms": ms(sum(r.slot_wait_s for r in ok) / len(ok)) if ok else None,
+        "throughput_rps": round(len(ok) / wall_s, 2) if wall_s > 0 else None,
+        "output_tok_per_s": round(sum(r.output_chunks for r in ok) / wall_s, 1) if wall_s > 0 else None,
+        "prompt_tok_per_s": round(sum(r.prompt_tokens for r in ok) / wall_s, 1) if wall_s > 0 else None,
+        "usage_cached_share": round(sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_tokens for r in cached)), 4) if cached else None,
+    }
+
+
+# -- one mode, one trace --------------------------------------------------------------------------
+@dataclass(slots=True)
+class RunOptions:
+    workers: int = 3
+    mocker: MockerOptions | None = None
+    max_concurrency: int = 64
+    max_duration_s: float = 240.0
+    request_timeout_s: float = 120.0
+    frontend_args: tuple[str, ...] = ()
+    log_dir: str | None = None
+    model: str = DEFAULT_MODEL
+
+
+def replay_mode(trace: Trace, mode: str, opts: RunOptions, progress=print) -> dict:
+    """Fresh cluster in ``mode``, replay, read counters, stop everything."""
+    mocker = opts.mocker or MockerOptions()
+    t_start = time.perf_counter()
+    log_dir = os.path.join(opts.log_dir, f"{trace.name}-{mode}") if opts.log_dir else None
+    cluster = start_cluster(opts.workers, mocker, router_mode=mode, frontend_args=opts.frontend_args, log_dir=log_dir)
+    try:
+        if progress:
+            progress(f"[{mode}] {opts.workers} cold workers + frontend ready in {time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})")
+        metrics_urls = [w.metrics_url for w in cluster.workers]
+        before = scrape_cache_counters(metrics_urls)
+        results, wall = asyncio.run(
+            run_schedule(cluster.frontend_url, trace, opts.model, opts.max_concurrency, opts.max_duration_s, opts.request_timeout_s, mode, progress)
+        )
+        cluster.check_alive()
+        after = scrape_cache_counters(metrics_urls)
+    finally:
+        cluster.stop()
+    summary = summarize(results, wall)
+    summary["mode"] = mode
+    summary["cache"] = cache_delta(before, after)
+    summary["hit_rate"] = summary["cache"]["hit_rate"] if summary["cache"] else None
+    return summary
+
+
+def replay_url(trace: Trace, url: str, label: str, metrics_urls: Sequence[str], opts: RunOptions, progress=print) -> dict:
+    """One replay against an already running frontend (its router mode is whatever it was started with)."""
+    before = scrape_cache_counters(metrics_urls)
+    results, wall = asyncio.run(run_schedule(url, trace, opts.model, opts.max_concurrency, opts.max_duration_s, opts.request_timeout_s, label, progress))
+    after = scrape_cache_counters(metrics_urls)
+    summary = summarize(results, wall)
+    summary["mode"] = label
+    summary["cache"] = cache_delta(before, after) if metrics_urls else None
+    summary["hit_rate"] = summary["cache"]["hit_rate"] if summary["cache"] else None
+    return summary
+
+
+# -- reporting --------------------------------------------------------------------------------------
+def verdict(report: dict) -> list[str]:
+    """Plain statements of where kv mode meets the goal and where it does not."""
+    modes = {m["mode"]: m for m in report["modes"]}
+    lines = []
+    kv, rr = modes.get("kv"), modes.get("round_robin")
+    orc = report["oracle"]["token_share"]
+    if kv and kv.get("hit_rate") is not None and orc:
+        share = kv["hit_rate"] / orc
+        lines.append(f"kv hit rate {kv['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} (goal >= 90 %: {'met' if share >= 0.9 else 'NOT met'})")
+    if kv and rr and kv["ttft_ms"]["p50"] and rr["ttft_ms"]["p50"]:
+        ratio = kv["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"]
+        lines.append(f"kv TTFT p50 = {ratio:.2f} x round_robin's (goal <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'})")
+    for name, m in modes.items():
+        if m["completed"] < m["requests"]:
+            lines.append(f"{name}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: {m['errors']}")
+    return lines
+
+
+def fmt(v, unit: str = "") -> str:
+    if v is None:
+        return "n/a"
+    if unit == "%":
+        return f"{v * 100:.1f} %"
+    return f"{v:g}{unit}"
+
+
+def markdown_table(report: dict) -> str:
+    orc = report["oracle"]
+    rows = [
+        "| mode | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | req/s | out tok/s | cache hit rate (workers' /metrics) | of oracle | completed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in report["modes"]:
+        t, e = m["ttft_ms"], m["e2e_ms"]
+        hit = m.get("hit_rate")
+        of = f"{hit / orc['token_share']:.0%}" if hit is not None and orc["token_share"] else "n/a"
+        rows.append(
+            f"| {m['mode']} | {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} | {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} "
+            f"| {fmt(m['throughput_rps'])} | {fmt(m['output_tok_per_s'])} | {fmt(hit, '%')} | {of} | {m['completed']}/{m['requests']} |"
+        )
+    rows.append(
+        f"| oracle (infinite shared cache) | | | | | {fmt(orc['token_share'], '%')} of prompt tokens ({fmt(orc['block_share'], '%')} of full blocks) | 100% | |"
+    )
+    return "\n".join(rows)
+
+
+def markdown_report(report: dict) -> str:
+    s = report["trace"]
+    lines = [
+        f"### Trace `{report['trace']['name']}`",
+        "",
+        f"- Workload: {report['scaling'].get('description', '')}",
+        f"- Schedule: {s['requests']} requests over {s['span_s']} s ({s['rate_rps']} req/s), mean prompt {s['mean_prompt_tokens']} tokens "
+        f"(max {s['max_prompt_tokens']}), mean output {s['mean_output_tokens']} tokens",
+        f"- Workers: {report['setup']}",
+        f"- Command: `{report['command']}`",
+        "",
+        markdown_table(report),
+        "",
+    ]
+    lines += [f"- {v}" for v in report.get("verdict", [])]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(report: dict, out_dir: str, stem: str) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, f"{stem}.json"), "md": os.path.join(out_dir, f"{stem}.md"), "png": os.path.join(out_dir, f"{stem}.png")}
+    with open(paths["json"], "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    with open(paths["md"], "w", encoding="utf-8") as f:
+        f.write(markdown_report(report))
+    from bench.plot import plot_report  # matplotlib only when writing
+
+    plot_report(report, paths["png"])
+    return paths
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+def build_trace(name: str, args: argparse.Namespace) -> Trace:
+    if name == "synthetic":
+        cfg = SyntheticConfig(
+            seed=args.seed, sessions=args.sessions, turns=args.turns, system_prompts=args.system_prompts,
+            system_tokens=args.system_tokens, user_tokens=args.user_tokens, reply_tokens=args.reply_tokens,
+            output_tokens=args.output_tokens, start_window_s=args.start_window, think_s=args.think_time,
+        )  # fmt: skip
+        return synthetic_trace(cfg)
+    path = os.path.join(args.traces_dir, MOONCAKE_TRACES[name]) if name in MOONCAKE_TRACES else name
+    if not os.path.exists(path):
+        raise SystemExit(f"trace {name!r}: no such file {path!r} (use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})")
+    scaling = Scaling(
+        start_s=args.start, window_s=args.window if args.window > 0 else None, rate_scale=args.rate_scale,
+        tokens_per_block=args.tokens_per_block, max_prompt_tokens=args.max_prompt_tokens or None,
+        output_scale=args.output_scale, max_output_tokens=args.max_output_tokens, max_requests=args.max_requests or None,
+    )  # fmt: skip
+    stem = name if name in MOONCAKE_TRACES else os.path.splitext(os.path.basename(path))[0]
+    return load_mooncake(path, scaling, seed=args.seed, name=stem)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench replay", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--trace", default="synthetic", help=f"comma-separated: synthetic, {', '.join(MOONCAKE_TRACES)} or a Mooncake JSONL path")
+    p.add_argument("--traces-dir", default=DEFAULT_TRACES_DIR, help="where the Mooncake traces are")
+    p.add_argument("--modes", default=",".join(MODES), help="router modes to compare (each on fresh workers)")
+    p.add_argument("--url", help="replay against this running frontend instead of starting one (one run, labelled --label)")
+    p.add_argument("--label", default="external", help="mode label for --url")
+    p.add_argument("--metrics-url", action="append", default=[], help="with --url: a worker /metrics URL to read cache counters from (repeat)")
+    p.add_argument("--out-dir", default="bench-results", help="where the JSON, markdown and PNG go")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("client")
+    g.add_argument("--max-concurrency", type=int, default=64)
+    g.add_argument("--max-duration", type=float, default=240.0, help="seconds per mode before outstanding requests are cancelled")
+    g.add_argument("--request-timeout", type=float, default=120.0)
+    g = p.add_argument_group("workers (when the benchmark starts them)")
+    g.add_argument("--workers", type=int, default=3)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-gpu-blocks", type=int, default=1024)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--data-parallel-size", type=int, default=1)
+    g.add_argument("--speedup-ratio", type=float, default=1.0)
+    g.add_argument("--frontend-arg", action="append", default=[], help="extra frontend flag (repeat), e.g. --frontend-arg=--router-temperature=0.1")
+    g = p.add_argument_group("Mooncake scaling")
+    g.add_argument("--start", type=float, default=0.0, help="trace time (s) where the replayed window starts")
+    g.add_argument("--window", type=float, default=600.0, help="seconds of trace time replayed (0 = all)")
+    g.add_argument("--rate-scale", type=float, default=10.0, help="replay the window this many times faster")
+    g.add_argument("--tokens-per-block", type=int, default=16, help="tokens generated per 512-token trace block")
+    g.add_argument("--max-prompt-tokens", type=int, default=2048)
+    g.add_argument("--output-scale", type=float, default=0.05)
+    g.add_argument("--max-output-tokens", type=int, default=16)
+    g.add_argument("--max-requests", type=int, default=0)
+    g = p.add_argument_group("synthetic multi-turn generator")
+    d = SyntheticConfig()
+    g.add_argument("--sessions", type=int, default=d.sessions)
+    g.add_argument("--turns", type=int, default=d.turns)
+    g.add_argument("--system-prompts", type=int, default=d.system_prompts)
+    g.add_argument("--system-tokens", type=int, default=d.system_tokens)
+    g.add_argument("--user-tokens", type=int, default=d.user_tokens)
+    g.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
+    g.add_argument("--output-tokens", type=int, default=d.output_tokens)
+    g.add_argument("--start-window", type=float, default=d.start_window_s)
+    g.add_argument("--think-time", type=float, default=d.think_s)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    modes = [m.strip().replace("-", "_") for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown router mode {m!r} (choose from {', '.join(MODES)})")
+    mocker = MockerOptions(
+        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, dp_size=args.data_parallel_size,
+        speedup_ratio=args.speedup_ratio, seed=args.seed,
+    )  # fmt: skip
+    opts = RunOptions(
+        workers=args.workers, mocker=mocker, max_concurrency=args.max_concurrency, max_duration_s=args.max_duration,
+        request_timeout_s=args.request_timeout, frontend_args=tuple(args.frontend_arg), log_dir=os.path.join(args.out_dir, "logs"),
+    )  # fmt: skip
+    command = "python -m bench replay " + " ".join(argv if argv is not None else sys.argv[1:])
+    for name in [t.strip() for t in args.trace.split(",") if t.strip()]:
+        trace = build_trace(name, args)
+        orc: Oracle = oracle([r.tokens for r in trace.requests], args.block_size)
+        print(f"== trace {trace.name}: {trace.summary()}")
+        print(f"   scaling: {trace.scaling.get('description')}")
+        print(f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, {orc.block_share:.1%} of full blocks")
+        if args.url:
+            results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, opts)]
+            setup = f"external frontend {args.url}"
+        else:
+            results = [replay_mode(trace, mode, opts) for mode in modes]
+            setup = (
+                f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, {args.num_gpu_blocks} KV blocks per rank, "
+                f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, speedup {args.speedup_ratio:g}; "
+                f"fresh (cold) workers and frontend per mode; client max concurrency {args.max_concurrency}"
+            )
+        report = {
+            "trace": trace.summary(),
+            "scaling": trace.scaling,
+            "oracle": orc.as_dict(),
+            "setup": setup,
+            "command": command,
+            "seed": args.seed,
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "modes": results,
+        }
+        report["verdict"] = verdict(report)
+        paths = write_outputs(report, args.out_dir, trace.name)
+        print()
+        print(markdown_report(report))
+        print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
+    return 0
+
