@@ -1,0 +1,235 @@
+"""The router queue gate (``--router-queue-threshold``): hold requests while every rank is busy.
+
+Reference §3 and the router guide: a request is *held* (not rejected) while every eligible
+(worker, DP rank) has more in-flight prefill tokens than ``threshold x max_num_batched_tokens``;
+held requests are released in policy order (:mod:`router.queue`) when capacity frees up, so each
+is routed with fresh load numbers at the moment it is actually sent.
+
+How the frontend uses it::
+
+    admission = AdmissionQueue(config.router_queue_policy, config.router_queue_threshold, capacity_check)
+    ...
+    waited = await admission.wait(model, hints, new_tokens=uncached_prompt_tokens)
+    choice = select(...); tracker.add(...)      # book right away: no await between wait and booking
+    ...
+    tracker.prefill_complete(rid); admission.notify(model)     # and the same after tracker.free(rid)
+
+``capacity_check(model, hints, threshold) -> bool`` is the frontend's: True when at least one
+eligible rank for this request is NOT busy (see :func:`rank_is_busy`), and also True when there is
+no eligible rank at all (so the request falls through to the selector's 503 instead of waiting).
+
+Release discipline (why no slot is lost or handed out twice):
+
+- One waiter is released at a time. Its task resumes, returns from :meth:`wait` and books
+  synchronously; only then (``call_soon`` after that step) is capacity re-checked for the next one.
+- A waiter cancelled while queued (client disconnect) is removed from the queue. A waiter
+  cancelled after it was released passes its turn on to the next waiter.
+- Besides ``notify``, a periodic re-check (``recheck_interval``) covers capacity that appears
+  without a prefill/free event (a worker added, a threshold changed).
+- A newcomer that finds capacity is admitted directly even if others are held (seed 004:
+  strict_priority "does not prevent an eligible new arrival from being admitted directly while
+  other requests are parked"; held requests get freed capacity first because every free drains
+  the queue before any later arrival runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from router.queue import PendingQueue, QueuePolicy
+
+if TYPE_CHECKING:
+    from frontend.hints import RequestHints
+
+# max_num_batched_tokens assumed for a worker that does not report one (reference §3.1: effectively
+# never busy).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
+
+CapacityCheck = Callable[[str, "RequestHints", float], bool]
+
+
+def rank_is_busy(active_prefill_tokens: float, max_num_batched_tokens: int | None, threshold: float) -> bool:
+    """Busy for the router queue: in-flight prefill tokens above threshold x max_num_batched_tokens."""
+    cap = max_num_batched_tokens if max_num_batched_tokens else DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return active_prefill_tokens > threshold * cap
+
+
+def any_rank_free(ranks: "list[tuple[float, int | None]]", threshold: float) -> bool:
+    """Capacity for a request whose eligible ranks are ``[(active_prefill_tokens, max_num_batched_tokens)]``.
+
+    No eligible rank at all counts as capacity (do not hold; let routing report no worker)."""
+    if not ranks:
+        return True
+    for tokens, cap in ranks:
+        if not rank_is_busy(tokens, cap, threshold):
+            return True
+    return False
+
+
+class _Waiter:
+    __slots__ = ("fut", "hints")
+
+    def __init__(self, fut: asyncio.Future, hints: "RequestHints") -> None:
+        self.fut = fut
+        self.hints = hints
+
+
+class AdmissionQueue:
+    """Per-model held requests + the release loop. One asyncio loop; not thread-safe."""
+
+    def __init__(
+        self,
+        policy: "QueuePolicy | str | None",
+        threshold: float | None,
+        capacity_check: CapacityCheck,
+        *,
+        recheck_interval: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if threshold is not None and threshold < 0:
+            raise ValueError("router queue threshold must be >= 0")
+        self.policy = QueuePolicy.parse(policy)
+        self.threshold = threshold
+        self._capacity_check = capacity_check
+        self._recheck_interval = recheck_interval
+        self._clock = clock
+        self._t0 = clock()
+        self._queues: dict[str, PendingQueue[_Waiter]] = {}
+        self._released_pending: dict[str, int] = {}  # released waiters whose task has not resumed yet
+        self._drain_scheduled: set[str] = set()
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.admitted_directly = 0
+        self.admitted_after_wait = 0
+        self.cancelled_while_waiting = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold is not None
+
+    # --- request path ----------------------------------------------------------------------------
+
+    async def wait(self, model: str, hints: "RequestHints", *, new_tokens: int = 0) -> float:
+        """Return (seconds held) once this request may be routed.
+
+        ``new_tokens``: uncached prompt tokens on the best eligible worker (WSPT's weight).
+        Cancellation (client disconnect) while held removes the request from the queue."""
+        threshold = self.threshold
+        if threshold is None:
+            return 0.0
+        if self._capacity_check(model, hints, threshold):
+            self.admitted_directly += 1
+            return 0.0
+        loop = self._loop = asyncio.get_running_loop()
+        q = self._queues.get(model)
+        if q is None:
+            q = self._queues[model] = PendingQueue(self.policy)
+        fut = loop.create_future()
+        start = self._clock()
+        entry = q.push(
+            _Waiter(fut, hints),
+            start - self._t0,
+            strict_priority=hints.queue_tier,
+            priority_jump=hints.priority_jump,
+            new_tokens=new_tokens,
+        )
+        self._ensure_tick()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if q.remove(entry):
+                self.cancelled_while_waiting += 1
+            else:  # released, then cancelled before it could book: hand the turn on
+                self._resumed(model)
+            raise
+        self._resumed(model)
+        self.admitted_after_wait += 1
+        return self._clock() - start
+
+    def notify(self, model: str | None = None) -> None:
+        """Capacity may have freed (prefill complete, request freed): release held requests.
+
+        Cheap when nothing is held. ``model=None`` re-checks every model."""
+        if model is None:
+            for m, q in self._queues.items():
+                if q:
+                    self._schedule_drain(m)
+            return
+        q = self._queues.get(model)
+        if q:
+            self._schedule_drain(model)
+
+    def depth(self, model: str) -> int:
+        """Requests currently held for ``model`` (the /metrics queue-depth gauge)."""
+        q = self._queues.get(model)
+        return len(q) if q is not None else 0
+
+    def depths(self) -> dict[str, int]:
+        return {m: len(q) for m, q in self._queues.items()}
+
+    def close(self) -> None:
+        """Stop the periodic re-check and cancel every held request."""
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
+        for q in self._queues.values():
+            while q:
+                w = q.pop()
+                if not w.fut.done():
+                    w.fut.cancel()
+
+    # --- release machinery -----------------------------------------------------------------------
+
+    def _resumed(self, model: str) -> None:
+        n = self._released_pending.get(model, 0) - 1
+        self._released_pending[model] = n if n > 0 else 0
+        # runs after the current task step, i.e. after the caller has booked its request
+        self._schedule_drain(model)
+
+    def _schedule_drain(self, model: str) -> None:
+        if model in self._drain_scheduled:
+            return
+        loop = self._loop
+        if loop is None:
+            return
+        self._drain_scheduled.add(model)
+        loop.call_soon(self._drain, model)
+
+    def _drain(self, model: str) -> None:
+        self._drain_scheduled.discard(model)
+        if self._released_pending.get(model, 0) > 0:
+            return  # the released waiter's resume schedules the next drain
+        q = self._queues.get(model)
+        threshold = self.threshold
+        if not q or threshold is None:
+            return
+        while q:
+            top = q.peek()
+            assert top is not None
+            waiter = top.item
+            if waiter.fut.done():  # cancelled future (close()); drop it
+                q.pop()
+                continue
+            if not self._capacity_check(model, waiter.hints, threshold):
+                return
+            q.pop()
+            waiter.fut.set_result(None)
+            self._released_pending[model] = self._released_pending.get(model, 0) + 1
+            return
+
+    def _ensure_tick(self) -> None:
+        if self._tick_handle is None and self._loop is not None and self._recheck_interval > 0:
+            self._tick_handle = self._loop.call_later(self._recheck_interval, self._tick)
+
+    def _tick(self) -> None:
+        self._tick_handle = None
+        busy = False
+        for m, q in self._queues.items():
+            if q:
+                busy = True
+                self._schedule_drain(m)
+        if busy:
+            self._ensure_tick()
