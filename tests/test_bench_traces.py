@@ -1,0 +1,178 @@
+"""Trace handling of the replay benchmark: Mooncake loading/scaling, token determinism, the oracle,
+the synthetic generator, counters and statistics (no processes; fast)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from bench.replay import cache_delta, markdown_report, percentile, read_counter, summarize, verdict, write_outputs, RequestResult
+from bench.synthetic import SyntheticConfig, synthetic_trace
+from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, BlockTokens, Scaling, load_mooncake, oracle, read_mooncake, scale_mooncake
+
+
+def write_trace(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+TINY_ROWS = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 100, "hash_ids": [1, 2]},
+    {"timestamp": 500, "input_length": 1300, "output_length": 7, "hash_ids": [1, 2, 3]},
+    {"timestamp": 2000, "input_length": 600, "output_length": 1000, "hash_ids": [1, 4]},
+    {"timestamp": 9000, "input_length": 512, "output_length": 1, "hash_ids": [5]},
+]
+
+
+def test_block_tokens_are_deterministic_per_id_and_seed():
+    a, b = BlockTokens(32, seed=3), BlockTokens(32, seed=3)
+    assert a(17) == b(17)
+    assert len(a(17)) == 32
+    assert a(17) != a(18)
+    assert BlockTokens(32, seed=4)(17) != a(17)
+    assert all(1000 <= t < 16000 for t in a(17))
+
+
+def test_mooncake_scaling_keeps_prefix_structure_and_cuts_last_block(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl", TINY_ROWS)
+    sc = Scaling(window_s=None, tokens_per_block=16, max_prompt_tokens=None, output_scale=0.1, max_output_tokens=50)
+    t1 = load_mooncake(path, sc, seed=1)
+    t2 = load_mooncake(path, sc, seed=1)
+    assert [r.tokens for r in t1.requests] == [r.tokens for r in t2.requests]
+    r0, r1, r2, r3 = t1.requests
+    assert len(r0.tokens) == 32  # 1024 tokens x 16/512
+    assert len(r1.tokens) == round(1300 * 16 / 512) == 41  # last block cut
+    assert r1.tokens[:32] == r0.tokens  # same ids -> same prefix tokens
+    assert r2.tokens[:16] == r0.tokens[:16] and r2.tokens[16:] != r0.tokens[16:19]
+    assert [r.max_tokens for r in t1.requests] == [10, 1, 50, 1]  # clamp(round(out x 0.1), 1, 50)
+    assert [r.arrival_s for r in t1.requests] == [0.0, 0.5, 2.0, 9.0]
+    assert load_mooncake(path, sc, seed=2).requests[0].tokens != r0.tokens
+
+
+def test_mooncake_window_and_rate_scaling(tmp_path):
+    path = write_trace(tmp_path / "t.jsonl", TINY_ROWS)
+    t = load_mooncake(path, Scaling(start_s=0.4, window_s=5.0, rate_scale=2.0, tokens_per_block=8))
+    assert [r.arrival_s for r in t.requests] == [0.0, 0.75]  # rows at 0.5 s and 2.0 s, 2x faster, rebased
+    assert "2x faster" in t.scaling["description"] and "8 tokens" in t.scaling["description"]
+    assert len(load_mooncake(path, Scaling(window_s=None, max_requests=3)).requests) == 3
+    capped = load_mooncake(path, Scaling(window_s=None, tokens_per_block=16, max_prompt_tokens=20))
+    assert max(len(r.tokens) for r in capped.requests) == 20
+
+
+def test_mooncake_bad_row_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_mooncake(str(path))
+
+
+def test_oracle_on_hand_made_trace():
+    a = list(range(1, 9))  # two blocks of 4
+    prompts = [
+        a,  # nothing seen: 0 hits
+        a + [9, 10, 11, 12, 13],  # blocks 1-2 seen, 3 new: 2 hits
+        [1, 2, 3, 4, 99, 98, 97, 96],  # block 1 seen: 1 hit
+        a,  # both seen, but the last token is always computed: 1 hit (2 without that rule)
+        [5, 6, 7, 8, 1, 2, 3, 4],  # same block contents as earlier but a different prefix: 0 hits
+    ]
+    o = oracle(prompts, 4)
+    assert (o.prompt_blocks, o.hit_blocks, o.prompt_tokens) == (11, 4, 45)
+    assert o.block_share == pytest.approx(4 / 11)
+    assert o.token_share == pytest.approx(16 / 45)
+    assert oracle(prompts, 4, recompute_last_token=False).hit_blocks == 5
+    assert oracle([], 4).token_share == 0.0
+
+
+def test_oracle_matches_hash_id_reuse_when_one_trace_block_is_one_engine_block(tmp_path):
+    rows = [
+        {"timestamp": i * 10, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}
+        for i, ids in enumerate([[1, 2, 3], [1, 2, 4], [1, 5], [6], [1, 2, 3, 7], [8, 2, 3]])
+    ]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    t = load_mooncake(path, Scaling(window_s=None, tokens_per_block=8, max_prompt_tokens=None))
+    o = oracle([r.tokens for r in t.requests], 8, recompute_last_token=False)
+    # prefix-id reuse: [1,2] of row 2, [1] of row 3, [1,2,3] of row 5 -> 6 of 16 blocks
+    assert (o.hit_blocks, o.prompt_blocks) == (6, 16)
+
+
+def test_synthetic_generator_is_deterministic_and_multi_turn():
+    cfg = SyntheticConfig(seed=5, sessions=6, turns=3, system_prompts=2, system_tokens=64, user_tokens=20, reply_tokens=10, start_window_s=5.0, think_s=1.0)
+    t1, t2 = synthetic_trace(cfg), synthetic_trace(cfg)
+    assert [(r.arrival_s, r.tokens, r.max_tokens, r.session) for r in t1.requests] == [(r.arrival_s, r.tokens, r.max_tokens, r.session) for r in t2.requests]
+    assert len(t1.requests) == 18
+    assert [r.arrival_s for r in t1.requests] == sorted(r.arrival_s for r in t1.requests)
+    assert synthetic_trace(dataclasses.replace(cfg, seed=6)).requests[0].tokens != t1.requests[0].tokens
+    by_session: dict[int, list] = {}
+    for r in t1.requests:
+        by_session.setdefault(r.session, []).append(r.tokens)
+    systems = set()
+    for turns in by_session.values():
+        assert len(turns) == 3
+        for prev, nxt in zip(turns, turns[1:]):
+            assert nxt[: len(prev)] == prev and len(nxt) > len(prev) + 10  # history grows by reply + new message
+        systems.add(tuple(turns[0][:64]))
+    assert 1 <= len(systems) <= 2  # sessions share the system prompts
+    o = oracle([r.tokens for r in t1.requests], 16)
+    assert 0.4 < o.token_share < 1.0
+
+
+def test_real_mooncake_traces_load_when_present():
+    for name, fname in MOONCAKE_TRACES.items():
+        path = os.path.join(DEFAULT_TRACES_DIR, fname)
+        if not os.path.exists(path):
+            pytest.skip(f"{path} not present")
+        t = load_mooncake(path, Scaling(window_s=120.0, tokens_per_block=16, max_prompt_tokens=2048), name=name)
+        assert len(t.requests) > 50
+        assert all(0 < len(r.tokens) <= 2048 and r.max_tokens >= 1 for r in t.requests)
+        assert 0.0 < oracle([r.tokens for r in t.requests], 16).token_share < 1.0
+
+
+METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 50.0
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 30.0
+"""
+
+
+def test_counters_and_deltas():
+    assert read_counter(METRICS, "vllm:prefix_cache_queries") == 150.0
+    assert read_counter(METRICS, "vllm:prefix_cache_hits") == 30.0
+    assert read_counter(METRICS, "vllm:num_requests_running") is None
+    d = cache_delta({"a": (10.0, 0.0), "b": (0.0, 0.0)}, {"a": (110.0, 40.0), "b": (100.0, 20.0)})
+    assert d["hit_rate"] == pytest.approx(60 / 200)
+    assert cache_delta({"a": None}, {"a": (1.0, 1.0)}) is None
+
+
+def test_summary_report_and_outputs(tmp_path):
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
+    results = [RequestResult(i, 0.0, ttft_s=0.01 * (i + 1), e2e_s=0.1, prompt_tokens=100, output_chunks=4, cached_tokens=50) for i in range(10)]
+    results.append(RequestResult(10, 0.0, error="HTTP 503: no worker"))
+    s = summarize(results, 2.0)
+    assert s["completed"] == 10 and s["errors"] == {"HTTP 503": 1}
+    assert s["ttft_ms"]["p50"] == pytest.approx(55.0) and s["throughput_rps"] == 5.0 and s["usage_cached_share"] == 0.5
+    rr = {**s, "mode": "round_robin", "hit_rate": 0.2, "ttft_ms": {"p50": 200.0, "p90": 300.0, "p99": 400.0}}
+    report = {
+        "trace": {"name": "tiny", "requests": 11, "span_s": 1.0, "rate_rps": 11.0, "mean_prompt_tokens": 100, "max_prompt_tokens": 100, "mean_output_tokens": 4},
+        "scaling": {"description": "tiny"},
+        "oracle": {"token_share": 0.5, "block_share": 0.5},
+        "setup": "none",
+        "command": "python -m bench replay --trace tiny",
+        "modes": [{**s, "mode": "kv", "hit_rate": 0.48}, rr],
+    }
+    report["verdict"] = verdict(report)
+    assert any("96% of the oracle" in v and "met" in v for v in report["verdict"])
+    assert any("0.28 x round_robin" in v for v in report["verdict"])
+    md = markdown_report(report)
+    assert "| kv |" in md and "| round_robin |" in md and "48.0 %" in md
+    paths = write_outputs(report, str(tmp_path), "tiny")
+    assert json.load(open(paths["json"]))["modes"][0]["mode"] == "kv"
+    assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(paths["png"]) < 200_000
