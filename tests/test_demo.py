@@ -1,0 +1,77 @@
+"""The one-command demo: a real process tree answers the openai SDK and leaves nothing behind on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from openai import OpenAI
+
+from support import REPO_ROOT, free_port, wait_until
+
+
+def children_of(pid: int) -> set[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid:  # fields: state, ppid, ...
+            out.add(int(entry))
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"  # zombie = exited
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "demo.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--log-dir", str(tmp_path / "logs")],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    kids: set[int] = set()
+    try:
+        wait_until(lambda: proc.poll() is not None or "is ready" in log_path.read_text(), timeout=150, what="the demo to be ready")
+        out = log_path.read_text()
+        assert proc.poll() is None, out
+        url = f"http://127.0.0.1:{port}"
+        assert url in out and "curl" in out and "from openai import OpenAI" in out
+        kids = children_of(proc.pid)
+        assert len(kids) == 4, out  # three workers + the frontend
+
+        client = OpenAI(base_url=f"{url}/v1", api_key="not-needed", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="kvroute-demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+        assert reply.choices[0].message.content
+        assert 1 <= reply.usage.completion_tokens <= 8
+
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+        wait_until(lambda: all(gone(k) for k in kids), timeout=30, what="all demo children to exit")
+        assert "stopped all processes" in log_path.read_text()
+    finally:
+        for pid in [proc.pid, *kids]:  # never leave processes behind, even when the test fails
+            if not gone(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.wait(timeout=10)
