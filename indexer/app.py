@@ -1,0 +1,119 @@
+"""Standalone indexer process: CLI, start-up sequence (workers, P2P recovery, start-up gate), uvicorn.
+
+Start-up follows the reference (§3.8): register ``--workers`` (their listeners connect at once but
+wait behind the ready gate), wait a moment past ZMQ's slow-joiner window, restore the first
+reachable peer's /dump, wait for ``DYN_ROUTER_MIN_INITIAL_WORKERS`` workers, open the gate (the
+listeners drain what they buffered), then bind the HTTP port.
+
+``--threads``: accepted for CLI compatibility. Our index lives on the single asyncio loop that
+also serves HTTP and ZMQ (a thread pool cannot run Python index code in parallel under the GIL),
+so every value behaves the same; the answers match the reference's (both of its modes agree on
+everything but a few removal/re-store races, see tests/test_indexer_differential.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+import httpx
+import prometheus_client
+import uvicorn
+
+from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError, parse_workers_arg, split_urls
+from indexer.service import PeerList, build_app
+
+log = logging.getLogger("indexer")
+
+RECOVERY_DELAY = float(os.environ.get("KVROUTE_INDEXER_RECOVERY_DELAY", "1.0"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m indexer", description="Standalone KV indexer (ZMQ KV events -> HTTP overlap queries)")
+    p.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8090, help="HTTP port (default 8090)")
+    p.add_argument("--threads", type=int, default=4, help="accepted for compatibility; the index runs on one asyncio loop")
+    p.add_argument("--block-size", type=int, default=None, help="block size of --workers (required with --workers)")
+    p.add_argument("--model-name", default="default", help="model of --workers (default 'default')")
+    p.add_argument("--tenant-id", "--routing-group", dest="tenant_id", default=DEFAULT_TENANT, help="tenant of --workers")
+    p.add_argument("--workers", default=None, help='initial workers "id[:dp_rank]=zmq_endpoint,..."')
+    p.add_argument("--peers", default=None, help="comma-separated peer indexer URLs for start-up recovery")
+    p.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer (default 2)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+async def recover_from_peers(registry: IndexerRegistry, peers: list[str], timeout: float = 10.0) -> str | None:
+    """Restore the first reachable peer's /dump; returns that peer's URL or None."""
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        for url in peers:
+            try:
+                resp = await client.get(f"{url}/dump")
+                if resp.status_code // 100 != 2:
+                    log.warning("recovery: %s/dump answered %d", url, resp.status_code)
+                    continue
+                applied = registry.restore(resp.json())
+                log.info("recovery: applied %d events from %s", applied, url)
+                return url
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("recovery: %s unusable: %s", url, exc)
+    return None
+
+
+async def serve(args: argparse.Namespace) -> int:
+    ready = asyncio.Event()
+    registry = IndexerRegistry(replay_timeout=args.replay_timeout, ready=ready)
+    peer_urls = list(split_urls(args.peers))
+    peers = PeerList()
+    if args.workers:
+        for instance_id, dp_rank, endpoint in parse_workers_arg(args.workers):
+            try:
+                registry.register(instance_id, endpoint, args.model_name, args.tenant_id, args.block_size, dp_rank)
+            except RegistryError as exc:
+                log.error("--workers: %s", exc.message)
+                return 2
+    min_workers = int(os.environ.get("DYN_ROUTER_MIN_INITIAL_WORKERS", "0") or 0)
+    if peer_urls:
+        await asyncio.sleep(RECOVERY_DELAY)  # past the ZMQ slow-joiner window (reference behaviour)
+        await recover_from_peers(registry, peer_urls)
+    while registry.known_worker_count() < min_workers:
+        log.info("waiting for %d initial workers (have %d)", min_workers, registry.known_worker_count())
+        await asyncio.sleep(1.0)
+        if peer_urls:
+            await recover_from_peers(registry, peer_urls)
+    for url in peer_urls:
+        peers.add(url)
+    ready.set()
+    app = build_app(registry, peers)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
+    try:
+        await server.serve()
+    finally:
+        await registry.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.workers and args.block_size is None:
+        print("--block-size is required with --workers", file=sys.stderr)
+        return 2
+    if args.workers:
+        try:
+            parse_workers_arg(args.workers)
+        except ValueError as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+    prometheus_client.disable_created_metrics()  # no *_created series, like the reference
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    return asyncio.run(serve(args))

@@ -1,0 +1,251 @@
+"""One asyncio ZMQ SUB listener per registered (instance_id, dp_rank), with gap replay.
+
+Live messages are ``[topic, seq (8 bytes BE), payload]``. The listener keeps a watermark (last
+applied seq) and follows the reference's rules (§2.8): a first batch with seq > 0, or any later
+jump, is a gap; the missing batches are requested over a DEALER from the engine's replay ROUTER
+(``[b"", start_seq]``), applied in order, stale ones skipped; a batch that fails to decode is
+dropped whole and does not move the watermark.
+
+Unlike the 1.6.1 reference, whose replay receive has no timeout (a silent ROUTER wedges that
+listener forever), a replay that gets no answer within ``replay_timeout`` is abandoned: the
+listener records ``last_error`` and keeps applying live batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from indexer.normalize import EventApplier
+from indexer.wire import WireError, decode_batch, seq_frame
+
+log = logging.getLogger("indexer.listener")
+
+PENDING = "pending"
+ACTIVE = "active"
+PAUSED = "paused"
+FAILED = "failed"
+
+_TCP = re.compile(r"^(?:\[(?P<v6>[^\]]*)\]|(?P<host>[^:\[\]]*))(?::(?P<port>.*))?$")
+
+
+def validate_endpoint(endpoint: str) -> None:
+    """Raise ValueError with the reference's wording when ``endpoint`` is not a usable ZMQ address."""
+    prefix = f"invalid ZMQ endpoint `{endpoint}`"
+    if "://" not in endpoint:
+        raise ValueError(f"{prefix}: missing scheme")
+    scheme, address = endpoint.split("://", 1)
+    if not scheme:
+        raise ValueError(f"{prefix}: missing scheme")
+    if scheme not in ("tcp", "ipc", "inproc"):
+        raise ValueError(f"{prefix}: unsupported scheme `{scheme}`")
+    if not address:
+        raise ValueError(f"{prefix}: missing address")
+    if scheme != "tcp":
+        return
+    m = _TCP.match(address)
+    if m is None:
+        raise ValueError(f"{prefix}: missing TCP port")
+    host = m.group("v6") if m.group("v6") is not None else m.group("host")
+    port = m.group("port")
+    if port is None:
+        raise ValueError(f"{prefix}: missing TCP port")
+    if not host:
+        raise ValueError(f"{prefix}: missing TCP host")
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{prefix}: invalid TCP port: {port}")
+
+
+class SequenceState:
+    """The watermark of one (instance, dp_rank) stream; outlives a listener (see registry)."""
+
+    __slots__ = ("last_seq",)
+
+    def __init__(self) -> None:
+        self.last_seq: int | None = None
+
+
+class Listener:
+    """Subscribes to one engine's KV events and applies them through an EventApplier."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        applier: EventApplier,
+        replay_endpoint: str | None = None,
+        seq_state: SequenceState | None = None,
+        ready: asyncio.Event | None = None,
+        replay_timeout: float = 2.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.applier = applier
+        self.seq = seq_state or SequenceState()
+        self.ready = ready
+        self.replay_timeout = replay_timeout
+        self.status = PENDING
+        self.last_error: str | None = None
+        self.batches_applied = 0
+        self.batches_dropped = 0
+        self.replays = 0
+        self.replay_timeouts = 0
+        self._on_change = on_change
+        self._task: asyncio.Task[None] | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+
+    # -- lifecycle
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-listener {self.endpoint}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
+
+    def info(self) -> dict[str, object]:
+        out: dict[str, object] = {"endpoint": self.endpoint, "status": self.status}
+        if self.replay_endpoint:
+            out["replay_endpoint"] = self.replay_endpoint
+        if self.last_error:
+            out["last_error"] = self.last_error
+        return out
+
+    def _set_status(self, status: str, error: str | None = None) -> None:
+        self.status = status
+        if error is not None:
+            self.last_error = error
+        if self._on_change is not None:
+            self._on_change()
+
+    # -- receive loop
+
+    def _make_sub(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 5000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 15000)
+        sock.setsockopt(zmq.RCVHWM, 0)  # never drop on our side; the engine's buffer bounds it
+        if self.endpoint.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.endpoint)
+        return sock
+
+    async def _run(self) -> None:
+        try:
+            self._sub = self._make_sub()
+        except zmq.ZMQError as exc:
+            self._set_status(FAILED, f"connect {self.endpoint}: {exc}")
+            return
+        if self.ready is not None:
+            await self.ready.wait()  # the start-up gate: recovery first, then drain live events
+        self._set_status(ACTIVE)
+        sub = self._sub
+        sync = zmq.Socket.shadow(sub.underlying)  # plain non-blocking reads while messages are queued
+        try:
+            while True:
+                await sub.poll()
+                for _ in range(512):  # then give the event loop (HTTP queries) a turn
+                    try:
+                        frames = sync.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._on_message(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # pragma: no cover - unexpected socket failure
+            log.exception("listener %s failed", self.endpoint)
+            self._set_status(FAILED, f"recv loop: {type(exc).__name__}: {exc}")
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            log.warning("Unexpected ZMQ frame count: %d", len(frames))
+            return
+        _topic, seq_bytes, payload = frames
+        if len(seq_bytes) != 8:
+            log.warning("Invalid sequence number length: %d", len(seq_bytes))
+            return
+        seq = int.from_bytes(seq_bytes, "big")
+        last = self.seq.last_seq
+        if last is not None and seq <= last:
+            return  # stale
+        expected = 0 if last is None else last + 1
+        if seq > expected:
+            await self._replay(expected)
+            last = self.seq.last_seq
+            if last is not None and seq <= last:
+                return  # the replay already covered it
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> bool:
+        try:
+            batch = decode_batch(payload)
+        except WireError as exc:
+            self.batches_dropped += 1
+            log.warning("dropping undecodable batch %d from %s: %s", seq, self.endpoint, exc)
+            return False
+        self.applier.apply_batch(batch)
+        self.seq.last_seq = seq
+        self.batches_applied += 1
+        return True
+
+    # -- replay
+
+    async def _replay(self, start: int) -> None:
+        if not self.replay_endpoint:
+            log.warning("No replay endpoint configured; batches lost (%s from seq %d)", self.endpoint, start)
+            return
+        self.replays += 1
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self.replay_endpoint)
+            await dealer.send_multipart([b"", seq_frame(start)])
+            while True:
+                if not await dealer.poll(int(self.replay_timeout * 1000), zmq.POLLIN):
+                    self.replay_timeouts += 1
+                    self.last_error = (
+                        f"replay from seq {start} via {self.replay_endpoint} timed out after {self.replay_timeout:g}s; "
+                        "continuing with live events"
+                    )
+                    log.warning(self.last_error)
+                    return
+                frames = await dealer.recv_multipart()
+                if len(frames) == 3:
+                    _, seq_bytes, payload = frames
+                elif len(frames) == 4:
+                    _, _, seq_bytes, payload = frames
+                else:
+                    return
+                if len(seq_bytes) != 8 or not payload:
+                    return
+                seq = int.from_bytes(seq_bytes, "big")
+                last = self.seq.last_seq
+                if last is not None and seq <= last:
+                    continue
+                self._apply(seq, payload)
+        except zmq.ZMQError as exc:
+            self.last_error = f"replay via {self.replay_endpoint}: {exc}"
+            log.warning(self.last_error)
+        finally:
+            dealer.close(linger=0)

@@ -1,0 +1,171 @@
+"""Engine KV events -> index operations (the reference's normalisation rules, §2.6-2.7).
+
+The engine's own block hashes are kept only as *external* hashes (parent links, removals); the
+*local* hashes used for matching are recomputed here from the event's token ids with
+``router.hashing`` so they always agree with what the frontend computes for a prompt.
+
+One ``EventApplier`` per listener: the learned kv-cache groups, the cache-namespace memory and the
+block-size warning budget are per (instance, dp_rank) stream, as in the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from indexer.core import KvIndex, tier_for_medium
+from indexer.wire import Cleared, DecodedBatch, Removed, Stored
+from router.hashing import local_block_hashes
+
+log = logging.getLogger("indexer.normalize")
+
+MAIN_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+SALT_PREFIX = "dynamo-cache-salt:"
+_AMBIGUOUS = object()
+
+
+def _salt_from_extra_keys(extra_keys: list[Any] | None, lora_name: str | None) -> str | None:
+    """The cache namespace hidden in the first block's extra keys (``dynamo-cache-salt:<ns>``)."""
+    if not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, (list, tuple)):
+        return None
+    skipped_lora = False
+    for item in first:
+        if not isinstance(item, str):
+            continue
+        if lora_name is not None and item == lora_name and not skipped_lora:
+            skipped_lora = True
+            continue
+        if item.startswith(SALT_PREFIX) and len(item) > len(SALT_PREFIX):
+            return item[len(SALT_PREFIX) :]
+    return None
+
+
+class EventApplier:
+    """Applies decoded batches of one listener to a KvIndex, filtering like the reference."""
+
+    def __init__(self, index: KvIndex, instance_id: int, dp_rank: int, counters: dict[tuple[str, str], int] | None = None) -> None:
+        self.index = index
+        self.instance_id = instance_id
+        self.dp_rank = dp_rank
+        self.counters: dict[tuple[str, str], int] = counters if counters is not None else {}
+        self._groups: dict[tuple[int, int], str] = {}
+        self._namespaces: dict[tuple[int, int], Any] = {}  # (dp_rank, ext) -> namespace | _AMBIGUOUS
+        self._block_size_warnings = 0
+        self.blocks_applied = 0
+
+    def _count(self, event_type: str, status: str) -> None:
+        key = (event_type, status)
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    def apply_batch(self, batch: DecodedBatch) -> None:
+        dp = self.dp_rank if batch.dp_rank is None else batch.dp_rank & 0xFFFFFFFF
+        for ev in batch.events:
+            t = type(ev)
+            if t is Stored:
+                self._stored(ev, dp)  # type: ignore[arg-type]
+            elif t is Removed:
+                self._removed(ev, dp)  # type: ignore[arg-type]
+            elif t is Cleared:
+                self.index.apply_cleared(self.instance_id, dp)
+                self._forget_rank(dp)
+                self._count("cleared", "ok")
+
+    # -- filters
+
+    def _group_kept(self, dp: int, group_idx: int | None, kind: str | None, learn: bool) -> bool:
+        if kind is not None:
+            if learn and group_idx is not None:
+                self._groups[(dp, group_idx)] = kind
+            return kind in MAIN_ATTENTION_KINDS
+        if group_idx is None:
+            return True
+        learned = self._groups.get((dp, group_idx))
+        if learned is None:
+            return group_idx == 0
+        return learned in MAIN_ATTENTION_KINDS
+
+    # -- events
+
+    def _stored(self, ev: Stored, dp: int) -> None:
+        tier = tier_for_medium(ev.medium)
+        if tier is None or (ev.locality is not None and ev.locality != "LOCAL"):
+            self._count("stored", "filtered")
+            return
+        if not self._group_kept(dp, ev.group_idx, ev.kv_cache_spec_kind, learn=True):
+            self._count("stored", "filtered")
+            return
+        hashes = ev.block_hashes
+        parent = ev.parent_block_hash
+        if len(set(hashes)) != len(hashes) or (parent is not None and parent in hashes):
+            self._count("stored", "duplicate")
+            return
+        bs = self.index.block_size
+        if ev.block_size != bs:
+            if self._block_size_warnings < 3:
+                self._block_size_warnings += 1
+                log.warning(
+                    "Block not published: instance %s dp_rank %s sent block_size %s, registered %s",
+                    self.instance_id, dp, ev.block_size, bs,
+                )
+            self._count("stored", "block_size_mismatch")
+            return
+        namespace = ev.cache_salt or _salt_from_extra_keys(ev.extra_keys, ev.lora_name)
+        if namespace is None and parent is not None:
+            inherited = self._namespaces.get((dp, parent))
+            if inherited is _AMBIGUOUS:
+                self._count("stored", "filtered")
+                return
+            namespace = inherited
+        n_blocks = len(hashes)
+        tokens = ev.token_ids
+        need = n_blocks * bs + (1 if ev.eagle else 0)
+        if len(tokens) > need:
+            tokens = tokens[:need]
+        try:
+            local = local_block_hashes(tokens, bs, ev.lora_name, namespace, ev.mm_hashes, ev.eagle)
+        except ValueError:
+            self._count("stored", "invalid")
+            return
+        blocks = list(zip(hashes, local))  # tokens running out drop the remaining blocks
+        if not blocks:
+            self._count("stored", "ok")
+            return
+        if self.index.apply_stored(self.instance_id, dp, parent, blocks, tier):
+            self.blocks_applied += len(blocks)
+            self._count("stored", "ok")
+            if namespace is not None:
+                self._remember(dp, hashes[: len(blocks)], namespace)
+        else:
+            self._count("stored", "parent_not_found")
+
+    def _removed(self, ev: Removed, dp: int) -> None:
+        tier = tier_for_medium(ev.medium)
+        if tier is None or (ev.locality is not None and ev.locality != "LOCAL"):
+            self._count("removed", "filtered")
+            return
+        if not self._group_kept(dp, ev.group_idx, None, learn=False):
+            self._count("removed", "filtered")
+            return
+        found = self.index.apply_removed(self.instance_id, dp, ev.block_hashes, tier)
+        if self._namespaces:
+            for ext in ev.block_hashes:
+                self._namespaces.pop((dp, ext), None)
+        self._count("removed", "ok" if found == len(ev.block_hashes) else "block_not_found")
+
+    # -- namespace memory
+
+    def _remember(self, dp: int, hashes: Iterable[int], namespace: str) -> None:
+        ns = self._namespaces
+        for ext in hashes:
+            key = (dp, ext)
+            seen = ns.get(key)
+            ns[key] = namespace if seen is None or seen == namespace else _AMBIGUOUS
+
+    def _forget_rank(self, dp: int) -> None:
+        if self._namespaces:
+            for key in [k for k in self._namespaces if k[0] == dp]:
+                del self._namespaces[key]

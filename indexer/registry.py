@@ -1,0 +1,295 @@
+"""IndexerRegistry: partitions (model_name, tenant_id) -> KvIndex, plus the ZMQ listeners feeding them.
+
+Shared by the standalone service (``python -m indexer``) and the frontend, which embeds it. All
+methods run on one asyncio loop (register starts a listener task on the running loop).
+
+Rules follow the reference (§3.1, §3.4, §5.1): the first registration of a partition fixes its
+block size; an instance lives in one partition; unregistering without a tenant removes the whole
+instance (every DP rank, every tier); the partition disappears with its last instance.
+Sequence watermarks survive unregister/register (the document: a re-registered worker replays
+the batches it missed on its first batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from indexer.core import KvIndex, apply_router_event
+from indexer.listener import ACTIVE, FAILED, PAUSED, PENDING, Listener, SequenceState, validate_endpoint
+from indexer.normalize import EventApplier
+
+log = logging.getLogger("indexer.registry")
+
+DEFAULT_TENANT = "default"
+_STATUS_PRIORITY = (FAILED, PENDING, ACTIVE, PAUSED)
+
+
+class RegistryError(Exception):
+    """A refused registry operation: ``status`` is the HTTP status the services answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Partition:
+    model_name: str
+    tenant_id: str
+    index: KvIndex
+
+    @property
+    def block_size(self) -> int:
+        return self.index.block_size
+
+
+@dataclass
+class Instance:
+    instance_id: int
+    model_name: str
+    tenant_id: str
+    listeners: dict[int, Listener] = field(default_factory=dict)
+
+    def status(self) -> str:
+        statuses = {lst.status for lst in self.listeners.values()}
+        for s in _STATUS_PRIORITY:
+            if s in statuses:
+                return s
+        return ACTIVE
+
+
+def _where(model_name: str, tenant_id: str) -> str:
+    return f"model={model_name} tenant_id={tenant_id}"
+
+
+class IndexerRegistry:
+    """The indexer's state: partitions, registered instances, listeners and sequence watermarks."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context | None = None,
+        replay_timeout: float = 2.0,
+        ready: asyncio.Event | None = None,
+    ) -> None:
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.replay_timeout = replay_timeout
+        self.ready = ready  # None = listeners drain immediately
+        self.partitions: dict[tuple[str, str], Partition] = {}
+        self.instances: dict[int, Instance] = {}
+        self._seq_states: dict[tuple[int, int], SequenceState] = {}
+        self.event_counters: dict[tuple[str, str], int] = {}
+        self.on_change: Callable[[], None] | None = None
+
+    # -- partitions
+
+    def index(self, model_name: str, tenant_id: str = DEFAULT_TENANT) -> KvIndex | None:
+        part = self.partitions.get((model_name, tenant_id))
+        return part.index if part is not None else None
+
+    def partition(self, model_name: str, tenant_id: str = DEFAULT_TENANT) -> Partition:
+        """The partition or RegistryError(404) in the reference's words."""
+        part = self.partitions.get((model_name, tenant_id))
+        if part is None:
+            raise RegistryError(404, f"no indexer for {_where(model_name, tenant_id)}")
+        return part
+
+    def _ensure_partition(self, model_name: str, tenant_id: str, block_size: int) -> Partition:
+        part = self.partitions.get((model_name, tenant_id))
+        if part is None:
+            part = self.partitions[(model_name, tenant_id)] = Partition(model_name, tenant_id, KvIndex(block_size))
+        return part
+
+    # -- registration
+
+    def register(
+        self,
+        instance_id: int,
+        endpoint: str,
+        model_name: str,
+        tenant_id: str = DEFAULT_TENANT,
+        block_size: int = 16,
+        dp_rank: int = 0,
+        replay_endpoint: str | None = None,
+    ) -> Listener:
+        """Register one (instance, dp_rank) stream and start its listener on the running loop."""
+        try:
+            validate_endpoint(endpoint)
+        except ValueError as exc:
+            raise RegistryError(400, str(exc)) from None
+        if replay_endpoint is not None:
+            try:
+                validate_endpoint(replay_endpoint)
+            except ValueError as exc:
+                raise RegistryError(400, f"invalid replay endpoint `{replay_endpoint}`: {exc}") from None
+        if block_size <= 0:
+            raise RegistryError(400, "block_size must be greater than 0")
+        inst = self.instances.get(instance_id)
+        if inst is not None:
+            if (inst.model_name, inst.tenant_id) != (model_name, tenant_id):
+                raise RegistryError(
+                    409, f"instance {instance_id} is already registered for {_where(inst.model_name, inst.tenant_id)}"
+                )
+            if dp_rank in inst.listeners:
+                raise RegistryError(409, f"instance {instance_id} dp_rank {dp_rank} already registered")
+        part = self.partitions.get((model_name, tenant_id))
+        if part is not None and part.block_size != block_size:
+            raise RegistryError(
+                409,
+                f"block_size mismatch for {_where(model_name, tenant_id)}: existing={part.block_size}, requested={block_size}",
+            )
+        part = self._ensure_partition(model_name, tenant_id, block_size)
+        if inst is None:
+            inst = self.instances[instance_id] = Instance(instance_id, model_name, tenant_id)
+        seq_state = self._seq_states.setdefault((instance_id, dp_rank), SequenceState())
+        applier = EventApplier(part.index, instance_id, dp_rank, self.event_counters)
+        listener = Listener(
+            self.ctx,
+            endpoint,
+            applier,
+            replay_endpoint=replay_endpoint,
+            seq_state=seq_state,
+            ready=self.ready,
+            replay_timeout=self.replay_timeout,
+            on_change=self.on_change,
+        )
+        inst.listeners[dp_rank] = listener
+        listener.start()
+        return listener
+
+    async def unregister(
+        self, instance_id: int, model_name: str, tenant_id: str | None = None, dp_rank: int | None = None
+    ) -> None:
+        """Remove an instance (tenant omitted: the whole instance) or one of its DP ranks."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            raise RegistryError(404, f"instance {instance_id} not found")
+        if inst.model_name != model_name or (tenant_id is not None and inst.tenant_id != tenant_id):
+            raise RegistryError(404, f"instance {instance_id} is registered for {_where(inst.model_name, inst.tenant_id)}")
+        part = self.partitions.get((inst.model_name, inst.tenant_id))
+        if tenant_id is not None and dp_rank is not None:
+            listener = inst.listeners.pop(dp_rank, None)
+            if listener is None:
+                raise RegistryError(404, f"instance {instance_id} dp_rank {dp_rank} not found")
+            await listener.stop()
+            if part is not None:
+                part.index.remove_worker(instance_id, dp_rank)
+            if inst.listeners:
+                return
+        else:
+            listeners = list(inst.listeners.values())
+            inst.listeners.clear()
+            for listener in listeners:
+                await listener.stop()
+        del self.instances[instance_id]
+        if part is not None:
+            part.index.remove_worker(instance_id)
+            if not any(
+                (i.model_name, i.tenant_id) == (part.model_name, part.tenant_id) for i in self.instances.values()
+            ):
+                del self.partitions[(part.model_name, part.tenant_id)]
+
+    async def close(self) -> None:
+        for inst in list(self.instances.values()):
+            for listener in list(inst.listeners.values()):
+                await listener.stop()
+
+    # -- views
+
+    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for inst in self.instances.values():
+            if model_name is not None and inst.model_name != model_name:
+                continue
+            if tenant_id is not None and inst.tenant_id != tenant_id:
+                continue
+            part = self.partitions.get((inst.model_name, inst.tenant_id))
+            ranks = sorted(inst.listeners)
+            out.append(
+                {
+                    "instance_id": inst.instance_id,
+                    "source": "zmq",
+                    "status": inst.status(),
+                    "model_name": inst.model_name,
+                    "tenant_id": inst.tenant_id,
+                    "routing_group": inst.tenant_id,
+                    "block_size": part.block_size if part is not None else None,
+                    "endpoints": {str(r): inst.listeners[r].endpoint for r in ranks},
+                    "listeners": {str(r): inst.listeners[r].info() for r in ranks},
+                }
+            )
+        return out
+
+    def listener_status_counts(self) -> dict[str, int]:
+        counts = {s: 0 for s in _STATUS_PRIORITY}
+        for inst in self.instances.values():
+            for listener in inst.listeners.values():
+                counts[listener.status] = counts.get(listener.status, 0) + 1
+        return counts
+
+    def known_worker_count(self) -> int:
+        """Registered instances plus workers known only from a recovered dump."""
+        ids = set(self.instances)
+        for part in self.partitions.values():
+            ids.update(w for w, _ in part.index.workers())
+        return len(ids)
+
+    # -- dump / restore
+
+    def dump(self) -> dict[str, Any]:
+        """Every partition as ``{"model:tenant": {"block_size": n, "events": [...]}}`` (§3.7)."""
+        return {
+            f"{p.model_name}:{p.tenant_id}": {"block_size": p.block_size, "events": p.index.dump_events()}
+            for p in self.partitions.values()
+        }
+
+    def restore(self, dump: Any) -> int:
+        """Apply a peer's /dump; returns the number of events applied. ValueError on a bad shape."""
+        if not isinstance(dump, dict):
+            raise ValueError("dump must be an object keyed by model_name:tenant_id")
+        applied = 0
+        for key, value in dump.items():
+            model_name, sep, tenant_id = str(key).partition(":")
+            if not sep:
+                tenant_id = DEFAULT_TENANT
+            if not isinstance(value, dict) or not isinstance(value.get("events"), list):
+                raise ValueError(f"dump entry {key!r} needs block_size and events")
+            block_size = value.get("block_size")
+            if not isinstance(block_size, int) or block_size <= 0:
+                raise ValueError(f"dump entry {key!r} has no valid block_size")
+            part = self.partitions.get((model_name, tenant_id))
+            if part is None:
+                part = self._ensure_partition(model_name, tenant_id, block_size)
+            elif part.block_size != block_size:
+                log.warning("recovery: %s has block_size %d here, %d in the dump", key, part.block_size, block_size)
+            for ev in value["events"]:
+                applied += apply_router_event(part.index, ev)
+        return applied
+
+
+def parse_workers_arg(spec: str) -> list[tuple[int, int, str]]:
+    """``"id[:dp]=endpoint,..."`` -> [(instance_id, dp_rank, endpoint)]; ValueError when malformed."""
+    out: list[tuple[int, int, str]] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        ident, sep, endpoint = item.partition("=")
+        if not sep or not endpoint:
+            raise ValueError(f"invalid worker spec {item!r}: expected id[:dp_rank]=endpoint")
+        inst, _, dp = ident.partition(":")
+        try:
+            out.append((int(inst), int(dp) if dp else 0, endpoint.strip()))
+        except ValueError:
+            raise ValueError(f"invalid worker spec {item!r}: ids must be integers") from None
+    return out
+
+
+def split_urls(spec: str | None) -> Sequence[str]:
+    return [u.strip().rstrip("/") for u in (spec or "").split(",") if u.strip()]

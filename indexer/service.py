@@ -1,0 +1,298 @@
+"""HTTP API of the indexer (the document's routes and the reference's statuses), JSON errors everywhere.
+
+``indexer_routes(registry, peers)`` gives the routes so the frontend can serve them on its own
+port; ``build_app`` wraps them into the standalone service's Starlette app with /metrics.
+``overlap_payload`` is the /query answer, shared by whoever serves it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Annotated, Any
+
+import msgspec
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from indexer.core import KvIndex
+from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError
+from kvroute_common.http import ApiError, MiB, error_response, json_response, ok, raw_json_response, read_json
+from router.hashing import local_block_hashes
+
+QUERY_BODY_LIMIT = 8 * MiB
+BODY_LIMIT = 2 * MiB
+
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec ints stop at 2**64-1
+U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+_U64_MASK = (1 << 64) - 1
+
+
+class RegisterRequest(msgspec.Struct, forbid_unknown_fields=False):
+    instance_id: U64
+    endpoint: str
+    model_name: str
+    block_size: U32
+    tenant_id: str | None = None
+    routing_group: str | None = None
+    dp_rank: U32 = 0
+    replay_endpoint: str | None = None
+    additional_salt: str | None = None
+    additionalsalt: str | None = None
+
+
+class UnregisterRequest(msgspec.Struct):
+    instance_id: U64
+    model_name: str
+    tenant_id: str | None = None
+    routing_group: str | None = None
+    dp_rank: U32 | None = None
+
+
+class QueryRequest(msgspec.Struct):
+    token_ids: list[U32]
+    model_name: str
+    tenant_id: str | None = None
+    routing_group: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class QueryByHashRequest(msgspec.Struct):
+    block_hashes: list[I64]
+    model_name: str
+    tenant_id: str | None = None
+    routing_group: str | None = None
+    cache_salt: str | None = None
+
+
+class PeerRequest(msgspec.Struct):
+    url: str
+
+
+def tenant_of(tenant_id: str | None, routing_group: str | None) -> str:
+    """The document's ``tenant_id``; 1.6.1's ``routing_group`` is accepted as an alias."""
+    if tenant_id is not None:
+        return tenant_id
+    if routing_group is not None:
+        return routing_group
+    return DEFAULT_TENANT
+
+
+def overlap_payload(index: KvIndex, local_hashes: list[int]) -> dict[str, Any]:
+    """The /query answer: device scores per instance and DP rank, plus the per-tier breakdown (tokens)."""
+    bs = index.block_size
+    scores: dict[str, dict[str, int]] = {}
+    instances: dict[str, dict[str, Any]] = {}
+    for (worker_id, dp_rank), (device, cpu, disk) in index.tier_matches(local_hashes).items():
+        wid, rank = str(worker_id), str(dp_rank)
+        if device:
+            scores.setdefault(wid, {})[rank] = device * bs
+        inst = instances.get(wid)
+        if inst is None:
+            inst = instances[wid] = {"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}
+        inst["dp"][rank] = device * bs
+        if device * bs > inst["gpu"]:
+            inst["gpu"] = device * bs
+        if cpu * bs > inst["cpu"]:
+            inst["cpu"] = cpu * bs
+        if disk * bs > inst["disk"]:
+            inst["disk"] = disk * bs
+    for inst in instances.values():
+        inst["longest_matched"] = max(inst["gpu"], inst["cpu"], inst["disk"])
+    return {"scores": scores, "frequencies": [], "instances": instances}
+
+
+class PeerList:
+    """Peer indexers (used for start-up recovery only, as in the reference)."""
+
+    def __init__(self, urls: Iterable[str] = ()) -> None:
+        self.urls: list[str] = []
+        for u in urls:
+            self.add(u)
+
+    def add(self, url: str) -> None:
+        if url not in self.urls:
+            self.urls.append(url)
+
+    def remove(self, url: str) -> bool:
+        if url in self.urls:
+            self.urls.remove(url)
+            return True
+        return False
+
+
+class Metrics:
+    """The document's ``dynamo_kvindexer_*`` metrics in a private prometheus registry."""
+
+    def __init__(self, registry: IndexerRegistry) -> None:
+        self.prom = CollectorRegistry(auto_describe=True)
+        buckets = [0.0001 * 2**i for i in range(20)]
+        self.duration = Histogram(
+            "dynamo_kvindexer_request_duration_seconds", "HTTP request latency", ["endpoint"], buckets=buckets, registry=self.prom
+        )
+        self.requests = Counter("dynamo_kvindexer_requests", "Total HTTP requests", ["endpoint", "method"], registry=self.prom)
+        self.errors = Counter("dynamo_kvindexer_errors", "HTTP error responses", ["endpoint", "status_class"], registry=self.prom)
+        self.prom.register(_StateCollector(registry))
+
+    def observe(self, endpoint: str, method: str, status: int, seconds: float) -> None:
+        self.duration.labels(endpoint).observe(seconds)
+        self.requests.labels(endpoint, method).inc()
+        if status >= 400:
+            self.errors.labels(endpoint, f"{status // 100}xx").inc()
+
+    def render(self) -> Response:
+        return Response(generate_latest(self.prom), media_type=CONTENT_TYPE_LATEST)
+
+
+class _StateCollector:
+    """Gauges read from the registry at scrape time."""
+
+    def __init__(self, registry: IndexerRegistry) -> None:
+        self.registry = registry
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        reg = self.registry
+        yield GaugeMetricFamily("dynamo_kvindexer_models", "Number of active model+tenant indexers", value=len(reg.partitions))
+        yield GaugeMetricFamily("dynamo_kvindexer_workers", "Number of registered worker instances", value=len(reg.instances))
+        listeners = GaugeMetricFamily("dynamo_kvindexer_listeners", "ZMQ listeners by status", labels=["status"])
+        for status, n in reg.listener_status_counts().items():
+            listeners.add_metric([status], n)
+        yield listeners
+        applied = GaugeMetricFamily(
+            "dynamo_kvrouter_kv_cache_events_applied", "KV events processed by type and outcome", labels=["event_type", "status"]
+        )
+        for (event_type, status), n in sorted(reg.event_counters.items()):
+            applied.add_metric([event_type, status], n)
+        yield applied
+        blocks = GaugeMetricFamily("dynamo_kvindexer_blocks", "Device (worker, block) entries per partition", labels=["model", "tenant_id"])
+        for (model, tenant), part in reg.partitions.items():
+            blocks.add_metric([model, tenant], part.index.size)
+        yield blocks
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def indexer_routes(registry: IndexerRegistry, peers: PeerList, metrics: Metrics | None = None) -> list[BaseRoute]:
+    """The indexer's HTTP routes (without /metrics and /health, which the embedding app owns)."""
+
+    def route(path: str, handler: Handler, method: str) -> Route:
+        async def endpoint(request: Request) -> Response:
+            start = time.perf_counter()
+            try:
+                response = await handler(request)
+            except ApiError as exc:
+                response = error_response(exc.status, exc.message)
+            except RegistryError as exc:
+                response = error_response(exc.status, exc.message)
+            if metrics is not None:
+                metrics.observe(path, method, response.status_code, time.perf_counter() - start)
+            return response
+
+        return Route(path, endpoint, methods=[method])
+
+    async def register(request: Request) -> Response:
+        req = await read_json(request, RegisterRequest, BODY_LIMIT)
+        registry.register(
+            req.instance_id,
+            req.endpoint,
+            req.model_name,
+            tenant_of(req.tenant_id, req.routing_group),
+            req.block_size,
+            req.dp_rank,
+            req.replay_endpoint,
+        )
+        return ok(201)
+
+    async def unregister(request: Request) -> Response:
+        req = await read_json(request, UnregisterRequest, BODY_LIMIT)
+        tenant = req.tenant_id if req.tenant_id is not None else req.routing_group
+        await registry.unregister(req.instance_id, req.model_name, tenant, req.dp_rank)
+        return ok(200)
+
+    async def workers(request: Request) -> Response:
+        q = request.query_params
+        tenant = q.get("tenant_id") or q.get("routing_group")
+        return json_response(registry.workers(q.get("model_name"), tenant))
+
+    async def query(request: Request) -> Response:
+        req = await read_json(request, QueryRequest, QUERY_BODY_LIMIT)
+        part = registry.partition(req.model_name, tenant_of(req.tenant_id, req.routing_group))
+        local = local_block_hashes(req.token_ids, part.block_size, req.lora_name, req.cache_salt or None)
+        return raw_json_response(orjson.dumps(overlap_payload(part.index, local)))
+
+    async def query_by_hash(request: Request) -> Response:
+        req = await read_json(request, QueryByHashRequest, QUERY_BODY_LIMIT)
+        if req.cache_salt is not None:
+            raise ApiError(
+                400,
+                "cache_salt is not accepted by /query_by_hash; block_hashes must already include the intended cache salt",
+            )
+        part = registry.partition(req.model_name, tenant_of(req.tenant_id, req.routing_group))
+        local = [h & _U64_MASK for h in req.block_hashes]
+        return raw_json_response(orjson.dumps(overlap_payload(part.index, local)))
+
+    async def dump(request: Request) -> Response:
+        return raw_json_response(orjson.dumps(registry.dump()))
+
+    async def register_peer(request: Request) -> Response:
+        req = await read_json(request, PeerRequest, BODY_LIMIT)
+        peers.add(req.url.rstrip("/"))
+        return ok(201)
+
+    async def deregister_peer(request: Request) -> Response:
+        req = await read_json(request, PeerRequest, BODY_LIMIT)
+        if not peers.remove(req.url.rstrip("/")):
+            raise ApiError(404, "peer not found")
+        return ok(200)
+
+    async def list_peers(request: Request) -> Response:
+        return json_response(peers.urls)
+
+    async def reopen_logs(request: Request) -> Response:
+        return ok(200)
+
+    return [
+        route("/register", register, "POST"),
+        route("/unregister", unregister, "POST"),
+        route("/workers", workers, "GET"),
+        route("/query", query, "POST"),
+        route("/query_by_hash", query_by_hash, "POST"),
+        route("/dump", dump, "GET"),
+        route("/register_peer", register_peer, "POST"),
+        route("/deregister_peer", deregister_peer, "POST"),
+        route("/peers", list_peers, "GET"),
+        route("/reopen_logs", reopen_logs, "POST"),
+    ]
+
+
+def build_app(registry: IndexerRegistry, peers: PeerList | None = None) -> Any:
+    """The standalone service's ASGI app: the indexer routes plus /health and /metrics."""
+    from kvroute_common.http import json_service
+
+    peers = peers if peers is not None else PeerList()
+    metrics = Metrics(registry)
+
+    async def health(request: Request) -> Response:
+        return Response(b"", status_code=200)
+
+    async def metrics_route(request: Request) -> Response:
+        return metrics.render()
+
+    routes = indexer_routes(registry, peers, metrics)
+    routes += [Route("/health", health, methods=["GET"]), Route("/metrics", metrics_route, methods=["GET"])]
+    app = json_service(routes)
+    app.state.registry = registry
+    app.state.peers = peers
+    app.state.metrics = metrics
+    return app
