@@ -120,7 +120,9 @@ class AdmissionQueue:
         threshold = self.threshold
         if threshold is None:
             return 0.0
-        if self._capacity_check(model, hints, threshold):
+        # A released waiter that has not booked yet makes the capacity numbers stale: queue up
+        # behind it rather than both taking the same slot.
+        if not self._released_pending.get(model) and self._capacity_check(model, hints, threshold):
             self.admitted_directly += 1
             return 0.0
         loop = self._loop = asyncio.get_running_loop()
