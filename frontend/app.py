@@ -1,0 +1,706 @@
+"""The frontend application: shared state, the OpenAI routes and the admin routes.
+
+Request path (one place, in order): parse -> hints (nvext + headers) -> tokenize -> admission
+(router queue) -> route (indexer overlaps + tracker loads + cost) -> book -> dispatch -> stream ->
+first token = prefill complete -> end / error / disconnect = free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+from prometheus_client.core import GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from kvroute_common.http import ApiError, error_response, exception_handlers, json_response, read_body, read_json, route
+from router.config import RouterConfig
+
+from .busy import BusyThresholds, validate_update
+from .errors import OpenAIError, model_not_found, openai_error_response
+from .metrics import WORKER_TYPE, CallbackCollector, FrontendMetrics
+from .models import TENANT, ModelEntry
+from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
+from .routing import Router
+from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
+
+log = logging.getLogger("frontend")
+_perf = time.perf_counter
+
+try:  # extension modules (may land later)
+    from .hints import RequestHints, engine_priority, parse_request_hints
+except ImportError:  # pragma: no cover
+    RequestHints = None  # type: ignore[assignment]
+    parse_request_hints = None  # type: ignore[assignment]
+    engine_priority = None  # type: ignore[assignment]
+
+DEFAULT_BLOCK_SIZE = 16
+BODY_LIMIT = 45 * 1024 * 1024  # DYN_HTTP_BODY_LIMIT_MB default
+
+
+class FrontendState:
+    """Everything one frontend owns: config, workers, models, embedded cores, metrics."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        model_path: str | None = None,
+        model_paths: dict[str, str] | None = None,
+        health_interval: float = 2.0,
+        request_timeout: float | None = None,
+        slot_registry: Any = None,
+        metrics: FrontendMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.model_paths: dict[str, str] = dict(model_paths or {})
+        self.metrics = metrics or FrontendMetrics()
+        if slot_registry is None:
+            from slot_tracker.core import SlotRegistry
+
+            slot_registry = SlotRegistry()
+        self.slots = slot_registry
+        self.events = None  # IndexerRegistry, created on first use inside the loop
+        self.models: dict[str, ModelEntry] = {}
+        self.thresholds: dict[str, BusyThresholds] = {}
+        self.router = Router(config, self.metrics)
+        self.pool = WorkerPool(self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout)
+        self.file_watcher: WorkersFileWatcher | None = None
+        self.replica_sync = None
+        self._ids = itertools.count(1)
+        self._id_prefix = f"kvr-{self.metrics.router_id[:8]}-"
+        self._worker_gauges: dict[tuple[int, int], tuple] = {}
+        self.shutting_down = False
+        self.admission = None
+        self.sessions = None
+        self.speculative = None
+        self._bg: set[asyncio.Task] = set()
+        self._init_extensions()
+        self.metrics.add_collector(CallbackCollector(self._collect_gauges))
+
+    # ---- extensions ---------------------------------------------------------------------------
+    def _init_extensions(self) -> None:
+        cfg = self.config
+        if cfg.router_queue_threshold is not None:
+            from .admission import AdmissionQueue
+
+            self.admission = AdmissionQueue(cfg.router_queue_policy, cfg.router_queue_threshold, self._queue_capacity)
+
+    def _queue_capacity(self, model: str, hints: Any, threshold: float) -> bool:
+        from .admission import any_rank_free
+
+        entry = self.models.get(model)
+        if entry is None:
+            return True
+        tracker = entry.tracker
+        ranks = [
+            (tracker.active_prefill_tokens(w.id, r), w.max_num_batched_tokens)
+            for w in entry.workers.values() if w.healthy for r in w.spec.ranks
+        ]
+        return any_rank_free(ranks, threshold)
+
+    def capacity_changed(self, model: str) -> None:
+        adm = self.admission
+        if adm is not None:
+            adm.notify(model)
+
+    # ---- ids and gauges -------------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids)}"
+
+    def worker_gauges(self, worker_id: int, dp_rank: int) -> tuple:
+        g = self._worker_gauges.get((worker_id, dp_rank))
+        if g is None:
+            labels = (str(worker_id), str(dp_rank), WORKER_TYPE)
+            m = self.metrics
+            g = self._worker_gauges[(worker_id, dp_rank)] = (
+                m.worker_last_ttft.labels(*labels), m.worker_last_isl.labels(*labels), m.worker_last_itl.labels(*labels))
+        return g
+
+    def _collect_gauges(self):
+        """Scrape-time gauges: per-worker loads from the tracker, model readiness and capacity."""
+        decode = GaugeMetricFamily("dynamo_frontend_worker_active_decode_blocks", "Decode blocks in flight per worker rank", labels=["worker_id", "dp_rank", "worker_type"])
+        prefill = GaugeMetricFamily("dynamo_frontend_worker_active_prefill_tokens", "Prefill tokens in flight per worker rank", labels=["worker_id", "dp_rank", "worker_type"])
+        registered = GaugeMetricFamily("dynamo_component_router_worker_registered", "Worker ranks known to the router", labels=["router_worker_id", "dp_rank", "worker_type"])
+        ready = GaugeMetricFamily("dynamo_frontend_model_ready", "1 when the model has a healthy worker", labels=["model"])
+        blocks = GaugeMetricFamily("dynamo_frontend_model_total_kv_blocks", "Total KV blocks of the model's workers", labels=["model"])
+        mbt = GaugeMetricFamily("dynamo_frontend_model_max_num_batched_tokens", "Max batched tokens of the model's workers", labels=["model"])
+        bsz = GaugeMetricFamily("dynamo_frontend_model_kv_cache_block_size", "KV block size of the model", labels=["model"])
+        depth = GaugeMetricFamily("dynamo_frontend_router_queue_pending_requests", "Requests held in the router queue", labels=["model", "worker_type", "policy_class"])
+        for entry in list(self.models.values()):
+            tracker = entry.tracker
+            for w in entry.workers.values():
+                for r in w.spec.ranks:
+                    labels = [str(w.id), str(r), WORKER_TYPE]
+                    decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
+                    prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
+                    registered.add_metric(labels, 1 if w.healthy else 0)
+            ready.add_metric([entry.name], 1 if entry.ready else 0)
+            total, maxbt = entry.capacity()
+            if total is not None:
+                blocks.add_metric([entry.name], total)
+            if maxbt is not None:
+                mbt.add_metric([entry.name], maxbt)
+            bsz.add_metric([entry.name], entry.block_size)
+            depth.add_metric([entry.name, WORKER_TYPE, "default"], self.admission.depth(entry.name) if self.admission else 0)
+        return [decode, prefill, registered, ready, blocks, mbt, bsz, depth]
+
+    # ---- worker attachment ------------------------------------------------------------------------
+    def _events_registry(self):
+        if self.events is None and self.config.router_mode == "kv" and self.config.router_kv_events and self.config.uses_indexer:
+            from indexer.registry import IndexerRegistry
+
+            self.events = IndexerRegistry()
+        return self.events
+
+    def _tokenizer_for(self, model: str, worker: Worker) -> Any:
+        from kvroute_common.tokenizer import load_tokenizer
+
+        path = self.model_paths.get(model) or worker.spec.model_path or self.model_path
+        return load_tokenizer(path)
+
+    def _worker_changed(self, worker: Worker) -> None:
+        if worker.healthy and worker.discovered:
+            self._attach(worker)
+        elif not worker.healthy:
+            self._stop_events(worker)
+            if self.sessions is not None:
+                self.sessions.drop_worker(worker.id)
+
+    def _worker_removed(self, worker: Worker) -> None:
+        self._stop_events(worker)
+        if self.sessions is not None:
+            self.sessions.drop_worker(worker.id)
+        for model in list(worker.attached_models):
+            entry = self.models.get(model)
+            if entry is None:
+                continue
+            entry.workers.pop(worker.id, None)
+            try:
+                self.slots.unregister(worker.id, model, TENANT)
+            except Exception as exc:
+                log.debug("tracker unregister %s/%s: %s", worker.id, model, exc)
+            if entry.approx is not None:
+                entry.approx.remove_worker(worker.id)
+            if not entry.workers:
+                del self.models[model]
+        worker.attached_models = []
+
+    def _attach(self, worker: Worker) -> None:
+        cfg = self.config
+        attached = []
+        for model in worker.models:
+            entry = self.models.get(model)
+            bs = cfg.kv_cache_block_size or worker.block_size or DEFAULT_BLOCK_SIZE
+            if entry is None:
+                try:
+                    tokenizer = self._tokenizer_for(model, worker)
+                except Exception as exc:
+                    worker.last_error = f"cannot load tokenizer for {model}: {exc}"
+                    log.error("worker %s: %s", worker.id, worker.last_error)
+                    continue
+                approx = None
+                if cfg.router_mode == "kv" and cfg.uses_indexer and not cfg.router_kv_events:
+                    from router.approx import ApproxIndex
+
+                    approx = ApproxIndex(bs, cfg.router_ttl_secs, cfg.router_max_tree_size, cfg.router_prune_target_ratio)
+                thresholds = self.thresholds.get(model)
+                if thresholds is None:
+                    thresholds = self.thresholds[model] = BusyThresholds(
+                        cfg.active_decode_blocks_threshold, cfg.active_prefill_tokens_threshold, cfg.active_prefill_tokens_threshold_frac)
+                entry = self.models[model] = ModelEntry(model, bs, tokenizer, self.slots, self._events_registry(), approx, thresholds)
+            elif worker.block_size and cfg.kv_cache_block_size is None and worker.block_size != entry.block_size:
+                worker.last_error = f"block size {worker.block_size} differs from model {model}'s {entry.block_size}"
+                log.error("worker %s not attached to %s: %s", worker.id, model, worker.last_error)
+                continue
+            entry.workers[worker.id] = worker
+            try:
+                self.slots.register(worker.id, model, TENANT, entry.block_size, worker.spec.dp_start, worker.spec.dp_size)
+            except Exception as exc:  # already registered (health came back) or registered externally
+                log.debug("tracker register %s/%s: %s", worker.id, model, exc)
+            self._start_events(worker, entry)
+            attached.append(model)
+        for model in worker.attached_models:
+            if model not in attached and model in self.models:
+                attached.append(model)
+        worker.attached_models = attached
+
+    def _start_events(self, worker: Worker, entry: ModelEntry) -> None:
+        events = self._events_registry()
+        spec = worker.spec
+        if events is None or not spec.kv_events_endpoint:
+            return
+        inst = events.instances.get(worker.id)
+        if inst is not None:  # one event stream per worker: it feeds the model it was registered for
+            return
+        for r in spec.ranks:
+            try:
+                events.register(
+                    instance_id=worker.id,
+                    endpoint=spec.rank_endpoint(spec.kv_events_endpoint, r),
+                    model_name=entry.name,
+                    tenant_id=TENANT,
+                    block_size=entry.block_size,
+                    dp_rank=r,
+                    replay_endpoint=spec.rank_endpoint(spec.replay_endpoint, r),
+                )
+            except Exception as exc:
+                log.debug("indexer register %s rank %s: %s", worker.id, r, exc)
+
+    def _stop_events(self, worker: Worker) -> None:
+        """A worker that is gone or unhealthy: forget its cached blocks (they may not survive)."""
+        events = self.events
+        if events is not None and worker.id in events.instances:
+            model = events.instances[worker.id].model_name
+
+            async def unregister() -> None:
+                try:
+                    await events.unregister(worker.id, model)
+                except Exception as exc:
+                    log.debug("indexer unregister %s: %s", worker.id, exc)
+
+            self._spawn(unregister())
+        for model in worker.attached_models:
+            entry = self.models.get(model)
+            if entry is not None and entry.approx is not None:
+                entry.approx.remove_worker(worker.id)
+
+    def apply_workers_file(self, specs: list[WorkerSpec], models: dict[str, dict[str, Any]]) -> None:
+        for name, conf in models.items():
+            if isinstance(conf, dict) and conf.get("model_path"):
+                self.model_paths[name] = str(conf["model_path"])
+        self.pool.sync_source("file", specs)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.file_watcher is not None:
+            self.file_watcher.load_now()
+            self.file_watcher.start()
+        for w in list(self.pool.workers.values()):
+            self.pool._spawn(self.pool.probe(w))
+        self.pool.start()
+        self._spawn(self._expiry_loop())
+
+    async def stop(self) -> None:
+        self.shutting_down = True
+        if self.file_watcher is not None:
+            self.file_watcher.stop()
+        for t in list(self._bg):
+            t.cancel()
+        if self.admission is not None:
+            self.admission.close()
+        await self.pool.stop()
+        events = self.events
+        if events is not None:
+            await events.close()
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(60.0)
+            try:
+                self.slots.expire_stale()
+            except Exception:
+                log.exception("tracker expiry failed")
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+
+# ============================================================================================
+# OpenAI routes
+# ============================================================================================
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+def _tokenize(entry: ModelEntry, body: dict, chat: bool) -> list[int]:
+    from kvroute_common.tokenizer import PromptError, chat_prompt_token_ids, completion_prompt_token_ids
+
+    try:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise OpenAIError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+            return chat_prompt_token_ids(entry.tokenizer, messages, **kwargs)
+        if "prompt" not in body:
+            raise OpenAIError(400, "'prompt' is required", "prompt")
+        return completion_prompt_token_ids(entry.tokenizer, body["prompt"])
+    except PromptError as exc:
+        raise OpenAIError(400, str(exc)) from None
+
+
+class OpenAIRoutes:
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        state = self.state
+        t_start = _perf()
+        endpoint = "chat_completions" if chat else "completions"
+        mm = None
+        lease: Lease | None = None
+        try:
+            try:
+                raw = await read_body(request, BODY_LIMIT)
+            except ApiError as exc:
+                raise OpenAIError(exc.status, exc.message) from None
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise OpenAIError(400, f"invalid JSON body: {exc}") from None
+            if not isinstance(body, dict):
+                raise OpenAIError(400, "request body must be a JSON object")
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise OpenAIError(400, "'model' is required", "model")
+            entry = state.models.get(model)
+            if entry is None:
+                raise model_not_found(model)
+            stream = body.get("stream", False)
+            if stream is None:
+                stream = False
+            if not isinstance(stream, bool):
+                raise OpenAIError(400, "'stream' must be a boolean", "stream")
+            mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
+            mm.started.inc()
+            mm.inflight.inc()
+            mm.active.inc()
+            mm.queued.inc()
+
+            modified = False
+            hints = None
+            if parse_request_hints is not None:
+                had_nvext = "nvext" in body
+                try:
+                    hints = parse_request_hints(body, request.headers)
+                except ApiError as exc:
+                    raise OpenAIError(exc.status, exc.message) from None
+                modified = had_nvext
+                if hints.priority is not None and engine_priority is not None:
+                    p = engine_priority(hints)
+                    if p is not None:
+                        body["priority"] = p
+                        modified = True
+
+            t_tok = _perf()
+            tokens = hints.token_data if (hints is not None and hints.token_data) else _tokenize(entry, body, chat)
+            state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
+
+            if state.admission is not None and hints is not None:
+                await state.admission.wait(model, hints)
+
+            pinned_worker = hints.pinned_worker_id if hints is not None else None
+            pinned_rank = hints.pinned_dp_rank if hints is not None else None
+            out_body = orjson.dumps(body) if modified else raw
+            return await self._dispatch(entry, mm, tokens, out_body, stream, pinned_worker, pinned_rank, t_start, chat)
+        except OpenAIError as exc:
+            if mm is not None:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", _error_type(exc.status))
+                if exc.status == 529:
+                    state.metrics.rejections.labels(mm.model, endpoint).inc()
+            return openai_error_response(exc.status, exc.message, exc.param)
+
+    async def _dispatch(self, entry: ModelEntry, mm: Any, tokens: list[int], out_body: bytes, stream: bool,
+                        pinned_worker: int | None, pinned_rank: int | None, t_start: float, chat: bool) -> Response:
+        state = self.state
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        attempts = 0
+        while True:
+            attempts += 1
+            decision = state.router.route(entry, tokens, pinned_worker, pinned_rank)
+            request_id = state.next_request_id()
+            try:
+                state.router.book(entry, request_id, decision)
+            except Exception as exc:
+                raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
+            state.metrics.router_started.inc()
+            lease = Lease(state, entry, request_id, decision, mm, t_start)
+            _record_routed(state, mm, decision)
+            try:
+                response = await self._send(lease, out_body, stream, path)
+            except BaseException:
+                lease.status, lease.error_type = "error", "cancelled"
+                lease.release()
+                raise
+            if response is _RETRY:
+                if attempts < 3 and pinned_worker is None:
+                    lease.release(final=False)
+                    continue
+                lease.status, lease.error_type = "error", "unavailable"
+                lease.release()
+                return openai_error_response(503, f"worker {decision.worker.id} is unreachable")
+            return response
+
+    async def _send(self, lease: Lease, out_body: bytes, stream: bool, path: str) -> Any:
+        """One attempt on the lease's worker. Returns a response, or _RETRY when the worker was unreachable."""
+        state = self.state
+        decision = lease.decision
+        worker = decision.worker
+        headers = upstream_headers(decision.dp_rank, lease.request_id)
+        try:
+            if stream:
+                req = worker.client.build_request("POST", path, content=out_body, headers=headers)
+                upstream = await worker.client.send(req, stream=True)
+            else:
+                upstream = await worker.client.post(path, content=out_body, headers=headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # never reached the worker: take it out (it is now excluded) and let the caller route again
+            state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+            return _RETRY
+        except (httpx.HTTPError, OSError) as exc:
+            state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+            _lease_abort(lease, 500)
+            return openai_error_response(500, f"worker {worker.id} failed: {type(exc).__name__}")
+        if stream:
+            if upstream.status_code != 200:
+                data = await upstream.aread()
+                await upstream.aclose()
+                return _upstream_error(lease, upstream.status_code, data)
+            return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
+                               self._stream_failed)
+        data = upstream.content
+        if upstream.status_code != 200:
+            return _upstream_error(lease, upstream.status_code, data)
+        lease.first_token()
+        n = count_completion_tokens(data)
+        if n:
+            lease.tokens_out = n
+            lease.mm.output_tokens.inc(n)
+        lease.release()
+        return Response(data, status_code=200, media_type=upstream.headers.get("content-type", "application/json"),
+                        headers={"x-data-parallel-rank": str(decision.dp_rank)})
+
+    def _stream_failed(self, lease: Lease, exc: BaseException) -> None:
+        self.state.pool.mark_failed(lease.decision.worker, f"{type(exc).__name__}: {exc}")
+
+
+_RETRY = object()
+
+
+def _record_routed(state: FrontendState, mm: Any, decision: Any) -> None:
+    isl = decision.isl
+    mm.isl.observe(isl)
+    mm.cached.observe(decision.cached_tokens)
+    m = state.metrics
+    m.router_isl.observe(isl)
+    if isl:
+        m.router_kv_hit_rate.observe(decision.cached_tokens / isl)
+    state.worker_gauges(decision.worker.id, decision.dp_rank)[1].set(isl)
+
+
+def _lease_abort(lease: Lease, status: int) -> None:
+    lease.status, lease.error_type = "error", _error_type(status)
+    lease.release()
+
+
+def _upstream_error(lease: Lease, status: int, data: bytes) -> Response:
+    """Worker said no: 4xx passes through with its message, 5xx becomes a generic 500."""
+    _lease_abort(lease, status)
+    if 400 <= status < 500:
+        msg = _error_message(data) or f"worker returned {status}"
+        return openai_error_response(status, msg)
+    return openai_error_response(500, "Internal server error")
+
+
+def _error_message(data: bytes) -> str | None:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data.decode("utf-8", "replace")[:500] or None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(obj.get("message"), str):
+            return obj["message"]
+    return None
+
+
+def _error_type(status: int) -> str:
+    from .errors import error_type_label
+
+    return error_type_label(status)
+
+
+# ============================================================================================
+# Admin routes: models, health, metrics, busy thresholds, worker registration
+# ============================================================================================
+
+
+class AdminRoutes:
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    async def models(self, request: Request) -> Response:
+        now = int(time.time())
+        data = [{"id": name, "object": "model", "created": now, "owned_by": "kvroute"} for name in sorted(self.state.models)]
+        return json_response({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in self.state.models:
+            return openai_error_response(404, f"Model not found: {name}", "model")
+        return json_response({"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvroute"})
+
+    async def health(self, request: Request) -> Response:
+        st = self.state
+        if st.shutting_down:
+            return json_response({"status": "shutting_down", "message": "Service is shutting down"}, 503)
+        workers = list(st.pool.workers.values())
+        instances = [{"worker_id": w.id, "url": w.spec.url, "healthy": w.healthy, "models": w.models, "dp_size": w.spec.dp_size,
+                      "last_error": w.last_error} for w in workers]
+        endpoints = sorted({w.spec.url for w in workers if w.healthy})
+        ready = any(e.ready for e in st.models.values())
+        body = {"status": "healthy" if ready else "not_ready",
+                "message": "Service is ready" if ready else "No healthy worker yet",
+                "endpoints": endpoints, "instances": instances, "models": sorted(st.models)}
+        return json_response(body, 200 if ready else 503)
+
+    async def live(self, request: Request) -> Response:
+        if self.state.shutting_down:
+            return json_response({"status": "shutting_down", "message": "Service is shutting down"}, 503)
+        return json_response({"status": "live", "message": "Service is live"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- /busy_threshold ------------------------------------------------------------------------
+    async def busy_threshold_get(self, request: Request) -> Response:
+        st = self.state
+        items = [t.to_dict(m) for m, t in sorted(st.thresholds.items()) if t.enabled]
+        return json_response({"thresholds": items})
+
+    async def busy_threshold_post(self, request: Request) -> Response:
+        st = self.state
+        body = await read_json(request, dict)
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise ApiError(422, "Failed to deserialize the JSON body into the target type: missing field `model`")
+        decode = body.get("active_decode_blocks_threshold")
+        prefill = body.get("active_prefill_tokens_threshold")
+        frac = body.get("active_prefill_tokens_threshold_frac")
+        if isinstance(prefill, float) and prefill.is_integer():
+            prefill = int(prefill)
+        for name, v in (("active_decode_blocks_threshold", decode), ("active_prefill_tokens_threshold", prefill),
+                        ("active_prefill_tokens_threshold_frac", frac)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ApiError(422, f"Failed to deserialize the JSON body into the target type: {name}: invalid type")
+        if decode is None and prefill is None and frac is None:
+            t = st.thresholds.get(model) or BusyThresholds()
+            return json_response(t.to_dict(model))
+        try:
+            validate_update(decode, prefill, frac)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        if model not in st.models:
+            raise ApiError(404, f"Model '{model}' not found. Thresholds can only be set for discovered models.")
+        t = st.thresholds.get(model)
+        if t is None:
+            t = st.thresholds[model] = BusyThresholds()
+            st.models[model].thresholds = t
+        if decode is not None:
+            t.active_decode_blocks_threshold = float(decode)
+        if prefill is not None:
+            t.active_prefill_tokens_threshold = int(prefill)
+        if frac is not None:
+            t.active_prefill_tokens_threshold_frac = float(frac)
+        st.capacity_changed(model)
+        return json_response(t.to_dict(model))
+
+    # ---- worker registration API ----------------------------------------------------------------
+    async def workers_list(self, request: Request) -> Response:
+        return json_response({"workers": [w.describe() for w in sorted(self.state.pool.workers.values(), key=lambda w: w.id)]})
+
+    async def workers_add(self, request: Request) -> Response:
+        body = await read_json(request, dict)
+        try:
+            spec = WorkerSpec.from_mapping(body)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        pool = self.state.pool
+        existing = pool.workers.get(spec.id)
+        worker = pool.add(spec, "api")
+        if request.query_params.get("wait", "true").lower() not in ("0", "false", "no"):
+            await pool.probe(worker)
+        return json_response(worker.describe(), 200 if existing is not None else 201)
+
+    async def workers_remove(self, request: Request) -> Response:
+        try:
+            worker_id = int(request.path_params["worker_id"])
+        except ValueError:
+            raise ApiError(400, "worker id must be an integer") from None
+        if self.state.pool.remove(worker_id) is None:
+            raise ApiError(404, f"worker {worker_id} not found")
+        return json_response({"status": "ok"})
+
+
+def _tracker_routes(state: FrontendState) -> list[BaseRoute]:
+    """The slot tracker's HTTP API on the frontend's port, backed by the embedded tracker."""
+    try:
+        from slot_tracker import service
+    except ImportError:  # pragma: no cover
+        return []
+    factory = getattr(service, "tracker_routes", None)
+    if factory is None:
+        return []
+    routes = factory(state.slots, state.replica_sync)
+    # the frontend's own /health wins
+    return [r for r in routes if getattr(r, "path", None) != "/health"]
+
+
+def build_app(state: FrontendState) -> Starlette:
+    oa = OpenAIRoutes(state)
+    ad = AdminRoutes(state)
+    routes: list[BaseRoute] = [
+        Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
+        Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/v1/models", ad.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", ad.model, methods=["GET"]),
+        Route("/health", ad.health, methods=["GET"]),
+        Route("/live", ad.live, methods=["GET"]),
+        Route("/metrics", ad.metrics, methods=["GET"]),
+        route("/busy_threshold", ad.busy_threshold_get, ["GET"]),
+        route("/busy_threshold", ad.busy_threshold_post, ["POST"]),
+        route("/admin/workers", ad.workers_list, ["GET"]),
+        route("/admin/workers", ad.workers_add, ["POST"]),
+        route("/admin/workers/{worker_id}", ad.workers_remove, ["DELETE"]),
+    ]
+    routes += _tracker_routes(state)
+
+    async def lifespan(app):
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan)
+    app.state.frontend = state
+    return app

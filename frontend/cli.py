@@ -1,0 +1,90 @@
+"""``python -m frontend``: flags, workers, and the uvicorn server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from router.config import RouterConfig, add_router_args
+
+log = logging.getLogger("frontend")
+
+# flags of later features: accepted now, but say so instead of silently doing nothing
+_NOT_YET = {
+    "router_track_output_blocks": "--router-track-output-blocks",
+    "router_replica_sync": "--router-replica-sync",
+    "router_session_affinity_ttl_secs": "--router-session-affinity-ttl-secs",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m frontend",
+        description="kvroute: KV-cache-aware OpenAI-compatible frontend in front of vLLM / SGLang / mocker workers.",
+    )
+    g = p.add_argument_group("frontend")
+    g.add_argument("--http-host", default=os.environ.get("DYN_HTTP_HOST", "0.0.0.0"), help="listen address [env DYN_HTTP_HOST; default 0.0.0.0]")
+    g.add_argument("--http-port", type=int, default=int(os.environ.get("DYN_HTTP_PORT", "8000")), help="listen port [env DYN_HTTP_PORT; default 8000]")
+    g.add_argument("--worker", action="append", default=[], metavar="SPEC",
+                   help="a worker: id=1,url=http://127.0.0.1:8001[,dp_size=2][,dp_start=0][,kv_events_endpoint=tcp://127.0.0.1:5557]"
+                        "[,replay_endpoint=tcp://127.0.0.1:5567][,model=NAME][,model_path=DIR][,block_size=N][,num_gpu_blocks=N]"
+                        "[,max_num_batched_tokens=N] (repeatable; rank r uses the endpoints' port + r)")
+    g.add_argument("--workers-file", default=os.environ.get("KVROUTE_WORKERS_FILE"), metavar="FILE",
+                   help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read when it changes')
+    g.add_argument("--model-path", default=os.environ.get("KVROUTE_MODEL_PATH"),
+                   help="local HF tokenizer directory for every model (default: the built-in offline tokenizer)")
+    g.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker health checks [default 2]")
+    g.add_argument("--request-timeout", type=float, default=None, help="read timeout for worker responses in seconds [default: none]")
+    g.add_argument("--log-level", default=os.environ.get("DYN_LOG", "info"), help="debug shows one cost line per candidate per decision")
+    add_router_args(p)
+    return p
+
+
+def make_state(ns: argparse.Namespace):
+    from .app import FrontendState
+    from .workers import WorkersFileWatcher, parse_worker_arg
+
+    config = RouterConfig.from_args(ns)
+    for dest, flag in _NOT_YET.items():
+        if getattr(config, dest, None) not in (None, False):
+            log.warning("%s is accepted but not implemented yet in this frontend: it has no effect", flag)
+    if config.router_event_threads and config.router_event_threads > 1:
+        log.info("--router-event-threads %s: KV events are applied on the event loop; the value is ignored", config.router_event_threads)
+    if config.router_mode != "kv" and not config.router_kv_events:
+        log.info("--no-router-kv-events only matters with --router-mode kv")
+    state = FrontendState(config, model_path=ns.model_path, health_interval=ns.health_check_interval, request_timeout=ns.request_timeout)
+    for text in ns.worker:
+        try:
+            spec = parse_worker_arg(text)
+        except ValueError as exc:
+            raise SystemExit(f"--worker {text!r}: {exc}") from None
+        state.pool.add(spec, "cli")
+    if ns.workers_file:
+        state.file_watcher = WorkersFileWatcher(ns.workers_file, state.apply_workers_file)
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        from . import demo
+
+        return demo.main(argv[1:]) or 0
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    state = make_state(ns)
+    from .app import build_app
+
+    import uvicorn
+
+    app = build_app(state)
+    config = uvicorn.Config(app, host=ns.http_host, port=ns.http_port, log_level="warning", access_log=False,
+                            loop="uvloop", http="httptools", lifespan="on", timeout_keep_alive=75)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0

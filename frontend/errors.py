@@ -1,0 +1,68 @@
+"""OpenAI-shaped errors for the ``/v1/*`` routes.
+
+The body carries both shapes clients look for: OpenAI's nested ``{"error": {"message", "type",
+"param", "code"}}`` (what the ``openai`` SDK reads) and the reference frontend's flat ``message`` /
+``type`` / ``code`` fields (what Dynamo clients read). The type is the HTTP reason phrase, or
+``Overloaded`` for 529, as in the reference.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import orjson
+from starlette.responses import Response
+
+OVERLOAD_STATUS = 529
+
+# error_type label of dynamo_frontend_requests_total per status
+_ERROR_TYPES = {400: "validation", 404: "not_found", 413: "validation", 415: "validation", 422: "validation",
+                499: "cancelled", 501: "not_implemented", 503: "unavailable", 504: "response_timeout", 529: "overload"}
+
+
+def reason_phrase(status: int) -> str:
+    if status == OVERLOAD_STATUS:
+        return "Overloaded"
+    if status == 499:
+        return "Client Closed Request"
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def error_type_label(status: int) -> str:
+    return _ERROR_TYPES.get(status, "internal" if status >= 500 else "validation")
+
+
+class OpenAIError(Exception):
+    """A failure reported to an OpenAI client with ``status`` and ``message``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def openai_error_body(status: int, message: str, param: str | None = None) -> bytes:
+    kind = reason_phrase(status)
+    return orjson.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}, "message": message, "type": kind, "code": status}
+    )
+
+
+def openai_error_response(status: int, message: str, param: str | None = None) -> Response:
+    return Response(openai_error_body(status, message, param), status_code=status, media_type="application/json")
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"Model not found: {model}", "model")
+
+
+def no_worker(model: str) -> OpenAIError:
+    return OpenAIError(503, f"No worker available for model {model}")
+
+
+def all_busy(model: str) -> OpenAIError:
+    return OpenAIError(OVERLOAD_STATUS, f"All eligible workers are busy for model {model}; retry later")

@@ -1,0 +1,84 @@
+"""Per-model routing state: block size, tokenizer, embedded tracker and index, busy thresholds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .busy import BusyThresholds
+
+if TYPE_CHECKING:
+    from .workers import Worker
+
+TENANT = "default"
+
+
+class ModelEntry:
+    """One served model. Exists while at least one registered worker serves it."""
+
+    __slots__ = ("name", "block_size", "tokenizer", "workers", "thresholds", "approx", "_slots", "_events")
+
+    def __init__(self, name: str, block_size: int, tokenizer: Any, slots: Any, events: Any, approx: Any, thresholds: BusyThresholds) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.tokenizer = tokenizer
+        self.workers: dict[int, Worker] = {}
+        self.thresholds = thresholds
+        self.approx = approx  # router.approx.ApproxIndex in approximate mode, else None
+        self._slots = slots  # slot_tracker.core.SlotRegistry
+        self._events = events  # the embedded IndexerRegistry (KV events mode) or None
+
+    @property
+    def tracker(self) -> Any:
+        """This model's slot tracker (the registry owns it; an external /unregister may drop it)."""
+        return self._slots.get(self.name, TENANT) or _EMPTY_TRACKER
+
+    @property
+    def index(self) -> Any:
+        """Where overlaps come from: the predicted index, the event-fed index, or None."""
+        if self.approx is not None:
+            return self.approx
+        if self._events is not None:
+            return self._events.index(self.name, TENANT)
+        return None
+
+    def known_worker_ids(self) -> set[int]:
+        return set(self.workers)
+
+    @property
+    def ready(self) -> bool:
+        return any(w.healthy for w in self.workers.values())
+
+    def capacity(self) -> tuple[int | None, int | None]:
+        """(total KV blocks, max batched tokens) summed / maxed over healthy workers, for gauges."""
+        total = [w.num_gpu_blocks * w.spec.dp_size for w in self.workers.values() if w.num_gpu_blocks]
+        mbt = [w.max_num_batched_tokens for w in self.workers.values() if w.max_num_batched_tokens]
+        return (sum(total) if total else None, max(mbt) if mbt else None)
+
+
+class _EmptyTracker:
+    """Stand-in when the registry has no tracker for a model: nothing in flight anywhere."""
+
+    block_size = 0
+
+    def potential_loads(self, sequence_hashes, new_isl_tokens=0):
+        return []
+
+    def active_prefill_tokens(self, worker_id, dp_rank):
+        return 0
+
+    def active_decode_blocks(self, worker_id, dp_rank):
+        return 0
+
+    def add(self, *args, **kwargs):
+        from slot_tracker.core import SlotTrackerError
+
+        raise SlotTrackerError(404, "tracker not found")
+
+    def prefill_complete(self, request_id):
+        return None
+
+    def free(self, request_id):
+        return False
+
+
+_EMPTY_TRACKER = _EmptyTracker()

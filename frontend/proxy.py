@@ -1,0 +1,232 @@
+"""Dispatch to a worker and pass its response through, owning the request's load booking.
+
+A :class:`Lease` is the booking of one routed request in the embedded slot tracker. Every exit
+path ends in ``Lease.release()`` (idempotent): normal end of stream, worker error, client
+disconnect, cancellation. The first body bytes from the worker mark prefill complete.
+
+Streaming responses are a small ASGI callable (:class:`StreamProxy`) rather than Starlette's
+``StreamingResponse``: it forwards each chunk the moment httpx yields it (no buffering), and it
+watches the client's ``http.disconnect`` concurrently so a client that goes away while the worker
+is still thinking frees its load at once and aborts the worker's request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from .errors import openai_error_body
+
+if TYPE_CHECKING:
+    from .app import FrontendState
+    from .models import ModelEntry
+    from .routing import Decision
+
+log = logging.getLogger("frontend.proxy")
+_now = time.perf_counter
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_DONE = b"data: [DONE]"
+
+
+class Lease:
+    """One request's booking on its (worker, rank) plus its per-request metrics."""
+
+    __slots__ = ("state", "entry", "request_id", "decision", "mm", "t_start", "t_first", "t_last", "tokens_out",
+                 "prefilled", "released", "status", "error_type", "_gauges", "hooks")
+
+    def __init__(self, state: "FrontendState", entry: "ModelEntry", request_id: str, decision: "Decision", mm: Any, t_start: float) -> None:
+        self.state = state
+        self.entry = entry
+        self.request_id = request_id
+        self.decision = decision
+        self.mm = mm
+        self.t_start = t_start
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.tokens_out = 0
+        self.prefilled = False
+        self.released = False
+        self.status = "success"
+        self.error_type = ""
+        self._gauges = None
+        self.hooks: list[Any] = []  # objects with on_tokens(lease, n) / on_release(lease) (extensions)
+
+    def first_token(self) -> None:
+        """The worker produced output: the prompt is no longer prefill load."""
+        if self.prefilled or self.released:
+            return
+        self.prefilled = True
+        now = _now()
+        self.t_first = self.t_last = now
+        ttft = now - self.t_start
+        mm = self.mm
+        mm.ttft.observe(ttft)
+        mm.queued.dec()
+        self.state.metrics.router_ttft.observe(ttft)
+        g = self.state.worker_gauges(self.decision.worker.id, self.decision.dp_rank)
+        g[0].set(ttft)
+        try:
+            self.entry.tracker.prefill_complete(self.request_id)
+        except Exception as exc:  # unknown request (tracker dropped it): nothing left to complete
+            log.debug("prefill_complete(%s): %s", self.request_id, exc)
+        self.state.capacity_changed(self.entry.name)
+
+    def tokens(self, n: int) -> None:
+        """``n`` more output tokens arrived (streaming)."""
+        if n <= 0:
+            return
+        now = _now()
+        if self.tokens_out and self.t_last is not None:
+            gap = (now - self.t_last) / n
+            self.mm.itl.observe(gap)
+            self.state.metrics.router_itl.observe(gap)
+        self.t_last = now
+        self.tokens_out += n
+        self.mm.output_tokens.inc(n)
+        for h in self.hooks:
+            h.on_tokens(self, n)
+
+    def fail(self, status: int, error_type: str) -> None:
+        self.status = "error"
+        self.error_type = error_type
+
+    def release(self, final: bool = True) -> None:
+        """Free the booking and record the request's end. Safe to call any number of times.
+
+        ``final=False`` only frees the booking (the request is being re-routed elsewhere)."""
+        if self.released:
+            return
+        self.released = True
+        if not final:
+            try:
+                self.entry.tracker.free(self.request_id)
+            except Exception as exc:
+                log.debug("free(%s): %s", self.request_id, exc)
+            self.state.capacity_changed(self.entry.name)
+            return
+        mm = self.mm
+        if not self.prefilled:
+            mm.queued.dec()
+        try:
+            self.entry.tracker.free(self.request_id)
+        except Exception as exc:
+            log.debug("free(%s): %s", self.request_id, exc)
+        for h in self.hooks:
+            try:
+                h.on_release(self)
+            except Exception:
+                log.exception("release hook failed")
+        now = _now()
+        mm.duration.observe(now - self.t_start)
+        mm.inflight.dec()
+        mm.active.dec()
+        mm.osl.observe(self.tokens_out)
+        mm.finished(self.status, self.error_type)
+        m = self.state.metrics
+        m.router_requests.inc()
+        m.router_osl.observe(self.tokens_out)
+        if self.tokens_out > 1 and self.t_first is not None and self.t_last is not None:
+            g = self.state.worker_gauges(self.decision.worker.id, self.decision.dp_rank)
+            g[2].set((self.t_last - self.t_first) / (self.tokens_out - 1))
+        self.state.capacity_changed(self.entry.name)
+
+
+def upstream_headers(rank: int, request_id: str) -> dict[str, str]:
+    return {"content-type": "application/json", "x-data-parallel-rank": str(rank), "x-request-id": request_id}
+
+
+def count_completion_tokens(body: bytes) -> int:
+    m = _COMPLETION_TOKENS.search(body)
+    return int(m.group(1)) if m else 0
+
+
+class StreamProxy:
+    """ASGI response that relays a worker's SSE stream chunk by chunk and always releases the lease."""
+
+    __slots__ = ("upstream", "lease", "headers", "on_failure")
+
+    def __init__(self, upstream: httpx.Response, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any) -> None:
+        self.upstream = upstream
+        self.lease = lease
+        self.headers = headers
+        self.on_failure = on_failure  # callable(lease, exc) for worker failures mid-stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        lease = self.lease
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            pump = asyncio.ensure_future(self._pump(send))
+            watch = asyncio.ensure_future(_wait_disconnect(receive))
+            try:
+                done, _ = await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not watch.done():
+                    watch.cancel()
+            if pump not in done:  # the client went away first
+                pump.cancel()
+                self._cancelled()
+                try:
+                    await pump
+                except (asyncio.CancelledError, Exception):
+                    pass
+            else:
+                exc = pump.exception()
+                if isinstance(exc, OSError):  # send failed: client gone
+                    self._cancelled()
+                elif exc is not None:
+                    raise exc
+        except asyncio.CancelledError:
+            self._cancelled()
+            raise
+        finally:
+            lease.release()
+            await self.upstream.aclose()
+
+    def _cancelled(self) -> None:
+        lease = self.lease
+        if lease.released or lease.status == "error":
+            return
+        lease.status, lease.error_type = "error", "cancelled"
+        st = lease.state
+        st.metrics.disconnected.inc()
+        st.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+
+    async def _pump(self, send: Any) -> None:
+        lease = self.lease
+        first = True
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if not chunk:
+                    continue
+                if first:
+                    first = False
+                    lease.first_token()
+                n = chunk.count(b"data:")
+                if n:
+                    if _DONE in chunk:
+                        n -= 1
+                    lease.tokens(n)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except OSError:
+            raise
+        except (httpx.HTTPError, asyncio.IncompleteReadError) as exc:
+            lease.fail(500, "internal")
+            self.on_failure(lease, exc)
+            msg = f"worker {lease.decision.worker.id} failed mid-stream: {type(exc).__name__}"
+            err = b"data: " + openai_error_body(500, msg) + b"\n\ndata: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": err, "more_body": True})
+        lease.release()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,188 @@
+"""The routing decision for one request: candidates, eligibility, cost, choice, booking.
+
+No I/O: it reads the embedded indexer (or the approximate index) and the embedded slot tracker of
+the request's model and books the chosen (worker, DP rank) into the tracker before the request is
+sent, so the next decision already sees it. Cost and choice are ``router.selection``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from router.hashing import local_block_hashes, sequence_hashes
+from router.selection import CandidateLoad, WorkerCost, choose, formula, score_candidates
+
+from .errors import OpenAIError, all_busy, no_worker
+
+if TYPE_CHECKING:
+    from .models import ModelEntry
+    from .workers import Worker
+
+log = logging.getLogger("frontend.routing")
+_perf = time.perf_counter
+
+TENANT = "default"
+
+
+@dataclass(slots=True)
+class Decision:
+    """Where a request goes and what was booked for it."""
+
+    worker: "Worker"
+    dp_rank: int
+    isl: int
+    overlap_blocks: int
+    new_isl_tokens: int
+    tracked_hashes: list[int]
+    local_hashes: list[int]
+    seq_hashes: list[int]
+    cost: WorkerCost | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.isl - self.new_isl_tokens
+
+
+class Router:
+    """Chooses a (worker, rank) per request according to ``--router-mode``."""
+
+    def __init__(self, config: Any, metrics: Any = None, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self._rr = 0
+
+    # ------------------------------------------------------------------------------------------
+    def route(
+        self,
+        entry: "ModelEntry",
+        tokens: list[int],
+        pinned_worker: int | None = None,
+        pinned_rank: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Decision:
+        """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin)."""
+        cfg = self.config
+        t0 = _perf()
+        bs = entry.block_size
+        isl = len(tokens)
+        kv = cfg.router_mode == "kv"
+        metrics = self.metrics
+        index = entry.index if kv else None
+
+        local = local_block_hashes(tokens, bs, None, cache_salt) if (index is not None or cfg.router_track_active_blocks) else []
+        t1 = _perf()
+        seq = sequence_hashes(local)
+        t2 = _perf()
+        if not cfg.router_track_active_blocks:
+            tracked: list[int] = []
+        elif cfg.router_assume_kv_reuse:
+            tracked = seq
+        else:
+            getrandbits = self.rng.getrandbits
+            tracked = [getrandbits(64) for _ in seq]
+        overlaps = index.find_matches(local) if (index is not None and local) else {}
+        t3 = _perf()
+
+        candidates, busy_excluded = self._candidates(entry, pinned_worker, pinned_rank)
+        if not candidates:
+            if pinned_worker is not None and busy_excluded:
+                raise OpenAIError(529, f"Pinned worker {pinned_worker} is busy")
+            if busy_excluded:
+                raise all_busy(entry.name)
+            raise no_worker(entry.name)
+
+        tracker = entry.tracker
+        cost: WorkerCost | None = None
+        if kv:
+            potential = {(p[0], p[1]): p for p in tracker.potential_loads(tracked, 0)}
+            loads: list[CandidateLoad] = []
+            for worker, rank in candidates:
+                p = potential.get((worker.id, rank))
+                if p is None:  # not (yet) in the tracker: nothing in flight there
+                    loads.append(CandidateLoad(worker.id, rank, 0, len(tracked), 0))
+                else:
+                    loads.append(CandidateLoad(worker.id, rank, p[2], p[3], p[4]))
+            costs = score_candidates(loads, overlaps, isl, bs, cfg.router_kv_overlap_score_weight, cfg.router_track_prefill_tokens)
+            cost = choose(costs, cfg.router_temperature, self.rng)
+            if log.isEnabledFor(logging.DEBUG):
+                w = cfg.router_kv_overlap_score_weight
+                for c in costs:
+                    log.debug(formula(c, w))
+                log.debug("Selected worker_%s dp_rank %s (cost %.1f) for %d tokens of model %s", cost.worker_id, cost.dp_rank, cost.cost, isl, entry.name)
+            chosen_id, rank = cost.worker_id, cost.dp_rank
+            worker = next(w for w, r in candidates if w.id == chosen_id and r == rank)
+            overlap = cost.overlap_blocks
+        else:
+            if cfg.router_mode == "random":
+                worker, rank = candidates[self.rng.randrange(len(candidates))]
+            else:
+                self._rr += 1
+                worker, rank = candidates[self._rr % len(candidates)]
+            overlap = 0
+        new_tokens = isl - overlap * bs
+        if new_tokens < 0:
+            new_tokens = 0
+        t4 = _perf()
+        if metrics is not None:
+            metrics.oh_block_hashing.observe((t1 - t0) * 1e3)
+            metrics.oh_seq_hashing.observe((t2 - t1) * 1e3)
+            if index is not None:
+                metrics.oh_find_matches.observe((t3 - t2) * 1e3)
+            metrics.oh_scheduling.observe((t4 - t3) * 1e3)
+            metrics.oh_total.observe((t4 - t0) * 1e3)
+        return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost)
+
+    # ------------------------------------------------------------------------------------------
+    def _candidates(
+        self, entry: "ModelEntry", pinned_worker: int | None, pinned_rank: int | None
+    ) -> tuple[list[tuple["Worker", int]], bool]:
+        """Healthy (worker, rank) pairs not excluded as busy; the flag says whether busy excluded any."""
+        out: list[tuple[Worker, int]] = []
+        busy = False
+        thresholds = entry.thresholds
+        check = thresholds.enabled
+        tracker = entry.tracker
+        if pinned_worker is not None:
+            w = entry.workers.get(pinned_worker)
+            if w is None:
+                raise OpenAIError(400 if pinned_worker not in entry.known_worker_ids() else 503,
+                                  f"Pinned worker {pinned_worker} is not serving model {entry.name}")
+            if not w.healthy:
+                raise OpenAIError(503, f"Pinned worker {pinned_worker} is unavailable")
+            pool = [w]
+        else:
+            pool = [w for w in entry.workers.values() if w.healthy]
+        for w in pool:
+            ranks = w.spec.ranks
+            if pinned_rank is not None and pinned_worker is not None:
+                if pinned_rank not in ranks:
+                    raise OpenAIError(400, f"dp_rank {pinned_rank} is out of range for worker {w.id}")
+                ranks = range(pinned_rank, pinned_rank + 1)
+            if check:
+                total = w.num_gpu_blocks
+                mbt = w.max_num_batched_tokens
+                # a worker is busy only when ALL its ranks are overloaded
+                if all(
+                    thresholds.rank_overloaded(tracker.active_prefill_tokens(w.id, r), tracker.active_decode_blocks(w.id, r), total, mbt)
+                    for r in w.spec.ranks
+                ):
+                    busy = True
+                    continue
+            for r in ranks:
+                out.append((w, r))
+        return out, busy
+
+    # ------------------------------------------------------------------------------------------
+    def book(self, entry: "ModelEntry", request_id: str, decision: Decision) -> None:
+        """Record the request on its (worker, rank) before dispatch; approximate mode predicts its blocks."""
+        tracker = entry.tracker
+        new_isl = decision.new_isl_tokens if self.config.router_track_prefill_tokens else 0
+        tracker.add(request_id, decision.worker.id, decision.dp_rank, decision.tracked_hashes, new_isl)
+        approx = entry.approx
+        if approx is not None and decision.local_hashes:
+            approx.record(decision.worker.id, decision.dp_rank, decision.local_hashes, decision.seq_hashes)

@@ -1,0 +1,425 @@
+"""The engine workers the frontend routes to: configuration, discovery and health.
+
+A worker is an OpenAI-compatible engine (vLLM, SGLang, the mocker) at a base URL with a DP range.
+Workers come from ``--worker`` flags, a ``--workers-file`` (JSON or YAML, re-read when it changes)
+and the runtime registration API; each source owns its own entries, so a file reload never drops a
+worker that came from the command line or the API.
+
+Discovery reads the served models from ``/v1/models`` and the capacity (block size, KV blocks,
+max batched tokens) from the ``vllm:cache_config_info`` metric unless the configuration gives them.
+A worker that fails a health check or a dispatch leaves the candidate set until a health check
+passes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("frontend.workers")
+
+_INT_FIELDS = {"id", "dp_size", "dp_start", "block_size", "num_gpu_blocks", "max_num_batched_tokens"}
+_STR_FIELDS = {"url", "kv_events_endpoint", "replay_endpoint", "model", "model_path"}
+_ALIASES = {"worker_id": "id", "instance_id": "id", "base_url": "url", "data_parallel_size": "dp_size",
+            "data_parallel_start_rank": "dp_start", "kv_cache_block_size": "block_size", "endpoint": "kv_events_endpoint",
+            "total_kv_blocks": "num_gpu_blocks"}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """How to reach one worker. Optional capacity fields override what the worker reports."""
+
+    id: int
+    url: str
+    dp_size: int = 1
+    dp_start: int = 0
+    kv_events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    model: str | None = None  # serve under this name instead of asking /v1/models
+    model_path: str | None = None  # tokenizer for this worker's model (local HF directory)
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+
+    @classmethod
+    def from_mapping(cls, raw: dict[str, Any]) -> "WorkerSpec":
+        """Build from a dict (file entry, API body, parsed flag); ValueError with a clear message."""
+        if not isinstance(raw, dict):
+            raise ValueError("a worker must be an object")
+        values: dict[str, Any] = {}
+        known = {f.name for f in fields(cls)}
+        for key, value in raw.items():
+            name = _ALIASES.get(key, key)
+            if name not in known:
+                raise ValueError(f"unknown worker field {key!r}")
+            if value is None:
+                continue
+            if name in _INT_FIELDS:
+                if isinstance(value, bool) or not isinstance(value, (int, str)):
+                    raise ValueError(f"worker field {key!r} must be an integer")
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise ValueError(f"worker field {key!r} must be an integer, got {value!r}") from None
+            elif not isinstance(value, str):
+                raise ValueError(f"worker field {key!r} must be a string")
+            values[name] = value
+        if "id" not in values:
+            raise ValueError("worker needs an 'id'")
+        if "url" not in values:
+            raise ValueError("worker needs a 'url'")
+        if values["id"] < 0:
+            raise ValueError("worker id must be >= 0")
+        url = values["url"].rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker url must start with http:// or https://, got {values['url']!r}")
+        if url.endswith("/v1"):
+            url = url[:-3]
+        values["url"] = url
+        if values.get("dp_size", 1) < 1:
+            raise ValueError("dp_size must be >= 1")
+        if values.get("dp_start", 0) < 0:
+            raise ValueError("dp_start must be >= 0")
+        for name in ("block_size", "num_gpu_blocks", "max_num_batched_tokens"):
+            if name in values and values[name] <= 0:
+                raise ValueError(f"{name} must be > 0")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @property
+    def ranks(self) -> range:
+        return range(self.dp_start, self.dp_start + self.dp_size)
+
+    def rank_endpoint(self, endpoint: str | None, rank: int) -> str | None:
+        """The ZMQ endpoint of DP rank ``rank``: the base port + (rank - dp_start), as vLLM publishes."""
+        if endpoint is None:
+            return None
+        offset = rank - self.dp_start
+        if offset == 0:
+            return endpoint
+        m = re.match(r"^(.*):(\d+)$", endpoint)
+        if not m:
+            return endpoint
+        return f"{m.group(1)}:{int(m.group(2)) + offset}"
+
+
+def parse_worker_arg(text: str) -> WorkerSpec:
+    """``id=1,url=http://127.0.0.1:8001,dp_size=2,kv_events_endpoint=tcp://...`` -> WorkerSpec."""
+    raw: dict[str, Any] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"--worker expects key=value pairs separated by commas, got {part!r}")
+        raw[key.strip()] = value.strip()
+    return WorkerSpec.from_mapping(raw)
+
+
+def parse_workers_document(text: str) -> tuple[list[WorkerSpec], dict[str, dict[str, Any]]]:
+    """A workers file: ``{"workers": [...], "models": {name: {"model_path": ...}}}`` (JSON or YAML).
+
+    A bare list is accepted as the workers list.
+    """
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        doc = yaml.safe_load(text)
+    if doc is None:
+        doc = {}
+    if isinstance(doc, list):
+        doc = {"workers": doc}
+    if not isinstance(doc, dict):
+        raise ValueError("workers file must be an object with a 'workers' list")
+    items = doc.get("workers") or []
+    if not isinstance(items, list):
+        raise ValueError("'workers' must be a list")
+    specs = [WorkerSpec.from_mapping(item) for item in items]
+    ids = [s.id for s in specs]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate worker id in workers file")
+    models = doc.get("models") or {}
+    if not isinstance(models, dict):
+        raise ValueError("'models' must be an object")
+    return specs, models
+
+
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_cache_config_info(metrics_text: str) -> dict[str, int]:
+    """Integer labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...) from /metrics text."""
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(_LABEL_RE.findall(line[line.index("{") : line.rindex("}") + 1]))
+            out: dict[str, int] = {}
+            for key, value in labels.items():
+                try:
+                    out[key] = int(float(value))
+                except ValueError:
+                    continue
+            return out
+    return {}
+
+
+@dataclass(slots=True)
+class Worker:
+    """Runtime state of one worker."""
+
+    spec: WorkerSpec
+    source: str  # "cli" | "file" | "api"
+    client: httpx.AsyncClient
+    models: list[str] = field(default_factory=list)
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    healthy: bool = False
+    discovered: bool = False
+    last_error: str | None = None
+    # set once the frontend has attached the worker to its models (tracker/indexer registration)
+    attached_models: list[str] = field(default_factory=list)
+
+    @property
+    def id(self) -> int:
+        return self.spec.id
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **self.spec.to_dict(),
+            "source": self.source,
+            "healthy": self.healthy,
+            "models": list(self.models),
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "last_error": self.last_error,
+        }
+
+
+def make_client(url: str, timeout: float | None = None) -> httpx.AsyncClient:
+    """One pooled keep-alive client per worker (TCP_NODELAY is set by the asyncio transport)."""
+    return httpx.AsyncClient(
+        base_url=url,
+        timeout=httpx.Timeout(timeout, connect=5.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60.0),
+        trust_env=False,
+    )
+
+
+class WorkerPool:
+    """All configured workers, their discovery and health.
+
+    ``on_change(worker)`` is called whenever a worker's attachment-relevant state changes (became
+    healthy, unhealthy, discovered models); ``on_removed(worker)`` when it leaves the pool.
+    """
+
+    def __init__(
+        self,
+        on_change: Callable[[Worker], None],
+        on_removed: Callable[[Worker], None],
+        health_interval: float = 2.0,
+        health_timeout: float = 2.0,
+        request_timeout: float | None = None,
+    ) -> None:
+        self.workers: dict[int, Worker] = {}
+        self._on_change = on_change
+        self._on_removed = on_removed
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.request_timeout = request_timeout
+        self._tasks: set[asyncio.Task] = set()
+        self._health_task: asyncio.Task | None = None
+        self._probe_locks: dict[int, asyncio.Lock] = {}
+
+    # ---- membership -------------------------------------------------------------------------
+    def add(self, spec: WorkerSpec, source: str) -> Worker:
+        """Add or replace a worker; discovery runs in the background."""
+        old = self.workers.get(spec.id)
+        if old is not None:
+            if old.spec == spec:
+                old.source = source
+                return old
+            self.remove(spec.id)
+        worker = Worker(spec=spec, source=source, client=make_client(spec.url, self.request_timeout))
+        self.workers[spec.id] = worker
+        self._spawn(self.probe(worker))
+        return worker
+
+    def remove(self, worker_id: int) -> Worker | None:
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            return None
+        worker.healthy = False
+        self._on_removed(worker)
+        self._spawn(worker.client.aclose())
+        return worker
+
+    def sync_source(self, source: str, specs: list[WorkerSpec]) -> None:
+        """Make the workers of ``source`` exactly ``specs`` (file reloads)."""
+        wanted = {s.id: s for s in specs}
+        for wid, w in list(self.workers.items()):
+            if w.source == source and wid not in wanted:
+                self.remove(wid)
+        for spec in specs:
+            existing = self.workers.get(spec.id)
+            if existing is not None and existing.source != source and existing.spec != spec:
+                log.warning("worker %s from %s shadows the %s entry; keeping %s", spec.id, source, existing.source, existing.source)
+                continue
+            self.add(spec, source)
+
+    # ---- discovery and health ---------------------------------------------------------------
+    async def probe(self, worker: Worker) -> bool:
+        """Discover models and capacity and check health; updates state and notifies."""
+        lock = self._probe_locks.setdefault(worker.id, asyncio.Lock())
+        async with lock:
+            if self.workers.get(worker.id) is not worker:
+                return False
+            try:
+                if not worker.discovered:
+                    await self._discover(worker)
+                resp = await worker.client.get("/health", timeout=self.health_timeout)
+                ok = resp.status_code == 200
+                error = None if ok else f"health check returned {resp.status_code}"
+            except (httpx.HTTPError, OSError, ValueError) as exc:
+                ok, error = False, f"{type(exc).__name__}: {exc}"
+            if self.workers.get(worker.id) is not worker:
+                return False
+            changed = ok != worker.healthy
+            worker.healthy = ok
+            worker.last_error = error
+            if changed:
+                log.info("worker %s is %s%s", worker.id, "healthy" if ok else "unhealthy", f" ({error})" if error else "")
+                self._on_change(worker)
+            return ok
+
+    async def _discover(self, worker: Worker) -> None:
+        spec = worker.spec
+        if spec.model:
+            models = [spec.model]
+        else:
+            resp = await worker.client.get("/v1/models", timeout=self.health_timeout)
+            resp.raise_for_status()
+            data = resp.json().get("data") or []
+            models = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            if not models:
+                raise ValueError("worker serves no model")
+        info: dict[str, int] = {}
+        if spec.block_size is None or spec.num_gpu_blocks is None or spec.max_num_batched_tokens is None:
+            try:
+                resp = await worker.client.get("/metrics", timeout=self.health_timeout)
+                if resp.status_code == 200:
+                    info = parse_cache_config_info(resp.text)
+            except httpx.HTTPError:
+                info = {}
+        worker.models = models
+        worker.block_size = spec.block_size or info.get("block_size")
+        worker.num_gpu_blocks = spec.num_gpu_blocks or info.get("num_gpu_blocks")
+        worker.max_num_batched_tokens = spec.max_num_batched_tokens or info.get("max_num_batched_tokens")
+        worker.discovered = True
+
+    def mark_failed(self, worker: Worker, error: str) -> None:
+        """A dispatch could not reach the worker: take it out until a health check passes."""
+        if self.workers.get(worker.id) is not worker:
+            return
+        worker.last_error = error
+        if worker.healthy:
+            worker.healthy = False
+            log.warning("worker %s marked unhealthy: %s", worker.id, error)
+            self._on_change(worker)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())), return_exceptions=True)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                await self.check_all()
+            except Exception:  # never let the loop die
+                log.exception("health check round failed")
+
+    def start(self) -> None:
+        if self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+        for t in list(self._tasks):
+            t.cancel()
+        for w in list(self.workers.values()):
+            await w.client.aclose()
+
+    def _spawn(self, coro) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:  # no loop yet (CLI setup): the start-up check probes everyone
+            coro.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class WorkersFileWatcher:
+    """Re-reads a workers file when its modification time or size changes."""
+
+    def __init__(self, path: str, apply: Callable[[list[WorkerSpec], dict[str, dict[str, Any]]], None], interval: float = 1.0) -> None:
+        self.path = path
+        self.apply = apply
+        self.interval = interval
+        self._stamp: tuple[float, int] | None = None
+        self._task: asyncio.Task | None = None
+        self.last_error: str | None = None
+
+    def load_now(self) -> None:
+        """Read the file if it changed; a bad file keeps the previous workers and logs why."""
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            self.last_error = f"cannot stat {self.path}: {exc}"
+            return
+        stamp = (st.st_mtime, st.st_size)
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                specs, models = parse_workers_document(f.read())
+        except (OSError, ValueError) as exc:
+            self.last_error = f"{self.path}: {exc}"
+            log.error("ignoring workers file: %s", self.last_error)
+            return
+        except Exception as exc:  # yaml errors
+            self.last_error = f"{self.path}: {exc}"
+            log.error("ignoring workers file: %s", self.last_error)
+            return
+        self.last_error = None
+        self.apply(specs, models)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.load_now()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
