@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import orjson
 from prometheus_client.core import GaugeMetricFamily
 from starlette.applications import Starlette
@@ -31,6 +30,7 @@ from .errors import OpenAIError, model_not_found, openai_error_response
 from .metrics import WORKER_TYPE, CallbackCollector, FrontendMetrics
 from .models import TENANT, ModelEntry
 from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
+from .upstream import UpstreamConnectError, UpstreamError
 from .routing import Router
 from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
 
@@ -463,43 +463,56 @@ class OpenAIRoutes:
         worker = decision.worker
         headers = upstream_headers(decision.dp_rank, lease.request_id)
         try:
-            if stream:
-                req = worker.client.build_request("POST", path, content=out_body, headers=headers)
-                upstream = await worker.client.send(req, stream=True)
-            else:
-                upstream = await worker.client.post(path, content=out_body, headers=headers)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            upstream = await worker.upstream.request("POST", path, out_body, headers, stream)
+        except UpstreamConnectError as exc:
             # never reached the worker: take it out (it is now excluded) and let the caller route again
-            state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+            state.pool.mark_failed(worker, str(exc))
             return _RETRY
-        except (httpx.HTTPError, OSError) as exc:
+        except (UpstreamError, OSError) as exc:
             state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
             _lease_abort(lease, 500)
-            return openai_error_response(500, f"worker {worker.id} failed: {type(exc).__name__}")
+            return openai_error_response(500, f"worker {worker.id} failed: {exc}")
         if stream:
-            if upstream.status_code != 200:
-                data = await upstream.aread()
+            if upstream.status != 200:
+                try:
+                    data = await upstream.aread()
+                except UpstreamError:
+                    data = b""
                 await upstream.aclose()
-                return _upstream_error(lease, upstream.status_code, data)
+                return _upstream_error(lease, upstream.status, data)
             return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
                                self._stream_failed)
         data = upstream.content
-        if upstream.status_code != 200:
-            return _upstream_error(lease, upstream.status_code, data)
+        if upstream.status != 200:
+            return _upstream_error(lease, upstream.status, data)
         lease.first_token()
         n = count_completion_tokens(data)
         if n:
             lease.tokens_out = n
             lease.mm.output_tokens.inc(n)
         lease.release()
-        return Response(data, status_code=200, media_type=upstream.headers.get("content-type", "application/json"),
-                        headers={"x-data-parallel-rank": str(decision.dp_rank)})
+        return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank)
 
     def _stream_failed(self, lease: Lease, exc: BaseException) -> None:
         self.state.pool.mark_failed(lease.decision.worker, f"{type(exc).__name__}: {exc}")
 
 
 _RETRY = object()
+
+
+class _PassThrough:
+    """A worker's complete JSON answer, sent as is (cheaper than building a starlette Response)."""
+
+    __slots__ = ("body", "content_type", "rank")
+
+    def __init__(self, body: bytes, content_type: bytes, rank: int) -> None:
+        self.body, self.content_type, self.rank = body, content_type, rank
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", self.content_type), (b"content-length", str(len(self.body)).encode()),
+            (b"x-data-parallel-rank", str(self.rank).encode())]})
+        await send({"type": "http.response.body", "body": self.body})
 
 
 def _record_routed(state: FrontendState, mm: Any, decision: Any) -> None:

@@ -5,7 +5,7 @@ path ends in ``Lease.release()`` (idempotent): normal end of stream, worker erro
 disconnect, cancellation. The first body bytes from the worker mark prefill complete.
 
 Streaming responses are a small ASGI callable (:class:`StreamProxy`) rather than Starlette's
-``StreamingResponse``: it forwards each chunk the moment httpx yields it (no buffering), and it
+``StreamingResponse``: it forwards each chunk the moment the worker sends it (no buffering), and it
 watches the client's ``http.disconnect`` concurrently so a client that goes away while the worker
 is still thinking frees its load at once and aborts the worker's request.
 """
@@ -18,9 +18,8 @@ import re
 import time
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from .errors import openai_error_body
+from .upstream import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
     from .app import FrontendState
@@ -137,8 +136,8 @@ class Lease:
         self.state.capacity_changed(self.entry.name)
 
 
-def upstream_headers(rank: int, request_id: str) -> dict[str, str]:
-    return {"content-type": "application/json", "x-data-parallel-rank": str(rank), "x-request-id": request_id}
+def upstream_headers(rank: int, request_id: str) -> list[tuple[str, str]]:
+    return [("content-type", "application/json"), ("x-data-parallel-rank", str(rank)), ("x-request-id", request_id)]
 
 
 def count_completion_tokens(body: bytes) -> int:
@@ -151,7 +150,7 @@ class StreamProxy:
 
     __slots__ = ("upstream", "lease", "headers", "on_failure")
 
-    def __init__(self, upstream: httpx.Response, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any) -> None:
+    def __init__(self, upstream: UpstreamResponse, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any) -> None:
         self.upstream = upstream
         self.lease = lease
         self.headers = headers
@@ -215,10 +214,10 @@ class StreamProxy:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except OSError:
             raise
-        except (httpx.HTTPError, asyncio.IncompleteReadError) as exc:
+        except UpstreamError as exc:
             lease.fail(500, "internal")
             self.on_failure(lease, exc)
-            msg = f"worker {lease.decision.worker.id} failed mid-stream: {type(exc).__name__}"
+            msg = f"worker {lease.decision.worker.id} failed mid-stream: {exc}"
             err = b"data: " + openai_error_body(500, msg) + b"\n\ndata: [DONE]\n\n"
             await send({"type": "http.response.body", "body": err, "more_body": True})
         lease.release()

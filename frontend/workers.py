@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from .upstream import UpstreamPool
+
 log = logging.getLogger("frontend.workers")
 
 _INT_FIELDS = {"id", "dp_size", "dp_start", "block_size", "num_gpu_blocks", "max_num_batched_tokens"}
@@ -79,8 +81,8 @@ class WorkerSpec:
         if values["id"] < 0:
             raise ValueError("worker id must be >= 0")
         url = values["url"].rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"worker url must start with http:// or https://, got {values['url']!r}")
+        if not url.startswith("http://"):
+            raise ValueError(f"worker url must start with http://, got {values['url']!r}")
         if url.endswith("/v1"):
             url = url[:-3]
         values["url"] = url
@@ -181,7 +183,8 @@ class Worker:
 
     spec: WorkerSpec
     source: str  # "cli" | "file" | "api"
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # control plane: health checks and discovery
+    upstream: UpstreamPool  # request path
     models: list[str] = field(default_factory=list)
     block_size: int | None = None
     num_gpu_blocks: int | None = None
@@ -253,7 +256,7 @@ class WorkerPool:
                 old.source = source
                 return old
             self.remove(spec.id)
-        worker = Worker(spec=spec, source=source, client=make_client(spec.url, self.request_timeout))
+        worker = Worker(spec=spec, source=source, client=make_client(spec.url, self.request_timeout), upstream=UpstreamPool(spec.url))
         self.workers[spec.id] = worker
         self._spawn(self.probe(worker))
         return worker
@@ -265,6 +268,7 @@ class WorkerPool:
         worker.healthy = False
         self._on_removed(worker)
         self._spawn(worker.client.aclose())
+        self._spawn(worker.upstream.aclose())
         return worker
 
     def sync_source(self, source: str, specs: list[WorkerSpec]) -> None:
@@ -363,6 +367,7 @@ class WorkerPool:
             t.cancel()
         for w in list(self.workers.values()):
             await w.client.aclose()
+            await w.upstream.aclose()
 
     def _spawn(self, coro) -> None:
         try:
