@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from router.queue import PendingQueue, QueuePolicy
@@ -49,6 +49,18 @@ if TYPE_CHECKING:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
 
 CapacityCheck = Callable[[str, "RequestHints", float], bool]
+Receive = Callable[[], Awaitable[dict]]
+
+
+class ClientDisconnected(Exception):
+    """The client went away while its request was held in the router queue (it left the queue)."""
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            return
 
 
 def rank_is_busy(active_prefill_tokens: float, max_num_batched_tokens: int | None, threshold: float) -> bool:
@@ -112,11 +124,14 @@ class AdmissionQueue:
 
     # --- request path ----------------------------------------------------------------------------
 
-    async def wait(self, model: str, hints: "RequestHints", *, new_tokens: int = 0) -> float:
+    async def wait(self, model: str, hints: "RequestHints", *, new_tokens: int = 0, receive: Receive | None = None) -> float:
         """Return (seconds held) once this request may be routed.
 
         ``new_tokens``: uncached prompt tokens on the best eligible worker (WSPT's weight).
-        Cancellation (client disconnect) while held removes the request from the queue."""
+        ``receive``: the ASGI receive callable (``request.receive``) of a request whose body was
+        already read: while held, a client disconnect takes the request out of the queue and
+        raises :class:`ClientDisconnected` (Starlette does not cancel a handler on disconnect).
+        Cancelling the waiting task also removes it from the queue."""
         threshold = self.threshold
         if threshold is None:
             return 0.0
@@ -139,14 +154,29 @@ class AdmissionQueue:
             new_tokens=new_tokens,
         )
         self._ensure_tick()
+        watcher: asyncio.Task | None = None
         try:
-            await fut
+            if receive is None:
+                await fut
+            else:
+                watcher = loop.create_task(_until_disconnect(receive))
+                await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
+                if fut.cancelled():  # close()
+                    raise asyncio.CancelledError
+                if not fut.done():  # the client went away while held
+                    q.remove(entry)
+                    fut.cancel()
+                    self.cancelled_while_waiting += 1
+                    raise ClientDisconnected(f"client disconnected while queued for model {model}")
         except asyncio.CancelledError:
             if q.remove(entry):
                 self.cancelled_while_waiting += 1
-            else:  # released, then cancelled before it could book: hand the turn on
+            elif fut.done() and not fut.cancelled():  # released, then cancelled before booking: pass the turn on
                 self._resumed(model)
             raise
+        finally:
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
         self._resumed(model)
         self.admitted_after_wait += 1
         return self._clock() - start

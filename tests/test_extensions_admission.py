@@ -345,3 +345,84 @@ def test_stress_never_loses_or_double_releases():
         assert sim.max_seen <= sim.cap and sim.in_use == 0 and sim.aq.depth(MODEL) == 0
 
     run(main())
+
+
+# --- client disconnect via the ASGI receive channel --------------------------------------------------
+
+
+class FakeReceive:
+    """An ASGI receive channel whose client disconnects when told to."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+        self.calls = 0
+
+    async def __call__(self) -> dict:
+        self.calls += 1
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+def test_disconnect_while_held_leaves_the_queue():
+    from frontend.admission import ClientDisconnected
+
+    async def main():
+        sim = Sim(cap=1)
+        first = asyncio.create_task(sim.request("first"))
+        await until(lambda: sim.order == ["first"])
+        rx = FakeReceive()
+        held = asyncio.create_task(sim.aq.wait(MODEL, RequestHints(), receive=rx))
+        other = asyncio.create_task(sim.request("other"))
+        await until(lambda: sim.aq.depth(MODEL) == 2)
+        rx.gone.set()
+        with pytest.raises(ClientDisconnected):
+            await held
+        assert sim.aq.depth(MODEL) == 1 and sim.aq.cancelled_while_waiting == 1
+        sim.finish("first")
+        await until(lambda: sim.order == ["first", "other"])
+        sim.finish("other")
+        await asyncio.gather(first, other)
+        assert sim.max_seen == 1
+
+    run(main())
+
+
+def test_receive_watcher_is_dropped_once_admitted():
+    async def main():
+        sim = Sim(cap=1)
+        first = asyncio.create_task(sim.request("first"))
+        await until(lambda: sim.order == ["first"])
+        rx = FakeReceive()
+        held = asyncio.create_task(sim.aq.wait(MODEL, RequestHints(), receive=rx))
+        await until(lambda: sim.aq.depth(MODEL) == 1 and rx.calls == 1)
+        sim.finish("first")
+        await held  # admitted; a later disconnect is the response's business, not the queue's
+        rx.gone.set()
+        await settle()
+        assert sim.aq.cancelled_while_waiting == 0 and sim.aq.admitted_after_wait == 1
+        await first
+
+    run(main())
+
+
+def test_fast_path_never_touches_receive():
+    async def main():
+        async def receive():
+            raise AssertionError("must not read the channel when not held")
+
+        aq = AdmissionQueue("fcfs", 0.5, lambda *a: True)
+        assert await aq.wait(MODEL, RequestHints(), receive=receive) == 0.0
+
+    run(main())
+
+
+def test_close_cancels_held_request_with_receive():
+    async def main():
+        aq = AdmissionQueue("fcfs", 0.5, lambda *a: False)
+        held = asyncio.create_task(aq.wait(MODEL, RequestHints(), receive=FakeReceive()))
+        await until(lambda: aq.depth(MODEL) == 1)
+        aq.close()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+
+    run(main())
