@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,14 +37,18 @@ from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
 log = logging.getLogger("frontend")
 _perf = time.perf_counter
 
-try:  # extension modules (may land later)
-    from .hints import RequestHints, engine_priority, parse_request_hints
+try:  # extension modules (owned by the extensions engineer)
+    from .hints import RequestTiming, engine_priority, parse_request_hints
 except ImportError:  # pragma: no cover
-    RequestHints = None  # type: ignore[assignment]
+    RequestTiming = None  # type: ignore[assignment]
     parse_request_hints = None  # type: ignore[assignment]
     engine_priority = None  # type: ignore[assignment]
 
 DEFAULT_BLOCK_SIZE = 16
+
+
+def _truthy(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
 BODY_LIMIT = 45 * 1024 * 1024  # DYN_HTTP_BODY_LIMIT_MB default
 
 
@@ -92,10 +96,39 @@ class FrontendState:
     # ---- extensions ---------------------------------------------------------------------------
     def _init_extensions(self) -> None:
         cfg = self.config
+        self.nvext_enabled = not _truthy(os.environ.get("DYN_DISABLE_FRONTEND_NVEXT"))
         if cfg.router_queue_threshold is not None:
             from .admission import AdmissionQueue
 
             self.admission = AdmissionQueue(cfg.router_queue_policy, cfg.router_queue_threshold, self._queue_capacity)
+        if cfg.router_session_affinity_ttl_secs is not None:
+            from router.session import SessionTable
+
+            self.sessions = SessionTable(cfg.router_session_affinity_ttl_secs)
+
+    def _init_speculative(self, routes: "OpenAIRoutes") -> None:
+        from .speculative import SpeculativePrefiller
+
+        self.speculative = SpeculativePrefiller(routes.send_pinned, max_in_flight=4, is_busy=self._rank_busy)
+
+    def _rank_busy(self, worker_id: int, dp_rank: int | None) -> bool:
+        """For speculative prefill: skip warm-ups to a worker that is busy or has a backlog of prefill."""
+        for entry in self.models.values():
+            w = entry.workers.get(worker_id)
+            if w is None:
+                continue
+            if not w.healthy:
+                return True
+            t = entry.tracker
+            ranks = [dp_rank] if dp_rank is not None else list(w.spec.ranks)
+            th = entry.thresholds
+            for r in ranks:
+                prefill = t.active_prefill_tokens(worker_id, r)
+                if th.enabled and th.rank_overloaded(prefill, t.active_decode_blocks(worker_id, r), w.num_gpu_blocks, w.max_num_batched_tokens):
+                    return True
+                if w.max_num_batched_tokens and prefill > w.max_num_batched_tokens:
+                    return True
+        return False
 
     def _queue_capacity(self, model: str, hints: Any, threshold: float) -> bool:
         from .admission import any_rank_free
@@ -104,9 +137,12 @@ class FrontendState:
         if entry is None:
             return True
         tracker = entry.tracker
+        pinned = hints.pinned_worker_id if hints is not None else None
+        prank = hints.pinned_dp_rank if hints is not None else None
         ranks = [
             (tracker.active_prefill_tokens(w.id, r), w.max_num_batched_tokens)
-            for w in entry.workers.values() if w.healthy for r in w.spec.ranks
+            for w in entry.workers.values() if w.healthy and (pinned is None or w.id == pinned)
+            for r in w.spec.ranks if pinned is None or prank is None or r == prank
         ]
         return any_rank_free(ranks, threshold)
 
@@ -291,6 +327,8 @@ class FrontendState:
             self.pool._spawn(self.pool.probe(w))
         self.pool.start()
         self._spawn(self._expiry_loop())
+        if self.sessions is not None:
+            self._spawn(self._session_reaper())
 
     async def stop(self) -> None:
         self.shutting_down = True
@@ -300,6 +338,8 @@ class FrontendState:
             t.cancel()
         if self.admission is not None:
             self.admission.close()
+        if self.speculative is not None:
+            await self.speculative.aclose()
         await self.pool.stop()
         events = self.events
         if events is not None:
@@ -312,6 +352,11 @@ class FrontendState:
                 self.slots.expire_stale()
             except Exception:
                 log.exception("tracker expiry failed")
+
+    async def _session_reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.sessions.reap_interval_secs)
+            self.sessions.expire()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -345,6 +390,23 @@ def _tokenize(entry: ModelEntry, body: dict, chat: bool) -> list[int]:
         raise OpenAIError(400, str(exc)) from None
 
 
+class RequestContext:
+    """What one OpenAI request carries through the pipeline."""
+
+    __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint")
+
+    def __init__(self) -> None:
+        self.hints: Any = None
+        self.timing: Any = None
+        self.session: Any = None
+
+    @property
+    def rewrite(self) -> bool:
+        """Whether the response must be looked into (response nvext, speculative prefill)."""
+        h = self.hints
+        return h is not None and (h.want_worker_id or h.want_timing or h.speculative_prefill)
+
+
 class OpenAIRoutes:
     def __init__(self, state: FrontendState) -> None:
         self.state = state
@@ -357,10 +419,11 @@ class OpenAIRoutes:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         state = self.state
-        t_start = _perf()
-        endpoint = "chat_completions" if chat else "completions"
+        ctx = RequestContext()
+        ctx.t_start = _perf()
+        ctx.chat = chat
+        ctx.endpoint = endpoint = "chat_completions" if chat else "completions"
         mm = None
-        lease: Lease | None = None
         try:
             try:
                 raw = await read_body(request, BODY_LIMIT)
@@ -383,7 +446,8 @@ class OpenAIRoutes:
                 stream = False
             if not isinstance(stream, bool):
                 raise OpenAIError(400, "'stream' must be a boolean", "stream")
-            mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
+            ctx.entry, ctx.stream, ctx.body = entry, stream, body
+            ctx.mm = mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
             mm.started.inc()
             mm.inflight.inc()
             mm.active.inc()
@@ -394,7 +458,7 @@ class OpenAIRoutes:
             if parse_request_hints is not None:
                 had_nvext = "nvext" in body
                 try:
-                    hints = parse_request_hints(body, request.headers)
+                    hints = parse_request_hints(body, request.headers, nvext_enabled=state.nvext_enabled)
                 except ApiError as exc:
                     raise OpenAIError(exc.status, exc.message) from None
                 modified = had_nvext
@@ -403,18 +467,36 @@ class OpenAIRoutes:
                     if p is not None:
                         body["priority"] = p
                         modified = True
+                if hints.want_timing and RequestTiming is not None:
+                    ctx.timing = RequestTiming()
+            ctx.hints = hints
 
             t_tok = _perf()
             tokens = hints.token_data if (hints is not None and hints.token_data) else _tokenize(entry, body, chat)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
-
-            if state.admission is not None and hints is not None:
-                await state.admission.wait(model, hints)
+            ctx.tokens = tokens
+            ctx.out_body = orjson.dumps(body) if modified else raw
 
             pinned_worker = hints.pinned_worker_id if hints is not None else None
             pinned_rank = hints.pinned_dp_rank if hints is not None else None
-            out_body = orjson.dumps(body) if modified else raw
-            return await self._dispatch(entry, mm, tokens, out_body, stream, pinned_worker, pinned_rank, t_start, chat)
+            if state.sessions is not None and hints is not None and hints.session_id:
+                try:
+                    ctx.session = state.sessions.lease(model, hints.session_id)
+                except Exception as exc:  # router.session.SessionError
+                    raise OpenAIError(getattr(exc, "status", 400), getattr(exc, "message", str(exc))) from None
+                target = ctx.session.target
+                if target is not None:  # a live binding beats headers and nvext
+                    pinned_worker, pinned_rank = target
+            try:
+                if state.admission is not None and hints is not None:
+                    if ctx.timing is not None:
+                        ctx.timing.router_queue_depth = state.admission.depth(model)
+                    await state.admission.wait(model, hints, new_tokens=len(tokens))
+                return await self._dispatch(ctx, pinned_worker, pinned_rank)
+            except BaseException:
+                if ctx.session is not None:
+                    ctx.session.release()
+                raise
         except OpenAIError as exc:
             if mm is not None:
                 mm.inflight.dec()
@@ -424,25 +506,38 @@ class OpenAIRoutes:
                 if exc.status == 529:
                     state.metrics.rejections.labels(mm.model, endpoint).inc()
             return openai_error_response(exc.status, exc.message, exc.param)
+        except asyncio.CancelledError:
+            if mm is not None:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", "cancelled")
+            raise
 
-    async def _dispatch(self, entry: ModelEntry, mm: Any, tokens: list[int], out_body: bytes, stream: bool,
-                        pinned_worker: int | None, pinned_rank: int | None, t_start: float, chat: bool) -> Response:
+    async def _dispatch(self, ctx: RequestContext, pinned_worker: int | None, pinned_rank: int | None) -> Any:
         state = self.state
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        entry = ctx.entry
         attempts = 0
         while True:
             attempts += 1
-            decision = state.router.route(entry, tokens, pinned_worker, pinned_rank)
+            decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank)
             request_id = state.next_request_id()
             try:
                 state.router.book(entry, request_id, decision)
             except Exception as exc:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
-            lease = Lease(state, entry, request_id, decision, mm, t_start)
-            _record_routed(state, mm, decision)
+            lease = Lease(state, entry, request_id, decision, ctx.mm, ctx.t_start)
+            if state.config.router_track_output_blocks:
+                lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
+            _record_routed(state, ctx.mm, decision)
+            if ctx.timing is not None:
+                from .hints import kv_hit_rate
+
+                ctx.timing.dispatched = time.monotonic()
+                ctx.timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, entry.block_size)
             try:
-                response = await self._send(lease, out_body, stream, path)
+                response = await self._send(ctx, lease)
             except BaseException:
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()
@@ -453,17 +548,23 @@ class OpenAIRoutes:
                     continue
                 lease.status, lease.error_type = "error", "unavailable"
                 lease.release()
+                if ctx.session is not None:
+                    ctx.session.invalidate()
+                    ctx.session.release()
                 return openai_error_response(503, f"worker {decision.worker.id} is unreachable")
             return response
 
-    async def _send(self, lease: Lease, out_body: bytes, stream: bool, path: str) -> Any:
+    async def _send(self, ctx: RequestContext, lease: Lease) -> Any:
         """One attempt on the lease's worker. Returns a response, or _RETRY when the worker was unreachable."""
         state = self.state
         decision = lease.decision
         worker = decision.worker
+        path = "/v1/chat/completions" if ctx.chat else "/v1/completions"
         headers = upstream_headers(decision.dp_rank, lease.request_id)
+        stream = ctx.stream
+        session = ctx.session
         try:
-            upstream = await worker.upstream.request("POST", path, out_body, headers, stream)
+            upstream = await worker.upstream.request("POST", path, ctx.out_body, headers, stream)
         except UpstreamConnectError as exc:
             # never reached the worker: take it out (it is now excluded) and let the caller route again
             state.pool.mark_failed(worker, str(exc))
@@ -471,30 +572,183 @@ class OpenAIRoutes:
         except (UpstreamError, OSError) as exc:
             state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
             _lease_abort(lease, 500)
+            if session is not None:
+                session.invalidate()
+                session.release()
             return openai_error_response(500, f"worker {worker.id} failed: {exc}")
-        if stream:
-            if upstream.status != 200:
+        if upstream.status != 200:
+            if stream:
                 try:
                     data = await upstream.aread()
                 except UpstreamError:
                     data = b""
                 await upstream.aclose()
-                return _upstream_error(lease, upstream.status, data)
-            return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
-                               self._stream_failed)
-        data = upstream.content
-        if upstream.status != 200:
+            else:
+                data = upstream.content
+            if session is not None:
+                session.release()
             return _upstream_error(lease, upstream.status, data)
+        if session is not None:
+            session.bind(decision.worker.id, decision.dp_rank)
+            lease.hooks.append(_SessionHook(session))
+        rewriter = ResponseRewriter(self, ctx, lease) if ctx.rewrite else None
+        if stream:
+            return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
+                               self._stream_failed, rewriter)
+        data = upstream.content
         lease.first_token()
         n = count_completion_tokens(data)
         if n:
-            lease.tokens_out = n
-            lease.mm.output_tokens.inc(n)
+            lease.tokens(n)
+        if rewriter is not None:
+            data = rewriter.unary(data)
         lease.release()
+        if rewriter is not None:
+            rewriter.finished(lease)
         return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank)
 
     def _stream_failed(self, lease: Lease, exc: BaseException) -> None:
         self.state.pool.mark_failed(lease.decision.worker, f"{type(exc).__name__}: {exc}")
+
+    async def send_pinned(self, body: dict, worker_id: int, dp_rank: int | None) -> None:
+        """Speculative prefill warm-up: a non-streaming request pinned to (worker, rank), full lifecycle."""
+        state = self.state
+        model = body.get("model")
+        entry = state.models.get(model) if isinstance(model, str) else None
+        if entry is None:
+            return
+        ctx = RequestContext()
+        ctx.t_start = _perf()
+        ctx.chat = "messages" in body
+        ctx.endpoint = "chat_completions" if ctx.chat else "completions"
+        ctx.entry, ctx.stream, ctx.body = entry, False, body
+        ctx.tokens = _tokenize(entry, body, ctx.chat)
+        ctx.out_body = orjson.dumps(body)
+        ctx.mm = mm = state.metrics.model_children(entry.name, ctx.endpoint, "unary")
+        mm.started.inc()
+        mm.inflight.inc()
+        mm.active.inc()
+        mm.queued.inc()
+        try:
+            await self._dispatch(ctx, worker_id, dp_rank)
+        except OpenAIError as exc:
+            mm.inflight.dec()
+            mm.active.dec()
+            mm.queued.dec()
+            mm.finished("error", _error_type(exc.status))
+            raise
+
+
+class _SessionHook:
+    """Ends the session's lease with the request (restarting its idle TTL); failures unbind it."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def on_tokens(self, lease: Lease, n: int) -> None:
+        pass
+
+    def on_release(self, lease: Lease) -> None:
+        if lease.status == "error" and lease.error_type not in ("cancelled", ""):
+            self.session.invalidate()
+        self.session.release()
+
+
+class ResponseRewriter:
+    """Only for requests that asked for response metadata or speculative prefill: adds ``nvext`` to
+    the final chunk / body and collects the assistant's text."""
+
+    def __init__(self, routes: OpenAIRoutes, ctx: RequestContext, lease: Lease) -> None:
+        self.routes = routes
+        self.ctx = ctx
+        self.lease = lease
+        self.collector = None
+        self._buf = b""
+        if ctx.hints.speculative_prefill and routes.state.speculative is not None:
+            from .speculative import TurnTextCollector
+
+            self.collector = TurnTextCollector()
+
+    def _nvext(self) -> dict | None:
+        from .hints import response_nvext
+
+        h = self.ctx.hints
+        if not (h.want_worker_id or h.want_timing):
+            return None
+        timing = self.ctx.timing
+        if timing is not None:
+            now = time.monotonic()
+            if timing.first_token is None:
+                timing.first_token = now
+            timing.finished = now
+        d = self.lease.decision
+        return response_nvext(h, d.worker.id, d.dp_rank, timing)
+
+    def unary(self, data: bytes) -> bytes:
+        if self.collector is not None:
+            self.collector.feed_json(data)
+        ext = self._nvext()
+        if ext is None:
+            return data
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return data
+        if isinstance(obj, dict):
+            obj["nvext"] = ext
+            return orjson.dumps(obj)
+        return data
+
+    def first_token(self) -> None:
+        t = self.ctx.timing
+        if t is not None and t.first_token is None:
+            t.first_token = time.monotonic()
+
+    def chunk(self, data: bytes) -> bytes:
+        """Rewrite whole SSE events; a partial event is held until its end arrives."""
+        if self.collector is not None:
+            self.collector.feed_sse(data)
+        h = self.ctx.hints
+        if not (h.want_worker_id or h.want_timing):
+            return data
+        buf = self._buf + data
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return b""
+        self._buf = buf[end + 2:]
+        events = buf[: end + 2].split(b"\n\n")
+        out = []
+        for ev in events:
+            if not ev:
+                continue
+            if ev.startswith(b"data: {") and b'"finish_reason":null' not in ev.replace(b" ", b""):
+                try:
+                    obj = orjson.loads(ev[6:])
+                except orjson.JSONDecodeError:
+                    obj = None
+                if isinstance(obj, dict) and any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or []):
+                    ext = self._nvext()
+                    if ext is not None:
+                        obj["nvext"] = ext
+                        ev = b"data: " + orjson.dumps(obj)
+            out.append(ev + b"\n\n")
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        buf, self._buf = self._buf, b""
+        return buf
+
+    def finished(self, lease: Lease) -> None:
+        """After a successful turn: schedule the speculative next-turn prefill."""
+        spec = self.routes.state.speculative
+        c = self.collector
+        if spec is None or c is None or lease.status != "success":
+            return
+        d = lease.decision
+        spec.on_turn_finished(orjson.loads(self.ctx.out_body), c.text(), d.worker.id, d.dp_rank)
 
 
 _RETRY = object()
@@ -690,6 +944,7 @@ def _tracker_routes(state: FrontendState) -> list[BaseRoute]:
 
 def build_app(state: FrontendState) -> Starlette:
     oa = OpenAIRoutes(state)
+    state._init_speculative(oa)
     ad = AdminRoutes(state)
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),

@@ -37,7 +37,7 @@ class Lease:
     """One request's booking on its (worker, rank) plus its per-request metrics."""
 
     __slots__ = ("state", "entry", "request_id", "decision", "mm", "t_start", "t_first", "t_last", "tokens_out",
-                 "prefilled", "released", "status", "error_type", "_gauges", "hooks")
+                 "prefilled", "released", "status", "error_type", "hooks", "_osl", "_out_blocks")
 
     def __init__(self, state: "FrontendState", entry: "ModelEntry", request_id: str, decision: "Decision", mm: Any, t_start: float) -> None:
         self.state = state
@@ -53,8 +53,15 @@ class Lease:
         self.released = False
         self.status = "success"
         self.error_type = ""
-        self._gauges = None
         self.hooks: list[Any] = []  # objects with on_tokens(lease, n) / on_release(lease) (extensions)
+        self._out_blocks: int | None = None  # output-block tracking off
+        self._osl: int | None = None
+
+    def track_output(self, osl: int | None) -> None:
+        """--router-track-output-blocks: add a placeholder block whenever isl + generated crosses a block."""
+        bs = self.entry.block_size
+        self._osl = osl
+        self._out_blocks = -(-self.decision.isl // bs)
 
     def first_token(self) -> None:
         """The worker produced output: the prompt is no longer prefill load."""
@@ -88,6 +95,16 @@ class Lease:
         self.t_last = now
         self.tokens_out += n
         self.mm.output_tokens.inc(n)
+        if self._out_blocks is not None:
+            blocks = -(-(self.decision.isl + self.tokens_out) // self.entry.block_size)
+            if blocks > self._out_blocks:
+                tracker = self.entry.tracker
+                try:
+                    for _ in range(blocks - self._out_blocks):
+                        tracker.add_output_block(self.request_id, self._osl, self.tokens_out)
+                except Exception as exc:
+                    log.debug("add_output_block(%s): %s", self.request_id, exc)
+                self._out_blocks = blocks
         for h in self.hooks:
             h.on_tokens(self, n)
 
@@ -148,13 +165,14 @@ def count_completion_tokens(body: bytes) -> int:
 class StreamProxy:
     """ASGI response that relays a worker's SSE stream chunk by chunk and always releases the lease."""
 
-    __slots__ = ("upstream", "lease", "headers", "on_failure")
+    __slots__ = ("upstream", "lease", "headers", "on_failure", "rewriter")
 
-    def __init__(self, upstream: UpstreamResponse, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any) -> None:
+    def __init__(self, upstream: UpstreamResponse, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any, rewriter: Any = None) -> None:
         self.upstream = upstream
         self.lease = lease
         self.headers = headers
         self.on_failure = on_failure  # callable(lease, exc) for worker failures mid-stream
+        self.rewriter = rewriter  # response nvext / speculative prefill (only when the request asked)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         lease = self.lease
@@ -198,6 +216,7 @@ class StreamProxy:
 
     async def _pump(self, send: Any) -> None:
         lease = self.lease
+        rw = self.rewriter
         first = True
         try:
             async for chunk in self.upstream.aiter_raw():
@@ -206,12 +225,22 @@ class StreamProxy:
                 if first:
                     first = False
                     lease.first_token()
+                    if rw is not None:
+                        rw.first_token()
                 n = chunk.count(b"data:")
                 if n:
                     if _DONE in chunk:
                         n -= 1
                     lease.tokens(n)
+                if rw is not None:
+                    chunk = rw.chunk(chunk)
+                    if not chunk:
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if rw is not None:
+                rest = rw.flush()
+                if rest:
+                    await send({"type": "http.response.body", "body": rest, "more_body": True})
         except OSError:
             raise
         except UpstreamError as exc:
@@ -221,6 +250,8 @@ class StreamProxy:
             err = b"data: " + openai_error_body(500, msg) + b"\n\ndata: [DONE]\n\n"
             await send({"type": "http.response.body", "body": err, "more_body": True})
         lease.release()
+        if rw is not None:
+            rw.finished(lease)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -1,0 +1,200 @@
+"""Frontend building blocks without processes: approximate index, worker specs, busy rules,
+the upstream HTTP client against a real in-process uvicorn server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from frontend.busy import BusyThresholds, validate_update
+from frontend.workers import WorkerSpec, parse_cache_config_info, parse_worker_arg, parse_workers_document
+from router.approx import ApproxIndex
+from router.hashing import block_hashes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _prompt(n_blocks: int, salt: int = 0, bs: int = 4) -> tuple[list[int], list[int]]:
+    return block_hashes([salt * 100_000 + i for i in range(n_blocks * bs)], bs)
+
+
+def test_approx_records_prefixes_and_expires_after_ttl() -> None:
+    clock = Clock()
+    ax = ApproxIndex(4, ttl_secs=10.0, clock=clock)
+    local, seq = _prompt(3)
+    ax.record(1, 0, local, seq)
+    assert ax.find_matches(local) == {(1, 0): 3}
+    assert ax.find_matches(local[:2]) == {(1, 0): 2}
+    other_local, other_seq = _prompt(2, salt=1)
+    clock.t += 6
+    ax.record(2, 1, other_local, other_seq)
+    ax.record(1, 0, local[:1], seq[:1])  # refreshes only the first block of worker 1
+    clock.t += 5  # 11 s after the first record: blocks 2 and 3 of worker 1 expired, block 1 refreshed
+    assert ax.find_matches(local) == {(1, 0): 1}
+    assert ax.find_matches(other_local) == {(2, 1): 2}
+    assert ax.size == 3
+    clock.t += 100
+    assert ax.find_matches(local) == {} and ax.find_matches(other_local) == {}
+    assert ax.size == 0 and ax.index.size == 0
+
+
+def test_approx_prunes_least_recently_used_children_first() -> None:
+    clock = Clock()
+    ax = ApproxIndex(4, ttl_secs=1000.0, max_tree_size=10, prune_target_ratio=0.5, clock=clock)
+    a_local, a_seq = _prompt(4, salt=1)
+    b_local, b_seq = _prompt(4, salt=2)
+    c_local, c_seq = _prompt(3, salt=3)
+    ax.record(1, 0, a_local, a_seq)
+    clock.t += 1
+    ax.record(1, 0, b_local, b_seq)
+    clock.t += 1
+    assert ax.size == 8
+    ax.record(2, 0, c_local, c_seq)  # 11 > 10: prune down to 5, oldest (deepest of A first)
+    assert ax.size == 5 and ax.index.size == 5
+    assert ax.find_matches(a_local) == {}
+    assert ax.find_matches(b_local) == {(1, 0): 2}  # B lost its two deepest blocks
+    assert ax.find_matches(c_local) == {(2, 0): 3}
+
+
+def test_approx_shared_prefix_and_remove_worker() -> None:
+    ax = ApproxIndex(4, clock=Clock())
+    local, seq = _prompt(4)
+    ax.record(1, 0, local[:2], seq[:2])
+    ax.record(1, 0, local, seq)  # extends the existing prefix
+    ax.record(3, 0, local[:3], seq[:3])
+    assert ax.find_matches(local) == {(1, 0): 4, (3, 0): 3}
+    ax.remove_worker(1)
+    assert ax.find_matches(local) == {(3, 0): 3}
+    assert ax.size == 3
+
+
+def test_worker_arg_parsing_and_rank_endpoints() -> None:
+    spec = parse_worker_arg("id=1,url=http://127.0.0.1:8001/,dp_size=2,kv_events_endpoint=tcp://127.0.0.1:5557,replay_endpoint=tcp://127.0.0.1:5567")
+    assert spec.id == 1 and spec.url == "http://127.0.0.1:8001" and list(spec.ranks) == [0, 1]
+    assert spec.rank_endpoint(spec.kv_events_endpoint, 1) == "tcp://127.0.0.1:5558"
+    assert spec.rank_endpoint(spec.replay_endpoint, 0) == "tcp://127.0.0.1:5567"
+    with pytest.raises(ValueError, match="url"):
+        parse_worker_arg("id=3")
+    with pytest.raises(ValueError, match="unknown worker field"):
+        parse_worker_arg("id=3,url=http://127.0.0.1:1,colour=blue")
+    with pytest.raises(ValueError, match="dp_size"):
+        parse_worker_arg("id=3,url=http://127.0.0.1:1,dp_size=0")
+    with pytest.raises(ValueError):
+        WorkerSpec.from_mapping({"id": "x", "url": "http://127.0.0.1:1"})
+
+
+def test_workers_document_json_and_yaml() -> None:
+    specs, models = parse_workers_document(json.dumps({"workers": [{"id": 1, "url": "http://127.0.0.1:9", "dp_size": 2}], "models": {"m": {"model_path": "/x"}}}))
+    assert [s.id for s in specs] == [1] and specs[0].dp_size == 2 and models == {"m": {"model_path": "/x"}}
+    specs, _ = parse_workers_document("workers:\n  - id: 4\n    url: http://127.0.0.1:10\n    kv_events_endpoint: tcp://127.0.0.1:5000\n")
+    assert specs[0].id == 4 and specs[0].kv_events_endpoint == "tcp://127.0.0.1:5000"
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_workers_document('{"workers": [{"id": 1, "url": "http://127.0.0.1:1"}, {"id": 1, "url": "http://127.0.0.1:2"}]}')
+
+
+def test_cache_config_info_parsing() -> None:
+    text = '# HELP x\nvllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="2048",max_num_batched_tokens="8192"} 1.0\n'
+    assert parse_cache_config_info(text) == {"block_size": 16, "num_gpu_blocks": 2048, "max_num_batched_tokens": 8192}
+    assert parse_cache_config_info("nothing here") == {}
+
+
+def test_busy_rules() -> None:
+    t = BusyThresholds(active_prefill_tokens_threshold=100)
+    assert t.rank_overloaded(101, 0, None, None) and not t.rank_overloaded(100, 0, None, None)
+    t = BusyThresholds(active_prefill_tokens_threshold_frac=0.5)
+    assert t.rank_overloaded(51, 0, None, 100) and not t.rank_overloaded(50, 0, None, 100)
+    t = BusyThresholds(active_decode_blocks_threshold=0.5)
+    assert t.rank_overloaded(0, 11, 20, None) and not t.rank_overloaded(0, 10, 20, None)
+    assert not t.rank_overloaded(0, 10**6, None, None)  # capacity unknown: never busy on blocks
+    assert not BusyThresholds().enabled
+    with pytest.raises(ValueError):
+        validate_update(1.5, None, None)
+    with pytest.raises(ValueError):
+        validate_update(None, -1, None)
+    with pytest.raises(ValueError):
+        validate_update(None, None, float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# upstream client
+
+
+async def _serve(app, port):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=1))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return server, task
+
+
+def test_upstream_client_streams_reuses_and_reports_errors() -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from frontend.upstream import UpstreamConnectError, UpstreamPool
+    from support import free_port
+
+    gate: asyncio.Queue = asyncio.Queue()
+
+    async def echo(request: Request):
+        body = await request.json()
+        return JSONResponse({"got": body, "rank": request.headers.get("x-data-parallel-rank")})
+
+    async def stream(request: Request):
+        async def gen():
+            for i in range(3):
+                await gate.get()
+                yield f"data: {i}\n\n".encode()
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream, methods=["POST"])])
+
+    async def main():
+        port = free_port()
+        server, task = await _serve(app, port)
+        pool = UpstreamPool(f"http://127.0.0.1:{port}")
+        try:
+            r = await pool.request("POST", "/echo", b'{"a": 1}', [("content-type", "application/json"), ("x-data-parallel-rank", "3")])
+            assert r.status == 200 and json.loads(r.content) == {"got": {"a": 1}, "rank": "3"}
+            assert len(pool._idle) == 1
+            # chunks arrive one by one, as the server sends them (no buffering)
+            s = await pool.request("POST", "/stream", b"{}", [("content-type", "application/json")], stream=True)
+            assert s.status == 200 and s.header(b"content-type").startswith(b"text/event-stream")
+            it = s.aiter_raw().__aiter__()
+            for i in range(3):
+                gate.put_nowait(None)
+                assert await asyncio.wait_for(it.__anext__(), 10) == f"data: {i}\n\n".encode()
+            with pytest.raises(StopAsyncIteration):
+                await asyncio.wait_for(it.__anext__(), 10)
+            # the server closes idle keep-alive connections after 1 s: the next request still works
+            idle = pool._idle[0]
+            deadline = asyncio.get_running_loop().time() + 10
+            while not idle.lost and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            r = await pool.request("POST", "/echo", b"[]", [("content-type", "application/json")])
+            assert r.status == 200
+        finally:
+            await pool.aclose()
+            server.should_exit = True
+            await task
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            dead_port = probe.getsockname()[1]
+        with pytest.raises(UpstreamConnectError):
+            await UpstreamPool(f"http://127.0.0.1:{dead_port}").request("POST", "/echo", b"{}")
+
+    asyncio.run(main())
