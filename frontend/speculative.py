@@ -38,6 +38,7 @@ _DROP_FIELDS = (
     "stream_options",
     "max_tokens",
     "max_completion_tokens",
+    "min_tokens",
     "n",
     "best_of",
     "logprobs",

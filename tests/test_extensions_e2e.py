@@ -168,6 +168,19 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
 def scrape(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10).text
 
@@ -482,7 +495,7 @@ def _two_turns(url: str, speculative: bool, mocker_url: str, worker: int) -> tup
     hdr = {"x-dynamo-worker-instance-id": str(worker)}
 
     def served() -> float:
-        return metric(httpx.get(f"{mocker_url}/metrics", timeout=5).text, "vllm:request_success_total") or 0.0
+        return metric_sum(httpx.get(f"{mocker_url}/metrics", timeout=5).text, "vllm:request_success_total")
 
     before = served()
     r1 = post(url, {"model": MODEL, "messages": history, "max_tokens": gen, "ignore_eos": True, "nvext": nv}, hdr)

@@ -28,10 +28,12 @@ def test_chat_next_turn_appends_reply_and_asks_one_token():
         "n": 2,
         "temperature": 0.7,
     }
+    req["min_tokens"] = 20
     body = next_turn_body(req, "hello there")
     assert body["messages"] == req["messages"] + [{"role": "assistant", "content": "hello there"}]
     assert body["max_tokens"] == 1 and body["stream"] is False
     assert "max_completion_tokens" not in body and "n" not in body and "stream_options" not in body
+    assert "min_tokens" not in body  # would contradict max_tokens=1
     assert body["model"] == "m" and body["temperature"] == 0.7
     assert len(req["messages"]) == 2 and req["stream"] is True  # the original is untouched
 
