@@ -1,0 +1,501 @@
+"""Active-request accounting (the "slot tracker" core): no I/O, one asyncio loop, synchronous calls.
+
+A *slot* is one ``(worker_id, dp_rank)``. Per slot we keep the active requests, the prefill tokens
+still pending, and the set of distinct prompt-path *prefix positions* its requests occupy: that set's
+size is the slot's ``active_decode_blocks`` (reference notes §4.3). Positions are path prefixes, not
+hashes: r1 ``[7,7,8]`` occupies three positions although it has two distinct hashes, and ``[4,5]``
+rooted at the start is a different position from ``4,5`` reached through ``1,2``.
+
+Why it is fast: every tracker interns path prefixes once, as nodes of one trie keyed by
+``(parent_node, hash) -> node`` (shared by all its slots), and each slot holds a
+``node -> refcount`` dict. A query walks the shared trie once (at most ``len(q)`` dict probes) and
+then, because a slot's node set is prefix-closed (a request on a node also holds all its
+ancestors), finds each slot's longest matched prefix ``D`` by *binary search* over that walk:
+``potential_loads`` for 64 hashes x 9 ranks costs about 64 + 9*6 dict probes.
+
+Output blocks (reference notes §4.7, the frontend's ``--router-track-output-blocks``) are kept
+outside the trie: each request may carry unshared output blocks and an OSL decay weight; only
+slots that have such requests pay for the fractional sum.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+DEFAULT_EXPIRY_SECS = 300.0
+EXPIRY_ENV = "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS"
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+
+_ROOT = 0  # parent id of the first position of every path
+
+
+def expiry_from_env(default: float = DEFAULT_EXPIRY_SECS) -> float:
+    """Stale-request expiry: ``DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS`` if set to a positive number."""
+    raw = os.environ.get(EXPIRY_ENV)
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            return default
+        if value > 0:
+            return value
+    return default
+
+
+class SlotTrackerError(Exception):
+    """A refused operation; ``status`` is the HTTP status the service answers with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class PotentialLoad(NamedTuple):
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+
+class LifecycleEvent(NamedTuple):
+    """What a lifecycle observer (replica sync) is told after a local change succeeded."""
+
+    kind: str  # "add" | "prefill_complete" | "free"
+    model_name: str
+    tenant_id: str
+    block_size: int
+    request_id: str
+    worker_id: int
+    dp_rank: int
+    sequence_hashes: Sequence[int]  # u64, only for "add"
+    new_isl_tokens: int  # only for "add"
+
+
+Observer = Callable[[LifecycleEvent], None]
+
+
+class _Slot:
+    """One (worker_id, dp_rank): its requests' prefix positions, prefill tokens and counts."""
+
+    __slots__ = ("worker_id", "dp_rank", "nodes", "active_requests", "prefill_tokens", "decayed")
+
+    def __init__(self, worker_id: int, dp_rank: int) -> None:
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.nodes: dict[int, int] = {}  # trie node id -> number of this slot's requests through it
+        self.active_requests = 0
+        self.prefill_tokens = 0
+        # requests on this slot with output blocks or an OSL decay (usually empty)
+        self.decayed: dict[str, _Request] = {}
+
+
+class _Request:
+    __slots__ = ("request_id", "slot", "path", "prefill_tokens", "added_at", "output_blocks", "decay")
+
+    def __init__(self, request_id: str, slot: _Slot, path: list[int], prefill_tokens: int, added_at: float) -> None:
+        self.request_id = request_id
+        self.slot = slot
+        self.path = path  # trie node ids, root first
+        self.prefill_tokens = prefill_tokens  # 0 once prefill completed (or never tracked)
+        self.added_at = added_at
+        self.output_blocks = 0
+        self.decay = 1.0
+
+
+class SlotTracker:
+    """Active requests of one (model_name, tenant_id): every slot of every registered worker."""
+
+    def __init__(
+        self,
+        model_name: str,
+        tenant_id: str,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        observer: Observer | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.tenant_id = tenant_id
+        self.block_size = block_size
+        self._clock = clock
+        self.observer = observer
+        self._workers: dict[int, tuple[int, int]] = {}  # worker_id -> (dp_start, dp_size)
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._slot_list: list[_Slot] = []  # sorted by (worker_id, dp_rank)
+        self._requests: dict[str, _Request] = {}  # insertion order == admission order
+        # the shared prefix trie: (parent, hash) -> node; node -> [key, refcount over all slots]
+        self._children: dict[tuple[int, int], int] = {}
+        self._node_info: dict[int, list[Any]] = {}
+        self._next_node = 1
+
+    # ----- topology (driven by SlotRegistry) -----
+
+    def _add_worker(self, worker_id: int, dp_start: int, dp_size: int) -> None:
+        self._workers[worker_id] = (dp_start, dp_size)
+        for rank in range(dp_start, dp_start + dp_size):
+            self._slots[(worker_id, rank)] = _Slot(worker_id, rank)
+        self._slot_list = sorted(self._slots.values(), key=lambda s: (s.worker_id, s.dp_rank))
+
+    def _remove_worker(self, worker_id: int) -> None:
+        dp_start, dp_size = self._workers.pop(worker_id)
+        doomed = [r for r in self._requests.values() if r.slot.worker_id == worker_id]
+        for req in doomed:
+            self._release(req)
+        for rank in range(dp_start, dp_start + dp_size):
+            del self._slots[(worker_id, rank)]
+        self._slot_list = sorted(self._slots.values(), key=lambda s: (s.worker_id, s.dp_rank))
+
+    @property
+    def workers(self) -> dict[int, tuple[int, int]]:
+        """worker_id -> (dp_start, dp_size); read-only view for listings."""
+        return self._workers
+
+    def has_slot(self, worker_id: int, dp_rank: int) -> bool:
+        return (worker_id, dp_rank) in self._slots
+
+    def slots(self) -> list[tuple[int, int]]:
+        return [(s.worker_id, s.dp_rank) for s in self._slot_list]
+
+    def __len__(self) -> int:
+        """Number of active requests."""
+        return len(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def request_slot(self, request_id: str) -> tuple[int, int] | None:
+        req = self._requests.get(request_id)
+        return None if req is None else (req.slot.worker_id, req.slot.dp_rank)
+
+    # ----- lifecycle -----
+
+    def add(
+        self,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int,
+        sequence_hashes: Sequence[int],
+        new_isl_tokens: int = 0,
+        *,
+        notify: bool = True,
+    ) -> None:
+        """Book a request's prompt path on a slot; 404 unknown slot, 409 duplicate id (booking unchanged)."""
+        slot = self._slots.get((worker_id, dp_rank))
+        if slot is None:
+            raise SlotTrackerError(404, f"Worker WorkerWithDpRank {{ worker_id: {worker_id}, dp_rank: {dp_rank} }} not found")
+        existing = self._requests.get(request_id)
+        if existing is not None:
+            s = existing.slot
+            raise SlotTrackerError(
+                409,
+                f"Request {request_id} already exists (assigned to worker WorkerWithDpRank {{ worker_id: {s.worker_id}, dp_rank: {s.dp_rank} }})",
+            )
+        children = self._children
+        node_info = self._node_info
+        slot_nodes = slot.nodes
+        path: list[int] = []
+        parent = _ROOT
+        for h in sequence_hashes:
+            key = (parent, h)
+            node = children.get(key)
+            if node is None:
+                node = self._next_node
+                self._next_node = node + 1
+                children[key] = node
+                node_info[node] = [key, 1]
+            else:
+                node_info[node][1] += 1
+            slot_nodes[node] = slot_nodes.get(node, 0) + 1
+            path.append(node)
+            parent = node
+        tokens = new_isl_tokens if new_isl_tokens > 0 else 0
+        self._requests[request_id] = _Request(request_id, slot, path, tokens, self._clock())
+        slot.active_requests += 1
+        slot.prefill_tokens += tokens
+        if notify and self.observer is not None:
+            self.observer(
+                LifecycleEvent("add", self.model_name, self.tenant_id, self.block_size, request_id, worker_id, dp_rank, sequence_hashes, new_isl_tokens)
+            )
+
+    def prefill_complete(self, request_id: str, *, notify: bool = True) -> None:
+        """Drop the request's pending prefill tokens; repeats are no-ops; 404 unknown request."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise SlotTrackerError(404, f"Request {request_id} not found")
+        if req.prefill_tokens:
+            req.slot.prefill_tokens -= req.prefill_tokens
+            req.prefill_tokens = 0
+        if notify and self.observer is not None:
+            self._notify("prefill_complete", req)
+
+    def free(self, request_id: str, *, notify: bool = True) -> bool:
+        """Release a request (idempotent: an unknown id is a no-op). True when something was freed."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._release(req)
+        if notify and self.observer is not None:
+            self._notify("free", req)
+        return True
+
+    def _notify(self, kind: str, req: _Request) -> None:
+        assert self.observer is not None
+        s = req.slot
+        self.observer(LifecycleEvent(kind, self.model_name, self.tenant_id, self.block_size, req.request_id, s.worker_id, s.dp_rank, (), 0))
+
+    def _release(self, req: _Request) -> None:
+        del self._requests[req.request_id]
+        slot = req.slot
+        slot.active_requests -= 1
+        slot.prefill_tokens -= req.prefill_tokens
+        slot.decayed.pop(req.request_id, None)
+        slot_nodes = slot.nodes
+        node_info = self._node_info
+        children = self._children
+        for node in req.path:
+            n = slot_nodes[node] - 1
+            if n:
+                slot_nodes[node] = n
+            else:
+                del slot_nodes[node]
+            info = node_info[node]
+            info[1] -= 1
+            if not info[1]:
+                del children[info[0]]
+                del node_info[node]
+
+    def expire_stale(self, now: float, expiry_secs: float) -> list[str]:
+        """Free requests admitted ``expiry_secs`` or more before ``now``; returns their ids."""
+        cutoff = now - expiry_secs
+        expired: list[str] = []
+        for req in self._requests.values():  # admission order: stop at the first young one
+            if req.added_at > cutoff:
+                break
+            expired.append(req.request_id)
+        for rid in expired:
+            self._release(self._requests[rid])
+        return expired
+
+    # ----- output blocks (frontend only; reference notes §4.7) -----
+
+    def add_output_block(self, request_id: str, expected_output_tokens: int | None = None, generated_tokens: int = 0) -> bool:
+        """Count one more (unshared) output block for the request and refresh its OSL decay.
+
+        With an expected output length ``E`` the request's output blocks and the exclusive suffix of
+        its prompt path weigh ``max(0, 1 - generated_tokens / max(E, 1))``. False if unknown request.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        req.output_blocks += 1
+        if expected_output_tokens is not None:
+            req.decay = max(0.0, 1.0 - generated_tokens / max(expected_output_tokens, 1))
+        req.slot.decayed[request_id] = req
+        return True
+
+    def output_blocks(self, request_id: str) -> int:
+        req = self._requests.get(request_id)
+        return 0 if req is None else req.output_blocks
+
+    # ----- loads -----
+
+    @staticmethod
+    def _decode_blocks(slot: _Slot) -> int:
+        if not slot.decayed:
+            return len(slot.nodes)
+        total = float(len(slot.nodes))
+        nodes = slot.nodes
+        for req in slot.decayed.values():
+            total += req.decay * req.output_blocks
+            if req.decay != 1.0:
+                # the structurally exclusive suffix: positions only this request holds on the slot
+                exclusive = 0
+                for node in reversed(req.path):
+                    if nodes[node] != 1:
+                        break
+                    exclusive += 1
+                total -= (1.0 - req.decay) * exclusive
+        return int(math.floor(total + 0.5))
+
+    def active_prefill_tokens(self, worker_id: int, dp_rank: int) -> int:
+        return self._slots[(worker_id, dp_rank)].prefill_tokens
+
+    def active_decode_blocks(self, worker_id: int, dp_rank: int) -> int:
+        return self._decode_blocks(self._slots[(worker_id, dp_rank)])
+
+    def active_requests(self, worker_id: int, dp_rank: int) -> int:
+        return self._slots[(worker_id, dp_rank)].active_requests
+
+    def loads(self) -> list[tuple[int, int, int, int]]:
+        """(worker_id, dp_rank, active_prefill_tokens, active_decode_blocks) per slot, sorted."""
+        return [(s.worker_id, s.dp_rank, s.prefill_tokens, self._decode_blocks(s)) for s in self._slot_list]
+
+    def match_path(self, sequence_hashes: Sequence[int]) -> list[int]:
+        """Trie nodes of the longest prefix of ``sequence_hashes`` that any active request holds."""
+        get = self._children.get
+        chain: list[int] = []
+        parent = _ROOT
+        for h in sequence_hashes:
+            node = get((parent, h))
+            if node is None:
+                break
+            chain.append(node)
+            parent = node
+        return chain
+
+    def potential_loads(self, sequence_hashes: Sequence[int], new_isl_tokens: int = 0) -> list[PotentialLoad]:
+        """Loads of every slot if a request with this prompt path and ISL were added there.
+
+        ``potential_prefill_tokens = active + new_isl_tokens`` (not discounted by overlap);
+        ``potential_decode_blocks = active + len(q) - D`` with ``D`` the longest prefix of ``q``
+        that some active request on the slot holds.
+        """
+        chain = self.match_path(sequence_hashes) if self._children else []
+        m = len(chain)
+        q = len(sequence_hashes)
+        out: list[PotentialLoad] = []
+        append = out.append
+        for slot in self._slot_list:
+            nodes = slot.nodes
+            if not nodes or not m:
+                d = 0
+            elif chain[m - 1] in nodes:
+                d = m
+            elif chain[0] not in nodes:
+                d = 0
+            else:  # prefix-closed membership: binary search the last held position
+                lo, hi = 1, m - 1  # chain[lo-1] held, chain[hi] not held
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    if chain[mid] in nodes:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                d = lo
+            decode = len(nodes) if not slot.decayed else self._decode_blocks(slot)
+            append(PotentialLoad(slot.worker_id, slot.dp_rank, slot.prefill_tokens + new_isl_tokens, decode + q - d, slot.active_requests))
+        return out
+
+
+class SlotRegistry:
+    """All trackers, keyed by (model_name, tenant_id); a tracker lives while it has workers."""
+
+    def __init__(
+        self,
+        expiry_secs: float | None = DEFAULT_EXPIRY_SECS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.expiry_secs = DEFAULT_EXPIRY_SECS if expiry_secs is None else expiry_secs
+        self.clock = clock
+        self._trackers: dict[tuple[str, str], SlotTracker] = {}
+        self._observer: Observer | None = None
+
+    @property
+    def observer(self) -> Observer | None:
+        return self._observer
+
+    @observer.setter
+    def observer(self, fn: Observer | None) -> None:
+        """Told about every successful local add/prefill_complete/free (replica sync publishes them)."""
+        self._observer = fn
+        for tracker in self._trackers.values():
+            tracker.observer = fn
+
+    def register(self, worker_id: int, model_name: str, tenant_id: str, block_size: int, dp_start: int, dp_size: int) -> None:
+        if block_size <= 0:
+            raise SlotTrackerError(400, "block_size must be greater than 0")
+        if dp_size <= 0:
+            raise SlotTrackerError(400, "dp_size must be greater than 0")
+        if dp_start + dp_size > U32_MAX:
+            # the reference refuses a range whose exclusive end does not fit in u32 (start=2^32-1 size=1 too)
+            raise SlotTrackerError(400, f"dp range overflows u32: start={dp_start} size={dp_size}")
+        key = (model_name, tenant_id)
+        tracker = self._trackers.get(key)
+        if tracker is not None:
+            if tracker.block_size != block_size:
+                raise SlotTrackerError(
+                    409,
+                    f"block_size mismatch for model={model_name} tenant_id={tenant_id}: existing={tracker.block_size}, requested={block_size}",
+                )
+            if worker_id in tracker.workers:
+                raise SlotTrackerError(409, f"worker {worker_id} already registered for model={model_name} tenant_id={tenant_id}")
+        else:
+            tracker = SlotTracker(model_name, tenant_id, block_size, clock=self.clock, observer=self._observer)
+            self._trackers[key] = tracker
+        tracker._add_worker(worker_id, dp_start, dp_size)
+
+    def unregister(self, worker_id: int, model_name: str, tenant_id: str) -> None:
+        """Drop a worker's ranks and requests; the tracker goes with its last worker."""
+        key = (model_name, tenant_id)
+        tracker = self._trackers.get(key)
+        if tracker is None or worker_id not in tracker.workers:
+            raise SlotTrackerError(404, f"worker {worker_id} not found for model={model_name} tenant_id={tenant_id}")
+        tracker._remove_worker(worker_id)
+        if not tracker.workers:
+            del self._trackers[key]
+
+    def get(self, model_name: str, tenant_id: str = "default") -> SlotTracker | None:
+        return self._trackers.get((model_name, tenant_id))
+
+    def tracker(self, model_name: str, tenant_id: str = "default") -> SlotTracker:
+        """The tracker or 404 ``no slot tracker for ...``."""
+        tracker = self._trackers.get((model_name, tenant_id))
+        if tracker is None:
+            raise SlotTrackerError(404, f"no slot tracker for model={model_name} tenant_id={tenant_id}")
+        return tracker
+
+    def trackers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[SlotTracker]:
+        """Trackers matching the optional filters, sorted by (model_name, tenant_id)."""
+        return [
+            t
+            for key, t in sorted(self._trackers.items(), key=lambda kv: kv[0])
+            if (model_name is None or key[0] == model_name) and (tenant_id is None or key[1] == tenant_id)
+        ]
+
+    def workers(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for t in self.trackers(model_name, tenant_id):
+            for worker_id in sorted(t.workers):
+                dp_start, dp_size = t.workers[worker_id]
+                out.append(
+                    {
+                        "worker_id": worker_id,
+                        "model_name": t.model_name,
+                        "tenant_id": t.tenant_id,
+                        "block_size": t.block_size,
+                        "dp_start": dp_start,
+                        "dp_size": dp_size,
+                    }
+                )
+        return out
+
+    def loads(self, model_name: str | None = None, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for t in self.trackers(model_name, tenant_id):
+            for worker_id, dp_rank, prefill, decode in t.loads():
+                out.append(
+                    {
+                        "model_name": t.model_name,
+                        "tenant_id": t.tenant_id,
+                        "worker_id": worker_id,
+                        "dp_rank": dp_rank,
+                        "active_prefill_tokens": prefill,
+                        "active_decode_blocks": decode,
+                    }
+                )
+        return out
+
+    def expire_stale(self, now: float | None = None) -> int:
+        """Free every request older than ``expiry_secs``; returns how many were freed."""
+        if now is None:
+            now = self.clock()
+        return sum(len(t.expire_stale(now, self.expiry_secs)) for t in list(self._trackers.values()))
+
+    def __iter__(self) -> Iterable[SlotTracker]:
+        return iter(list(self._trackers.values()))
