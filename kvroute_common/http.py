@@ -82,21 +82,42 @@ async def read_body(request: Request, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def decode_json(body: bytes, type_: type[T]) -> T:
-    """Parse and validate a JSON body: 400 for malformed JSON, 422 for a wrong shape."""
+def _trailing_offset(exc: msgspec.DecodeError) -> int | None:
+    """Offset of the first trailing character, if that is all msgspec complained about.
+
+    msgspec reports the position just past that character (``{"a":1}x`` -> byte 8).
+    """
+    text = str(exc)
+    marker = "trailing characters (byte "
+    at = text.find(marker)
+    if at < 0:
+        return None
+    digits = text[at + len(marker) :].split(")", 1)[0]
+    return int(digits) - 1 if digits.isdigit() and int(digits) > 0 else None
+
+
+def decode_json(body: bytes, type_: type[T], allow_trailing: bool = False) -> T:
+    """Parse and validate a JSON body: 400 for malformed JSON, 422 for a wrong shape.
+
+    ``allow_trailing`` mimics axum's ``Json`` extractor, which decodes the first JSON value and
+    ignores whatever follows it (the reference slot tracker answers 200 to ``{...} x``).
+    """
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         raise ApiError(422, f"Failed to deserialize the JSON body into the target type: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"Failed to parse the request body as JSON: {exc}") from None
+        offset = _trailing_offset(exc) if allow_trailing else None
+        if offset is None:
+            raise ApiError(400, f"Failed to parse the request body as JSON: {exc}") from None
+    return decode_json(body[:offset], type_)
 
 
-async def read_json(request: Request, type_: type[T], limit: int = DEFAULT_BODY_LIMIT) -> T:
+async def read_json(request: Request, type_: type[T], limit: int = DEFAULT_BODY_LIMIT, allow_trailing: bool = False) -> T:
     """Content type (415), then size (413), then parse (400) and validate (422): axum's order."""
     if not _is_json_content_type(request.headers.get("content-type")):
         raise ApiError(415, "Expected request with `Content-Type: application/json`")
-    return decode_json(await read_body(request, limit), type_)
+    return decode_json(await read_body(request, limit), type_, allow_trailing)
 
 
 Handler = Callable[[Request], Awaitable[Response]]

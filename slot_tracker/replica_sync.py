@@ -1,0 +1,286 @@
+"""Replica sync: slot trackers share lifecycle events (add / prefill complete / free) over ZMQ PUB/SUB.
+
+Best effort by design (document "Replica Synchronization"): a bounded queue drops new events when
+full instead of blocking HTTP handlers; there is no acknowledgement, replay or snapshot. Each
+process picks a random non-zero 64-bit id and ignores events carrying it. A replica applies an
+event only to a worker rank it already has registered (same model, tenant and block size):
+replica traffic never creates workers.
+
+Wire format = the 1.6.1 reference's (reference notes §4.6), so replicas interoperate with it:
+two frames ``[b"dynamo.slot-tracker.v1", msgpack map]``; the tenant travels as ``routing_group``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from slot_tracker.core import LifecycleEvent, SlotRegistry, SlotTrackerError
+
+log = logging.getLogger("slot_tracker.replica_sync")
+
+TOPIC = b"dynamo.slot-tracker.v1"
+DEFAULT_QUEUE_CAPACITY = 100_000
+_MARK_PREFILL = "MarkPrefillCompleted"
+_FREE = "Free"
+
+
+class WorkerRank(msgspec.Struct):
+    worker_id: int
+    dp_rank: int
+
+
+class PrefillLoadHint(msgspec.Struct):
+    initial_effective_prefill_tokens: int
+    expected_prefill_duration: Any = None
+
+
+class AddRequest(msgspec.Struct):
+    token_sequence: list[int]
+    track_prefill_tokens: bool
+    expected_output_tokens: int | None = None
+    prefill_load_hint: PrefillLoadHint | None = None
+
+
+class AddData(msgspec.Struct):
+    AddRequest: AddRequest
+
+
+class ReplicaEvent(msgspec.Struct):
+    request_id: str
+    worker: WorkerRank
+    data: AddData | str  # {"AddRequest": {...}} | "MarkPrefillCompleted" | "Free"
+    router_id: int
+    lora_name: str | None = None
+
+
+class Envelope(msgspec.Struct):
+    model_name: str
+    routing_group: str
+    block_size: int
+    event: ReplicaEvent
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode_event(ev: LifecycleEvent, router_id: int) -> bytes:
+    """The msgpack payload (second frame) for one local lifecycle event."""
+    if ev.kind == "add":
+        hint = PrefillLoadHint(ev.new_isl_tokens) if ev.new_isl_tokens > 0 else None
+        data: AddData | str = AddData(AddRequest(list(ev.sequence_hashes), ev.new_isl_tokens > 0, None, hint))
+    elif ev.kind == "prefill_complete":
+        data = _MARK_PREFILL
+    else:
+        data = _FREE
+    return _encoder.encode(
+        Envelope(ev.model_name, ev.tenant_id, ev.block_size, ReplicaEvent(ev.request_id, WorkerRank(ev.worker_id, ev.dp_rank), data, router_id))
+    )
+
+
+def decode_event(payload: bytes) -> Envelope:
+    return _decoder.decode(payload)
+
+
+def validate_endpoint(endpoint: str) -> str | None:
+    """Why ``endpoint`` cannot be a peer to connect to, or None if it looks usable."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return f"invalid ZMQ endpoint `{endpoint}`: missing scheme"
+    if scheme not in ("tcp", "ipc", "inproc"):
+        return f"invalid ZMQ endpoint `{endpoint}`: unsupported scheme `{scheme}`"
+    if scheme != "tcp":
+        return None if rest else f"invalid ZMQ endpoint `{endpoint}`: missing path"
+    host, colon, port = rest.rpartition(":")
+    if not colon or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"invalid ZMQ endpoint `{endpoint}`: missing TCP port"
+    if not host or host == "*":
+        return f"invalid ZMQ endpoint `{endpoint}`: a peer needs a host to connect to"
+    return None
+
+
+class ReplicaSync:
+    """PUB our lifecycle events, SUB to the peers' and apply theirs to ``registry``."""
+
+    def __init__(
+        self,
+        registry: SlotRegistry,
+        bind: str,
+        advertise: str | None = None,
+        peers: list[str] | None = None,
+        queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
+    ) -> None:
+        self.registry = registry
+        self.bind = bind
+        self.advertise = advertise
+        self.router_id = secrets.randbits(64) or 1  # ephemeral identity, never configured
+        self._initial_peers = [p for p in (peers or []) if p]
+        self._peers: set[str] = set()
+        self._queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue(maxsize=queue_capacity)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.stats = {"published": 0, "dropped_full": 0, "received": 0, "applied": 0, "ignored_own": 0, "dropped": 0}
+
+    # ----- lifecycle -----
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(self.bind)
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        for peer in self._initial_peers:
+            if self._is_self(peer):
+                log.info("replica sync: skipping own endpoint %s in the peer list", peer)
+                continue
+            self.add_peer(peer)
+        self.registry.observer = self._on_local_event
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._publish_loop()), loop.create_task(self._receive_loop())]
+
+    async def stop(self) -> None:
+        if self.registry.observer == self._on_local_event:
+            self.registry.observer = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        for sock in (self._pub, self._sub):
+            if sock is not None:
+                sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._pub = self._sub = self._ctx = None
+
+    @property
+    def bound_endpoint(self) -> str | None:
+        """Where the PUB socket actually listens (resolves a ``:0``/wildcard bind)."""
+        return None if self._pub is None else self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # ----- peers -----
+
+    def _is_self(self, endpoint: str) -> bool:
+        return endpoint in (self.advertise, self.bind)
+
+    def add_peer(self, endpoint: str) -> bool:
+        """Connect the SUB socket to a peer's PUB endpoint; False if it was already a peer.
+
+        Raises SlotTrackerError(400) for an invalid endpoint or this replica's own endpoint.
+        """
+        problem = validate_endpoint(endpoint)
+        if problem is None and self._is_self(endpoint):
+            problem = f"`{endpoint}` is this replica's own endpoint"
+        if problem is not None:
+            raise SlotTrackerError(400, problem)
+        if endpoint in self._peers:
+            return False
+        if self._sub is None:  # not started yet: connect at start()
+            if endpoint in self._initial_peers:
+                return False
+            self._initial_peers.append(endpoint)
+            return True
+        try:
+            self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise SlotTrackerError(400, f"failed to register replica peer `{endpoint}`: {exc}") from None
+        self._peers.add(endpoint)
+        return True
+
+    def remove_peer(self, endpoint: str) -> bool:
+        if endpoint not in self._peers:
+            if endpoint in self._initial_peers and self._sub is None:
+                self._initial_peers.remove(endpoint)
+                return True
+            return False
+        self._peers.discard(endpoint)
+        if self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disconnect(endpoint)
+        return True
+
+    def peers(self) -> list[str]:
+        return sorted(self._peers if self._sub is not None else set(self._initial_peers))
+
+    # ----- outgoing -----
+
+    def _on_local_event(self, ev: LifecycleEvent) -> None:
+        """Called synchronously by the core after a local change: enqueue, never block."""
+        try:
+            self._queue.put_nowait(ev)
+        except asyncio.QueueFull:
+            self.stats["dropped_full"] += 1
+
+    async def _publish_loop(self) -> None:
+        assert self._pub is not None
+        pub = self._pub
+        while True:
+            ev = await self._queue.get()
+            try:
+                await pub.send_multipart([TOPIC, encode_event(ev, self.router_id)], flags=zmq.NOBLOCK)
+                self.stats["published"] += 1
+            except zmq.Again:
+                self.stats["dropped_full"] += 1
+            except Exception:  # one bad event must not stop replication
+                log.exception("replica sync: failed to publish %s", ev.kind)
+
+    # ----- incoming -----
+
+    async def _receive_loop(self) -> None:
+        assert self._sub is not None
+        sub = self._sub
+        while True:
+            frames = await sub.recv_multipart()
+            self.stats["received"] += 1
+            if len(frames) != 2 or frames[0] != TOPIC:
+                self.stats["dropped"] += 1
+                continue
+            try:
+                env = decode_event(frames[1])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.stats["dropped"] += 1
+                continue
+            self.apply(env)
+
+    def apply(self, env: Envelope) -> bool:
+        """Apply one peer event; False when it is ours or does not fit local topology (dropped)."""
+        ev = env.event
+        if ev.router_id == self.router_id:
+            self.stats["ignored_own"] += 1
+            return False
+        tracker = self.registry.get(env.model_name, env.routing_group)
+        if tracker is None or tracker.block_size != env.block_size or not tracker.has_slot(ev.worker.worker_id, ev.worker.dp_rank):
+            self.stats["dropped"] += 1
+            return False
+        try:
+            data = ev.data
+            if isinstance(data, AddData):
+                add = data.AddRequest
+                hint = add.prefill_load_hint
+                tokens = hint.initial_effective_prefill_tokens if (add.track_prefill_tokens and hint is not None) else 0
+                tracker.add(ev.request_id, ev.worker.worker_id, ev.worker.dp_rank, add.token_sequence, tokens, notify=False)
+            elif data == _MARK_PREFILL:
+                tracker.prefill_complete(ev.request_id, notify=False)
+            elif data == _FREE:
+                tracker.free(ev.request_id, notify=False)
+            else:
+                self.stats["dropped"] += 1
+                return False
+        except SlotTrackerError:  # duplicate add, completion of an unknown request: drop
+            self.stats["dropped"] += 1
+            return False
+        self.stats["applied"] += 1
+        return True

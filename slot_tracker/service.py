@@ -1,0 +1,286 @@
+"""HTTP adapter of the slot tracker: the standalone service's routes (also served by the frontend).
+
+Field names follow the document (``tenant_id``, default ``"default"``); the 1.6.1 spelling
+``routing_group`` is accepted as an input alias (query parameters too). Outputs carry
+``tenant_id`` only, exactly the document's shapes. Hashes arrive as signed i64 (> i64 max is 422)
+and are reinterpreted as u64 for the core.
+
+Peers: the document's ``/register_peer`` / ``/deregister_peer`` (``{"url": ...}``) and ``/peers``,
+plus the 1.6.1 spellings under ``/replica_sync/`` (``{"endpoint": ...}``); either key works on both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute
+
+from kvroute_common.http import ApiError, MiB, json_response, json_service, ok, raw_json_response, read_json, route
+from slot_tracker.core import U32_MAX, U64_MAX, SlotRegistry, SlotTrackerError
+
+if TYPE_CHECKING:
+    from slot_tracker.replica_sync import ReplicaSync
+
+BODY_LIMIT = 2 * MiB
+DEFAULT_TENANT = "default"
+
+U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec cannot bound above int64: checked in _u64
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+_UNSET = msgspec.UNSET
+OptStr = str | msgspec.UnsetType  # absent allowed, null refused (422) as in the reference
+
+
+class _Tenanted(msgspec.Struct):
+    def tenant(self) -> str:
+        tenant_id = self.tenant_id  # type: ignore[attr-defined]
+        group = self.routing_group  # type: ignore[attr-defined]
+        if tenant_id is _UNSET:
+            return DEFAULT_TENANT if group is _UNSET else group
+        if group is not _UNSET and group != tenant_id:
+            raise ApiError(422, f"Failed to deserialize the JSON body into the target type: tenant_id {tenant_id!r} and its alias routing_group {group!r} differ")
+        return tenant_id
+
+
+class RegisterBody(_Tenanted):
+    worker_id: U64
+    model_name: str
+    block_size: U32
+    dp_start: U32
+    dp_size: U32
+    tenant_id: OptStr = _UNSET
+    routing_group: OptStr = _UNSET
+
+
+class UnregisterBody(_Tenanted):
+    worker_id: U64
+    model_name: str
+    tenant_id: OptStr = _UNSET
+    routing_group: OptStr = _UNSET
+
+
+class AddBody(_Tenanted):
+    model_name: str
+    request_id: str
+    worker_id: U64
+    dp_rank: U32
+    sequence_hashes: list[I64]
+    new_isl_tokens: U64 = 0
+    tenant_id: OptStr = _UNSET
+    routing_group: OptStr = _UNSET
+
+
+class RequestBody(_Tenanted):
+    model_name: str
+    request_id: str
+    tenant_id: OptStr = _UNSET
+    routing_group: OptStr = _UNSET
+
+
+class PotentialLoadsBody(_Tenanted):
+    model_name: str
+    sequence_hashes: list[I64]
+    new_isl_tokens: U64 = 0
+    tenant_id: OptStr = _UNSET
+    routing_group: OptStr = _UNSET
+
+
+class PeerBody(msgspec.Struct):
+    url: OptStr = _UNSET
+    endpoint: OptStr = _UNSET
+
+    def peer(self) -> str:
+        if self.url is not _UNSET:
+            if self.endpoint is not _UNSET and self.endpoint != self.url:
+                raise ApiError(422, "Failed to deserialize the JSON body into the target type: url and its alias endpoint differ")
+            return self.url
+        if self.endpoint is not _UNSET:
+            return self.endpoint
+        raise ApiError(422, "Failed to deserialize the JSON body into the target type: missing field `url`")
+
+
+def _u64(value: int, field: str) -> int:
+    if value > U64_MAX:
+        raise ApiError(422, f"Failed to deserialize the JSON body into the target type: invalid value: integer `{value}`, expected u64 - at `$.{field}`")
+    return value
+
+
+def _query_filters(request: Request) -> tuple[str | None, str | None]:
+    """Optional ``model_name`` and ``tenant_id`` (alias ``routing_group``) filters; repeats are 400."""
+    params = request.query_params
+    found: dict[str, str] = {}
+    for name in ("model_name", "tenant_id", "routing_group"):
+        values = params.getlist(name)
+        if len(values) > 1:
+            raise ApiError(400, f"Failed to deserialize query string: duplicate field `{name}`")
+        if values:
+            found[name] = values[0]
+    tenant = found.get("tenant_id")
+    group = found.get("routing_group")
+    if tenant is not None and group is not None and tenant != group:
+        raise ApiError(400, "Failed to deserialize query string: tenant_id and its alias routing_group differ")
+    return found.get("model_name"), tenant if tenant is not None else group
+
+
+def _core(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except SlotTrackerError as exc:
+        raise ApiError(exc.status, exc.message) from None
+
+
+async def _body(request: Request, type_: type[Any]) -> Any:
+    return await read_json(request, type_, BODY_LIMIT, allow_trailing=True)
+
+
+_MASK = U64_MAX
+
+
+def encode_potential_loads(loads: list[Any]) -> bytes:
+    """The /potential_loads body, formatted directly (the hot read path)."""
+    return (
+        "["
+        + ",".join(
+            [
+                f'{{"worker_id":{w},"dp_rank":{r},"potential_prefill_tokens":{p},"potential_decode_blocks":{d},"active_requests":{a}}}'
+                for w, r, p, d, a in loads
+            ]
+        )
+        + "]"
+    ).encode()
+
+
+def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = None) -> list[BaseRoute]:
+    """Every slot-tracker endpoint, for the standalone service and for the frontend's own port."""
+
+    async def health(request: Request) -> Response:
+        return Response(b"", status_code=200)
+
+    async def register(request: Request) -> Response:
+        b: RegisterBody = await _body(request, RegisterBody)
+        tenant = b.tenant()
+        _core(lambda: registry.register(_u64(b.worker_id, "worker_id"), b.model_name, tenant, b.block_size, b.dp_start, b.dp_size))
+        return ok(201)
+
+    async def unregister(request: Request) -> Response:
+        b: UnregisterBody = await _body(request, UnregisterBody)
+        tenant = b.tenant()
+        _core(lambda: registry.unregister(_u64(b.worker_id, "worker_id"), b.model_name, tenant))
+        return ok(200)
+
+    async def workers(request: Request) -> Response:
+        model_name, tenant = _query_filters(request)
+        return json_response(registry.workers(model_name, tenant))
+
+    async def loads(request: Request) -> Response:
+        model_name, tenant = _query_filters(request)
+        return json_response(registry.loads(model_name, tenant))
+
+    async def add(request: Request) -> Response:
+        b: AddBody = await _body(request, AddBody)
+        tenant = b.tenant()
+        worker_id = _u64(b.worker_id, "worker_id")
+        isl = _u64(b.new_isl_tokens, "new_isl_tokens")
+        tracker = _core(lambda: registry.tracker(b.model_name, tenant))
+        hashes = [h & _MASK for h in b.sequence_hashes]
+        _core(lambda: tracker.add(b.request_id, worker_id, b.dp_rank, hashes, isl))
+        return ok(201)
+
+    async def prefill_complete(request: Request) -> Response:
+        b: RequestBody = await _body(request, RequestBody)
+        tenant = b.tenant()
+        tracker = _core(lambda: registry.tracker(b.model_name, tenant))
+        _core(lambda: tracker.prefill_complete(b.request_id))
+        return ok(200)
+
+    async def free(request: Request) -> Response:
+        b: RequestBody = await _body(request, RequestBody)
+        tracker = _core(lambda: registry.tracker(b.model_name, b.tenant()))
+        tracker.free(b.request_id)
+        return ok(200)
+
+    async def potential_loads(request: Request) -> Response:
+        b: PotentialLoadsBody = await _body(request, PotentialLoadsBody)
+        isl = _u64(b.new_isl_tokens, "new_isl_tokens")
+        tracker = registry.get(b.model_name, b.tenant())
+        if tracker is None:
+            tracker = _core(lambda: registry.tracker(b.model_name, b.tenant()))
+        result = tracker.potential_loads([h & _MASK for h in b.sequence_hashes], isl)
+        return raw_json_response(encode_potential_loads(result))
+
+    def _sync() -> ReplicaSync:
+        if replica_sync is None:
+            raise ApiError(409, "replica sync is disabled")
+        return replica_sync
+
+    async def register_peer(request: Request) -> Response:
+        b: PeerBody = await _body(request, PeerBody)
+        peer = b.peer()
+        added = _sync().add_peer(peer)
+        return ok(201 if added else 200)
+
+    async def deregister_peer(request: Request) -> Response:
+        b: PeerBody = await _body(request, PeerBody)
+        peer = b.peer()
+        if not _sync().remove_peer(peer):
+            raise ApiError(404, "peer not found")
+        return ok(200)
+
+    async def peers(request: Request) -> Response:
+        return json_response([] if replica_sync is None else replica_sync.peers())
+
+    routes = [
+        route("/health", health, ["GET"]),
+        route("/register", register, ["POST"]),
+        route("/unregister", unregister, ["POST"]),
+        route("/workers", workers, ["GET"]),
+        route("/add", add, ["POST"]),
+        route("/prefill_complete", prefill_complete, ["POST"]),
+        route("/free", free, ["POST"]),
+        route("/loads", loads, ["GET"]),
+        route("/potential_loads", potential_loads, ["POST"]),
+    ]
+    for prefix in ("", "/replica_sync"):
+        routes += [
+            route(f"{prefix}/register_peer", register_peer, ["POST"]),
+            route(f"{prefix}/deregister_peer", deregister_peer, ["POST"]),
+            route(f"{prefix}/peers", peers, ["GET"]),
+        ]
+    return routes
+
+
+def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, sweep_interval: float | None = None) -> Starlette:
+    """The standalone service: tracker routes, stale sweeps, and replica sync started with the app."""
+    import asyncio
+    import contextlib
+
+    interval = sweep_interval if sweep_interval is not None else min(30.0, max(registry.expiry_secs / 10.0, 0.05))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                registry.expire_stale()
+
+        if replica_sync is not None:
+            await replica_sync.start()
+        task = asyncio.get_running_loop().create_task(sweep())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if replica_sync is not None:
+                await replica_sync.stop()
+
+    return json_service(tracker_routes(registry, replica_sync), lifespan=lifespan)
+
+
+__all__ = ["build_app", "tracker_routes", "encode_potential_loads"]
