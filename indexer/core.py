@@ -69,17 +69,7 @@ def tier_for_medium(medium: str | None) -> str | None:
     return MEDIUM_TIERS.get(medium)
 
 
-class _Node:
-    __slots__ = ("local", "parent", "children", "workers")
-
-    def __init__(self, local: int, parent: _Node | None) -> None:
-        self.local = local
-        self.parent = parent
-        self.children: dict[int, _Node] | None = None
-        self.workers: dict[Worker, int] = {}
-
-
-class _Edge:
+class _TierEdge:
     __slots__ = ("child", "owners")
 
     def __init__(self, child: int) -> None:
@@ -93,7 +83,7 @@ class _LowerTier:
     __slots__ = ("edges", "by_worker")
 
     def __init__(self) -> None:
-        self.edges: dict[tuple[int | None, int], _Edge] = {}
+        self.edges: dict[tuple[int | None, int], _TierEdge] = {}
         self.by_worker: dict[Worker, dict[int, tuple[int | None, int]]] = {}
 
     def store(self, w: Worker, parent: int | None, blocks: Sequence[tuple[int, int]]) -> None:
@@ -106,7 +96,7 @@ class _LowerTier:
             key = (prev, local)
             edge = edges.get(key)
             if edge is None:
-                edge = edges[key] = _Edge(ext)
+                edge = edges[key] = _TierEdge(ext)
             if edge.child == ext:  # an existing edge with another child hash wins
                 edge.owners.add(w)
                 mine[ext] = key
@@ -158,22 +148,121 @@ class _LowerTier:
         return i - start, anchor
 
 
+class _Run:
+    """One compressed edge of the device tree: a run of positions with the same children structure.
+
+    ``locals``/``exts`` are the run's blocks (external hash of the first inserter), ``index`` maps
+    every external hash known for a position (the first inserter's and other workers' aliases)
+    to its offset, ``own`` records a worker's external hash where it differs from ``exts``.
+    ``full`` holds the workers covering the whole run, ``cutoffs[w] = k`` a worker covering only
+    the first k positions (0 < k < len).
+    """
+
+    __slots__ = ("locals", "exts", "index", "own", "full", "cutoffs", "children", "internal", "parent")
+
+    def __init__(self, locals_: list[int], exts: list[int], internal: bool = False, parent: _Run | None = None) -> None:
+        self.parent = parent
+        self.locals = locals_
+        self.exts = exts
+        self.index: dict[int, int] = {e: i for i, e in enumerate(exts)}
+        self.own: dict[tuple[Worker, int], int] | None = None
+        self.full: set[Worker] = set()
+        self.cutoffs: dict[Worker, int] = {}
+        self.children: dict[int, _Run] = {}
+        self.internal = internal  # once a run had children it is never extended in place again
+
+    def covers(self, w: Worker, pos: int) -> bool:
+        if w in self.full:
+            return True
+        c = self.cutoffs.get(w)
+        return c is not None and pos < c
+
+    def cutoff(self, w: Worker) -> int:
+        if w in self.full:
+            return len(self.locals)
+        return self.cutoffs.get(w, 0)
+
+    def has_workers(self) -> bool:
+        return bool(self.full) or bool(self.cutoffs)
+
+    def ext_of(self, w: Worker, pos: int) -> int:
+        """The external hash ``w`` uses for position ``pos``."""
+        own = self.own
+        if own:
+            e = own.get((w, pos))
+            if e is not None:
+                return e
+        return self.exts[pos]
+
+    def promote(self, w: Worker) -> bool:
+        if w in self.full:
+            return False
+        self.cutoffs.pop(w, None)
+        self.full.add(w)
+        return True
+
+    def cover_prefix(self, w: Worker, k: int) -> bool:
+        if k <= 0:
+            return False
+        if k >= len(self.locals):
+            return self.promote(w)
+        if w in self.full:
+            return False
+        if self.cutoffs.get(w, 0) >= k:
+            return False
+        self.cutoffs[w] = k
+        return True
+
+    def drop(self, w: Worker) -> None:
+        self.full.discard(w)
+        self.cutoffs.pop(w, None)
+
+    def note_exts(self, w: Worker, start: int, blocks: Sequence[tuple[int, int]]) -> None:
+        """Remember ``w``'s own external hashes for positions start.. where they differ."""
+        exts = self.exts
+        for k, (ext, _) in enumerate(blocks):
+            pos = start + k
+            if exts[pos] != ext:
+                self.index.setdefault(ext, pos)
+                if self.own is None:
+                    self.own = {}
+                self.own[(w, pos)] = ext
+
+    def append(self, w: Worker, blocks: Sequence[tuple[int, int]]) -> None:
+        """Leaf extension: other full holders now cover only the old length."""
+        old = len(self.locals)
+        for other in [x for x in self.full if x != w]:
+            self.full.discard(other)
+            self.cutoffs[other] = old
+        self.promote(w)
+        index = self.index
+        for k, (ext, local) in enumerate(blocks):
+            self.locals.append(local)
+            self.exts.append(ext)
+            index.setdefault(ext, old + k)
+
+
 class KvIndex:
-    """Block index of one (model, tenant) partition with a fixed block size."""
+    """Block index of one (model, tenant) partition with a fixed block size.
+
+    The device tier reproduces the reference's compressed radix tree (1.6.1, ``--threads 1``):
+    a removal cuts the worker's coverage of the *run* holding the block from that block on, but
+    not of deeper runs, so re-storing the removed block can make deeper blocks the engine still
+    holds reachable again; a run nobody fully covers forgets its children.
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._root = _Node(0, None)
-        self._lookup: dict[Worker, dict[int, _Node]] = {}
+        self._root = _Run([], [], internal=True)
+        self._lookup: dict[Worker, dict[int, _Run]] = {}
         self._lower: dict[str, _LowerTier] = {t: _LowerTier() for t in LOWER_TIERS}
-        self._size = 0
 
     # ---------------------------------------------------------------- mutation
 
     @property
     def size(self) -> int:
-        """Number of (worker, device position) entries: what approximate-mode pruning bounds."""
-        return self._size
+        """Number of (worker, external hash) entries: what approximate-mode pruning bounds."""
+        return sum(len(m) for m in self._lookup.values())
 
     def workers(self) -> set[Worker]:
         """Every (worker_id, dp_rank) holding at least one block in any tier."""
@@ -202,54 +291,206 @@ class KvIndex:
             self._lower[tier].store(w, parent_ext_hash, blocks)
             return True
         lookup = self._lookup.get(w)
-        if parent_ext_hash is None:
-            node = self._root
-        else:
-            node = lookup.get(parent_ext_hash) if lookup is not None else None
-            if node is None or w not in node.workers:
-                return False
         if lookup is None:
             lookup = self._lookup[w] = {}
-        size = self._size
-        for ext, local in blocks:
-            children = node.children
-            if children is None:
-                children = node.children = {}
-                child = None
-            else:
-                child = children.get(local)
+        if parent_ext_hash is None:
+            parent = self._root
+        else:
+            node = lookup.get(parent_ext_hash)
+            if node is None:
+                return False
+            ppos = node.index.get(parent_ext_hash)
+            if ppos is None:
+                return False
+            if not node.covers(w, ppos):
+                del lookup[parent_ext_hash]
+                return False
+            if self._reuse_parent_run(w, node, ppos, blocks, lookup):
+                return True
+            if ppos != len(node.locals) - 1:
+                self._split(node, ppos + 1)
+            parent = node
+        i, n = 0, len(blocks)
+        while i < n:
+            first_local = blocks[i][1]
+            child = parent.children.get(first_local)
+            rest = blocks[i:]
             if child is None:
-                child = children[local] = _Node(local, node)
-            holders = child.workers
-            if w not in holders:
-                size += 1
-            holders[w] = ext
-            lookup[ext] = child
-            node = child
-        self._size = size
+                if parent is not self._root and not parent.internal and parent.covers(w, len(parent.locals) - 1):
+                    parent.append(w, rest)
+                    self._note_lookup(lookup, rest, parent)
+                    break
+                new = _Run([b[1] for b in rest], [b[0] for b in rest], parent=parent)
+                new.full.add(w)
+                parent.internal = True
+                parent.children[first_local] = new
+                self._note_lookup(lookup, rest, new)
+                break
+            locs = child.locals
+            run_len = len(locs)
+            m = 0
+            lim = min(run_len, n - i)
+            while m < lim and locs[m] == rest[m][1]:
+                m += 1
+            if m < run_len:
+                if m == n - i:  # the store ends inside this run
+                    child.cover_prefix(w, m)
+                    child.note_exts(w, 0, rest)
+                    self._note_lookup(lookup, rest, child)
+                    break
+                self._split(child, m)
+                child.promote(w)
+                child.note_exts(w, 0, rest[:m])
+                self._note_lookup(lookup, rest[:m], child)
+                tail = rest[m:]
+                tail_run = _Run([b[1] for b in tail], [b[0] for b in tail], parent=child)
+                tail_run.full.add(w)
+                child.internal = True
+                child.children[tail[0][1]] = tail_run
+                self._note_lookup(lookup, tail, tail_run)
+                break
+            child.promote(w)
+            child.note_exts(w, 0, rest[:run_len])
+            self._note_lookup(lookup, rest[:run_len], child)
+            i += run_len
+            parent = child
         return True
 
-    def apply_removed(self, worker_id: int, dp_rank: int, ext_hashes: Iterable[int], tier: str = DEVICE) -> int:
-        """Remove blocks by external hash; on the device tier each cuts the worker's path below it.
+    @staticmethod
+    def _note_lookup(lookup: dict[int, _Run], blocks: Sequence[tuple[int, int]], run: _Run) -> None:
+        for ext, _ in blocks:
+            lookup[ext] = run
 
-        Unknown hashes are skipped. Returns how many of the given hashes were found.
+    def _reuse_parent_run(
+        self, w: Worker, node: _Run, ppos: int, blocks: Sequence[tuple[int, int]], lookup: dict[int, _Run]
+    ) -> bool:
+        """A store continuing inside the parent's run (same local AND external hashes) reuses it."""
+        start = ppos + 1
+        suffix_len = len(node.locals) - start
+        k = min(suffix_len, len(blocks))
+        locs, exts = node.locals, node.exts
+        for j in range(k):
+            if locs[start + j] != blocks[j][1] or exts[start + j] != blocks[j][0]:
+                return False
+        if len(blocks) <= suffix_len:
+            node.cover_prefix(w, start + len(blocks))
+            self._note_lookup(lookup, blocks, node)
+            return True
+        if not node.internal:
+            node.append(w, blocks[suffix_len:])
+            self._note_lookup(lookup, blocks, node)
+            return True
+        return False
+
+    def _split(self, node: _Run, pos: int) -> None:
+        """Cut ``node`` at ``pos``; the tail becomes its only child, holders carried over."""
+        suffix = _Run(node.locals[pos:], node.exts[pos:], internal=node.internal, parent=node)
+        del node.locals[pos:]
+        del node.exts[pos:]
+        suffix.index = {}
+        kept: dict[int, int] = {}
+        for ext, p in node.index.items():
+            if p >= pos:
+                suffix.index[ext] = p - pos
+            else:
+                kept[ext] = p
+        node.index = kept
+        if node.own:
+            own, node.own, suffix.own = node.own, {}, {}
+            for (w, p), ext in own.items():
+                if p >= pos:
+                    suffix.own[(w, p - pos)] = ext
+                else:
+                    node.own[(w, p)] = ext
+        suffix.full = set(node.full)
+        for w, c in list(node.cutoffs.items()):
+            if c < pos:
+                continue
+            del node.cutoffs[w]
+            node.full.add(w)
+            if c > pos:
+                suffix.cutoffs[w] = c - pos
+        suffix.children = node.children
+        for child in suffix.children.values():
+            child.parent = suffix
+        node.children = {suffix.locals[0]: suffix}
+        node.internal = True
+        lookups = self._lookup
+        for w in suffix.full:
+            lookup = lookups.setdefault(w, {})
+            for p in range(len(suffix.locals)):
+                lookup[suffix.ext_of(w, p)] = suffix
+        for w, c in suffix.cutoffs.items():
+            lookup = lookups.setdefault(w, {})
+            for p in range(c):
+                lookup[suffix.ext_of(w, p)] = suffix
+
+    def apply_removed(self, worker_id: int, dp_rank: int, ext_hashes: Sequence[int], tier: str = DEVICE) -> int:
+        """Remove blocks by external hash. Unknown hashes are skipped; returns how many were found.
+
+        On the device tier a removal drops the worker's coverage of the block's run from that
+        block on (consecutive hashes of one run are handled as one cut, as the reference does).
         """
         w = (worker_id, dp_rank)
         if tier != DEVICE:
             return self._lower[tier].remove(w, ext_hashes)
         lookup = self._lookup.get(w)
-        if not lookup:
-            return 0
+        if lookup is None:
+            lookup = self._lookup[w] = {}
         found = 0
-        for ext in ext_hashes:
-            node = lookup.get(ext)
-            if node is None or w not in node.workers:
+        eagerly_removed: set[int] = set()
+        i, n = 0, len(ext_hashes)
+        while i < n:
+            h = ext_hashes[i]
+            i += 1
+            node = lookup.pop(h, None)
+            if node is None:
+                if h in eagerly_removed:
+                    found += 1
+                continue
+            first = node.index.get(h)
+            if first is None:
+                lookup[h] = node
                 continue
             found += 1
-            self._cut(w, node, lookup)
-        if not lookup:
-            self._lookup.pop(w, None)
+            min_pos, min_hash = first, h
+            if node.covers(w, first):
+                while i < n:
+                    c = ext_hashes[i]
+                    if lookup.get(c) is not node:
+                        break
+                    cp = node.index.get(c)
+                    if cp is None or not node.covers(w, cp):
+                        break
+                    if cp < min_pos:
+                        min_pos, min_hash = cp, c
+                    found += 1
+                    i += 1
+            current = node.cutoff(w)
+            if min_pos >= current:
+                stale = [min_hash]
+            else:
+                stale = [node.ext_of(w, p) for p in range(min_pos, len(node.locals))]
+                if min_pos == 0:
+                    node.drop(w)
+                else:
+                    node.full.discard(w)
+                    node.cutoffs[w] = min_pos
+            self._after_loss(node)
+            for s in stale:
+                lookup.pop(s, None)
+                eagerly_removed.add(s)
         return found
+
+    @staticmethod
+    def _after_loss(node: _Run) -> None:
+        """A run nobody fully covers forgets its children; a run nobody holds leaves the tree."""
+        if not node.full:
+            node.children = {}
+            if not node.cutoffs and node.parent is not None:
+                siblings = node.parent.children
+                if siblings.get(node.locals[0]) is node:
+                    del siblings[node.locals[0]]
 
     def apply_cleared(self, worker_id: int, dp_rank: int) -> None:
         """AllBlocksCleared: the worker's rank loses everything, in every tier."""
@@ -260,99 +501,104 @@ class KvIndex:
         if dp_rank is not None:
             self._drop((worker_id, dp_rank))
             return
-        for w in [w for w in self.workers() if w[0] == worker_id]:
+        ranks = {w for w in self._lookup if w[0] == worker_id}
+        ranks.update(w for w in self.workers() if w[0] == worker_id)
+        for w in ranks:
             self._drop(w)
 
     def _drop(self, w: Worker) -> None:
         lookup = self._lookup.pop(w, None)
         if lookup:
-            for node in list(lookup.values()):
-                if w in node.workers:
-                    self._cut(w, node, lookup)
+            seen: set[int] = set()
+            for node in lookup.values():
+                if id(node) in seen:
+                    continue
+                seen.add(id(node))
+                node.drop(w)
+                self._after_loss(node)
         for tier in self._lower.values():
             tier.drop_worker(w)
-
-    def _cut(self, w: Worker, node: _Node, lookup: dict[int, _Node]) -> None:
-        """Remove ``w`` from ``node`` and every deeper position it holds on that path."""
-        stack = [node]
-        size = self._size
-        while stack:
-            n = stack.pop()
-            ext = n.workers.pop(w, None)
-            if ext is None:
-                continue
-            size -= 1
-            if lookup.get(ext) is n:
-                del lookup[ext]
-            if n.children:
-                stack.extend(c for c in n.children.values() if w in c.workers)
-            if not n.workers:
-                self._detach(n)
-        self._size = size
-
-    @staticmethod
-    def _detach(n: _Node) -> None:
-        parent = n.parent
-        if parent is None:
-            return
-        siblings = parent.children
-        if siblings is not None and siblings.get(n.local) is n:
-            del siblings[n.local]
-            if not siblings:
-                parent.children = None
 
     # ---------------------------------------------------------------- queries
 
     def find_matches(self, local_hashes: Sequence[int]) -> dict[Worker, int]:
         """Per (worker_id, dp_rank): how many leading query blocks it holds on the device tier."""
-        if not local_hashes:
+        n = len(local_hashes)
+        if not n:
             return {}
-        children = self._root.children
-        cur = children.get(local_hashes[0]) if children else None
-        if cur is None:
-            return {}
+        node = self._root.children.get(local_hashes[0])
         scores: dict[Worker, int] = {}
-        depth = 1
-        held = cur.workers
-        for h in local_hashes[1:]:
-            children = cur.children
-            if children is None:
+        active: set[Worker] | None = None
+        depth = 0
+        while node is not None:
+            locs = node.locals
+            run_len = len(locs)
+            lim = run_len if run_len <= n - depth else n - depth
+            if locs[:lim] == local_hashes[depth : depth + lim]:
+                m = lim
+            else:
+                m = 1
+                while m < lim and locs[m] == local_hashes[depth + m]:
+                    m += 1
+            if active is None:
+                active = set(node.full)
+                for w, c in node.cutoffs.items():
+                    scores[w] = c if c < m else m
+            elif not active <= node.full:
+                full, cutoffs = node.full, node.cutoffs
+                for w in [x for x in active if x not in full]:
+                    c = cutoffs.get(w, 0)
+                    scores[w] = depth + (c if c < m else m)
+                    active.discard(w)
+            depth += m
+            if not active or m < run_len or depth == n:
                 break
-            nxt = children.get(h)
-            if nxt is None:
-                break
-            nheld = nxt.workers
-            if len(nheld) != len(held):  # holders only shrink along a path
-                for w in held.keys() - nheld.keys():
-                    scores[w] = depth
-            cur, held = nxt, nheld
-            depth += 1
-        for w in held:
-            scores[w] = depth
+            node = node.children.get(local_hashes[depth])
+        if active:
+            for w in active:
+                scores[w] = depth
         return scores
 
-    def _device_walk(self, local_hashes: Sequence[int]) -> dict[Worker, tuple[int, int]]:
-        """Like find_matches, with the worker's external hash of its last matched block."""
-        out: dict[Worker, tuple[int, int]] = {}
-        if not local_hashes:
+    def _device_walk(self, local_hashes: Sequence[int]) -> dict[Worker, tuple[int, int | None]]:
+        """find_matches plus each worker's external hash of its last matched block."""
+        out: dict[Worker, tuple[int, int | None]] = {}
+        n = len(local_hashes)
+        if not n:
             return out
-        children = self._root.children
-        cur = children.get(local_hashes[0]) if children else None
-        if cur is None:
-            return out
-        depth = 1
-        for h in local_hashes[1:]:
-            children = cur.children
-            nxt = children.get(h) if children else None
-            if nxt is None:
+        node = self._root.children.get(local_hashes[0])
+        active: set[Worker] | None = None
+        depth = 0
+        last: tuple[_Run, int] | None = None  # (run, offset) of the last matched block
+        while node is not None:
+            locs = node.locals
+            run_len = len(locs)
+            lim = min(run_len, n - depth)
+            m = 1
+            while m < lim and locs[m] == local_hashes[depth + m]:
+                m += 1
+            if active is None:
+                active = set(node.full)
+                for w, c in node.cutoffs.items():
+                    k = min(c, m)
+                    out[w] = (k, node.ext_of(w, k - 1))
+            else:
+                full, cutoffs = node.full, node.cutoffs
+                for w in [x for x in active if x not in full]:
+                    k = min(cutoffs.get(w, 0), m)
+                    if k:
+                        out[w] = (depth + k, node.ext_of(w, k - 1))
+                    else:
+                        assert last is not None
+                        out[w] = (depth, last[0].ext_of(w, last[1]))
+                    active.discard(w)
+            depth += m
+            last = (node, m - 1)
+            if not active or m < run_len or depth == n:
                 break
-            if len(nxt.workers) != len(cur.workers):
-                for w in cur.workers.keys() - nxt.workers.keys():
-                    out[w] = (depth, cur.workers[w])
-            cur = nxt
-            depth += 1
-        for w, ext in cur.workers.items():
-            out[w] = (depth, ext)
+            node = node.children.get(local_hashes[depth])
+        if active and last is not None:
+            for w in active:
+                out[w] = (depth, last[0].ext_of(w, last[1]))
         return out
 
     def tier_matches(self, local_hashes: Sequence[int]) -> dict[Worker, tuple[int, int, int]]:
@@ -361,10 +607,10 @@ class KvIndex:
         Includes workers that reach the query only through lower tiers (device 0).
         """
         device = self._device_walk(local_hashes)
-        lower = [t for t in (self._lower[HOST_PINNED], self._lower[DISK], self._lower[EXTERNAL])]
-        if not any(t.edges for t in lower) or not local_hashes:
-            return {w: (d, d, d) for w, (d, _) in device.items()}
-        candidates: dict[Worker, tuple[int, int | None]] = dict(device)
+        lower = (self._lower[HOST_PINNED], self._lower[DISK], self._lower[EXTERNAL])
+        if not local_hashes or not any(t.edges for t in lower):
+            return {w: (d, d, d) for w, (d, _) in device.items() if d}
+        candidates: dict[Worker, tuple[int, int | None]] = {w: v for w, v in device.items() if v[0]}
         root_key = (None, local_hashes[0])
         for t in lower:
             edge = t.edges.get(root_key)
@@ -374,6 +620,8 @@ class KvIndex:
         host, disk, external = lower
         out: dict[Worker, tuple[int, int, int]] = {}
         for w, (d, anchor) in candidates.items():
+            if not d:
+                anchor = None
             h, anchor = host.walk(w, anchor, local_hashes, d)
             k, anchor = disk.walk(w, anchor, local_hashes, d + h)
             x, _ = external.walk(w, anchor, local_hashes, d + h + k)
@@ -386,32 +634,45 @@ class KvIndex:
     def dump_events(self) -> list[dict[str, Any]]:
         """The index as RouterEvents (the reference's /dump shape); device tier breadth-first.
 
-        Device runs of positions with one child and identical holders become one event per
-        holder; each lower-tier edge becomes one single-block event per owner.
+        Chains of runs with the same full holders (and no partial ones) are merged into one
+        event per holder; each lower-tier edge becomes one single-block event per owner.
         """
         events: list[dict[str, Any]] = []
         event_id = 0
-        queue: deque[_Node] = deque()
-        if self._root.children:
-            queue.extend(self._root.children.values())
+        queue: deque[tuple[_Run, _Run | None]] = deque((c, None) for c in self._root.children.values())
         while queue:
-            start = queue.popleft()
-            run = [start]
-            node = start
-            while node.children and len(node.children) == 1:
-                (child,) = node.children.values()
-                if child.workers.keys() != node.workers.keys():
+            start, parent = queue.popleft()
+            chain: list[_Run] = []
+            cur = start
+            while True:
+                if not cur.has_workers() and not cur.children:
                     break
-                run.append(child)
-                node = child
-            if node.children:
-                queue.extend(node.children.values())
-            parent = start.parent
-            for w in start.workers:
-                parent_hash = parent.workers.get(w) if parent is not None and parent is not self._root else None
-                blocks = [{"block_hash": n.workers[w], "tokens_hash": n.local, "mm_extra_info": None} for n in run]
-                events.append(_router_event(w, DEVICE, event_id, parent_hash, blocks))
-                event_id += 1
+                chain.append(cur)
+                live = [c for c in cur.children.values() if c.has_workers() or c.children]
+                if (
+                    not cur.cutoffs
+                    and len(live) == 1
+                    and not live[0].cutoffs
+                    and live[0].full == cur.full
+                    and live[0].has_workers()
+                ):
+                    cur = live[0]
+                    continue
+                if not chain:
+                    break
+                holders = [(w, None) for w in sorted(cur.full)] + sorted(cur.cutoffs.items())
+                for w, cutoff in holders:
+                    blocks = []
+                    for r in chain:
+                        stop = len(r.locals) if (cutoff is None or r is not cur) else cutoff
+                        for p in range(stop):
+                            blocks.append({"block_hash": r.ext_of(w, p), "tokens_hash": r.locals[p], "mm_extra_info": None})
+                    parent_hash = parent.ext_of(w, len(parent.locals) - 1) if parent is not None else None
+                    events.append(_router_event(w, DEVICE, event_id, parent_hash, blocks))
+                    event_id += 1
+                for child in live:
+                    queue.append((child, cur))
+                break
         for tier_name in LOWER_TIERS:
             event_id = 0
             for (parent_hash, local), edge in self._lower[tier_name].edges.items():
@@ -430,7 +691,6 @@ class KvIndex:
         for ev in events:
             applied += apply_router_event(self, ev)
         return applied
-
 
 def _router_event(w: Worker, tier: str, event_id: int, parent_hash: int | None, blocks: list[dict[str, Any]]) -> dict[str, Any]:
     return {
