@@ -3,26 +3,30 @@
 No I/O: the listener (ZMQ), the standalone service (HTTP) and the frontend all drive this core.
 
 Device tier
-    A trie keyed by *local* block hash (the hash of a block's tokens). Each position is a
-    ``_Node`` whose ``children`` dict maps the next local hash to the child position, and whose
-    ``workers`` dict maps each holding worker ``(worker_id, dp_rank)`` to the *external* hash that
-    worker's engine uses for the block. A worker also gets ``lookup[worker][ext] -> node`` for
-    parent linkage and removals. Walking a query is one dict lookup per block; no per-block
-    objects are allocated on the hot path.
+    A compressed radix tree keyed by *local* block hash (the hash of a block's tokens): each
+    ``_Run`` is a run of positions (parallel lists of local and external hashes) with a dict of
+    children keyed by the next local hash, the workers covering the whole run (``full``) and those
+    covering only its first k positions (``cutoffs``). ``lookup[worker][ext] -> run`` serves
+    parent linkage and removals. A query compares whole runs as list slices and touches the holder
+    sets only where they change, so the hot path is a handful of dict lookups per query.
 
-    Invariant: a worker holding a position holds all its ancestors (stores extend a held parent,
-    removals cut the whole path below). So along any path the holder sets only shrink, and a
-    worker's score is simply the depth of the deepest query position it still holds; find_matches
-    only compares set sizes until a size changes.
+    The rules are the reference's single-threaded tree (1.6.1 ``--threads 1``), checked by the
+    differential test and a fuzzer against its Python binding: a store walks/splits runs by local
+    hash and extends a leaf run in place; a removal cuts the worker's coverage of the *run* that
+    holds the block from that block on (deeper runs keep the worker, so re-storing the removed
+    block can make blocks the engine still caches reachable again); a run nobody fully covers
+    forgets its children and a run nobody holds leaves the tree.
 
-    External hashes are kept *per worker* (not the first inserter's, as the 1.6.1 reference does,
-    its §3.5 quirk): a worker whose engine names a shared block differently can still extend its
-    own chain with its own parent hash, and ``/dump`` reports each worker's own hashes so a peer
-    restoring the dump resolves that worker's later parents. When all engines agree on external
-    hashes (the normal, seeded case) both behaviours are identical.
+    One deliberate difference (reference §3.5 quirk): the reference only knows the external hash
+    of a position's *first* inserter, so a worker whose engine names a shared block differently
+    (vLLM without a shared PYTHONHASHSEED) cannot use its own hash as a parent or remove it, and
+    its chain stops growing past the shared prefix. We also index each worker's own external hash
+    for the position (``index`` aliases, ``own``), so parent linkage, removals, lower-tier anchors
+    and ``/dump`` use the worker's own hashes. When engines agree on external hashes (the normal
+    seeded case, and the differential test) both behave identically.
 
 Lower tiers (host_pinned, disk, external)
-    Per tier, an edge map ``(parent_ext | None, local) -> _Edge(child_ext, owners)``; an existing
+    Per tier, an edge map ``(parent_ext | None, local) -> _TierEdge(child_ext, owners)``; an existing
     edge with a different child hash wins. Removal drops the worker from that one edge only; deeper
     edges remain but are unreachable until the link is stored again. A query continues each
     worker's device prefix through host, then disk, then external (reference §3.6).
