@@ -221,7 +221,8 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
     async def register_peer(request: Request) -> Response:
         b: PeerBody = await _body(request, PeerBody)
         peer = b.peer()
-        added = _sync().add_peer(peer)
+        sync = _sync()
+        added = _core(lambda: sync.add_peer(peer))
         return ok(201 if added else 200)
 
     async def deregister_peer(request: Request) -> Response:
