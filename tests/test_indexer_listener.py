@@ -1,0 +1,301 @@
+"""Event ingestion: normalisation rules, and the ZMQ listener against real PUB and ROUTER sockets.
+
+The replay server is a real ROUTER socket that serves the batches it buffered, exactly as vLLM's
+publisher does (``[b"", topic, seq, payload]`` per batch, then an empty-payload end marker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from support import free_ports
+
+from indexer.core import KvIndex
+from indexer.listener import ACTIVE, validate_endpoint
+from indexer.normalize import EventApplier
+from indexer.registry import IndexerRegistry
+from indexer.wire import REPLAY_END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_batch, seq_frame
+from router.hashing import local_block_hashes
+
+BS = 4
+MODEL = "m"
+
+
+def toks(*blocks: int) -> list[int]:
+    return [t for b in blocks for t in [b] * BS]
+
+
+def local(*blocks: int, lora: str | None = None, salt: str | None = None) -> list[int]:
+    return local_block_hashes(toks(*blocks), BS, lora, salt)
+
+
+def stored(exts: list[int], parent: int | None = None, blocks: list[int] | None = None, **kw) -> BlockStored:
+    args = dict(lora_id=None, medium=None, lora_name=None)
+    args.update(kw)
+    return BlockStored(exts, parent, toks(*(blocks if blocks is not None else exts)), BS, **args)
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+
+def _apply(*events, dp_rank: int | None = 0, index: KvIndex | None = None, applier: EventApplier | None = None) -> EventApplier:
+    applier = applier or EventApplier(index or KvIndex(BS), 7, 0)
+    applier.apply_batch(decode_batch(encode_batch(list(events), dp_rank)))
+    return applier
+
+
+def test_local_hashes_are_recomputed_from_tokens() -> None:
+    a = _apply(stored([901, 902], blocks=[1, 2]))  # the engine's own hashes are only external ids
+    assert a.index.find_matches(local(1, 2)) == {(7, 0): 2}
+    assert a.index.find_matches([901, 902]) == {}
+
+
+def test_batch_rank_overrides_and_none_falls_back_to_registered() -> None:
+    a = _apply(stored([1]), dp_rank=3)
+    _apply(stored([1]), dp_rank=None, applier=a)
+    assert a.index.find_matches(local(1)) == {(7, 3): 1, (7, 0): 1}
+
+
+def test_filters_drop_what_the_reference_drops() -> None:
+    a = _apply(
+        stored([1], medium="FOO"),  # unknown medium
+        stored([2], medium="cpu"),  # case-sensitive
+        stored([3], locality="REMOTE"),
+        stored([4], group_idx=1, kv_cache_spec_kind="sliding_window"),
+        stored([5], group_idx=2),  # unlearned group other than 0
+        stored([6, 6]),  # duplicate hashes
+        BlockStored([8], None, toks(8), BS * 2, None, None, None),  # block size differs from registration
+    )
+    for b in (1, 2, 3, 4, 5, 6, 8):
+        assert a.index.tier_matches(local(b)) == {}, b
+    _apply(stored([9], group_idx=0), stored([10], group_idx=1), stored([11], kv_cache_spec_kind="mla_attention", group_idx=3), stored([12], group_idx=3), applier=a)
+    assert a.index.find_matches(local(9)) and a.index.find_matches(local(11)) and a.index.find_matches(local(12))
+    assert a.index.find_matches(local(10)) == {}  # group 1 was learned as sliding_window
+
+
+def test_tokens_running_out_drop_remaining_blocks_and_partial_blocks_are_ignored() -> None:
+    ev = BlockStored([1, 2, 3], None, toks(1, 2) + [3, 3], BS, None, None, None)
+    a = _apply(ev)
+    assert a.index.find_matches(local(1, 2, 3)) == {(7, 0): 2}
+
+
+def test_lora_and_cache_salt_seed_the_hash_and_namespaces_propagate() -> None:
+    a = _apply(stored([1], lora_name="ad"), stored([2], blocks=[2], extra_keys=[("dynamo-cache-salt:t1",)]))
+    assert a.index.find_matches(local(1, lora="ad")) == {(7, 0): 1}
+    assert a.index.find_matches(local(1)) == {}
+    assert a.index.find_matches(local(2, salt="t1")) == {(7, 0): 1}
+    _apply(stored([3], parent=2, blocks=[3]), applier=a)  # no salt, inherits its parent's namespace
+    salted = local_block_hashes(toks(2, 3), BS, None, "t1")
+    assert a.index.find_matches(salted) == {(7, 0): 2}
+
+
+def test_tiers_follow_the_medium_table() -> None:
+    a = _apply(stored([1]), stored([2], parent=1, medium="CPU_PINNED"), stored([3], parent=2, medium="NVME"))
+    assert a.index.tier_matches(local(1, 2, 3)) == {(7, 0): (1, 2, 3)}
+    _apply(AllBlocksCleared(), applier=a)
+    assert a.index.tier_matches(local(1, 2, 3)) == {}
+
+
+def test_endpoint_validation_messages() -> None:
+    validate_endpoint("tcp://127.0.0.1:5557")
+    validate_endpoint("tcp://[::1]:5557")
+    validate_endpoint("ipc:///tmp/x")
+    for bad, msg in [
+        ("garbage", "missing scheme"),
+        ("udp://h:1", "unsupported scheme `udp`"),
+        ("tcp://host", "missing TCP port"),
+        ("tcp://:55", "missing TCP host"),
+        ("tcp://h:99999", "invalid TCP port"),
+        ("tcp://", "missing address"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            validate_endpoint(bad)
+
+
+# ----------------------------------------------------------------------------- ZMQ listener
+
+
+async def until(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``pred`` on the event loop until true or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class Engine:
+    """A fake engine's publisher: real PUB socket plus a replay ROUTER serving its buffer."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, pub_port: int, replay_port: int, answer_replays: bool = True, old_reply: bool = False):
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{replay_port}")
+        self.endpoint = f"tcp://127.0.0.1:{pub_port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+        self.buffer: dict[int, bytes] = {}
+        self.replay_requests: list[int] = []
+        self.old_reply = old_reply
+        self._task = asyncio.get_running_loop().create_task(self._serve()) if answer_replays else None
+
+    def publish(self, seq: int, payload: bytes, live: bool = True) -> None:
+        """Buffer batch ``seq``; ``live=False`` simulates a batch lost on the way to the subscriber."""
+        self.buffer[seq] = payload
+        if live:
+            self.pub.send_multipart([b"topic", seq_frame(seq), payload])
+
+    async def _serve(self) -> None:
+        while True:
+            identity, _, start = await self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            self.replay_requests.append(first)
+            for seq in sorted(s for s in self.buffer if s >= first):
+                if self.old_reply:
+                    await self.router.send_multipart([identity, b"", seq_frame(seq), self.buffer[seq]])
+                else:
+                    await self.router.send_multipart([identity, b"", b"topic", seq_frame(seq), self.buffer[seq]])
+            await self.router.send_multipart([identity, b"", b"", REPLAY_END_SEQ, b""])
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+def batch(*events, dp: int = 0) -> bytes:
+    return encode_batch(list(events), dp)
+
+
+async def _connected(engine: Engine, reg: IndexerRegistry, listener) -> None:
+    """Publish marker batches at seq 0 until the subscription is live (ZMQ slow joiner)."""
+    index = reg.index(MODEL)
+    assert index is not None
+    probe = batch(stored([999]))
+
+    def seen() -> bool:
+        if listener.seq.last_seq is None:
+            engine.publish(0, probe)
+        return bool(index.find_matches(local(999)))
+
+    await until(seen, what="subscription live")
+
+
+def _scenario(body: Callable[..., object], **engine_kw) -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub_port, replay_port = free_ports(2)
+        engine = Engine(ctx, pub_port, replay_port, **engine_kw)
+        reg = IndexerRegistry(ctx, replay_timeout=0.5)
+        try:
+            listener = reg.register(1, engine.endpoint, MODEL, block_size=BS, replay_endpoint=engine.replay_endpoint)
+            await _connected(engine, reg, listener)
+            assert listener.status == ACTIVE
+            await body(engine, reg, listener, reg.index(MODEL))
+        finally:
+            await reg.close()
+            engine.close()
+            ctx.term()
+
+    asyncio.run(main())
+
+
+def test_gap_is_replayed_from_the_router_in_order() -> None:
+    async def body(engine: Engine, reg, listener, index: KvIndex) -> None:
+        engine.publish(1, batch(stored([1])), live=False)
+        engine.publish(2, batch(stored([2], parent=1, blocks=[2])), live=False)
+        engine.publish(3, batch(stored([3], parent=2, blocks=[3])))  # the gap [1, 3) is noticed here
+        await until(lambda: listener.seq.last_seq == 3, what="replay applied")
+        assert engine.replay_requests == [1]
+        assert index.find_matches(local(1, 2, 3)) == {(1, 0): 3}
+        assert listener.replays == 1 and listener.last_error is None
+        # Stale: a batch at or below the watermark is skipped.
+        engine.publish(2, batch(AllBlocksCleared()))
+        engine.publish(4, batch(stored([4], parent=3, blocks=[4])))
+        await until(lambda: listener.seq.last_seq == 4, what="seq 4")
+        assert index.find_matches(local(1, 2, 3, 4)) == {(1, 0): 4}
+
+    _scenario(body)
+
+
+def test_old_vllm_replay_reply_shape() -> None:
+    async def body(engine: Engine, reg, listener, index: KvIndex) -> None:
+        engine.publish(1, batch(stored([5])), live=False)
+        engine.publish(2, batch(stored([6])))
+        await until(lambda: listener.seq.last_seq == 2, what="replay applied")
+        assert index.find_matches(local(5)) and index.find_matches(local(6))
+
+    _scenario(body, old_reply=True)
+
+
+def test_undecodable_batch_is_dropped_whole_and_keeps_the_watermark() -> None:
+    async def body(engine: Engine, reg, listener, index: KvIndex) -> None:
+        good = {"type": "BlockStored", "block_hashes": [7], "token_ids": toks(7), "block_size": BS}
+        bad = msgspec.msgpack.encode([0.0, [good, {"type": "Mystery"}], 0])
+        engine.publish(1, bad)
+        await until(lambda: listener.batches_dropped >= 1, what="bad batch dropped")
+        assert listener.seq.last_seq == 0
+        assert index.find_matches(local(7)) == {}  # nothing of the bad batch applied
+        engine.publish(2, batch(stored([8])))  # reports the gap [1, 2): replay re-sends 1 (still bad), then 2
+        await until(lambda: listener.seq.last_seq == 2, what="seq 2")
+        assert engine.replay_requests == [1]
+        assert index.find_matches(local(7)) == {} and index.find_matches(local(8)) == {(1, 0): 1}
+
+    _scenario(body)
+
+
+def test_replay_without_answer_times_out_and_listener_keeps_going() -> None:
+    async def body(engine: Engine, reg, listener, index: KvIndex) -> None:
+        engine.publish(1, batch(stored([1])), live=False)
+        engine.publish(2, batch(stored([2])))
+        await until(lambda: listener.seq.last_seq == 2, timeout=10, what="live batch after the replay timeout")
+        assert listener.replay_timeouts == 1
+        assert listener.status == ACTIVE and "timed out" in (listener.last_error or "")
+        assert index.find_matches(local(2)) == {(1, 0): 1} and index.find_matches(local(1)) == {}
+        worker = reg.workers()[0]
+        assert worker["status"] == "active" and "timed out" in worker["listeners"]["0"]["last_error"]
+        engine.publish(3, batch(stored([3])))
+        await until(lambda: listener.seq.last_seq == 3, what="seq 3")
+
+    _scenario(body, answer_replays=False)
+
+
+def test_first_batch_after_start_replays_from_zero_and_unregister_keeps_the_watermark() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        pub_port, replay_port = free_ports(2)
+        engine = Engine(ctx, pub_port, replay_port)
+        reg = IndexerRegistry(ctx, replay_timeout=2.0)
+        try:
+            for seq in range(3):
+                engine.publish(seq, batch(stored([10 + seq])), live=False)  # before anyone listened
+            listener = reg.register(1, engine.endpoint, MODEL, block_size=BS, replay_endpoint=engine.replay_endpoint)
+            index = reg.index(MODEL)
+
+            def poke() -> bool:
+                if listener.seq.last_seq is None or listener.seq.last_seq < 3:
+                    engine.publish(3, batch(stored([13])))
+                return listener.seq.last_seq == 3
+
+            await until(poke, what="replay from 0")
+            assert engine.replay_requests[0] == 0
+            assert index.find_matches(local(10)) and index.find_matches(local(12)) and index.find_matches(local(13))
+            await reg.unregister(1, MODEL)
+            assert reg.index(MODEL) is None
+            listener = reg.register(1, engine.endpoint, MODEL, block_size=BS, replay_endpoint=engine.replay_endpoint)
+            assert listener.seq.last_seq == 3  # the document: the watermark outlives unregister/register
+        finally:
+            await reg.close()
+            engine.close()
+            ctx.term()
+
+    asyncio.run(main())
