@@ -43,6 +43,7 @@ class RequestResult:
     index: int
     scheduled_s: float
     slot_wait_s: float = 0.0  # waiting for a free concurrency slot (client side)
+    sent: bool = False
     ttft_s: float | None = None
     e2e_s: float | None = None
     prompt_tokens: int = 0
@@ -114,11 +115,13 @@ async def run_schedule(
     label: str = "",
     progress: Callable[[str], None] | None = print,
     progress_every_s: float = 5.0,
+    fail_fast_errors: int = 20,
 ) -> tuple[list[RequestResult], float]:
     """Replay ``trace`` open-loop; returns per-request results and the wall time used.
 
     Requests not sent before ``max_duration_s`` are recorded with error "not sent (time limit)";
     requests still running at the limit are cancelled and recorded as "cancelled (time limit)".
+    If the first ``fail_fast_errors`` finished requests all failed, the replay stops early.
     """
     sem = asyncio.Semaphore(max_concurrency)
     results = [RequestResult(r.index, r.arrival_s, prompt_tokens=len(r.tokens)) for r in trace.requests]
@@ -126,6 +129,7 @@ async def run_schedule(
     timeout = httpx.Timeout(request_timeout_s, connect=10.0)
     t0 = time.perf_counter()
     done = 0
+    succeeded, aborted = asyncio.Event(), asyncio.Event()
 
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
 
@@ -137,12 +141,21 @@ async def run_schedule(
             waited = time.perf_counter()
             async with sem:
                 res.slot_wait_s = time.perf_counter() - waited
+                res.sent = True
                 await send_one(client, url, model, req.tokens, req.max_tokens, res)
             done += 1
+            if res.ok:
+                succeeded.set()
+            elif not succeeded.is_set() and sum(1 for r in results if r.error) >= fail_fast_errors:
+                aborted.set()  # nothing works: stop now instead of waiting out the time limit
 
         tasks = [asyncio.create_task(one(req, res)) for req, res in zip(trace.requests, results)]
         reporter = asyncio.create_task(_report(lambda: done, results, len(tasks), t0, label, progress, progress_every_s)) if progress else None
-        _, pending = await asyncio.wait(tasks, timeout=max_duration_s)
+        all_done = asyncio.ensure_future(asyncio.wait(tasks))
+        abort_wait = asyncio.ensure_future(aborted.wait())
+        await asyncio.wait([all_done, abort_wait], timeout=max_duration_s, return_when=asyncio.FIRST_COMPLETED)
+        abort_wait.cancel()
+        pending = [t for t in tasks if not t.done()]
         for t in pending:
             t.cancel()
         if pending:
@@ -152,9 +165,12 @@ async def run_schedule(
             with contextlib.suppress(asyncio.CancelledError):
                 await reporter
     wall = time.perf_counter() - t0
+    why = "aborted" if aborted.is_set() else "time limit"
     for res in results:
         if res.e2e_s is None and res.error is None:
-            res.error = "cancelled (time limit)" if res.ttft_s is not None or res.slot_wait_s else "not sent (time limit)"
+            res.error = f"cancelled ({why})" if res.sent else f"not sent ({why})"
+    if aborted.is_set() and progress:
+        progress(f"[{label}] aborted: the first {fail_fast_errors} finished requests all failed, e.g. {next(r.error for r in results if r.error)}")
     if progress:
         errors = sum(1 for r in results if not r.ok)
         progress(f"[{label}] finished {len(results) - errors}/{len(results)} requests in {wall:.1f} s ({errors} failed or unsent)")

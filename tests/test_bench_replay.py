@@ -1,0 +1,70 @@
+"""End-to-end smoke of the trace replay: real mockers + frontend processes, tiny schedules, sane numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from bench.launch import MockerOptions, start_cluster
+from bench.replay import main as replay_main
+from support import REPO_ROOT
+
+TINY_SYNTHETIC = [
+    "--sessions", "4", "--turns", "3", "--system-prompts", "2", "--system-tokens", "64", "--user-tokens", "24",
+    "--reply-tokens", "16", "--output-tokens", "4", "--start-window", "1", "--think-time", "0.3",
+]  # fmt: skip
+
+
+def check_mode(m: dict, requests: int) -> None:
+    assert m["completed"] == m["requests"] == requests, m
+    for key in ("ttft_ms", "e2e_ms"):
+        assert 0 < m[key]["p50"] <= m[key]["p90"] <= m[key]["p99"] < 60_000, m
+    assert m["ttft_ms"]["p50"] <= m["e2e_ms"]["p50"]
+    assert m["throughput_rps"] > 0
+    assert m["hit_rate"] is not None and 0.0 <= m["hit_rate"] <= 1.0, m
+    assert m["cache"]["queries"] > 0
+
+
+def test_replay_cli_starts_cold_clusters_per_mode_and_writes_outputs(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench", "replay", "--trace", "synthetic", "--modes", "kv,round_robin", "--workers", "2",
+           "--num-gpu-blocks", "256", "--speedup-ratio", "10", "--max-duration", "60", "--out-dir", str(out), *TINY_SYNTHETIC]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "oracle" in run.stdout and "[kv]" in run.stdout and "[round_robin]" in run.stdout  # progress output
+    for ext in ("json", "md", "png"):
+        assert (out / f"synthetic.{ext}").stat().st_size > 0
+    report = json.loads((out / "synthetic.json").read_text())
+    assert [m["mode"] for m in report["modes"]] == ["kv", "round_robin"]
+    for m in report["modes"]:
+        check_mode(m, 12)
+    assert 0.0 < report["oracle"]["token_share"] < 1.0
+    # the cache can never beat the oracle (same block size, same schedule)
+    assert all(m["hit_rate"] <= report["oracle"]["token_share"] + 1e-9 for m in report["modes"])
+    md = (out / "synthetic.md").read_text()
+    assert "| kv |" in md and "oracle" in md and "python -m bench replay" in md
+
+
+def test_replay_against_a_running_frontend_with_a_mooncake_slice(tmp_path):
+    trace = tmp_path / "tiny.jsonl"
+    rows = [{"timestamp": i * 100, "input_length": 1024 + 100 * i, "output_length": 40, "hash_ids": [0, 1, 100 + i]} for i in range(8)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    opts = MockerOptions(num_gpu_blocks=256, speedup_ratio=10)
+    with start_cluster(2, opts, router_mode="kv", log_dir=str(tmp_path / "logs")) as cluster:
+        args = ["--trace", str(trace), "--url", cluster.frontend_url, "--label", "kv-external", "--out-dir", str(tmp_path / "out"),
+                "--window", "0", "--rate-scale", "4", "--tokens-per-block", "32", "--output-scale", "0.1"]  # fmt: skip
+        for w in cluster.workers:
+            args += ["--metrics-url", w.metrics_url]
+        assert replay_main(args) == 0
+        assert all(c.alive() for c in [cluster.frontend, *(w.child for w in cluster.workers)])
+    report = json.loads((tmp_path / "out" / "tiny.json").read_text())
+    (m,) = report["modes"]
+    assert m["mode"] == "kv-external"
+    check_mode(m, 8)
+    assert "4x faster" in report["scaling"]["description"]
+    # 8 prompts of 2 shared trace blocks (64 tokens = 4 blocks of 16) + 1 own block: 7 x 4 blocks reusable
+    assert report["oracle"]["hit_blocks"] == 28
+    assert m["hit_rate"] > 0.0
+    assert os.path.exists(tmp_path / "out" / "tiny.png")
