@@ -204,12 +204,24 @@ class Cluster:
             _wait(lambda w=w: _get_ok(f"{w.url}/health"), timeout, f"worker {w.worker_id} at {w.url}", w.child)
 
     def wait_frontend_ready(self, model: str = DEFAULT_MODEL, timeout: float = 90.0) -> None:
-        """Ready = the frontend lists ``model`` (it has found a healthy worker serving it)."""
+        """Ready = the frontend lists ``model`` and reports every started worker healthy.
+
+        (A benchmark that starts while some workers are still unknown to the router would measure
+        start-up, not routing.)
+        """
         assert self.frontend is not None and self.frontend_url is not None
+        expected = {w.worker_id for w in self.workers}
 
         def has_model() -> bool:
             r = httpx.get(f"{self.frontend_url}/v1/models", timeout=2.0)
-            return r.status_code == 200 and any(m.get("id") == model for m in r.json().get("data", []))
+            if r.status_code != 200 or not any(m.get("id") == model for m in r.json().get("data", [])):
+                return False
+            health = httpx.get(f"{self.frontend_url}/health", timeout=2.0)
+            instances = health.json().get("instances") if health.headers.get("content-type", "").startswith("application/json") else None
+            if instances is None:  # a frontend that does not list instances: the model is enough
+                return health.status_code == 200
+            healthy = {i.get("worker_id") for i in instances if i.get("healthy")}
+            return health.status_code == 200 and expected <= healthy
 
         _wait(has_model, timeout, f"frontend at {self.frontend_url}", self.frontend)
 
