@@ -281,7 +281,9 @@ def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, s
             if replica_sync is not None:
                 await replica_sync.stop()
 
-    return json_service(tracker_routes(registry, replica_sync), lifespan=lifespan)
+    app = json_service(tracker_routes(registry, replica_sync), lifespan=lifespan)
+    app.router.redirect_slashes = False  # the reference answers 404 for /register/, not a redirect
+    return app
 
 
 __all__ = ["build_app", "tracker_routes", "encode_potential_loads"]
