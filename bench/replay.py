@@ -239,15 +239,18 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict:
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     cached = [r for r in ok if r.cached_tokens is not None]
     errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
     for r in results:
         if not r.ok:
             key = (r.error or "unknown").split(":")[0]
             errors[key] = errors.get(key, 0) + 1
+            examples.setdefault(key, r.error or "unknown")
     ms = lambda v: None if v is None else round(v * 1000.0, 1)  # noqa: E731
     return {
         "requests": len(results),
         "completed": len(ok),
         "errors": errors,
+        "error_examples": examples,
         "wall_s": round(wall_s, 2),
         "ttft_ms": {f"p{p}": ms(percentile(ttft, p)) for p in (50, 90, 99)},
         "e2e_ms": {f"p{p}": ms(percentile(e2e, p)) for p in (50, 90, 99)},
@@ -324,7 +327,8 @@ def verdict(report: dict) -> list[str]:
         lines.append(f"kv TTFT p50 = {ratio:.2f} x round_robin's (goal <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'})")
     for name, m in modes.items():
         if m["completed"] < m["requests"]:
-            lines.append(f"{name}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: {m['errors']}")
+            example = next(iter(m.get("error_examples", {}).values()), "")[:160]
+            lines.append(f"{name}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: {m['errors']} (e.g. {example})")
     return lines
 
 
