@@ -1,0 +1,511 @@
+"""The mocker's HTTP surface: vLLM's OpenAI server routes over the simulated engine ranks.
+
+Requests are tokenised with ``kvroute_common.tokenizer`` (the frontend's code, so both agree on
+token ids), routed to the DP rank of header ``X-data-parallel-rank`` (vLLM's header; default 0)
+and answered in OpenAI's shapes, streamed as SSE or folded. Errors use vLLM's envelope
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import zmq.asyncio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from kvroute_common.tokenizer import (
+    PromptError,
+    chat_prompt_token_ids,
+    completion_prompt_token_ids,
+    load_tokenizer,
+)
+from mocker.config import MockerConfig
+from mocker.engine import (
+    FINISH_ABORT,
+    FINISH_STOP,
+    EngineRank,
+    RankScheduler,
+    Sequence,
+    sequence_rng,
+    word_token_ids,
+)
+from mocker.events import KvEventPublisher
+from mocker.kv_cache import KvCache
+from mocker.metrics import MockerMetrics
+from mocker.perf_model import PerfModel
+
+log = logging.getLogger("mocker.api")
+
+DP_RANK_HEADER = "x-data-parallel-rank"
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 413: "BadRequestError",
+                415: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_JSON = "application/json"
+MAX_BODY = 64 * 1024 * 1024
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"), "param": param,
+                      "code": status}}
+    return Response(orjson.dumps(body), status_code=status, media_type=_JSON)
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type=_JSON)
+
+
+class Mocker:
+    """Everything one mocker process owns: tokenizer, engine ranks, publishers, metrics."""
+
+    def __init__(self, cfg: MockerConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.model_path)
+        self.started = int(time.time())
+        tok = self.tokenizer
+        self.eos_token_id = tok.eos_token_id
+        self.special_ids = set(tok.all_special_ids)
+        vocab = word_token_ids(tok)
+        self.token_seed = cfg.seed if cfg.seed is not None else 0
+        ext_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().getrandbits(64)
+        perf = PerfModel(cfg.speedup_ratio)
+        self.schedulers: list[RankScheduler] = []
+        for rank in range(cfg.data_parallel_size):
+            kv = KvCache(cfg.num_gpu_blocks, cfg.block_size, ext_seed=(ext_seed + rank) & (2**64 - 1),
+                         emit_events=cfg.kv_events)
+            self.schedulers.append(
+                RankScheduler(kv, perf, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.eos_token_id,
+                              output_vocab=vocab)
+            )
+        self.metrics = MockerMetrics(cfg, self.schedulers)
+        for rank, s in enumerate(self.schedulers):
+            s.on_first_token = (lambda r: lambda seq, ttft: self.metrics.first_token(r, seq, ttft))(rank)
+            s.on_finished = (lambda r: lambda seq, reason: self.metrics.finished(
+                r, seq, reason, time.monotonic() - seq.arrival_time))(rank)
+        self.publishers: list[KvEventPublisher] = []
+        self.ranks: list[EngineRank] = []
+        self._zmq: zmq.asyncio.Context | None = None
+        self._piece_cache: dict[int, str] = {}
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        if cfg.kv_events:
+            self._zmq = zmq.asyncio.Context()
+            for rank in range(cfg.data_parallel_size):
+                pub = KvEventPublisher(self._zmq, rank, cfg.kv_events_endpoint, cfg.replay_endpoint,
+                                       buffer_steps=cfg.replay_buffer_steps)
+                pub.start()
+                self.publishers.append(pub)
+        for rank, sched in enumerate(self.schedulers):
+            publish = self.publishers[rank].publish if self.publishers else None
+            er = EngineRank(rank, sched, publish)
+            er.start()
+            self.ranks.append(er)
+
+    async def stop(self) -> None:
+        for er in self.ranks:
+            await er.stop()
+        for pub in self.publishers:
+            await pub.close()
+        if self._zmq is not None:
+            self._zmq.term()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def piece(self, token_id: int) -> str:
+        """Text of one generated token (special tokens render as nothing, like vLLM)."""
+        text = self._piece_cache.get(token_id)
+        if text is None:
+            text = "" if token_id in self.special_ids else self.tokenizer.decode([token_id])
+            self._piece_cache[token_id] = text
+        return text
+
+    def dp_rank(self, request: Request) -> int:
+        raw = request.headers.get(DP_RANK_HEADER)
+        if raw is None or raw.strip() == "":
+            return 0
+        try:
+            rank = int(raw)
+        except ValueError:
+            raise OpenAIError(400, f"invalid {DP_RANK_HEADER} header: {raw!r}") from None
+        if not 0 <= rank < self.cfg.data_parallel_size:
+            raise OpenAIError(400, f"data parallel rank {rank} is out of range [0, {self.cfg.data_parallel_size})")
+        return rank
+
+
+# --------------------------------------------------------------------------------------------
+# request parsing
+
+
+async def _body(request: Request) -> dict:
+    ctype = request.headers.get("content-type", "")
+    if ctype and "json" not in ctype:
+        raise OpenAIError(415, f"unsupported content type {ctype!r}; expected application/json")
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise OpenAIError(413, "request body too large")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise OpenAIError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "request body must be a JSON object")
+    return body
+
+
+def _opt_int(body: dict, name: str, minimum: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if type(v) is not int:
+        raise OpenAIError(400, f"{name} must be an integer", name)
+    if minimum is not None and v < minimum:
+        raise OpenAIError(400, f"{name} must be at least {minimum}, got {v}", name)
+    return v
+
+
+def _opt_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise OpenAIError(400, f"{name} must be a boolean", name)
+    return v
+
+
+class Params:
+    """Validated generation parameters of one request."""
+
+    __slots__ = ("max_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "priority", "seed",
+                 "stream", "include_usage")
+
+
+def _params(m: Mocker, body: dict, prompt_len: int, chat: bool) -> Params:
+    p = Params()
+    if _opt_int(body, "n", 1) not in (None, 1):
+        raise OpenAIError(400, "the mocker supports n=1 only", "n")
+    max_tokens = _opt_int(body, "max_completion_tokens", 1) if chat else None
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", 1)
+    limit = m.cfg.max_model_len
+    if prompt_len >= limit:
+        raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
+                               f"{prompt_len} input tokens. Please reduce the length of the input messages.")
+    if max_tokens is None:
+        max_tokens = limit - prompt_len
+    elif prompt_len + max_tokens > limit:
+        raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                               f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+                               "completion). Please reduce the length of the messages or completion.", "max_tokens")
+    capacity = m.cfg.num_gpu_blocks * m.cfg.block_size
+    if prompt_len + 1 > capacity:
+        raise OpenAIError(400, f"the prompt has {prompt_len} tokens but the KV cache holds only {capacity} tokens")
+    p.max_tokens = max_tokens
+    p.min_tokens = _opt_int(body, "min_tokens", 0) or 0
+    if p.min_tokens > max_tokens:
+        raise OpenAIError(400, f"min_tokens ({p.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+    p.ignore_eos = _opt_bool(body, "ignore_eos")
+    stop = body.get("stop")
+    if stop is None:
+        p.stop = []
+    elif isinstance(stop, str):
+        p.stop = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        p.stop = [s for s in stop if s]
+    else:
+        raise OpenAIError(400, "stop must be a string or a list of strings", "stop")
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or any(type(t) is not int for t in ids):
+        raise OpenAIError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
+    p.stop_token_ids = frozenset(ids)
+    p.priority = _opt_int(body, "priority") or 0
+    p.seed = _opt_int(body, "seed")
+    p.stream = _opt_bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise OpenAIError(400, "stream_options must be an object", "stream_options")
+    p.include_usage = bool(opts and opts.get("include_usage"))
+    return p
+
+
+def _check_model(m: Mocker, body: dict) -> str:
+    model = body.get("model")
+    name = m.cfg.served_model_name
+    if model is None or model == "":
+        return name
+    if model != name:
+        raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# generation
+
+
+class _TextTracker:
+    """Detokenised output with stop-string handling (held-back text that may start a stop)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+        self.stop_reason: str | int | None = None
+
+    def add(self, piece: str, final: bool) -> tuple[str, bool]:
+        """Append a token's text; returns (text to send now, stopped by a stop string)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += piece
+        if self.stops:
+            best = -1
+            for s in self.stops:
+                i = self.text.find(s, start)
+                if i != -1 and (best == -1 or i < best):
+                    best, self.stop_reason = i, s
+            if best != -1:
+                self.text = self.text[:best]
+                out = self.text[self.sent:]
+                self.sent = len(self.text)
+                return out, True
+        upto = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent:upto]
+        self.sent = upto
+        return out, False
+
+
+async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], chat: bool) -> Response:
+    model = _check_model(m, body)
+    rank = m.dp_rank(request)
+    p = _params(m, body, len(prompt), chat)
+    queue: asyncio.Queue[tuple[int | None, str | None]] = asyncio.Queue()
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    seq = Sequence(
+        rid, prompt, p.max_tokens, lambda t, r: queue.put_nowait((t, r)), sequence_rng(m.token_seed, p.seed, prompt),
+        min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids, priority=p.priority,
+    )
+    engine = m.ranks[rank]
+    engine.submit(seq)
+    created = int(time.time())
+    tracker = _TextTracker(p.stop)
+
+    def usage() -> dict:
+        return {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + seq.num_output,
+            "completion_tokens": seq.num_output,
+            "prompt_tokens_details": {"cached_tokens": seq.num_cached_tokens},
+        }
+
+    def consume(token: int | None, reason: str | None) -> tuple[str, str | None]:
+        """Text for one engine output and the finish reason (stop strings end the request)."""
+        text = ""
+        if token is not None:
+            if token in p.stop_token_ids and reason == FINISH_STOP:
+                tracker.stop_reason = token
+            elif token != m.eos_token_id or reason != FINISH_STOP:
+                text, hit = tracker.add(m.piece(token), final=reason is not None)
+                if hit:
+                    engine.abort(rid)
+                    return text, FINISH_STOP
+        if reason is not None:
+            tail, _ = tracker.add("", final=True)
+            text += tail
+        return text, reason
+
+    if not p.stream:
+        finish = None
+        try:
+            while finish is None:
+                token, reason = await queue.get()
+                _, finish = consume(token, reason)
+        finally:
+            if finish is None:
+                engine.abort(rid)
+        if finish == FINISH_ABORT:
+            return error_response(503, "request aborted by the engine")
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": tracker.text, "tool_calls": []},
+                      "logprobs": None, "finish_reason": finish, "stop_reason": tracker.stop_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": tracker.text, "logprobs": None, "finish_reason": finish,
+                      "stop_reason": tracker.stop_reason}
+            obj = "text_completion"
+        return json_response({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                              "usage": usage()})
+
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    dumps = orjson.dumps
+
+    def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = tracker.stop_reason
+        payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if p.include_usage:
+            payload["usage"] = None
+        return b"data: " + dumps(payload) + b"\n\n"
+
+    async def stream() -> AsyncIterator[bytes]:
+        finish = None
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            while finish is None:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                out = bytearray()
+                for token, reason in items:
+                    text, finish = consume(token, reason)
+                    if text or finish is not None:
+                        out += chunk(text, finish)
+                    if finish is not None:
+                        break
+                if out:
+                    yield bytes(out)
+            if p.include_usage:
+                yield b"data: " + dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                         "choices": [], "usage": usage()}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            if finish is None:  # client went away: free the engine's blocks now
+                engine.abort(rid)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-request-id": rid})
+
+
+# --------------------------------------------------------------------------------------------
+# routes
+
+
+def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
+    m = mocker or Mocker(cfg)
+
+    def handler(fn):
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except OpenAIError as exc:
+                return error_response(exc.status, exc.message, exc.param)
+            except PromptError as exc:
+                return error_response(400, str(exc))
+        return wrapped
+
+    async def chat_completions(request: Request) -> Response:
+        body = await _body(request)
+        _check_model(m, body)
+        kwargs: dict[str, Any] = {}
+        tools = body.get("tools")
+        if tools and body.get("tool_choice") != "none":
+            kwargs["tools"] = tools
+        ctk = body.get("chat_template_kwargs")
+        if ctk is not None:
+            if not isinstance(ctk, dict):
+                raise OpenAIError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+            kwargs.update(ctk)
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if name in body:
+                kwargs[name] = _opt_bool(body, name)
+        if "messages" not in body:
+            raise OpenAIError(400, "messages is required", "messages")
+        prompt = chat_prompt_token_ids(m.tokenizer, body["messages"], **kwargs)
+        return await _generate(m, request, body, prompt, chat=True)
+
+    async def completions(request: Request) -> Response:
+        body = await _body(request)
+        _check_model(m, body)
+        if "prompt" not in body:
+            raise OpenAIError(400, "prompt is required", "prompt")
+        prompt = completion_prompt_token_ids(m.tokenizer, body["prompt"])
+        return await _generate(m, request, body, prompt, chat=False)
+
+    async def models(request: Request) -> Response:
+        return json_response({"object": "list", "data": [{
+            "id": cfg.served_model_name, "object": "model", "created": m.started, "owned_by": "vllm",
+            "root": cfg.model_path or cfg.served_model_name, "parent": None, "max_model_len": cfg.max_model_len,
+            "permission": [],
+        }]})
+
+    async def tokenize(request: Request) -> Response:
+        body = await _body(request)
+        _check_model(m, body)
+        if "messages" in body:
+            kwargs = {k: body[k] for k in ("add_generation_prompt", "continue_final_message") if k in body}
+            kwargs.update(body.get("chat_template_kwargs") or {})
+            tokens = chat_prompt_token_ids(m.tokenizer, body["messages"], **kwargs)
+        elif isinstance(body.get("prompt"), str):
+            if _opt_bool(body, "add_special_tokens", True):
+                tokens = completion_prompt_token_ids(m.tokenizer, body["prompt"])
+            else:
+                tokens = m.tokenizer.encode(body["prompt"], add_special_tokens=False)
+        else:
+            raise OpenAIError(400, "prompt (string) or messages is required")
+        return json_response({"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        return Response(m.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        busy = [er.rank for er in m.ranks if not er.reset_prefix_cache()]
+        if busy:
+            raise OpenAIError(409, f"prefix cache not reset on DP rank(s) {busy}: requests are running")
+        return Response(status_code=200)
+
+    async def kv_blocks(request: Request) -> Response:
+        """Mocker-only: the blocks a rank currently caches (for tests and debugging)."""
+        try:
+            rank = int(request.query_params.get("dp_rank", "0"))
+        except ValueError:
+            raise OpenAIError(400, "dp_rank must be an integer") from None
+        if not 0 <= rank < cfg.data_parallel_size:
+            raise OpenAIError(400, f"dp_rank {rank} out of range")
+        s = m.schedulers[rank]
+        return json_response({"dp_rank": rank, "block_size": cfg.block_size, "num_gpu_blocks": cfg.num_gpu_blocks,
+                              "num_free": s.kv.num_free, "blocks": s.kv.snapshot(),
+                              "events_published": m.publishers[rank].next_seq if m.publishers else 0})
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        await m.start()
+        try:
+            yield
+        finally:
+            await m.stop()
+
+    routes = [
+        Route("/v1/chat/completions", handler(chat_completions), methods=["POST"]),
+        Route("/v1/completions", handler(completions), methods=["POST"]),
+        Route("/v1/models", handler(models), methods=["GET"]),
+        Route("/tokenize", handler(tokenize), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", handler(reset_prefix_cache), methods=["POST"]),
+        Route("/mocker/kv_blocks", handler(kv_blocks), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.mocker = m
+    return app

@@ -1,0 +1,85 @@
+"""Command-line flags of ``python -m mocker`` (vLLM's names where vLLM has the flag)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from kvroute_common.tokenizer import DEFAULT_MODEL_NAME
+
+
+@dataclass
+class MockerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    model_path: str | None = None
+    served_model_name: str = DEFAULT_MODEL_NAME
+    block_size: int = 16
+    num_gpu_blocks: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 32768
+    data_parallel_size: int = 1
+    kv_events_endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = "tcp://*:5567"
+    replay_buffer_steps: int = 10_000
+    kv_events: bool = True
+    speedup_ratio: float = 1.0
+    seed: int | None = None
+    log_level: str = "warning"
+
+    def validate(self) -> None:
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "data_parallel_size", "replay_buffer_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.speedup_ratio < 0:
+            raise ValueError("--speedup-ratio must be >= 0 (0 = no simulated delay)")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be a TCP port")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m mocker",
+        description="Simulated vLLM-like engine: OpenAI API, paged prefix cache, vLLM-format ZMQ KV events.",
+    )
+    d = MockerConfig()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--model-path", "--model", "--tokenizer", dest="model_path", default=None,
+                   help="HF tokenizer directory (default: the built-in offline tokenizer)")
+    p.add_argument("--served-model-name", default=d.served_model_name)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int,
+                   default=d.num_gpu_blocks)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size)
+    p.add_argument("--kv-events-endpoint", default=d.kv_events_endpoint,
+                   help="ZMQ PUB endpoint of rank 0; rank r uses port + r (default %(default)s)")
+    p.add_argument("--replay-endpoint", default=d.replay_endpoint,
+                   help="ZMQ ROUTER replay endpoint of rank 0; rank r uses port + r ('' = none)")
+    p.add_argument("--replay-buffer-steps", type=int, default=d.replay_buffer_steps,
+                   help="batches kept per rank for replay (vLLM's buffer_steps)")
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false", help="publish no KV events")
+    p.add_argument("--speedup-ratio", type=float, default=d.speedup_ratio,
+                   help="divide simulated step times by this (0 = no delay)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="fixes generated tokens' randomness and the external block hashes")
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> MockerConfig:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    cfg = MockerConfig(**{k: v for k, v in vars(ns).items()})
+    if cfg.replay_endpoint == "":
+        cfg.replay_endpoint = None
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg
