@@ -610,10 +610,10 @@ class KvIndex:
 
         Includes workers that reach the query only through lower tiers (device 0).
         """
-        device = self._device_walk(local_hashes)
         lower = (self._lower[HOST_PINNED], self._lower[DISK], self._lower[EXTERNAL])
         if not local_hashes or not any(t.edges for t in lower):
-            return {w: (d, d, d) for w, (d, _) in device.items() if d}
+            return {w: (d, d, d) for w, d in self.find_matches(local_hashes).items()}
+        device = self._device_walk(local_hashes)
         candidates: dict[Worker, tuple[int, int | None]] = {w: v for w, v in device.items() if v[0]}
         root_key = (None, local_hashes[0])
         for t in lower:

@@ -1,0 +1,254 @@
+"""Indexer benchmark: ours (``python -m indexer``) against the reference (``python -m dynamo.indexer``).
+
+One run measures, for each service in turn:
+  * POST /query_by_hash with 64 hashes and POST /query with 1024 tokens (block size 16), driven by
+    Debian ``wrk`` with a Lua script, over an index populated through real ZMQ events;
+  * ZMQ ingest: blocks applied per second, from the first published batch until a final marker block
+    is queryable (each service measured alone, with its own fresh partition and publisher);
+  * memory: the service's RSS growth per million stored blocks during that ingest, and our KvIndex's
+    own footprint per million blocks measured in-process.
+
+    python bench/indexer_bench.py [--duration 10] [--connections 16] [--ingest-blocks 200000]
+
+Needs ``wrk`` (apt-get install wrk) and ai-dynamo-runtime (the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+
+import httpx
+import zmq
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support import free_port, free_ports, service, wait_until  # noqa: E402
+
+from indexer.wire import BlockStored, encode_batch, seq_frame  # noqa: E402
+from router.hashing import list_to_i64, local_block_hashes, sequence_hashes  # noqa: E402
+
+BS = 16
+MODEL = "bench"
+
+
+def toks_for(prompt_id: int, n_blocks: int, shared: int = 0) -> list[int]:
+    """Deterministic tokens: the first ``shared`` blocks common to every prompt, the rest unique."""
+    rng = random.Random(prompt_id)
+    common = random.Random(0)
+    head = [common.randrange(1, 50000) for _ in range(shared * BS)]
+    return head + [rng.randrange(1, 50000) for _ in range((n_blocks - shared) * BS)]
+
+
+def ext_hashes(tokens: list[int]) -> list[int]:
+    """Content-derived external hashes (like seeded vLLM engines)."""
+    return [(h ^ 0x5DEECE66D) & ((1 << 64) - 1) for h in sequence_hashes(local_block_hashes(tokens, BS))]
+
+
+class Publisher:
+    def __init__(self, ctx: zmq.Context, port: int) -> None:
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop: the subscriber's pace is what we measure
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.seq = 0
+
+    def send_payload(self, payload: bytes) -> None:
+        self.sock.send_multipart([b"", seq_frame(self.seq), payload])
+        self.seq += 1
+
+    def store_chain(self, tokens: list[int], chunk: int = 32, dp: int = 0) -> list[bytes]:
+        """Payloads storing ``tokens`` in chunks of ``chunk`` blocks, each below the previous one."""
+        exts = ext_hashes(tokens)
+        out = []
+        for start in range(0, len(exts), chunk):
+            parent = exts[start - 1] if start else None
+            ev = BlockStored(exts[start : start + chunk], parent, tokens[start * BS : (start + chunk) * BS], BS, None, None, None)
+            out.append(encode_batch([ev], dp))
+        return out
+
+
+def query(url: str, tokens: list[int], model: str = MODEL) -> dict:
+    return httpx.post(f"{url}/query", json={"token_ids": tokens, "model_name": model}, timeout=30).json()
+
+
+def marker_seen(url: str, marker: list[int], instance: int, model: str = MODEL) -> bool:
+    return str(instance) in query(url, marker, model).get("scores", {})
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def service_pid(proc: subprocess.Popen) -> int:
+    """The python process serving (the launcher may be a wrapper)."""
+    return proc.pid
+
+
+def run_wrk(url: str, path: str, body: dict, duration: int, connections: int) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write('wrk.method = "POST"\n')
+        f.write('wrk.headers["Content-Type"] = "application/json"\n')
+        f.write(f"wrk.body = {json.dumps(json.dumps(body))}\n")
+        script = f.name
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "-s", script, f"{url}{path}"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    finally:
+        os.unlink(script)
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    if non2xx:
+        raise RuntimeError(f"wrk saw errors on {path}: {out}")
+    return float(m.group(1)) if m else 0.0
+
+
+def populate(ctx: zmq.Context, urls: list[str], n_workers: int = 4, prompts_per_worker: int = 100) -> list[int]:
+    """Register publishers on every service, store prompts with shared prefixes; returns the query prompt."""
+    pubs = [Publisher(ctx, p) for p in free_ports(n_workers)]
+    for url in urls:
+        for i, pub in enumerate(pubs):
+            r = httpx.post(f"{url}/register", json={"instance_id": i + 1, "endpoint": pub.endpoint, "model_name": MODEL, "block_size": BS})
+            assert r.status_code == 201, r.text
+    marker = toks_for(10**6, 1)
+    for i, pub in enumerate(pubs):
+        wait_until(
+            lambda pub=pub, i=i: [pub.send_payload(p) for p in pub.store_chain(marker)] and all(marker_seen(u, marker, i + 1) for u in urls),
+            timeout=30, interval=0.1, what="publishers connected",
+        )
+    hot = toks_for(1, 64, shared=16)
+    for i, pub in enumerate(pubs):
+        # every worker holds a different-length prefix of the hot prompt, plus its own prompts
+        for p in pub.store_chain(hot[: BS * (16 + 12 * i)]):
+            pub.send_payload(p)
+        for k in range(prompts_per_worker):
+            for p in pub.store_chain(toks_for(1000 * (i + 1) + k, 64, shared=16)):
+                pub.send_payload(p)
+    final = toks_for(10**6 + 1, 1)
+    for i, pub in enumerate(pubs):
+        for p in pub.store_chain(final):
+            pub.send_payload(p)
+    for i in range(n_workers):
+        wait_until(lambda i=i: all(marker_seen(u, final, i + 1) for u in urls), timeout=120, what="population applied")
+    for pub in pubs:
+        pub.sock.close(linger=0)
+    return hot
+
+
+def ingest(ctx: zmq.Context, url: str, pid: int, n_blocks: int, instance: int) -> tuple[float, float]:
+    """(blocks/s, RSS KiB per million blocks) for one service alone."""
+    model = f"ingest-{instance}"
+    pub = Publisher(ctx, free_port())
+    r = httpx.post(f"{url}/register", json={"instance_id": instance, "endpoint": pub.endpoint, "model_name": model, "block_size": BS})
+    assert r.status_code == 201, r.text
+    hello = toks_for(2 * 10**6, 1)
+    wait_until(lambda: [pub.send_payload(p) for p in pub.store_chain(hello)] and marker_seen(url, hello, instance, model), timeout=30, interval=0.1, what="ingest publisher connected")
+    payloads = []
+    per_prompt = 128
+    n_prompts = max(1, n_blocks // per_prompt)
+    for k in range(n_prompts):
+        payloads.extend(pub.store_chain(toks_for(5 * 10**6 + instance * 10**5 + k, per_prompt, shared=8)))
+    final = toks_for(3 * 10**6 + instance, 1)
+    payloads.extend(pub.store_chain(final))
+    total = n_prompts * per_prompt + 1
+    gc.collect()
+    rss0 = rss_kib(pid)
+    t0 = time.perf_counter()
+    for p in payloads:
+        pub.send_payload(p)
+    wait_until(lambda: marker_seen(url, final, instance, model), timeout=600, interval=0.005, what="ingest marker")
+    elapsed = time.perf_counter() - t0
+    rss1 = rss_kib(pid)
+    check = toks_for(5 * 10**6 + instance * 10**5 + n_prompts - 1, per_prompt, shared=8)
+    got = query(url, check, model)["scores"].get(str(instance), {}).get("0")
+    assert got == per_prompt * BS, f"ingest lost blocks: {got}"
+    pub.sock.close(linger=0)
+    return total / elapsed, (rss1 - rss0) / total * 1e6
+
+
+def kvindex_memory(n_blocks: int = 1_000_000) -> float:
+    """Bytes per stored block of our KvIndex (tracemalloc), 64-block prompts on 4 workers."""
+    import tracemalloc
+
+    from indexer.core import KvIndex
+
+    ix = KvIndex(BS)
+    prompts = n_blocks // 64
+    rng = random.Random(7)
+    data = []
+    for k in range(prompts):
+        base = k * 1000
+        data.append([(base + j + 1, rng.getrandbits(64)) for j in range(64)])
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for k, blocks in enumerate(data):
+        ix.apply_stored(k % 4 + 1, 0, None, blocks)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return (after - before) / (prompts * 64)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=int, default=10, help="wrk seconds per endpoint and service")
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--ingest-blocks", type=int, default=200_000)
+    ap.add_argument("--reference-threads", type=int, default=None, help="pass --threads to the reference")
+    args = ap.parse_args()
+    if not shutil.which("wrk"):
+        print("wrk not found: apt-get install -y wrk", file=sys.stderr)
+        return 2
+    ref_port, our_port = free_ports(2)
+    ref_url, our_url = f"http://127.0.0.1:{ref_port}", f"http://127.0.0.1:{our_port}"
+    ref_cmd = ["-m", "dynamo.indexer", "--port", str(ref_port)]
+    if args.reference_threads:
+        ref_cmd += ["--threads", str(args.reference_threads)]
+    env = {"KVROUTE_TEST_QUIET": "1", "RUST_LOG": "error", "DYN_LOG": "error"}
+    ctx = zmq.Context()
+    results: dict[str, dict[str, float]] = {"reference": {}, "ours": {}}
+    with ExitStack() as stack:
+        ref = stack.enter_context(service(ref_cmd, ready_url=f"{ref_url}/health", env=env))
+        ours = stack.enter_context(service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(our_port), "--log-level", "warning"], ready_url=f"{our_url}/health", env=env))
+        hot = populate(ctx, [ref_url, our_url])
+        local = local_block_hashes(hot, BS)
+        assert query(ref_url, hot) == query(our_url, hot), "services disagree on the benchmark query"
+        by_hash = {"block_hashes": list_to_i64(local), "model_name": MODEL}
+        by_tokens = {"token_ids": hot, "model_name": MODEL}
+        assert len(local) == 64 and len(hot) == 1024
+        for name, url in (("reference", ref_url), ("ours", our_url)):
+            results[name]["query_by_hash_rps"] = run_wrk(url, "/query_by_hash", by_hash, args.duration, args.connections)
+            results[name]["query_rps"] = run_wrk(url, "/query", by_tokens, args.duration, args.connections)
+        for k, (name, url, proc) in enumerate((("reference", ref_url, ref), ("ours", our_url, ours))):
+            rate, mem = ingest(ctx, url, service_pid(proc), args.ingest_blocks, 100 + k)
+            results[name]["ingest_blocks_per_s"] = rate
+            results[name]["rss_mib_per_million_blocks"] = mem / 1024
+    ctx.term()
+    mem = kvindex_memory()
+    print(f"{'metric':32} {'reference':>12} {'ours':>12} {'ours/ref':>9}")
+    for metric in ("query_by_hash_rps", "query_rps", "ingest_blocks_per_s", "rss_mib_per_million_blocks"):
+        r, o = results["reference"][metric], results["ours"][metric]
+        print(f"{metric:32} {r:12.1f} {o:12.1f} {o / r if r else float('nan'):9.2f}")
+    print(f"KvIndex tracemalloc: {mem:.0f} bytes per stored block = {mem * 1e6 / 2**20:.0f} MiB per million blocks")
+    print(json.dumps({"results": results, "kvindex_bytes_per_block": mem}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
