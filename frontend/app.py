@@ -38,8 +38,12 @@ log = logging.getLogger("frontend")
 _perf = time.perf_counter
 
 try:  # extension modules (owned by the extensions engineer)
+    from .admission import ClientDisconnected
     from .hints import RequestTiming, engine_priority, parse_request_hints
 except ImportError:  # pragma: no cover
+    class ClientDisconnected(Exception):  # type: ignore[no-redef]
+        pass
+
     RequestTiming = None  # type: ignore[assignment]
     parse_request_hints = None  # type: ignore[assignment]
     engine_priority = None  # type: ignore[assignment]
@@ -469,6 +473,9 @@ class OpenAIRoutes:
                         modified = True
                 if hints.want_timing and RequestTiming is not None:
                     ctx.timing = RequestTiming()
+                if hints.cache_salt and body.get("cache_salt") != hints.cache_salt:
+                    body["cache_salt"] = hints.cache_salt  # vLLM's field: the worker hashes its blocks with it too
+                    modified = True
             ctx.hints = hints
 
             t_tok = _perf()
@@ -491,7 +498,18 @@ class OpenAIRoutes:
                 if state.admission is not None and hints is not None:
                     if ctx.timing is not None:
                         ctx.timing.router_queue_depth = state.admission.depth(model)
-                    await state.admission.wait(model, hints, new_tokens=len(tokens))
+                    try:
+                        await state.admission.wait(model, hints, new_tokens=len(tokens), receive=request.receive)
+                    except ClientDisconnected:
+                        mm.inflight.dec()
+                        mm.active.dec()
+                        mm.queued.dec()
+                        mm.finished("error", "cancelled")
+                        state.metrics.disconnected.inc()
+                        state.metrics.cancellations.labels(model, endpoint, mm.request_type).inc()
+                        if ctx.session is not None:
+                            ctx.session.release()
+                        return Response(b"", status_code=499)
                 return await self._dispatch(ctx, pinned_worker, pinned_rank)
             except BaseException:
                 if ctx.session is not None:
@@ -520,7 +538,8 @@ class OpenAIRoutes:
         attempts = 0
         while True:
             attempts += 1
-            decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank)
+            decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
+                                          ctx.hints.cache_salt if ctx.hints is not None else None)
             request_id = state.next_request_id()
             try:
                 state.router.book(entry, request_id, decision)

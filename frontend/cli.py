@@ -14,9 +14,7 @@ log = logging.getLogger("frontend")
 
 # flags of later features: accepted now, but say so instead of silently doing nothing
 _NOT_YET = {
-    "router_track_output_blocks": "--router-track-output-blocks",
     "router_replica_sync": "--router-replica-sync",
-    "router_session_affinity_ttl_secs": "--router-session-affinity-ttl-secs",
 }
 
 
