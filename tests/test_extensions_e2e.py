@@ -481,15 +481,14 @@ def test_osl_decay_shrinks_tracked_output_load(ext):
 def _two_turns(url: str, speculative: bool, mocker_url: str, worker: int) -> tuple[int, int, int]:
     """Turn 1 (optionally with speculative_prefill), then turn 2 = history + reply + new question.
 
-    Returns (turn 2 cached tokens, turn 2 prompt tokens, tokens a warm-up can cover: the common
-    prefix of the warm-up prompt and turn 2, in full blocks)."""
+    Returns (turn 2 cached tokens, turn 1 prompt + generated tokens, turn 2 prompt tokens)."""
     from kvroute_common.tokenizer import chat_prompt_token_ids, load_tokenizer
 
     tok = load_tokenizer()
     history = [{"role": "system", "content": words(40)}, {"role": "user", "content": words(60)}]
     p1 = len(chat_prompt_token_ids(tok, history))
-    # end turn 1 two tokens short of a block boundary: the engine's own cache then stops a block
-    # earlier than a warm-up that also covers the reply's end-of-turn tokens
+    # end turn 1 two tokens short of a block boundary: what turn 1 leaves in the engine's cache then
+    # stops a block earlier than a warm-up that also covers the reply's end-of-turn tokens
     gen = next(g for g in range(40, 56) if (p1 + g) % BLOCK == BLOCK - 2)
     nv = {"extra_fields": ["worker_id"], "agent_hints": {"speculative_prefill": speculative}}
     hdr = {"x-dynamo-worker-instance-id": str(worker)}
@@ -500,25 +499,24 @@ def _two_turns(url: str, speculative: bool, mocker_url: str, worker: int) -> tup
     before = served()
     r1 = post(url, {"model": MODEL, "messages": history, "max_tokens": gen, "ignore_eos": True, "nvext": nv}, hdr)
     assert landed(r1)[0] == worker
+    u1 = r1.json()["usage"]
+    assert u1["prompt_tokens"] == p1 and u1["completion_tokens"] == gen
     reply = r1.json()["choices"][0]["message"]["content"]
     if speculative:  # the warm-up (a second request to the same worker) runs in the background
         wait_until(lambda: served() >= before + 2, timeout=30, what="the speculative warm-up to finish")
-    warm = chat_prompt_token_ids(tok, history + [{"role": "assistant", "content": reply}])
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": words(10)}]
-    turn2 = chat_prompt_token_ids(tok, history)
-    common = next((i for i, (a, b) in enumerate(zip(warm, turn2)) if a != b), min(len(warm), len(turn2)))
     r2 = post(url, {"model": MODEL, "messages": history, "max_tokens": 2}, hdr)
     assert r2.status_code == 200, r2.text
     usage = r2.json()["usage"]
-    assert usage["prompt_tokens"] == len(turn2)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return cached, usage["prompt_tokens"], common // BLOCK * BLOCK
+    return cached, p1 + gen, usage["prompt_tokens"]
 
 
 def test_speculative_prefill_makes_the_next_turn_a_cache_hit(ext, mockers):
-    cached, prompt, coverable = _two_turns(ext, True, mockers[1].url, 1)
-    control_cached, _, _ = _two_turns(ext, False, mockers[1].url, 1)
-    # the warm-up cached the whole history + reply: every full block turn 2 shares with it
-    assert cached >= coverable > prompt - 3 * BLOCK, (cached, coverable, prompt)
-    # without it, the engine only had what turn 1 itself left behind
-    assert cached > control_cached, (cached, control_cached)
+    cached, turn1, prompt = _two_turns(ext, True, mockers[1].url, 1)
+    # the warm-up cached the history + reply + its end-of-turn tokens: the hit reaches past
+    # everything turn 1 itself left in the engine's cache (prompt + generated tokens)
+    assert turn1 < cached < prompt, (cached, turn1, prompt)
+    control_cached, control_turn1, _ = _two_turns(ext, False, mockers[1].url, 1)
+    # without it, the next turn only finds what turn 1 left behind
+    assert control_cached < control_turn1, (control_cached, control_turn1)
