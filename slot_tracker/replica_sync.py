@@ -30,6 +30,7 @@ TOPIC = b"dynamo.slot-tracker.v1"
 DEFAULT_QUEUE_CAPACITY = 100_000
 _MARK_PREFILL = "MarkPrefillCompleted"
 _FREE = "Free"
+_U64 = (1 << 64) - 1
 
 
 class WorkerRank(msgspec.Struct):
@@ -76,7 +77,8 @@ def encode_event(ev: LifecycleEvent, router_id: int) -> bytes:
     """The msgpack payload (second frame) for one local lifecycle event."""
     if ev.kind == "add":
         hint = PrefillLoadHint(ev.new_isl_tokens) if ev.new_isl_tokens > 0 else None
-        data: AddData | str = AddData(AddRequest(list(ev.sequence_hashes), ev.new_isl_tokens > 0, None, hint))
+        hashes = [h & _U64 for h in ev.sequence_hashes]  # the wire carries u64 (HTTP hands the core i64)
+        data: AddData | str = AddData(AddRequest(hashes, ev.new_isl_tokens > 0, None, hint))
     elif ev.kind == "prefill_complete":
         data = _MARK_PREFILL
     else:

@@ -15,12 +15,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvroute_common.http import ApiError, MiB, json_response, json_service, ok, raw_json_response, read_json, route
+from kvroute_common.http import ApiError, MiB, decode_json, json_response, json_service, ok, raw_json_response, read_body, read_json, route
+from kvroute_common.http import _is_json_content_type as is_json_content_type
 from slot_tracker.core import U32_MAX, U64_MAX, SlotRegistry, SlotTrackerError
 
 if TYPE_CHECKING:
@@ -155,6 +158,59 @@ def encode_potential_loads(loads: list[Any]) -> bytes:
     ).encode()
 
 
+def potential_loads_json(registry: SlotRegistry, body: bytes) -> bytes:
+    """POST /potential_loads from raw body to response bytes (shared by the route and the fast path)."""
+    b: PotentialLoadsBody = decode_json(body, PotentialLoadsBody, allow_trailing=True)
+    isl = _u64(b.new_isl_tokens, "new_isl_tokens")
+    tenant = b.tenant()
+    tracker = registry.get(b.model_name, tenant)
+    if tracker is None:
+        tracker = _core(lambda: registry.tracker(b.model_name, tenant))
+    return encode_potential_loads(tracker.potential_loads(b.sequence_hashes, isl))  # the core takes i64 or u64
+
+
+class PotentialLoadsFastPath:
+    """ASGI wrapper answering ``POST /potential_loads`` before Starlette's routing and Request.
+
+    The routing read path is the service's hot path; skipping the router, middleware stack and
+    Request/Response objects roughly halves its cost (see docs/bench/slot_tracker.md). Same checks,
+    same order as ``read_json``: 415, 413, 400, 422. Everything else goes to ``app``.
+    """
+
+    def __init__(self, app: ASGIApp, registry: SlotRegistry, path: str = "/potential_loads") -> None:
+        self.app = app
+        self.registry = registry
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != self.path or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        content_type = content_length = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"content-length":
+                content_length = value
+        try:
+            if content_type is None or not is_json_content_type(content_type.decode("latin-1")):
+                raise ApiError(415, "Expected request with `Content-Type: application/json`")
+            if content_length is not None and content_length.isdigit() and int(content_length) > BODY_LIMIT:
+                raise ApiError(413, "Failed to buffer the request body: length limit exceeded")
+            message = await receive()
+            body = message.get("body", b"")
+            while message.get("more_body", False):
+                message = await receive()
+                body += message.get("body", b"")
+                if len(body) > BODY_LIMIT:
+                    raise ApiError(413, "Failed to buffer the request body: length limit exceeded")
+            status, payload = 200, potential_loads_json(self.registry, body)
+        except ApiError as exc:
+            status, payload = exc.status, orjson.dumps({"error": exc.message})
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]})
+        await send({"type": "http.response.body", "body": payload})
+
+
 def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = None) -> list[BaseRoute]:
     """Every slot-tracker endpoint, for the standalone service and for the frontend's own port."""
 
@@ -187,8 +243,7 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
         worker_id = _u64(b.worker_id, "worker_id")
         isl = _u64(b.new_isl_tokens, "new_isl_tokens")
         tracker = _core(lambda: registry.tracker(b.model_name, tenant))
-        hashes = [h & _MASK for h in b.sequence_hashes]
-        _core(lambda: tracker.add(b.request_id, worker_id, b.dp_rank, hashes, isl))
+        _core(lambda: tracker.add(b.request_id, worker_id, b.dp_rank, b.sequence_hashes, isl))
         return ok(201)
 
     async def prefill_complete(request: Request) -> Response:
@@ -205,13 +260,9 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
         return ok(200)
 
     async def potential_loads(request: Request) -> Response:
-        b: PotentialLoadsBody = await _body(request, PotentialLoadsBody)
-        isl = _u64(b.new_isl_tokens, "new_isl_tokens")
-        tracker = registry.get(b.model_name, b.tenant())
-        if tracker is None:
-            tracker = _core(lambda: registry.tracker(b.model_name, b.tenant()))
-        result = tracker.potential_loads([h & _MASK for h in b.sequence_hashes], isl)
-        return raw_json_response(encode_potential_loads(result))
+        if not is_json_content_type(request.headers.get("content-type")):
+            raise ApiError(415, "Expected request with `Content-Type: application/json`")
+        return raw_json_response(potential_loads_json(registry, await read_body(request, BODY_LIMIT)))
 
     def _sync() -> ReplicaSync:
         if replica_sync is None:
@@ -286,4 +337,4 @@ def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, s
     return app
 
 
-__all__ = ["build_app", "tracker_routes", "encode_potential_loads"]
+__all__ = ["build_app", "tracker_routes", "potential_loads_json", "PotentialLoadsFastPath", "encode_potential_loads"]

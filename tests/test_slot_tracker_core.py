@@ -80,7 +80,7 @@ def test_document_example_projection():
     t = reg.get("llama-3-8b", "default")
     t.add("req-123", 7, 0, [101, (-22) & ((1 << 64) - 1), 303], 48)
     t.add("req-124", 7, 0, [101], 0)
-    loads = {(l.worker_id, l.dp_rank): l for l in t.potential_loads([101, (-22) & ((1 << 64) - 1), 303, 404], 48)}
+    loads = {(l[0], l[1]): l for l in t.potential_loads([101, (-22) & ((1 << 64) - 1), 303, 404], 48)}
     assert loads[(7, 0)] == (7, 0, 96, 4, 2)
     assert loads[(7, 1)] == (7, 1, 48, 4, 0)
 
@@ -107,7 +107,7 @@ def test_lifecycle_rules_42():
     assert t.free("nope") is False  # idempotent
     assert t.free("x") is True and t.free("x") is False
     assert (t.active_prefill_tokens(1, 0), t.active_decode_blocks(1, 0), t.active_requests(1, 0)) == (0, 0, 0)
-    assert t._children == {} and t._node_info == {}  # trie fully released
+    assert t._root.kids == {}  # trie fully released
 
 
 def test_zero_isl_means_no_prefill_tracking_and_free_releases_pending_prefill():
@@ -238,7 +238,7 @@ def test_output_blocks_with_osl_decay_47():
     t.add_output_block("r", expected_output_tokens=100, generated_tokens=150)  # decay floors at 0
     assert t.active_decode_blocks(1, 0) == 2
     [load] = t.potential_loads([1, 2, 9], 0)
-    assert load.potential_decode_blocks == 3
+    assert load[3] == 3  # potential_decode_blocks
     t.free("r")
     assert t.active_decode_blocks(1, 0) == 2 and t.output_blocks("r") == 0
     assert t.add_output_block("r") is False
@@ -282,5 +282,5 @@ def test_randomised_against_brute_force_oracle():
         by_slot = {s: [p for (sl, p) in live.values() if sl == s] for s in t.slots()}
         expect = _brute_force(by_slot, query)
         for load in t.potential_loads(query):
-            slot = (load.worker_id, load.dp_rank)
-            assert (t.active_decode_blocks(*slot), load.potential_decode_blocks) == expect[slot], (step, slot, query)
+            slot = (load[0], load[1])
+            assert (t.active_decode_blocks(*slot), load[3]) == expect[slot], (step, slot, query)
