@@ -8,7 +8,10 @@ One run measures, for each service in turn:
   * memory: the service's RSS growth per million stored blocks during that ingest, and our KvIndex's
     own footprint per million blocks measured in-process.
 
-    python bench/indexer_bench.py [--duration 10] [--connections 16] [--ingest-blocks 200000]
+    python bench/indexer_bench.py [--duration 10] [--connections 16] [--ingest-blocks 200000] [--rounds 3]
+
+Services are measured alternately, round after round, and medians are reported (the machine is
+shared, load drifts).
 
 Needs ``wrk`` (apt-get install wrk) and ai-dynamo-runtime (the reference).
 """
@@ -22,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -210,6 +214,7 @@ def main() -> int:
     ap.add_argument("--duration", type=int, default=10, help="wrk seconds per endpoint and service")
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--ingest-blocks", type=int, default=200_000)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per measurement (medians reported)")
     ap.add_argument("--reference-threads", type=int, default=None, help="pass --threads to the reference")
     args = ap.parse_args()
     if not shutil.which("wrk"):
@@ -232,13 +237,21 @@ def main() -> int:
         by_hash = {"block_hashes": list_to_i64(local), "model_name": MODEL}
         by_tokens = {"token_ids": hot, "model_name": MODEL}
         assert len(local) == 64 and len(hot) == 1024
-        for name, url in (("reference", ref_url), ("ours", our_url)):
-            results[name]["query_by_hash_rps"] = run_wrk(url, "/query_by_hash", by_hash, args.duration, args.connections)
-            results[name]["query_rps"] = run_wrk(url, "/query", by_tokens, args.duration, args.connections)
-        for k, (name, url, proc) in enumerate((("reference", ref_url, ref), ("ours", our_url, ours))):
-            rate, mem = ingest(ctx, url, service_pid(proc), args.ingest_blocks, 100 + k)
-            results[name]["ingest_blocks_per_s"] = rate
-            results[name]["rss_mib_per_million_blocks"] = mem / 1024
+        # Alternate the services round by round: the machine is shared, so load drifts between runs.
+        samples: dict[str, dict[str, list[float]]] = {"reference": {}, "ours": {}}
+        for _ in range(args.rounds):
+            for name, url in (("reference", ref_url), ("ours", our_url)):
+                samples[name].setdefault("query_by_hash_rps", []).append(run_wrk(url, "/query_by_hash", by_hash, args.duration, args.connections))
+                samples[name].setdefault("query_rps", []).append(run_wrk(url, "/query", by_tokens, args.duration, args.connections))
+        for k in range(args.rounds):
+            for j, (name, url, proc) in enumerate((("reference", ref_url, ref), ("ours", our_url, ours))):
+                rate, mem = ingest(ctx, url, service_pid(proc), args.ingest_blocks, 100 + 2 * k + j)
+                samples[name].setdefault("ingest_blocks_per_s", []).append(rate)
+                samples[name].setdefault("rss_mib_per_million_blocks", []).append(mem / 1024)
+        for name in samples:
+            for metric, values in samples[name].items():
+                results[name][metric] = statistics.median(values)
+        print("samples:", json.dumps(samples))
     ctx.term()
     mem = kvindex_memory()
     print(f"{'metric':32} {'reference':>12} {'ours':>12} {'ours/ref':>9}")

@@ -1,14 +1,16 @@
-"""Standalone indexer process: CLI, start-up sequence (workers, P2P recovery, start-up gate), uvicorn.
+"""Standalone indexer process: CLI, start-up sequence (workers, P2P recovery, start-up gate), HTTP.
 
 Start-up follows the reference (§3.8): register ``--workers`` (their listeners connect at once but
 wait behind the ready gate), wait a moment past ZMQ's slow-joiner window, restore the first
 reachable peer's /dump, wait for ``DYN_ROUTER_MIN_INITIAL_WORKERS`` workers, open the gate (the
-listeners drain what they buffered), then bind the HTTP port.
+listeners drain what they buffered), then bind the HTTP port (indexer.httpserver: the hot query
+routes answered in the protocol callback, everything else through the Starlette app).
 
-``--threads``: accepted for CLI compatibility. Our index lives on the single asyncio loop that
-also serves HTTP and ZMQ (a thread pool cannot run Python index code in parallel under the GIL),
-so every value behaves the same; the answers match the reference's (both of its modes agree on
-everything but a few removal/re-store races, see tests/test_indexer_differential.py).
+``--threads``: accepted for CLI compatibility and otherwise ignored. Everything (index, ZMQ
+listeners, HTTP) runs on one asyncio loop: under the GIL a pool of threads cannot run Python index
+code in parallel, and one writer needs no locks. Whatever the value, the index follows the
+reference's single-threaded tree (its ``--threads 1``); its default multi-thread tree differs on
+some removal / re-store sequences (tests/test_indexer_differential.py).
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 import httpx
 import prometheus_client
-import uvicorn
 
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError, parse_workers_arg, split_urls
-from indexer.service import PeerList, build_app
+from indexer.httpserver import HttpServer
+from indexer.service import BODY_LIMIT, QUERY_BODY_LIMIT, PeerList, build_app, hot_handlers
 
 log = logging.getLogger("indexer")
 
@@ -88,11 +91,17 @@ async def serve(args: argparse.Namespace) -> int:
         peers.add(url)
     ready.set()
     app = build_app(registry, peers)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False, lifespan="off")
-    server = uvicorn.Server(config)
+    server = HttpServer(app, hot_handlers(registry, app.state.metrics), QUERY_BODY_LIMIT, BODY_LIMIT)
+    await server.start(args.host, args.port)
+    log.info("indexer listening on http://%s:%d", args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await server.serve()
+        await stop.wait()
     finally:
+        await server.close()
         await registry.close()
     return 0
 

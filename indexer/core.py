@@ -35,6 +35,7 @@ Lower tiers (host_pinned, disk, external)
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -239,11 +240,10 @@ class _Run:
             self.full.discard(other)
             self.cutoffs[other] = old
         self.promote(w)
-        index = self.index
-        for k, (ext, local) in enumerate(blocks):
-            self.locals.append(local)
-            self.exts.append(ext)
-            index.setdefault(ext, old + k)
+        exts = [b[0] for b in blocks]
+        self.locals.extend([b[1] for b in blocks])
+        self.exts.extend(exts)
+        self.index.update(zip(exts, range(old, old + len(exts))))
 
 
 class KvIndex:
@@ -362,8 +362,7 @@ class KvIndex:
 
     @staticmethod
     def _note_lookup(lookup: dict[int, _Run], blocks: Sequence[tuple[int, int]], run: _Run) -> None:
-        for ext, _ in blocks:
-            lookup[ext] = run
+        lookup.update(zip([b[0] for b in blocks], repeat(run)))
 
     def _reuse_parent_run(
         self, w: Worker, node: _Run, ppos: int, blocks: Sequence[tuple[int, int]], lookup: dict[int, _Run]

@@ -170,12 +170,24 @@ class Listener:
                         frames = sync.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    await self._on_message(frames)
+                    if not self._in_order(frames):  # the common case is handled without a coroutine
+                        await self._on_message(frames)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # pragma: no cover - unexpected socket failure
             log.exception("listener %s failed", self.endpoint)
             self._set_status(FAILED, f"recv loop: {type(exc).__name__}: {exc}")
+
+    def _in_order(self, frames: list[bytes]) -> bool:
+        """Apply ``frames`` if it is the next batch in sequence; False if it needs the full path."""
+        if len(frames) != 3:
+            return False
+        seq_bytes = frames[1]
+        last = self.seq.last_seq
+        if last is None or len(seq_bytes) != 8 or int.from_bytes(seq_bytes, "big") != last + 1:
+            return False
+        self._apply(last + 1, frames[2])
+        return True
 
     async def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 3:

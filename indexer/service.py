@@ -22,7 +22,18 @@ from starlette.routing import BaseRoute, Route
 
 from indexer.core import KvIndex
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError
-from kvroute_common.http import ApiError, MiB, error_response, json_response, ok, raw_json_response, read_json, read_json_asgi
+from kvroute_common.http import (
+    ApiError,
+    MiB,
+    decode_json,
+    error_response,
+    is_json_content_type,
+    json_response,
+    ok,
+    raw_json_response,
+    read_json,
+    read_json_asgi,
+)
 from router.hashing import local_block_hashes
 
 QUERY_BODY_LIMIT = 8 * MiB
@@ -293,6 +304,30 @@ def indexer_routes(registry: IndexerRegistry, peers: PeerList, metrics: Metrics 
 
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def hot_handlers(registry: IndexerRegistry, metrics: Metrics | None = None) -> dict[str, Callable[[bytes, bytes | None], tuple[int, bytes]]]:
+    """Synchronous handlers of the two hot routes for indexer.httpserver: (body, content type) -> (status, JSON)."""
+
+    def make(path: str, type_: type, answer: Callable[[IndexerRegistry, Any], bytes]) -> Callable[[bytes, bytes | None], tuple[int, bytes]]:
+        def handle(body: bytes, content_type: bytes | None) -> tuple[int, bytes]:
+            start = time.perf_counter()
+            try:
+                if not is_json_content_type(content_type.decode("latin-1") if content_type else None):
+                    raise ApiError(415, "Expected request with `Content-Type: application/json`")
+                status, out = 200, answer(registry, decode_json(body, type_))
+            except (ApiError, RegistryError) as exc:
+                status, out = exc.status, orjson.dumps({"error": exc.message})
+            if metrics is not None:
+                metrics.observe(path, "POST", status, time.perf_counter() - start)
+            return status, out
+
+        return handle
+
+    return {
+        "/query": make("/query", QueryRequest, answer_query),
+        "/query_by_hash": make("/query_by_hash", QueryByHashRequest, answer_query_by_hash),
+    }
 
 
 class FastQueries:

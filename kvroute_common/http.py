@@ -205,3 +205,8 @@ async def read_json_asgi(scope: dict[str, Any], receive: Callable[[], Awaitable[
         if not message.get("more_body", False):
             break
     return decode_json(chunks[0] if len(chunks) == 1 else b"".join(chunks), type_)
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """Whether a Content-Type header value is JSON (public name for servers outside Starlette)."""
+    return _is_json_content_type(value)
