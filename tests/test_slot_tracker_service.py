@@ -133,6 +133,12 @@ def test_error_classes(client):
     body = b'{"model_name":"%s","sequence_hashes":[]}' % m.encode()
     assert raw(client, "POST", "/potential_loads", body + b" " * (limit - len(body))).status_code == 200
     is_error(raw(client, "POST", "/potential_loads", body + b" " * (limit - len(body) + 1)), 413)
+    # the fast ASGI path of POST /potential_loads applies the same checks in the same order
+    is_error(raw(client, "POST", "/potential_loads", b"{}", content_type=None), 415)
+    is_error(raw(client, "POST", "/potential_loads", b'{"model_name":', content_type="application/json; charset=utf-8"), 400)
+    is_error(raw(client, "POST", "/potential_loads", b'{"model_name":"%s","sequence_hashes":[1],"new_isl_tokens":18446744073709551616}' % m.encode()), 422)
+    is_error(raw(client, "POST", "/potential_loads", b'{"model_name":"%s","sequence_hashes":[1],"tenant_id":"nope"}' % m.encode()), 404)
+    assert raw(client, "POST", "/potential_loads", b'{"model_name":"%s","sequence_hashes":[-1]} x' % m.encode()).status_code == 200
     # 404 unknown route (any method), 405 wrong method with allow header
     assert is_error(client.get("/nope"), 404) == "route not found"
     assert is_error(client.delete("/nope"), 404) == "route not found"
@@ -140,6 +146,8 @@ def test_error_classes(client):
     assert is_error(r, 405) == "method not allowed" and "POST" in r.headers["allow"]
     r = client.post("/loads")
     assert is_error(r, 405) and "GET" in r.headers["allow"]
+    r = client.get("/potential_loads")
+    assert is_error(r, 405) and "POST" in r.headers["allow"]
     # repeated query parameters are refused with a JSON 400
     is_error(client.get("/loads?model_name=a&model_name=b"), 400)
 
