@@ -186,7 +186,9 @@ class Generator:
             params.append(f"routing_group={group}")
         if rng.random() < 0.1:
             params.append("unrelated=1")
-        return Op("GET", path, params="&".join(params))
+        if not params and rng.random() < 0.05:
+            params.append("model_name=")  # an empty filter matches no model
+        return Op(rng.choice(["GET"] * 9 + ["HEAD"]), path, params="&".join(params))
 
     def invalid(self) -> Op:
         rng = self.rng
@@ -219,7 +221,7 @@ class Generator:
             return Op(rng.choice(["GET", "POST", "PUT", "DELETE"]), rng.choice(["/nope", "/register/", "/v1/loads", "/Loads"]), valid.ours, valid.ref)
         if kind == 7:  # wrong method on a known route
             path = rng.choice(["/register", "/add", "/free", "/loads", "/workers", "/health", "/potential_loads"])
-            method = "POST" if path in ("/loads", "/workers", "/health") else rng.choice(["GET", "PUT", "DELETE", "PATCH"])
+            method = rng.choice(["POST", "PUT", "OPTIONS"]) if path in ("/loads", "/workers", "/health") else rng.choice(["GET", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
             return Op(method, path, b"{}", b"{}")
         if kind == 8:  # JSON of the wrong shape
             body = rng.choice([b"[]", b"null", b"1", b'"x"', b"true"])
@@ -300,6 +302,8 @@ def send(client: httpx.Client, op: Op, body: bytes | None) -> httpx.Response:
 
 
 def normalise(op: Op, r: httpx.Response, reference: bool) -> tuple[int, object]:
+    if op.method == "HEAD":  # no body to compare
+        return r.status_code, None
     if op.method == "GET" and op.path == "/health" and r.status_code == 200:
         return 200, r.content
     if r.status_code >= 400:
