@@ -8,6 +8,7 @@ first token = prefill complete -> end / error / disconnect = free.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -397,9 +398,10 @@ def _tokenize(entry: ModelEntry, body: dict, chat: bool) -> list[int]:
 class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
-    __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint")
+    __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive")
 
     def __init__(self) -> None:
+        self.receive: Any = None
         self.hints: Any = None
         self.timing: Any = None
         self.session: Any = None
@@ -425,6 +427,7 @@ class OpenAIRoutes:
         state = self.state
         ctx = RequestContext()
         ctx.t_start = _perf()
+        ctx.receive = request.receive
         ctx.chat = chat
         ctx.endpoint = endpoint = "chat_completions" if chat else "completions"
         mm = None
@@ -582,8 +585,23 @@ class OpenAIRoutes:
         headers = upstream_headers(decision.dp_rank, lease.request_id)
         stream = ctx.stream
         session = ctx.session
+        watch = None
+        if not stream and ctx.receive is not None:
+            # a unary request can run for a long time: a client that goes away must free its load now
+            watch = _watch_disconnect(ctx.receive)
         try:
             upstream = await worker.upstream.request("POST", path, ctx.out_body, headers, stream)
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise
+            asyncio.current_task().uncancel()
+            lease.status, lease.error_type = "error", "cancelled"
+            state.metrics.disconnected.inc()
+            state.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+            lease.release()
+            if session is not None:
+                session.release()
+            return Response(b"", status_code=499)
         except UpstreamConnectError as exc:
             # never reached the worker: take it out (it is now excluded) and let the caller route again
             state.pool.mark_failed(worker, str(exc))
@@ -595,6 +613,9 @@ class OpenAIRoutes:
                 session.invalidate()
                 session.release()
             return openai_error_response(500, f"worker {worker.id} failed: {exc}")
+        finally:
+            if watch is not None:
+                watch.stop()
         if upstream.status != 200:
             if stream:
                 try:
@@ -625,6 +646,27 @@ class OpenAIRoutes:
         if rewriter is not None:
             rewriter.finished(lease)
         return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank)
+
+    async def explain(self, request: Request) -> Response:
+        """``POST /admin/route``: the decision an OpenAI body would get now, with every candidate's
+        cost terms, without booking or sending anything (operators: "why did it go there?")."""
+        state = self.state
+        body = await read_json(request, dict, BODY_LIMIT)
+        model = body.get("model")
+        entry = state.models.get(model) if isinstance(model, str) else None
+        if entry is None:
+            raise ApiError(404, f"Model not found: {model}")
+        chat = "messages" in body
+        try:
+            tokens = _tokenize(entry, body, chat)
+            d = state.router.route(entry, tokens, explain=True)
+        except OpenAIError as exc:
+            raise ApiError(exc.status, exc.message) from None
+        cands = [{"worker_id": c.worker_id, "dp_rank": c.dp_rank, "overlap_blocks": c.overlap_blocks, "prefill_tokens": c.prefill_tokens,
+                  "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks, "active_requests": c.active_requests, "cost": c.cost}
+                 for c in (d.costs or [])]
+        return json_response({"model": entry.name, "isl": d.isl, "block_size": entry.block_size, "router_mode": state.config.router_mode,
+                              "worker_id": d.worker.id, "dp_rank": d.dp_rank, "overlap_blocks": d.overlap_blocks, "candidates": cands})
 
     def _stream_failed(self, lease: Lease, exc: BaseException) -> None:
         self.state.pool.mark_failed(lease.decision.worker, f"{type(exc).__name__}: {exc}")
@@ -771,6 +813,29 @@ class ResponseRewriter:
 
 
 _RETRY = object()
+
+
+class _watch_disconnect:
+    """Cancels the current task when the client disconnects (one extra task, only for unary requests)."""
+
+    __slots__ = ("task", "gone", "_owner")
+
+    def __init__(self, receive: Any) -> None:
+        self.gone = False
+        self._owner = asyncio.current_task()
+        self.task = asyncio.get_running_loop().create_task(self._run(receive))
+
+    async def _run(self, receive: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                self._owner.cancel()
+                return
+
+    def stop(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
 
 
 class _PassThrough:
@@ -978,9 +1043,11 @@ def build_app(state: FrontendState) -> Starlette:
         route("/admin/workers", ad.workers_list, ["GET"]),
         route("/admin/workers", ad.workers_add, ["POST"]),
         route("/admin/workers/{worker_id}", ad.workers_remove, ["DELETE"]),
+        route("/admin/route", oa.explain, ["POST"]),
     ]
     routes += _tracker_routes(state)
 
+    @contextlib.asynccontextmanager
     async def lifespan(app):
         await state.start()
         try:

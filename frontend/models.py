@@ -30,7 +30,8 @@ class ModelEntry:
     @property
     def tracker(self) -> Any:
         """This model's slot tracker (the registry owns it; an external /unregister may drop it)."""
-        return self._slots.get(self.name, TENANT) or _EMPTY_TRACKER
+        t = self._slots.get(self.name, TENANT)
+        return _EMPTY_TRACKER if t is None else t
 
     @property
     def index(self) -> Any:

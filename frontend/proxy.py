@@ -231,6 +231,8 @@ class StreamProxy:
                 if n:
                     if _DONE in chunk:
                         n -= 1
+                    if b'"content":""' in chunk or b'"choices":[]' in chunk:  # role-only / usage-only events
+                        n -= chunk.count(b'"content":""') + chunk.count(b'"choices":[]')
                     lease.tokens(n)
                 if rw is not None:
                     chunk = rw.chunk(chunk)

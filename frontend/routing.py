@@ -41,6 +41,7 @@ class Decision:
     local_hashes: list[int]
     seq_hashes: list[int]
     cost: WorkerCost | None = None
+    costs: list[WorkerCost] | None = None  # every candidate's terms (explain mode only)
 
     @property
     def cached_tokens(self) -> int:
@@ -64,6 +65,7 @@ class Router:
         pinned_worker: int | None = None,
         pinned_rank: int | None = None,
         cache_salt: str | None = None,
+        explain: bool = False,
     ) -> Decision:
         """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin)."""
         cfg = self.config
@@ -71,7 +73,7 @@ class Router:
         bs = entry.block_size
         isl = len(tokens)
         kv = cfg.router_mode == "kv"
-        metrics = self.metrics
+        metrics = None if explain else self.metrics
         index = entry.index if kv else None
 
         local = local_block_hashes(tokens, bs, None, cache_salt) if (index is not None or cfg.router_track_active_blocks) else []
@@ -135,7 +137,7 @@ class Router:
                 metrics.oh_find_matches.observe((t3 - t2) * 1e3)
             metrics.oh_scheduling.observe((t4 - t3) * 1e3)
             metrics.oh_total.observe((t4 - t0) * 1e3)
-        return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost)
+        return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost, costs if (explain and kv) else None)
 
     # ------------------------------------------------------------------------------------------
     def _candidates(
