@@ -201,3 +201,14 @@ def test_stale_requests_expire_after_configured_age():
             wait_until(lambda: c.get("/loads").json()[0]["active_decode_blocks"] == 0, timeout=20, what="stale request expiry")
             assert c.get("/loads").json()[0]["active_prefill_tokens"] == 0
             assert c.post("/prefill_complete", json={"model_name": "m", "request_id": "r"}).status_code == 404
+
+
+def test_cli_flags():
+    from slot_tracker.__main__ import parse_args
+
+    ns = parse_args(["--replica-sync-port", "9100"])  # the 1.6.1 spelling
+    assert ns.replica_sync_bind == "tcp://*:9100" and ns.port == 8091 and ns.host == "0.0.0.0"
+    ns = parse_args(["--replica-sync-bind", "tcp://*:9", "--replica-sync-advertise", "tcp://a:9", "--replica-sync-peers", "tcp://b:9,tcp://c:9"])
+    assert (ns.replica_sync_bind, ns.replica_sync_advertise, ns.replica_sync_peers) == ("tcp://*:9", "tcp://a:9", "tcp://b:9,tcp://c:9")
+    with pytest.raises(SystemExit):
+        parse_args(["--replica-sync-peers", "tcp://b:9"])  # peers need a local PUB endpoint
