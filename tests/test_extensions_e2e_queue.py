@@ -1,10 +1,12 @@
 """Router queue end to end: ``python -m frontend --router-queue-threshold`` in front of a real mocker.
 
-The mocker runs slowed down (``--speedup-ratio 0.04``) so a long prompt stays in prefill for
-seconds. With threshold 0.001 x max_num_batched_tokens (8192) ~ 8 tokens, any request in prefill
-makes the only rank busy, so every later arrival is held; each released request then occupies the
-rank until its own first token, so requests leave the queue one at a time and their completion
-order is the queue's release order.
+The mocker runs one sequence at a time (``--max-num-seqs 1``). An *occupier* streams a long
+generation; a *blocker* sent next waits inside the engine, so the frontend sees its prompt as
+in-flight prefill for as long as we keep the occupier going. With threshold 0.001 x
+max_num_batched_tokens (8192) ~ 8 tokens that makes the only rank busy, so every later arrival
+is held by the router queue, with no time pressure on the test. Closing the occupier lets the
+blocker run; each released request then makes the rank busy again until its own first token, so
+requests leave the queue one at a time and their completion order is the queue's release order.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 Q_MODEL = "queue-model"
-SPEEDUP = 0.04
 
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
 
@@ -46,7 +47,7 @@ def queue_mocker():
     port = free_port()
     base = free_port_block(2)
     args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", Q_MODEL,
-            "--block-size", "16", "--max-num-batched-tokens", "8192", "--speedup-ratio", str(SPEEDUP), "--seed", "7",
+            "--block-size", "16", "--max-num-batched-tokens", "8192", "--max-num-seqs", "1", "--seed", "7",
             "--kv-events-endpoint", f"tcp://127.0.0.1:{base}", "--replay-endpoint", f"tcp://127.0.0.1:{base + 1}"]
     url = f"http://127.0.0.1:{port}"
     with service(args, ready_url=f"{url}/v1/models", timeout=90):
@@ -107,17 +108,32 @@ class Driver:
                 raise AssertionError(f"timed out waiting for {what}")
             await asyncio.sleep(0.02)  # polling interval of a deadline-bounded wait
 
-    async def hold(self, specs: list[tuple[str, dict]]) -> tuple[asyncio.Task, list[asyncio.Task]]:
-        """Start a blocker that keeps the rank busy, then queue ``specs`` one by one (in order)."""
-        blocker = asyncio.create_task(self.request("blocker", n_words=6000))
-        await self.until(lambda: self._busy(), "the blocker to be in prefill")
-        tasks = []
+    async def occupy(self, started: asyncio.Event, release: asyncio.Event) -> None:
+        """Keep the engine's only sequence slot busy with a stream until ``release`` is set."""
+        body = {"model": Q_MODEL, "prompt": prompt(10), "max_tokens": 20000, "ignore_eos": True, "stream": True}
+        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_raw():  # keep reading (tokens keep coming) until released
+                started.set()
+                if release.is_set():
+                    break
+        # leaving the block closes the stream: the frontend aborts it on the worker
+
+    async def hold(self, specs: list[tuple[str, dict]]) -> tuple[asyncio.Event, list[asyncio.Task]]:
+        """Make the rank busy (occupier + blocker), then queue ``specs`` one by one, in order.
+        Returns the event that lets the engine go, and the tasks (blocker first)."""
+        started, release = asyncio.Event(), asyncio.Event()
+        occupier = asyncio.create_task(self.occupy(started, release))
+        await asyncio.wait_for(started.wait(), 60)
+        blocker = asyncio.create_task(self.request("blocker"))
+        await self.until(lambda: self._busy(), "the blocker to wait in prefill")
+        tasks = [occupier, blocker]
         for name, kw in specs:
             tasks.append(asyncio.create_task(self.request(name, **kw)))
-            n = len(tasks)
+            n = len(tasks) - 2
             await self.until(lambda: self._depth_is(n), f"{n} held requests")
-        assert "blocker" not in self.done, "the blocker finished before all requests were queued; the test is void"
-        return blocker, tasks
+        assert not self.done, "a request finished while the rank was supposed to be busy"
+        return release, tasks
 
     async def _busy(self) -> bool:
         return await self._sum("dynamo_frontend_worker_active_prefill_tokens") > 0
@@ -134,10 +150,13 @@ def run_queue(url: str, specs: list[tuple[str, dict]]) -> list[str]:
     async def main() -> list[str]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             d = Driver(client)
-            blocker, tasks = await d.hold(specs)
-            await asyncio.gather(blocker, *tasks)
+            release, tasks = await d.hold(specs)
+            release.set()
+            await asyncio.gather(*tasks)
             assert await d.depth() == 0
-            return [n for n in d.done if n != "blocker"]
+            assert d.done[0] == "blocker"
+            await d.until(lambda: d._idle(), "loads to return to zero")
+            return d.done[1:]
 
     return asyncio.run(asyncio.wait_for(main(), 180))
 
@@ -171,14 +190,15 @@ def test_queue_never_loses_a_request_and_disconnected_clients_leave(queue_mocker
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             d = Driver(client)
             names = [f"r{i}" for i in range(6)]
-            blocker, tasks = await d.hold([(n, {}) for n in names])
+            release, tasks = await d.hold([(n, {}) for n in names])
+            held = tasks[2:]
             # two clients give up while held: their connections close
             for i in (1, 3):
-                tasks[i].cancel()
+                held[i].cancel()
             await d.until(lambda: d._depth_is(4), "the disconnected requests to leave the queue")
-            kept = [t for i, t in enumerate(tasks) if i not in (1, 3)]
-            await asyncio.gather(blocker, *kept)
-            assert [n for n in d.done if n != "blocker"] == ["r0", "r2", "r4", "r5"]
+            release.set()
+            await asyncio.gather(*tasks[:2], *[t for i, t in enumerate(held) if i not in (1, 3)])
+            assert d.done == ["blocker", "r0", "r2", "r4", "r5"]
             assert await d.depth() == 0
             await d.until(lambda: d._idle(), "loads to return to zero")
 
