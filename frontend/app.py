@@ -325,11 +325,19 @@ class FrontendState:
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.replica_sync is not None:
+            await self.replica_sync.start()
         if self.file_watcher is not None:
             self.file_watcher.load_now()
             self.file_watcher.start()
         for w in list(self.pool.workers.values()):
             self.pool._spawn(self.pool.probe(w))
+        need = self.config.router_min_initial_workers
+        if need > 0:  # --router-min-initial-workers: do not serve before that many workers are healthy
+            log.info("waiting for %d healthy worker(s)", need)
+            while sum(1 for w in self.pool.workers.values() if w.healthy) < need:
+                await asyncio.sleep(0.2)
+                await self.pool.check_all()
         self.pool.start()
         self._spawn(self._expiry_loop())
         if self.sessions is not None:
@@ -345,6 +353,8 @@ class FrontendState:
             self.admission.close()
         if self.speculative is not None:
             await self.speculative.aclose()
+        if self.replica_sync is not None:
+            await self.replica_sync.stop()
         await self.pool.stop()
         events = self.events
         if events is not None:

@@ -13,9 +13,7 @@ from router.config import RouterConfig, add_router_args
 log = logging.getLogger("frontend")
 
 # flags of later features: accepted now, but say so instead of silently doing nothing
-_NOT_YET = {
-    "router_replica_sync": "--router-replica-sync",
-}
+_NOT_YET: dict[str, str] = {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local HF tokenizer directory for every model (default: the built-in offline tokenizer)")
     g.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker health checks [default 2]")
     g.add_argument("--request-timeout", type=float, default=None, help="read timeout for worker responses in seconds [default: none]")
+    g.add_argument("--replica-sync-bind", default=os.environ.get("KVROUTE_REPLICA_SYNC_BIND"), metavar="ENDPOINT",
+                   help="--router-replica-sync transport: ZMQ PUB endpoint to bind (e.g. tcp://*:8092); other replicas list it as a peer")
+    g.add_argument("--replica-sync-advertise", default=None, metavar="ENDPOINT", help="externally reachable form of the bind endpoint")
+    g.add_argument("--replica-sync-peers", default=os.environ.get("KVROUTE_REPLICA_SYNC_PEERS", ""), metavar="LIST",
+                   help="comma-separated PUB endpoints of the other frontend replicas (also POST /register_peer at runtime)")
     g.add_argument("--log-level", default=os.environ.get("DYN_LOG", "info"), help="debug shows one cost line per candidate per decision")
     add_router_args(p)
     return p
@@ -54,6 +57,13 @@ def make_state(ns: argparse.Namespace):
     if config.router_mode != "kv" and not config.router_kv_events:
         log.info("--no-router-kv-events only matters with --router-mode kv")
     state = FrontendState(config, model_path=ns.model_path, health_interval=ns.health_check_interval, request_timeout=ns.request_timeout)
+    if config.router_replica_sync or ns.replica_sync_bind:
+        if not ns.replica_sync_bind:
+            raise SystemExit("--router-replica-sync needs --replica-sync-bind (replicas share active load over ZMQ, not NATS)")
+        from slot_tracker.replica_sync import ReplicaSync
+
+        peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
+        state.replica_sync = ReplicaSync(state.slots, ns.replica_sync_bind, ns.replica_sync_advertise, peers)
     for text in ns.worker:
         try:
             spec = parse_worker_arg(text)

@@ -416,3 +416,53 @@ def test_killed_worker_is_avoided_and_its_requests_fail_cleanly() -> None:
         wait_until(lambda: not any(i["healthy"] for i in fe.http.get("/health").json()["instances"] if i["worker_id"] == victim),
                    WAIT, what="dead worker reported unhealthy")
         wait_until(fe.idle, WAIT, what="idle")
+
+
+def test_data_parallel_ranks_are_separate_candidates() -> None:
+    from support import free_port_block
+
+    with contextlib.ExitStack() as stack:
+        (port,) = free_ports(1)
+        events, replay = free_port_block(2), free_port_block(2)
+        proc = _spawn(["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "2",
+                       "--kv-events-endpoint", f"tcp://127.0.0.1:{events}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}"],
+                      f"mocker-dp-{port}.log")
+        stack.callback(stop_process, proc)
+        m = Mocker(port, events, replay, proc)
+        fe = start_frontend(["--router-mode", "kv", "--worker", m.worker_arg(7) + ",dp_size=2"], stack)
+        wait_ready([m], [fe])
+        d = fe.explain(unique_prompt())
+        assert sorted((c["worker_id"], c["dp_rank"]) for c in d["candidates"]) == [(7, 0), (7, 1)]
+        ranks = Counter(fe.chat(unique_prompt())[1] for _ in range(16))
+        assert set(ranks) == {0, 1}, ranks  # ties spread over the ranks
+        system = {"role": "system", "content": system_prompt("dp-ranks")}
+        _, rank, _ = fe.chat([system, {"role": "user", "content": "first"}])
+        # rank r publishes on the endpoint's port + r: the overlap shows up on exactly that rank
+        wait_until(lambda: {(c["dp_rank"], c["overlap_blocks"] > 5) for c in fe.explain([system, {"role": "user", "content": "x"}])["candidates"]}
+                   == {(rank, True), (1 - rank, False)}, WAIT, what="per-rank KV events indexed")
+        assert Counter(fe.chat([system, {"role": "user", "content": f"q{i}"}])[1] for i in range(5)) == Counter({rank: 5})
+
+
+def test_replica_sync_shares_active_load(cluster: Cluster) -> None:
+    ms = cluster.mockers
+    pa, pb = free_ports(2)
+    workers = sum((["--worker", m.worker_arg(i + 1)] for i, m in enumerate(ms)), [])
+    with contextlib.ExitStack() as stack:
+        a = start_frontend(["--router-mode", "kv", "--router-replica-sync", "--replica-sync-bind", f"tcp://127.0.0.1:{pa}",
+                            "--replica-sync-peers", f"tcp://127.0.0.1:{pb}", "--router-min-initial-workers", "3", *workers], stack)
+        b = start_frontend(["--router-mode", "kv", "--router-replica-sync", "--replica-sync-bind", f"tcp://127.0.0.1:{pb}",
+                            "--replica-sync-peers", f"tcp://127.0.0.1:{pa}", *workers], stack)
+        wait_ready([], [a, b])
+        assert a.http.get("/peers").json() == [f"tcp://127.0.0.1:{pb}"]
+
+        def b_sees_a_stream() -> bool:  # the subscription handshake is asynchronous: retry until it carries
+            s = stream_until_first_chunk(a, unique_prompt())
+            try:
+                return wait_until(lambda: not b.idle(), 2.0, what="replicated load")
+            except TimeoutError:
+                return False
+            finally:
+                s.close()
+
+        wait_until(b_sees_a_stream, WAIT, what="frontend B to see frontend A's in-flight request")
+        wait_until(lambda: a.idle() and b.idle(), WAIT, what="both replicas idle after the stream ended")
