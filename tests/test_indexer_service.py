@@ -231,3 +231,42 @@ def test_min_initial_workers_gate_counts_recovered_workers() -> None:
     finally:
         pub.sock.close(linger=0)
         ctx.term()
+
+
+def _raw(base: str, data: bytes, expect_responses: int = 1) -> bytes:
+    """Send raw bytes on one connection; read until ``expect_responses`` full JSON bodies arrived."""
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        buf = b""
+        while buf.count(b"HTTP/1.1 ") < expect_responses or not buf.endswith((b"}", b"]")):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+        return buf
+
+
+def test_http_server_keepalive_pipelining_chunked_and_continue(base: str) -> None:
+    assert post(f"{base}/register", reg_body(401, free_port(), "raw")).status_code == 201
+    q = json.dumps({"token_ids": toks(1, 2), "model_name": "raw"}).encode()
+    req = b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(q), q)
+    peers = b"GET /peers HTTP/1.1\r\nhost: x\r\n\r\n"
+    # pipelined: a hot route, an ASGI route, a hot route again -> three answers in order
+    out = _raw(base, req + peers + req, expect_responses=3)
+    assert out.count(b"HTTP/1.1 200 OK") == 3
+    assert out.index(b'"scores"') < out.index(b"[") < out.rindex(b'"scores"')
+    # chunked request body
+    chunked = b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(q), q)
+    assert b'{"scores":{}' in _raw(base, chunked)
+    # Expect: 100-continue gets its interim answer before the final one
+    cont = _raw(base, req.replace(b"host: x\r\n", b"host: x\r\nexpect: 100-continue\r\n"))
+    assert cont.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK")
+    # wrong content type on a hot route, then malformed HTTP
+    text = req.replace(b"application/json", b"text/plain")
+    assert b"HTTP/1.1 415" in _raw(base, text)
+    assert b"HTTP/1.1 400" in _raw(base, b"NOT HTTP\r\n\r\n")
+    # HTTP/1.0 without keep-alive: answer then close
+    assert b"connection: close" in _raw(base, req.replace(b"HTTP/1.1\r\n", b"HTTP/1.0\r\n", 1))
