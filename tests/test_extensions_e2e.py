@@ -520,3 +520,31 @@ def test_speculative_prefill_makes_the_next_turn_a_cache_hit(ext, mockers):
     control_cached, control_turn1, _ = _two_turns(ext, False, mockers[1].url, 1)
     # without it, the next turn only finds what turn 1 left behind
     assert control_cached < control_turn1, (control_cached, control_turn1)
+
+
+# ---------------------------------------------------------------------------------------------
+# --no-router-assume-kv-reuse
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_load_of_two_identical_streams(url: str) -> float:
+    """Decode load on worker 1 while two streams with the same prompt run there."""
+    content = words(120)
+    body = chat_body(content, max_tokens=5000, stream=True, ignore_eos=True)
+    hdr = {"x-dynamo-worker-instance-id": "1"}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as a, \
+         httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as b:
+        la, lb = a.iter_lines(), b.iter_lines()
+        next(la), next(lb)  # both streaming
+        load = decode_blocks(url, 1)
+    wait_until(lambda: decode_blocks(url, 1) == 0, timeout=30, what="decode load to drain")
+    return load
+
+
+def test_no_assume_kv_reuse_counts_identical_prompts_twice(mockers, plain):
+    shared = _decode_load_of_two_identical_streams(plain)
+    with run_frontend([mockers[1].spec(), mockers[2].spec()], [MODEL], "--no-router-assume-kv-reuse") as unique_url:
+        unique = _decode_load_of_two_identical_streams(unique_url)
+    # by default the second request's prompt blocks are the first one's (same hashes): counted once;
+    # with unique per-request hashes both requests' blocks count
+    assert shared > 0 and unique >= 2 * shared - 2, (shared, unique)
