@@ -416,6 +416,15 @@ def test_killed_worker_is_avoided_and_its_requests_fail_cleanly() -> None:
         wait_until(lambda: not any(i["healthy"] for i in fe.http.get("/health").json()["instances"] if i["worker_id"] == victim),
                    WAIT, what="dead worker reported unhealthy")
         wait_until(fe.idle, WAIT, what="idle")
+        # the worker comes back on the same address: a health check returns it to the candidate set
+        dead = ms[victim - 1]
+        proc = _spawn(["-m", "mocker", "--host", "127.0.0.1", "--port", str(dead.port), "--num-gpu-blocks", "2048",
+                       "--kv-events-endpoint", f"tcp://127.0.0.1:{dead.events}", "--replay-endpoint", f"tcp://127.0.0.1:{dead.replay}"],
+                      f"mocker-{dead.port}-restarted.log")
+        stack.callback(stop_process, proc)
+        wait_until(lambda: _all_healthy(fe, 2), START_TIMEOUT, what="restarted worker healthy again")
+        back = Counter(fe.chat(unique_prompt())[0] for _ in range(16))
+        assert set(back) == {1, 2}, back
 
 
 def test_data_parallel_ranks_are_separate_candidates() -> None:
