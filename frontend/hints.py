@@ -32,7 +32,8 @@ U64_MAX = 2**64 - 1
 I32_MIN = -(2**31)
 I32_MAX = 2**31 - 1
 
-# Longest session id accepted (reference §5: 256 bytes; longer is a 400).
+# Longest session id the session-affinity table accepts (reference §5: 256 bytes; longer is a 400,
+# raised by router.session when affinity is on; without affinity the id is only identity).
 MAX_SESSION_ID_BYTES = 256
 
 _U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
@@ -296,11 +297,6 @@ def session_from_headers(found: dict[str, str]) -> tuple[str | None, str | None,
     return None, None, final
 
 
-def _validate_session_id(sid: str | None) -> None:
-    if sid is not None and len(sid.encode("utf-8", "surrogatepass")) > MAX_SESSION_ID_BYTES:
-        raise ApiError(400, f"session id is longer than {MAX_SESSION_ID_BYTES} bytes")
-
-
 # ---------------------------------------------------------------------------------------------
 # The parse
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +328,8 @@ def parse_request_hints(body: dict, headers: Any, *, nvext_enabled: bool = True)
     ``headers`` is a starlette ``Headers`` (fast path over ``.raw``) or any mapping / list of pairs.
     ``nvext_enabled=False`` (``DYN_DISABLE_FRONTEND_NVEXT``) still strips ``nvext`` from the body but
     ignores it and the routing headers; session identity still comes from the headers.
-    Raises ``ApiError(400)`` for an invalid ``nvext`` or an over-long session id.
+    Raises ``ApiError(400)`` for an invalid ``nvext``. (Session id limits are enforced by the
+    session-affinity table, only when affinity is on.)
     """
     raw_nvext = body.pop("nvext", None) if body else None
     found = _collect_headers(headers)
@@ -393,7 +390,6 @@ def parse_request_hints(body: dict, headers: Any, *, nvext_enabled: bool = True)
             if tenant:
                 hints.cache_salt = tenant
         sid, parent, final = session_from_headers(found)
-        _validate_session_id(sid)
         hints.session_id = sid
         hints.parent_session_id = parent
         hints.session_final = final

@@ -326,6 +326,11 @@ def test_sessions_stick_while_free_routing_spreads(ext):
     assert len(free) > 1, "without a session, equal-cost requests should spread (control)"
 
 
+def test_session_headers_without_affinity_are_identity_only(plain):
+    # affinity off: a session header (even one too long for the affinity table) changes nothing
+    assert post(plain, chat_body(), {"x-dynamo-session-id": "s" * 300}).status_code == 200
+
+
 @pytest.mark.parametrize(
     "make_headers",
     [
