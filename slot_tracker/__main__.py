@@ -17,6 +17,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replica-sync-peers", metavar="LIST", default="", help="comma-separated peer PUB endpoints")
     p.add_argument("--replica-sync-port", type=int, metavar="PORT", help="1.6.1 spelling: same as --replica-sync-bind tcp://*:PORT")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--http-protocol", choices=["coalescing", "httptools"], default="coalescing", help="uvicorn HTTP protocol (coalescing = httptools with one write per response)")
     ns = p.parse_args(argv)
     if ns.replica_sync_port is not None and ns.replica_sync_bind is None:
         ns.replica_sync_bind = f"tcp://*:{ns.replica_sync_port}"
@@ -41,15 +42,23 @@ def main(argv: list[str] | None = None) -> int:
         peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
         sync = ReplicaSync(registry, ns.replica_sync_bind, ns.replica_sync_advertise, peers)
     app = PotentialLoadsFastPath(build_app(registry, sync), registry)
-    # the lean settings measured in docs/bench/slot_tracker.md: httptools + uvloop, no access log,
-    # no proxy-header rewriting (nothing proxies us), no per-response `server` header
+    # the lean settings measured in docs/bench/slot_tracker.md: httptools (one write per response) +
+    # uvloop, no access log, no proxy-header rewriting (nothing proxies us), no `server` header
+    http: object = "httptools"
+    if ns.http_protocol == "coalescing":
+        try:
+            from slot_tracker.fast_http import HeaderCoalescingProtocol
+
+            http = HeaderCoalescingProtocol
+        except ImportError:  # an uvicorn without the httptools protocol module
+            pass
     uvicorn.run(
         app,
         host=ns.host,
         port=ns.port,
         log_level=ns.log_level,
         access_log=False,
-        http="httptools",
+        http=http,  # type: ignore[arg-type]
         loop="uvloop",
         lifespan="on",
         proxy_headers=False,

@@ -6,12 +6,13 @@ size is the slot's ``active_decode_blocks`` (reference notes §4.3). Positions a
 hashes: r1 ``[7,7,8]`` occupies three positions although it has two distinct hashes, and ``[4,5]``
 rooted at the start is a different position from ``4,5`` reached through ``1,2``.
 
-Why it is fast: every tracker interns path prefixes once, as nodes of one trie (shared by all its
-slots, a node's children in a ``hash -> node`` dict), and each slot holds a ``node -> refcount``
-dict. A query walks the shared trie once (at most ``len(q)`` dict probes) and
-then, because a slot's node set is prefix-closed (a request on a node also holds all its
-ancestors), finds each slot's longest matched prefix ``D`` by *binary search* over that walk:
-``potential_loads`` for 64 hashes x 9 ranks costs about 64 + 9*6 dict probes.
+Why it is fast: every tracker interns path prefixes once, as nodes of one trie shared by all its
+slots; each slot holds a ``node -> refcount`` dict and owns one bit, and every node carries the
+OR of the bits of the slots holding it. A query walks the shared trie once (one dict probe per
+matched hash); because a slot's node set is prefix-closed (a request on a node also holds all its
+ancestors), a slot's longest matched prefix ``D`` is the depth at which its bit leaves the mask.
+Children are keyed by the u64 hash *and* by its signed-i64 alias, so the HTTP layer's i64 values
+and the frontend's u64 values both look up without a conversion pass.
 
 Output blocks (reference notes §4.7, the frontend's ``--router-track-output-blocks``) are kept
 outside the trie: each request may carry unshared output blocks and an OSL decay weight; only
@@ -32,6 +33,8 @@ U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
 
 _MASK = U64_MAX  # hashes may arrive as u64 or as their signed-i64 JSON form: both key the same node
+_I64_MAX = (1 << 63) - 1
+_TWO64 = 1 << 64
 
 
 def expiry_from_env(default: float = DEFAULT_EXPIRY_SECS) -> float:
@@ -86,23 +89,25 @@ Observer = Callable[[LifecycleEvent], None]
 class _Node:
     """One prompt-path prefix position, shared by every slot of a tracker."""
 
-    __slots__ = ("kids", "parent", "hash", "refs")
+    __slots__ = ("kids", "parent", "hash", "refs", "mask")
 
     def __init__(self, parent: _Node | None, h: int) -> None:
-        self.kids: dict[int, _Node] = {}
+        self.kids: dict[int, _Node] = {}  # child hash (u64 and, above i64 max, its i64 alias) -> node
         self.parent = parent
-        self.hash = h
+        self.hash = h  # u64
         self.refs = 0  # active requests (all slots) whose path runs through this position
+        self.mask = 0  # OR of the bits of the slots holding this position
 
 
 class _Slot:
     """One (worker_id, dp_rank): its requests' prefix positions, prefill tokens and counts."""
 
-    __slots__ = ("worker_id", "dp_rank", "nodes", "active_requests", "prefill_tokens", "decayed")
+    __slots__ = ("worker_id", "dp_rank", "bit", "nodes", "active_requests", "prefill_tokens", "decayed")
 
-    def __init__(self, worker_id: int, dp_rank: int) -> None:
+    def __init__(self, worker_id: int, dp_rank: int, bit: int) -> None:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
+        self.bit = bit  # this slot's bit in _Node.mask (unique among the tracker's live slots)
         self.nodes: dict[_Node, int] = {}  # trie node -> number of this slot's requests through it
         self.active_requests = 0
         self.prefill_tokens = 0
@@ -142,6 +147,8 @@ class SlotTracker:
         self._workers: dict[int, tuple[int, int]] = {}  # worker_id -> (dp_start, dp_size)
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._slot_list: list[_Slot] = []  # sorted by (worker_id, dp_rank)
+        self._free_bits: list[int] = []  # bits of removed slots, reused first (masks stay small)
+        self._next_bit = 1
         self._requests: dict[str, _Request] = {}  # insertion order == admission order
         self._root = _Node(None, 0)  # the shared prefix trie (the root is no position)
 
@@ -150,7 +157,12 @@ class SlotTracker:
     def _add_worker(self, worker_id: int, dp_start: int, dp_size: int) -> None:
         self._workers[worker_id] = (dp_start, dp_size)
         for rank in range(dp_start, dp_start + dp_size):
-            self._slots[(worker_id, rank)] = _Slot(worker_id, rank)
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit = self._next_bit
+                self._next_bit <<= 1
+            self._slots[(worker_id, rank)] = _Slot(worker_id, rank, bit)
         self._slot_list = sorted(self._slots.values(), key=lambda s: (s.worker_id, s.dp_rank))
 
     def _remove_worker(self, worker_id: int) -> None:
@@ -159,7 +171,7 @@ class SlotTracker:
         for req in doomed:
             self._release(req)
         for rank in range(dp_start, dp_start + dp_size):
-            del self._slots[(worker_id, rank)]
+            self._free_bits.append(self._slots.pop((worker_id, rank)).bit)  # its nodes are all released
         self._slot_list = sorted(self._slots.values(), key=lambda s: (s.worker_id, s.dp_rank))
 
     @property
@@ -208,15 +220,22 @@ class SlotTracker:
                 f"Request {request_id} already exists (assigned to worker WorkerWithDpRank {{ worker_id: {s.worker_id}, dp_rank: {s.dp_rank} }})",
             )
         slot_nodes = slot.nodes
+        bit = slot.bit
         path: list[_Node] = []
         parent = self._root
         for h in sequence_hashes:
             h &= _MASK
-            node = parent.kids.get(h)
+            kids = parent.kids
+            node = kids.get(h)
             if node is None:
-                node = parent.kids[h] = _Node(parent, h)
+                node = kids[h] = _Node(parent, h)
+                if h > _I64_MAX:
+                    kids[h - _TWO64] = node  # the signed-i64 alias
             node.refs += 1
-            slot_nodes[node] = slot_nodes.get(node, 0) + 1
+            held = slot_nodes.get(node, 0)
+            if not held:
+                node.mask |= bit
+            slot_nodes[node] = held + 1
             path.append(node)
             parent = node
         tokens = new_isl_tokens if new_isl_tokens > 0 else 0
@@ -261,15 +280,21 @@ class SlotTracker:
         slot.prefill_tokens -= req.prefill_tokens
         slot.decayed.pop(req.request_id, None)
         slot_nodes = slot.nodes
+        clear = ~slot.bit
         for node in req.path:
             n = slot_nodes[node] - 1
             if n:
                 slot_nodes[node] = n
             else:
                 del slot_nodes[node]
+                node.mask &= clear
             node.refs -= 1
             if not node.refs:  # refs never grow with depth: the whole tail goes too
-                del node.parent.kids[node.hash]  # type: ignore[union-attr]
+                kids = node.parent.kids  # type: ignore[union-attr]
+                h = node.hash
+                del kids[h]
+                if h > _I64_MAX:
+                    del kids[h - _TWO64]
 
     def expire_stale(self, now: float, expiry_secs: float) -> list[str]:
         """Free requests admitted ``expiry_secs`` or more before ``now``; returns their ids."""
@@ -342,7 +367,7 @@ class SlotTracker:
         chain: list[_Node] = []
         node: _Node | None = self._root
         for h in sequence_hashes:
-            node = node.kids.get(h & _MASK)  # type: ignore[union-attr]
+            node = node.kids.get(h)  # type: ignore[union-attr]  # u64 or its i64 alias
             if node is None:
                 break
             chain.append(node)
@@ -358,29 +383,36 @@ class SlotTracker:
         ``potential_decode_blocks = active + len(q) - D`` with ``D`` the longest prefix of ``q``
         that some active request on the slot holds.
         """
-        chain = self.match_path(sequence_hashes) if self._root.kids else []
-        m = len(chain)
+        # One walk; a slot's bit leaves the mask at the depth where its matched prefix ends.
+        depth_of: dict[int, int] = {}  # slot bit -> D, for slots with D > 0
+        held = 0
+        depth = 0
+        kids = self._root.kids
+        for h in sequence_hashes:
+            node = kids.get(h)  # u64 or its i64 alias
+            if node is None:
+                break
+            mask = node.mask
+            if mask != held:
+                gone = held & ~mask
+                while gone:
+                    low = gone & -gone
+                    depth_of[low] = depth
+                    gone ^= low
+                held = mask
+            depth += 1
+            kids = node.kids
+        while held:
+            low = held & -held
+            depth_of[low] = depth
+            held ^= low
         q = len(sequence_hashes)
         out: list[tuple[int, int, int, int, int]] = []
         append = out.append
+        get_depth = depth_of.get
         for slot in self._slot_list:
-            nodes = slot.nodes
-            if not nodes or not m:
-                d = 0
-            elif chain[m - 1] in nodes:
-                d = m
-            elif chain[0] not in nodes:
-                d = 0
-            else:  # prefix-closed membership: binary search the last held position
-                lo, hi = 1, m - 1  # chain[lo-1] held, chain[hi] not held
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if chain[mid] in nodes:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                d = lo
-            decode = len(nodes) if not slot.decayed else self._decode_blocks(slot)
+            d = get_depth(slot.bit, 0)
+            decode = len(slot.nodes) if not slot.decayed else self._decode_blocks(slot)
             # (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
             append((slot.worker_id, slot.dp_rank, slot.prefill_tokens + new_isl_tokens, decode + q - d, slot.active_requests))
         return out
