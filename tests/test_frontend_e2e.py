@@ -425,6 +425,15 @@ def test_killed_worker_is_avoided_and_its_requests_fail_cleanly() -> None:
         wait_until(lambda: _all_healthy(fe, 2), START_TIMEOUT, what="restarted worker healthy again")
         back = Counter(fe.chat(unique_prompt())[0] for _ in range(16))
         assert set(back) == {1, 2}, back
+        # nobody left: a clean 503, no hang, no leaked load
+        for p in (proc, ms[2 - victim].proc):
+            os.killpg(p.pid, signal.SIGKILL)
+        wait_until(lambda: _all_healthy(fe, 0), WAIT, what="both workers unhealthy")
+        with pytest.raises(openai.APIStatusError) as err:
+            fe.chat(unique_prompt())
+        assert err.value.status_code == 503
+        assert fe.http.get("/health").status_code == 503
+        assert fe.idle()
 
 
 def test_data_parallel_ranks_are_separate_candidates() -> None:
@@ -438,7 +447,7 @@ def test_data_parallel_ranks_are_separate_candidates() -> None:
                       f"mocker-dp-{port}.log")
         stack.callback(stop_process, proc)
         m = Mocker(port, events, replay, proc)
-        fe = start_frontend(["--router-mode", "kv", "--worker", m.worker_arg(7) + ",dp_size=2"], stack)
+        fe = start_frontend(["--router-mode", "kv", "--worker", m.worker_arg(7) + ",dp_size=2", "--log-level", "debug"], stack)
         wait_ready([m], [fe])
         d = fe.explain(unique_prompt())
         assert sorted((c["worker_id"], c["dp_rank"]) for c in d["candidates"]) == [(7, 0), (7, 1)]
@@ -450,6 +459,11 @@ def test_data_parallel_ranks_are_separate_candidates() -> None:
         wait_until(lambda: {(c["dp_rank"], c["overlap_blocks"] > 5) for c in fe.explain([system, {"role": "user", "content": "x"}])["candidates"]}
                    == {(rank, True), (1 - rank, False)}, WAIT, what="per-rank KV events indexed")
         assert Counter(fe.chat([system, {"role": "user", "content": f"q{i}"}])[1] for i in range(5)) == Counter({rank: 5})
+        with open(os.path.join(_log_dir(), f"frontend-{fe.port}.log"), encoding="utf-8") as f:
+            log = f.read()
+        # the guide's per-candidate debug line
+        assert "Formula for worker_7: " in log and "Formula for worker_7_dp1: " in log
+        assert " = 1.0 * " in log and "(cached_blocks: " in log
 
 
 def test_replica_sync_shares_active_load(cluster: Cluster) -> None:
