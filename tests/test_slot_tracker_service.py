@@ -212,3 +212,42 @@ def test_cli_flags():
     assert (ns.replica_sync_bind, ns.replica_sync_advertise, ns.replica_sync_peers) == ("tcp://*:9", "tcp://a:9", "tcp://b:9,tcp://c:9")
     with pytest.raises(SystemExit):
         parse_args(["--replica-sync-peers", "tcp://b:9"])  # peers need a local PUB endpoint
+
+
+def _raw_http(base_url: str, payload: bytes, expect_close: bool = False, head_only: bool = False) -> bytes:
+    """Send raw bytes over one TCP connection and read until the response is complete or closed."""
+    import socket
+
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(payload)
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+            head, sep, body = data.partition(b"\r\n\r\n")
+            if sep and head_only:
+                return data
+            if sep and not expect_close:
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
+                if len(body) >= length:
+                    return data
+
+
+def test_one_write_protocol_keeps_http_semantics(base_url):
+    """HEAD (header-only), interim 100 Continue, malformed requests and keep-alive all still work."""
+    head = _raw_http(base_url, b"HEAD /workers HTTP/1.1\r\nHost: x\r\n\r\n", head_only=True)
+    assert head.startswith(b"HTTP/1.1 200") and head.endswith(b"\r\n\r\n")
+    body = b'{"model_name":"nope","sequence_hashes":[]}'
+    r = _raw_http(
+        base_url,
+        b"POST /potential_loads HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+        expect_close=True,
+    )
+    assert r.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404") and r.endswith(b'"}')
+    bad = _raw_http(base_url, b"NOT AN HTTP REQUEST\r\n\r\n", expect_close=True)
+    assert bad.startswith(b"HTTP/1.1 400")
+    two = _raw_http(base_url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /peers HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", expect_close=True)
+    assert two.count(b"HTTP/1.1 200") == 2 and two.endswith(b"[]")
