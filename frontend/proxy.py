@@ -222,7 +222,7 @@ class StreamProxy:
             async for chunk in self.upstream.aiter_raw():
                 if not chunk:
                     continue
-                if first:
+                if first and not _role_only(chunk):  # first token (vLLM-style role chunks carry none)
                     first = False
                     lease.first_token()
                     if rw is not None:
@@ -255,6 +255,11 @@ class StreamProxy:
         if rw is not None:
             rw.finished(lease)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _role_only(chunk: bytes) -> bool:
+    """A lone ``delta: {"role": "assistant", "content": ""}`` event (no token yet)."""
+    return chunk.count(b"data:") == 1 and b'"role"' in chunk and (b'"content":""' in chunk or b'"content": ""' in chunk)
 
 
 async def _wait_disconnect(receive: Any) -> None:
