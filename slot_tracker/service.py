@@ -3,7 +3,7 @@
 Field names follow the document (``tenant_id``, default ``"default"``); the 1.6.1 spelling
 ``routing_group`` is accepted as an input alias (query parameters too). Outputs carry
 ``tenant_id`` only, exactly the document's shapes. Hashes arrive as signed i64 (> i64 max is 422)
-and are reinterpreted as u64 for the core.
+and go to the core as they are (it keys every node by the u64 value and its i64 alias).
 
 Peers: the document's ``/register_peer`` / ``/deregister_peer`` (``{"url": ...}``) and ``/peers``,
 plus the 1.6.1 spellings under ``/replica_sync/`` (``{"endpoint": ...}``); either key works on both.
@@ -11,6 +11,8 @@ plus the 1.6.1 spellings under ``/replica_sync/`` (``{"endpoint": ...}``); eithe
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -141,9 +143,6 @@ async def _body(request: Request, type_: type[Any]) -> Any:
     return await read_json(request, type_, BODY_LIMIT, allow_trailing=True)
 
 
-_MASK = U64_MAX
-
-
 def encode_potential_loads(loads: list[Any]) -> bytes:
     """The /potential_loads body, formatted directly (the hot read path)."""
     return (
@@ -172,9 +171,10 @@ def potential_loads_json(registry: SlotRegistry, body: bytes) -> bytes:
 class PotentialLoadsFastPath:
     """ASGI wrapper answering ``POST /potential_loads`` before Starlette's routing and Request.
 
-    The routing read path is the service's hot path; skipping the router, middleware stack and
-    Request/Response objects roughly halves its cost (see docs/bench/slot_tracker.md). Same checks,
-    same order as ``read_json``: 415, 413, 400, 422. Everything else goes to ``app``.
+    The routing read path is the service's hot path; py-spy showed the router, middleware stack
+    and Request/Response objects costing about as much as the handler itself (see
+    docs/bench/slot_tracker.md). Same checks, same order as ``read_json``: 415, 413, 400, 422.
+    Everything else goes to ``app``.
     """
 
     def __init__(self, app: ASGIApp, registry: SlotRegistry, path: str = "/potential_loads") -> None:
@@ -308,9 +308,6 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
 
 def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, sweep_interval: float | None = None) -> Starlette:
     """The standalone service: tracker routes, stale sweeps, and replica sync started with the app."""
-    import asyncio
-    import contextlib
-
     interval = sweep_interval if sweep_interval is not None else min(30.0, max(registry.expiry_secs / 10.0, 0.05))
 
     @contextlib.asynccontextmanager
