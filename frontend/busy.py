@@ -31,12 +31,16 @@ class BusyThresholds:
         )
 
     def to_dict(self, model: str) -> dict:
-        return {
+        """The router guide's /busy_threshold shape; the 1.6.1 ``_frac`` field only once it is set
+        (the guide's examples show the two fields, the 1.6.1 binary adds the third)."""
+        out = {
             "model": model,
             "active_decode_blocks_threshold": self.active_decode_blocks_threshold,
             "active_prefill_tokens_threshold": self.active_prefill_tokens_threshold,
-            "active_prefill_tokens_threshold_frac": self.active_prefill_tokens_threshold_frac,
         }
+        if self.active_prefill_tokens_threshold_frac is not None:
+            out["active_prefill_tokens_threshold_frac"] = self.active_prefill_tokens_threshold_frac
+        return out
 
     def rank_overloaded(
         self,

@@ -358,15 +358,17 @@ def test_busy_thresholds_exclude_and_restore_workers(cluster: Cluster) -> None:
     wait_until(fe.idle, WAIT, what="idle")
     assert fe.http.get("/busy_threshold").json() == {"thresholds": []}
     assert fe.http.post("/busy_threshold", json={"model": MODEL}).json() == {
-        "model": MODEL, "active_decode_blocks_threshold": None, "active_prefill_tokens_threshold": None,
-        "active_prefill_tokens_threshold_frac": None}
+        "model": MODEL, "active_decode_blocks_threshold": None, "active_prefill_tokens_threshold": None}
     r = fe.http.post("/busy_threshold", json={"model": "nope", "active_decode_blocks_threshold": 0.5})
     assert r.status_code == 404 and "not found" in r.json()["error"]
     assert fe.http.post("/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 1.5}).status_code == 400
     # busy as soon as a worker has any decode block in flight
     r = fe.http.post("/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 0.0})
     assert r.status_code == 200 and r.json()["active_decode_blocks_threshold"] == 0.0
-    assert fe.http.get("/busy_threshold").json()["thresholds"][0]["active_decode_blocks_threshold"] == 0.0
+    assert fe.http.get("/busy_threshold").json() == {"thresholds": [
+        {"model": MODEL, "active_decode_blocks_threshold": 0.0, "active_prefill_tokens_threshold": None}]}
+    r = fe.http.post("/busy_threshold", json={"model": MODEL, "active_prefill_tokens_threshold": 100000})
+    assert r.json() == {"model": MODEL, "active_decode_blocks_threshold": 0.0, "active_prefill_tokens_threshold": 100000}
 
     streams: list[OpenStream] = []
     try:
