@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 DEFAULT_EXPIRY_SECS = 300.0
+MAX_DP_SIZE = 4096  # the reference refuses larger ranges (400), which also bounds slots per worker
 EXPIRY_ENV = "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS"
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
@@ -447,6 +448,8 @@ class SlotRegistry:
             raise SlotTrackerError(400, "block_size must be greater than 0")
         if dp_size <= 0:
             raise SlotTrackerError(400, "dp_size must be greater than 0")
+        if dp_size > MAX_DP_SIZE:
+            raise SlotTrackerError(400, f"dp_size {dp_size} exceeds the maximum {MAX_DP_SIZE}")
         if dp_start + dp_size > U32_MAX:
             # the reference refuses a range whose exclusive end does not fit in u32 (start=2^32-1 size=1 too)
             raise SlotTrackerError(400, f"dp range overflows u32: start={dp_start} size={dp_size}")

@@ -126,12 +126,18 @@ def test_registration_rules():
         ((1, "m", "default", 16, 0, 0), 400, "dp_size must be greater than 0"),
         ((1, "m", "default", 16, 4294967295, 1), 400, "dp range overflows u32: start=4294967295 size=1"),
         ((1, "m", "default", 16, 4294967295, 2), 400, "dp range overflows u32: start=4294967295 size=2"),
+        ((1, "m", "default", 16, 0, 4097), 400, "dp_size 4097 exceeds the maximum 4096"),
+        ((1, "m", "default", 16, 4294967295, 5000), 400, "dp_size 5000 exceeds the maximum 4096"),  # checked before overflow
+        ((1, "m", "default", 0, 0, 5000), 400, "block_size must be greater than 0"),
     ]
     for args, status, msg in cases:
         with pytest.raises(SlotTrackerError) as e:
             reg.register(*args)
         assert (e.value.status, e.value.message) == (status, msg)
     reg.register(1, "m", "default", 16, 4294967294, 1)  # exclusive end 2^32-1 still fits
+    reg.register(7, "m", "default", 16, 0, 4096)  # the largest range
+    assert len(reg.get("m", "default").slots()) == 4097
+    reg.unregister(7, "m", "default")
     with pytest.raises(SlotTrackerError) as e:
         reg.register(1, "m", "default", 16, 0, 1)
     assert e.value.status == 409 and "already registered" in e.value.message

@@ -132,7 +132,7 @@ class Generator:
             "model_name": model,
             "block_size": bs if rng.random() < 0.85 else rng.choice([0, 16, 32, 64]),
             "dp_start": rng.randrange(0, 4) if rng.random() < 0.95 else rng.choice([4294967295, 4294967294]),
-            "dp_size": rng.randrange(1, 4) if rng.random() < 0.93 else rng.choice([0, 2]),
+            "dp_size": rng.randrange(1, 4) if rng.random() < 0.93 else rng.choice([0, 2, 4097, 5000]),
         }
         ours, ref = self.bodies(fields, spelled)
         return Op("POST", "/register", ours, ref)
