@@ -31,7 +31,7 @@ from .errors import OpenAIError, model_not_found, openai_error_response
 from .metrics import WORKER_TYPE, CallbackCollector, FrontendMetrics
 from .models import TENANT, ModelEntry
 from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
-from .upstream import UpstreamConnectError, UpstreamError
+from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from .routing import Router
 from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
 
@@ -616,6 +616,11 @@ class OpenAIRoutes:
             # never reached the worker: take it out (it is now excluded) and let the caller route again
             state.pool.mark_failed(worker, str(exc))
             return _RETRY
+        except UpstreamTimeout as exc:
+            _lease_abort(lease, 504)
+            if session is not None:
+                session.release()
+            return openai_error_response(504, str(exc))
         except (UpstreamError, OSError) as exc:
             state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
             _lease_abort(lease, 500)

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-path", default=os.environ.get("KVROUTE_MODEL_PATH"),
                    help="local HF tokenizer directory for every model (default: the built-in offline tokenizer)")
     g.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker health checks [default 2]")
-    g.add_argument("--request-timeout", type=float, default=None, help="read timeout for worker responses in seconds [default: none]")
+    g.add_argument("--request-timeout", type=float, default=None, help="seconds to wait for a worker's response (streaming: its headers) before answering 504 [default: no limit]")
     g.add_argument("--replica-sync-bind", default=os.environ.get("KVROUTE_REPLICA_SYNC_BIND"), metavar="ENDPOINT",
                    help="--router-replica-sync transport: ZMQ PUB endpoint to bind (e.g. tcp://*:8092); other replicas list it as a peer")
     g.add_argument("--replica-sync-advertise", default=None, metavar="ENDPOINT", help="externally reachable form of the bind endpoint")

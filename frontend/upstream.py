@@ -34,6 +34,10 @@ class UpstreamProtocolError(UpstreamError):
     """The connection broke or the worker sent something that is not HTTP/1.1."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """The worker did not answer within the configured time (``--request-timeout``)."""
+
+
 class UpstreamResponse:
     """One response: ``status``, ``headers`` and a body read whole (``content``) or as chunks."""
 
@@ -206,7 +210,7 @@ class _Connection(asyncio.Protocol):
 class UpstreamPool:
     """Keep-alive connections to one worker (``http://host:port``)."""
 
-    def __init__(self, base_url: str, max_idle: int = 256) -> None:
+    def __init__(self, base_url: str, max_idle: int = 256, timeout: float | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http":
             raise ValueError(f"only http:// workers are supported on the fast path, got {base_url!r}")
@@ -216,6 +220,7 @@ class UpstreamPool:
         self._host_header = f"host: {parts.netloc}\r\n".encode()
         self._idle: list[_Connection] = []
         self.max_idle = max_idle
+        self.timeout = timeout  # for the response head (streaming) or the whole response; None = wait forever
         self._closed = False
 
     def _release(self, conn: _Connection) -> None:
@@ -268,7 +273,14 @@ class UpstreamPool:
             conn.send(data, resp)
             fut = resp._headers_fut if stream else resp._done_fut
             try:
-                await fut
+                if self.timeout is None:
+                    await fut
+                else:
+                    try:
+                        await asyncio.wait_for(asyncio.shield(fut), self.timeout)
+                    except asyncio.TimeoutError:
+                        conn.abort()
+                        raise UpstreamTimeout(f"worker {self.host}:{self.port} did not answer within {self.timeout} s") from None
                 return resp
             except UpstreamProtocolError:
                 # a kept-alive connection the worker had already closed: nothing was processed

@@ -256,7 +256,7 @@ class WorkerPool:
                 old.source = source
                 return old
             self.remove(spec.id)
-        worker = Worker(spec=spec, source=source, client=make_client(spec.url, self.request_timeout), upstream=UpstreamPool(spec.url))
+        worker = Worker(spec=spec, source=source, client=make_client(spec.url, self.request_timeout), upstream=UpstreamPool(spec.url, timeout=self.request_timeout))
         self.workers[spec.id] = worker
         self._spawn(self.probe(worker))
         return worker

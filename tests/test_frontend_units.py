@@ -144,7 +144,7 @@ def test_upstream_client_streams_reuses_and_reports_errors() -> None:
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    from frontend.upstream import UpstreamConnectError, UpstreamPool
+    from frontend.upstream import UpstreamConnectError, UpstreamPool, UpstreamTimeout
     from support import free_port
 
     gate: asyncio.Queue = asyncio.Queue()
@@ -161,7 +161,12 @@ def test_upstream_client_streams_reuses_and_reports_errors() -> None:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    app = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream, methods=["POST"])])
+    async def slow(request: Request):
+        await gate.get()
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream, methods=["POST"]),
+                            Route("/slow", slow, methods=["POST"])])
 
     async def main():
         port = free_port()
@@ -187,6 +192,11 @@ def test_upstream_client_streams_reuses_and_reports_errors() -> None:
                 await asyncio.sleep(0.05)
             r = await pool.request("POST", "/echo", b"[]", [("content-type", "application/json")])
             assert r.status == 200
+            impatient = UpstreamPool(f"http://127.0.0.1:{port}", timeout=0.2)
+            with pytest.raises(UpstreamTimeout):
+                await impatient.request("POST", "/slow", b"{}")
+            gate.put_nowait(None)  # let the server's handler finish
+            await impatient.aclose()
         finally:
             await pool.aclose()
             server.should_exit = True
