@@ -222,26 +222,28 @@ class _Run:
         self.full.discard(w)
         self.cutoffs.pop(w, None)
 
-    def note_exts(self, w: Worker, start: int, blocks: Sequence[tuple[int, int]]) -> None:
+    def note_exts(self, w: Worker, start: int, exts: list[int]) -> None:
         """Remember ``w``'s own external hashes for positions start.. where they differ."""
-        exts = self.exts
-        for k, (ext, _) in enumerate(blocks):
+        mine = self.exts
+        if mine[start : start + len(exts)] == exts:  # the normal case: same hashes as the first inserter
+            return
+        for k, ext in enumerate(exts):
             pos = start + k
-            if exts[pos] != ext:
+            if mine[pos] != ext:
                 self.index.setdefault(ext, pos)
                 if self.own is None:
                     self.own = {}
                 self.own[(w, pos)] = ext
 
-    def append(self, w: Worker, blocks: Sequence[tuple[int, int]]) -> None:
+    def append(self, w: Worker, exts: list[int], locs: list[int]) -> None:
         """Leaf extension: other full holders now cover only the old length."""
         old = len(self.locals)
-        for other in [x for x in self.full if x != w]:
-            self.full.discard(other)
-            self.cutoffs[other] = old
-        self.promote(w)
-        exts = [b[0] for b in blocks]
-        self.locals.extend([b[1] for b in blocks])
+        if len(self.full) > 1 or w not in self.full:
+            for other in [x for x in self.full if x != w]:
+                self.full.discard(other)
+                self.cutoffs[other] = old
+            self.promote(w)
+        self.locals.extend(locs)
         self.exts.extend(exts)
         self.index.update(zip(exts, range(old, old + len(exts))))
 
@@ -288,11 +290,23 @@ class KvIndex:
         Returns False (nothing stored) when the parent is not a block this worker holds, or the
         parent reappears among the blocks.
         """
+        return self.apply_stored_hashes(worker_id, dp_rank, parent_ext_hash, [b[0] for b in blocks], [b[1] for b in blocks], tier)
+
+    def apply_stored_hashes(
+        self,
+        worker_id: int,
+        dp_rank: int,
+        parent_ext_hash: int | None,
+        exts: list[int],
+        locs: list[int],
+        tier: str = DEVICE,
+    ) -> bool:
+        """apply_stored with parallel lists of external and local hashes (the ingest path)."""
         w = (worker_id, dp_rank)
-        if parent_ext_hash is not None and any(ext == parent_ext_hash for ext, _ in blocks):
+        if parent_ext_hash is not None and parent_ext_hash in exts:
             return False
         if tier != DEVICE:
-            self._lower[tier].store(w, parent_ext_hash, blocks)
+            self._lower[tier].store(w, parent_ext_hash, list(zip(exts, locs)))
             return True
         lookup = self._lookup.get(w)
         if lookup is None:
@@ -309,79 +323,76 @@ class KvIndex:
             if not node.covers(w, ppos):
                 del lookup[parent_ext_hash]
                 return False
-            if self._reuse_parent_run(w, node, ppos, blocks, lookup):
+            if self._reuse_parent_run(w, node, ppos, exts, locs, lookup):
                 return True
             if ppos != len(node.locals) - 1:
                 self._split(node, ppos + 1)
             parent = node
-        i, n = 0, len(blocks)
+        i, n = 0, len(exts)
         while i < n:
-            first_local = blocks[i][1]
-            child = parent.children.get(first_local)
-            rest = blocks[i:]
+            child = parent.children.get(locs[i])
             if child is None:
+                rest_e, rest_l = exts[i:], locs[i:]
                 if parent is not self._root and not parent.internal and parent.covers(w, len(parent.locals) - 1):
-                    parent.append(w, rest)
-                    self._note_lookup(lookup, rest, parent)
+                    parent.append(w, rest_e, rest_l)
+                    lookup.update(zip(rest_e, repeat(parent)))
                     break
-                new = _Run([b[1] for b in rest], [b[0] for b in rest], parent=parent)
+                new = _Run(rest_l, rest_e, parent=parent)
                 new.full.add(w)
                 parent.internal = True
-                parent.children[first_local] = new
-                self._note_lookup(lookup, rest, new)
+                parent.children[rest_l[0]] = new
+                lookup.update(zip(rest_e, repeat(new)))
                 break
-            locs = child.locals
-            run_len = len(locs)
-            m = 0
+            run_locs = child.locals
+            run_len = len(run_locs)
             lim = min(run_len, n - i)
-            while m < lim and locs[m] == rest[m][1]:
-                m += 1
+            if run_locs[:lim] == locs[i : i + lim]:
+                m = lim
+            else:
+                m = 1
+                while locs[i + m] == run_locs[m]:
+                    m += 1
             if m < run_len:
                 if m == n - i:  # the store ends inside this run
                     child.cover_prefix(w, m)
-                    child.note_exts(w, 0, rest)
-                    self._note_lookup(lookup, rest, child)
+                    child.note_exts(w, 0, exts[i:])
+                    lookup.update(zip(exts[i:], repeat(child)))
                     break
                 self._split(child, m)
                 child.promote(w)
-                child.note_exts(w, 0, rest[:m])
-                self._note_lookup(lookup, rest[:m], child)
-                tail = rest[m:]
-                tail_run = _Run([b[1] for b in tail], [b[0] for b in tail], parent=child)
+                child.note_exts(w, 0, exts[i : i + m])
+                lookup.update(zip(exts[i : i + m], repeat(child)))
+                tail_e, tail_l = exts[i + m :], locs[i + m :]
+                tail_run = _Run(tail_l, tail_e, parent=child)
                 tail_run.full.add(w)
                 child.internal = True
-                child.children[tail[0][1]] = tail_run
-                self._note_lookup(lookup, tail, tail_run)
+                child.children[tail_l[0]] = tail_run
+                lookup.update(zip(tail_e, repeat(tail_run)))
                 break
             child.promote(w)
-            child.note_exts(w, 0, rest[:run_len])
-            self._note_lookup(lookup, rest[:run_len], child)
+            seg = exts[i : i + run_len]
+            child.note_exts(w, 0, seg)
+            lookup.update(zip(seg, repeat(child)))
             i += run_len
             parent = child
         return True
 
-    @staticmethod
-    def _note_lookup(lookup: dict[int, _Run], blocks: Sequence[tuple[int, int]], run: _Run) -> None:
-        lookup.update(zip([b[0] for b in blocks], repeat(run)))
-
     def _reuse_parent_run(
-        self, w: Worker, node: _Run, ppos: int, blocks: Sequence[tuple[int, int]], lookup: dict[int, _Run]
+        self, w: Worker, node: _Run, ppos: int, exts: list[int], locs: list[int], lookup: dict[int, _Run]
     ) -> bool:
         """A store continuing inside the parent's run (same local AND external hashes) reuses it."""
         start = ppos + 1
         suffix_len = len(node.locals) - start
-        k = min(suffix_len, len(blocks))
-        locs, exts = node.locals, node.exts
-        for j in range(k):
-            if locs[start + j] != blocks[j][1] or exts[start + j] != blocks[j][0]:
-                return False
-        if len(blocks) <= suffix_len:
-            node.cover_prefix(w, start + len(blocks))
-            self._note_lookup(lookup, blocks, node)
+        k = min(suffix_len, len(exts))
+        if k and (node.locals[start : start + k] != locs[:k] or node.exts[start : start + k] != exts[:k]):
+            return False
+        if len(exts) <= suffix_len:
+            node.cover_prefix(w, start + len(exts))
+            lookup.update(zip(exts, repeat(node)))
             return True
         if not node.internal:
-            node.append(w, blocks[suffix_len:])
-            self._note_lookup(lookup, blocks, node)
+            node.append(w, exts[suffix_len:], locs[suffix_len:])
+            lookup.update(zip(exts, repeat(node)))
             return True
         return False
 

@@ -130,15 +130,16 @@ class EventApplier:
         except ValueError:
             self._count("stored", "invalid")
             return
-        blocks = list(zip(hashes, local))  # tokens running out drop the remaining blocks
-        if not blocks:
+        n = len(local)  # tokens running out drop the remaining blocks
+        if not n:
             self._count("stored", "ok")
             return
-        if self.index.apply_stored(self.instance_id, dp, parent, blocks, tier):
-            self.blocks_applied += len(blocks)
+        exts = hashes if n == n_blocks else hashes[:n]
+        if self.index.apply_stored_hashes(self.instance_id, dp, parent, exts, local, tier):
+            self.blocks_applied += n
             self._count("stored", "ok")
             if namespace is not None:
-                self._remember(dp, hashes[: len(blocks)], namespace)
+                self._remember(dp, exts, namespace)
         else:
             self._count("stored", "parent_not_found")
 

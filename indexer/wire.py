@@ -187,6 +187,25 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     locality: str | None = None
 
 
+class _StoredMapTyped(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    """_StoredMap with plain token ids: lets a whole map-form batch decode in one pass."""
+
+    block_hashes: list[Hash]
+    token_ids: list[Token]
+    block_size: int
+    parent_block_hash: Hash | None = None
+    lora_id: Any = None
+    medium: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    extra_keys: list[Any] | None = None
+    block_mm_infos: list[_MMInfo | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+
+
 class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
     block_hashes: list[Hash]
     medium: str | None = None
@@ -203,6 +222,9 @@ class _IgnoredMap(msgspec.Struct, tag="Ignored", tag_field="type", gc=False):
 
 
 _batch3 = msgspec.msgpack.Decoder(tuple[float, list[msgspec.Raw], int | None])
+_batch_typed = msgspec.msgpack.Decoder(
+    tuple[float, list[_StoredMapTyped | _RemovedMap | _ClearedMap | _IgnoredMap], int | None]
+)
 _batch2 = msgspec.msgpack.Decoder(tuple[float, list[msgspec.Raw]])
 _map_event = msgspec.msgpack.Decoder(_StoredMap | _RemovedMap | _ClearedMap | _IgnoredMap)
 _any = msgspec.msgpack.Decoder()
@@ -234,16 +256,18 @@ def _u64s(values: list[int]) -> list[int]:
     return [v & U64_MASK for v in values]
 
 
-def _from_map(raw: msgspec.Raw) -> Stored | Removed | Cleared | None:
-    ev = _map_event.decode(raw)
-    if type(ev) is _StoredMap:
-        tokens, eagle = _decode_tokens(ev.token_ids)
+def _normalised(ev: Any, tokens: list[int], eagle: bool) -> Stored | Removed | Cleared | None:
+    t = type(ev)
+    if t is _StoredMapTyped or t is _StoredMap:
         mm = None
         if ev.block_mm_infos:
             mm = [[o.mm_hash & U64_MASK for o in info.mm_objects] if info else None for info in ev.block_mm_infos]
         parent = ev.parent_block_hash
+        hashes = ev.block_hashes
+        if hashes and min(hashes) < 0:
+            hashes = _u64s(hashes)
         return Stored(
-            _u64s(ev.block_hashes),
+            hashes,
             None if parent is None else parent & U64_MASK,
             tokens,
             ev.block_size,
@@ -257,11 +281,22 @@ def _from_map(raw: msgspec.Raw) -> Stored | Removed | Cleared | None:
             ev.locality,
             eagle,
         )
-    if type(ev) is _RemovedMap:
-        return Removed(_u64s(ev.block_hashes), ev.medium, ev.group_idx, ev.locality)
-    if type(ev) is _ClearedMap:
+    if t is _RemovedMap:
+        hashes = ev.block_hashes
+        if hashes and min(hashes) < 0:
+            hashes = _u64s(hashes)
+        return Removed(hashes, ev.medium, ev.group_idx, ev.locality)
+    if t is _ClearedMap:
         return Cleared()
     return None  # "Ignored"
+
+
+def _from_map(raw: msgspec.Raw) -> Stored | Removed | Cleared | None:
+    ev = _map_event.decode(raw)
+    if type(ev) is _StoredMap:
+        tokens, eagle = _decode_tokens(ev.token_ids)
+        return _normalised(ev, tokens, eagle)
+    return _normalised(ev, [], False)
 
 
 def _opt(values: list[Any], i: int, kind: type | tuple[type, ...], what: str) -> Any:
@@ -334,6 +369,17 @@ def _from_array(raw: msgspec.Raw) -> Stored | Removed | Cleared | None:
 
 def decode_batch(payload: bytes) -> DecodedBatch:
     """Decode one batch payload; WireError if the batch or ANY of its events is malformed."""
+    try:
+        ts, typed, dp_rank = _batch_typed.decode(payload)  # vLLM's map-form events: one pass
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass  # array-form or Eagle events, a 2-element batch, or garbage: the general path decides
+    else:
+        events = []
+        for ev in typed:
+            out = _normalised(ev, ev.token_ids if type(ev) is _StoredMapTyped else [], False)
+            if out is not None:
+                events.append(out)
+        return DecodedBatch(ts, events, dp_rank)
     try:
         try:
             ts, raw_events, dp_rank = _batch3.decode(payload)
