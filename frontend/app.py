@@ -408,9 +408,11 @@ def _tokenize(entry: ModelEntry, body: dict, chat: bool) -> list[int]:
 class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
-    __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive")
+    __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
+                 "recorded")
 
     def __init__(self) -> None:
+        self.recorded = False  # a lease has recorded the request's end in the metrics
         self.receive: Any = None
         self.hints: Any = None
         self.timing: Any = None
@@ -538,7 +540,7 @@ class OpenAIRoutes:
                     state.metrics.rejections.labels(mm.model, endpoint).inc()
             return openai_error_response(exc.status, exc.message, exc.param)
         except asyncio.CancelledError:
-            if mm is not None:
+            if mm is not None and not ctx.recorded:
                 mm.inflight.dec()
                 mm.active.dec()
                 mm.queued.dec()
@@ -573,6 +575,7 @@ class OpenAIRoutes:
             except BaseException:
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()
+                ctx.recorded = True
                 raise
             if response is _RETRY:
                 if attempts < 3 and pinned_worker is None:
