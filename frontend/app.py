@@ -1005,7 +1005,11 @@ class AdminRoutes:
 
     # ---- worker registration API ----------------------------------------------------------------
     async def workers_list(self, request: Request) -> Response:
-        return json_response({"workers": [w.describe() for w in sorted(self.state.pool.workers.values(), key=lambda w: w.id)]})
+        st = self.state
+        body: dict[str, Any] = {"workers": [w.describe() for w in sorted(st.pool.workers.values(), key=lambda w: w.id)]}
+        if st.file_watcher is not None:
+            body["workers_file"] = {"path": st.file_watcher.path, "last_error": st.file_watcher.last_error}
+        return json_response(body)
 
     async def workers_add(self, request: Request) -> Response:
         body = await read_json(request, dict)

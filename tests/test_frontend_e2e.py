@@ -216,6 +216,9 @@ def test_openai_surface(cluster: Cluster) -> None:
     fe = cluster.kv
     wait_until(lambda: _all_healthy(fe, 3), WAIT, what="all workers healthy")
     assert [m.id for m in fe.client.models.list().data] == [MODEL]
+    assert fe.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        fe.client.models.retrieve("no-such-model")
     assert fe.http.get("/live").json()["status"] == "live"
     health = fe.http.get("/health").json()
     assert health["status"] == "healthy" and len(health["endpoints"]) == 3
@@ -262,6 +265,9 @@ def test_kv_shared_prefix_lands_on_the_worker_that_holds_it(cluster: Cluster) ->
     wait_until(indexed, WAIT, what="prefix indexed from KV events")
     seen = Counter(fe.chat([system, {"role": "user", "content": f"question {i}"}])[0] for i in range(1, 7))
     assert seen == Counter({first_worker: 6})
+    hit_rate_sum = next(float(line.split()[-1]) for line in fe.http.get("/metrics").text.splitlines()
+                        if line.startswith("dynamo_component_router_kv_hit_rate_sum"))
+    assert hit_rate_sum > 3.0  # six requests that found most of their prompt cached
     wait_until(fe.idle, WAIT, what="loads back to zero")
 
 
@@ -295,6 +301,12 @@ def test_round_robin_with_workers_file_and_registration_api(cluster: Cluster) ->
         json.dump({"workers": [ms[0].worker_obj(1) | {"kv_events_endpoint": None, "replay_endpoint": None},
                                {"id": 2, "url": ms[1].url}]}, f)
     wait_until(lambda: _all_healthy(fe, 2), WAIT, what="second worker from the reloaded file")
+    with open(cluster.workers_file, "w") as f:
+        f.write("workers: [ {id: 1, url: http://127.0.0.1:1, unknown_field: 3} ]\n")  # a bad edit changes nothing
+    r = wait_until(lambda: (lambda b: b if b["workers_file"]["last_error"] else None)(fe.http.get("/admin/workers").json()),
+                   WAIT, what="the bad workers file to be read and refused")
+    assert "unknown_field" in r["workers_file"]["last_error"]
+    assert [w["id"] for w in r["workers"]] == [1, 2]
     r = fe.http.post("/admin/workers", json={"id": 3, "url": ms[2].url})
     assert r.status_code == 201 and r.json()["healthy"] is True
     assert fe.http.post("/admin/workers", json={"id": 4}).status_code == 400
