@@ -87,7 +87,6 @@ class FrontendMetrics:
         self.worker_last_ttft = Gauge("dynamo_frontend_worker_last_time_to_first_token_seconds", "Last TTFT per worker", ("worker_id", "dp_rank", "worker_type"), registry=r)
         self.worker_last_isl = Gauge("dynamo_frontend_worker_last_input_sequence_tokens", "Last ISL per worker", ("worker_id", "dp_rank", "worker_type"), registry=r)
         self.worker_last_itl = Gauge("dynamo_frontend_worker_last_inter_token_latency_seconds", "Last ITL per worker", ("worker_id", "dp_rank", "worker_type"), registry=r)
-        self.queue_pending = Gauge(f"{p}_router_queue_pending_requests", "Requests held in the router queue", ("model", "worker_type", "policy_class"), registry=r)
 
         hier = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint", "router_id")
         self._hier = ("kvroute", "router", "generate", self.router_id)

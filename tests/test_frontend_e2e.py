@@ -250,6 +250,8 @@ def test_openai_surface(cluster: Cluster) -> None:
                  "dynamo_component_router_kv_hit_rate_bucket", "dynamo_router_overhead_total_ms_bucket",
                  "dynamo_frontend_output_tokens_total", "dynamo_frontend_model_ready"):
         assert name in metrics, name
+    families = [line.split()[2] for line in metrics.splitlines() if line.startswith("# TYPE ")]
+    assert len(families) == len(set(families)), "duplicate metric families"
     wait_until(fe.idle, WAIT, what="loads back to zero")
 
 
