@@ -149,13 +149,16 @@ async def _hammer(url: str, body: bytes, n: int, concurrency: int, path: str = "
     headers = [("content-type", "application/json")]
     remaining = n
 
+    stream = b'"stream": true' in body
+
     async def worker() -> None:
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
-            r = await pool.request("POST", path, body, headers)
+            r = await pool.request("POST", path, body, headers, stream=stream)
+            data = await r.aread() if stream else r.content
             if r.status != 200:
-                raise RuntimeError(f"status {r.status}: {r.content[:200]!r}")
+                raise RuntimeError(f"status {r.status}: {data[:200]!r}")
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -164,12 +167,16 @@ async def _hammer(url: str, body: bytes, n: int, concurrency: int, path: str = "
     return elapsed
 
 
-def bench_cpu(requests: int = 3000, concurrency: int = 16, n_workers: int = 2, router_mode: str = "kv") -> dict[str, Any]:
-    """Frontend CPU per routed request: short chat, non-streaming, max_tokens=1, instant mockers."""
+def bench_cpu(requests: int = 3000, concurrency: int = 16, n_workers: int = 2, router_mode: str = "kv", stream_tokens: int = 0) -> dict[str, Any]:
+    """Frontend CPU per routed request: short chat, non-streaming, max_tokens=1, instant mockers
+    (``stream_tokens`` > 0: streamed, that many tokens each)."""
     from bench.launch import MockerOptions, start_cluster
 
     opts = MockerOptions(speedup_ratio=0.0)
-    body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Write a haiku about routers."}]}).encode()
+    req: dict[str, Any] = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Write a haiku about routers."}]}
+    if stream_tokens:
+        req.update(stream=True, max_tokens=stream_tokens, ignore_eos=True)
+    body = json.dumps(req).encode()
     with start_cluster(n_workers, opts, router_mode=router_mode, frontend_args=["--log-level", "warning"]) as cluster:
         fe_pid = cluster.frontend.proc.pid
         asyncio.run(_hammer(cluster.frontend_url, body, 300, concurrency))  # warm-up
@@ -180,7 +187,7 @@ def bench_cpu(requests: int = 3000, concurrency: int = 16, n_workers: int = 2, r
         c1 = _cpu_seconds(w.child.proc.pid)
         direct = asyncio.run(_hammer(w.url, body, 1000, concurrency))
         mocker_cpu = (_cpu_seconds(w.child.proc.pid) - c1) / 1000
-    return {"bench": "cpu", "router_mode": router_mode, "requests": requests, "concurrency": concurrency,
+    return {"bench": "cpu", "router_mode": router_mode, "stream_tokens": stream_tokens, "requests": requests, "concurrency": concurrency,
             "frontend_cpu_ms_per_request": round(cpu * 1e3 / requests, 3), "throughput_rps_via_frontend": round(requests / elapsed, 1),
             "mocker_direct_rps": round(1000 / direct, 1), "mocker_cpu_ms_per_request": round(mocker_cpu * 1e3, 3)}
 
@@ -239,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--router-mode", default="kv")
+    p.add_argument("--stream-tokens", type=int, default=0, help="cpu: streamed requests of this many tokens (0 = unary max_tokens=1)")
     ns = p.parse_args(argv)
     import logging
 
@@ -247,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(bench_decision(ns.iterations)))
         print(json.dumps(bench_decision(ns.iterations // 3, cold=True)))
     if ns.what in ("cpu", "all"):
-        print(json.dumps(bench_cpu(ns.requests, ns.concurrency, router_mode=ns.router_mode)))
+        print(json.dumps(bench_cpu(ns.requests, ns.concurrency, router_mode=ns.router_mode, stream_tokens=ns.stream_tokens)))
     if ns.what in ("latency", "all"):
         print(json.dumps(bench_latency()))
     sys.stdout.flush()
