@@ -539,8 +539,10 @@ def _decode_load_of_two_identical_streams(url: str) -> float:
     hdr = {"x-dynamo-worker-instance-id": "1"}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as a, \
          httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as b:
+        assert a.status_code == 200 and b.status_code == 200, (a.status_code, b.status_code)
         la, lb = a.iter_lines(), b.iter_lines()
-        next(la), next(lb)  # both streaming
+        first = next(la), next(lb)  # both streaming
+        assert all(line.startswith("data: {") for line in first), first
         load = decode_blocks(url, 1)
     wait_until(lambda: decode_blocks(url, 1) == 0, timeout=30, what="decode load to drain")
     return load
