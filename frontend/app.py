@@ -224,26 +224,35 @@ class FrontendState:
         if self.sessions is not None:
             self.sessions.drop_worker(worker.id)
         for model in list(worker.attached_models):
-            entry = self.models.get(model)
-            if entry is None:
-                continue
-            entry.workers.pop(worker.id, None)
-            try:
-                self.slots.unregister(worker.id, model, TENANT)
-            except Exception as exc:
-                log.debug("tracker unregister %s/%s: %s", worker.id, model, exc)
-            if entry.approx is not None:
-                entry.approx.remove_worker(worker.id)
-            if not entry.workers:
-                del self.models[model]
+            self._detach_model(worker, model)
         worker.attached_models = []
+
+    def _detach_model(self, worker: Worker, model: str) -> None:
+        entry = self.models.get(model)
+        if entry is None:
+            return
+        entry.workers.pop(worker.id, None)
+        try:
+            self.slots.unregister(worker.id, model, TENANT)
+        except Exception as exc:
+            log.debug("tracker unregister %s/%s: %s", worker.id, model, exc)
+        if entry.approx is not None:
+            entry.approx.remove_worker(worker.id)
+        if not entry.workers:  # the model's last worker: the model is gone (404)
+            del self.models[model]
 
     def _attach(self, worker: Worker) -> None:
         cfg = self.config
         attached = []
+        for model in [m for m in worker.attached_models if m not in worker.models]:  # it stopped serving these
+            self._detach_model(worker, model)
+        worker.attached_models = [m for m in worker.attached_models if m in worker.models]
         for model in worker.models:
             entry = self.models.get(model)
             bs = cfg.kv_cache_block_size or worker.block_size or DEFAULT_BLOCK_SIZE
+            if cfg.kv_cache_block_size and worker.block_size and worker.block_size != cfg.kv_cache_block_size:
+                log.warning("worker %s reports block size %s but --kv-cache-block-size is %s: prefix matches will be wrong",
+                            worker.id, worker.block_size, cfg.kv_cache_block_size)
             if entry is None:
                 try:
                     tokenizer = self._tokenizer_for(model, worker)

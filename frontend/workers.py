@@ -304,6 +304,8 @@ class WorkerPool:
             changed = ok != worker.healthy
             worker.healthy = ok
             worker.last_error = error
+            if not ok:
+                worker.discovered = False  # when it comes back, read its models and capacity again
             if changed:
                 log.info("worker %s is %s%s", worker.id, "healthy" if ok else "unhealthy", f" ({error})" if error else "")
                 self._on_change(worker)
@@ -339,6 +341,7 @@ class WorkerPool:
         if self.workers.get(worker.id) is not worker:
             return
         worker.last_error = error
+        worker.discovered = False
         if worker.healthy:
             worker.healthy = False
             log.warning("worker %s marked unhealthy: %s", worker.id, error)
