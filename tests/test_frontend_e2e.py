@@ -200,6 +200,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         c.rnd = start_frontend(["--router-mode", "random", *plain_workers], stack)
         c.approx = start_frontend(["--router-mode", "kv", "--no-router-kv-events", *plain_workers], stack)
         wait_ready(ms, [c.kv, c.hot, c.rr, c.rnd, c.approx])
+        for fe in (c.kv, c.hot, c.rnd, c.approx):
+            wait_until(lambda fe=fe: _all_healthy(fe, 3), START_TIMEOUT, what=f"frontend {fe.port} to see every worker")
         yield c
 
 
@@ -505,3 +507,25 @@ def test_replica_sync_shares_active_load(cluster: Cluster) -> None:
 
         wait_until(b_sees_a_stream, WAIT, what="frontend B to see frontend A's in-flight request")
         wait_until(lambda: a.idle() and b.idle(), WAIT, what="both replicas idle after the stream ended")
+
+
+def test_tracker_endpoints_share_the_frontends_accounting(cluster: Cluster) -> None:
+    fe = cluster.kv
+    wait_until(fe.idle, WAIT, what="idle")
+    workers = fe.http.get("/workers").json()
+    assert sorted(w["worker_id"] for w in workers) == [1, 2, 3] and workers[0]["model_name"] == MODEL
+    # an external router books a big request on worker 1 through the frontend's port...
+    r = fe.http.post("/add", json={"model_name": MODEL, "request_id": "external-1", "worker_id": 1, "dp_rank": 0,
+                                   "sequence_hashes": list(range(1, 301)), "new_isl_tokens": 50000})
+    assert r.status_code == 201, r.text
+    assert fe.loads()[(1, 0)] == (50000, 300)
+    costs = {c["worker_id"]: c["cost"] for c in fe.explain(unique_prompt())["candidates"]}
+    assert costs[1] > costs[2] + 3000 and costs[1] > costs[3] + 3000
+    # ...and the frontend's own routing takes it into account
+    assert 1 not in {fe.chat(unique_prompt())[0] for _ in range(8)}
+    assert fe.http.post("/prefill_complete", json={"model_name": MODEL, "request_id": "external-1"}).status_code == 200
+    assert fe.loads()[(1, 0)] == (0, 300)
+    assert fe.http.post("/free", json={"model_name": MODEL, "request_id": "external-1"}).status_code == 200
+    wait_until(fe.idle, WAIT, what="idle after the external free")
+    r = fe.http.post("/potential_loads", json={"model_name": MODEL, "sequence_hashes": [1, 2], "new_isl_tokens": 32})
+    assert sorted((p["worker_id"], p["potential_prefill_tokens"]) for p in r.json()) == [(1, 32), (2, 32), (3, 32)]
