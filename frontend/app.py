@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -23,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from kvroute_common.http import ApiError, error_response, exception_handlers, json_response, read_body, read_json, route
+from kvroute_common.http import ApiError, exception_handlers, json_response, read_body, read_json, route
 from router.config import RouterConfig
 
 from .busy import BusyThresholds, validate_update

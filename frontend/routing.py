@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("frontend.routing")
 _perf = time.perf_counter
 
-TENANT = "default"
 
 
 @dataclass(slots=True)
