@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(state)
     config = uvicorn.Config(app, host=ns.http_host, port=ns.http_port, log_level="warning", access_log=False,
                             loop="uvloop", http="httptools", lifespan="on", timeout_keep_alive=75,
-                            timeout_graceful_shutdown=5, server_header=False)
+                            timeout_graceful_shutdown=5, server_header=False, proxy_headers=False)
     server = uvicorn.Server(config)
     server.run()
     return 0
