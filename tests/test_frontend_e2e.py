@@ -245,6 +245,13 @@ def test_openai_surface(cluster: Cluster) -> None:
         fe.client.completions.create(model=MODEL, prompt=[[1, 2], [3, 4]])
     r = fe.http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    # the worker's own 4xx passes through with its message, and books nothing
+    with pytest.raises(openai.BadRequestError) as err:
+        fe.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-5)
+    assert "max_tokens" in err.value.message
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            fe.client.completions.create(model=MODEL, prompt="hi", max_tokens=40000, stream=stream)
 
     metrics = fe.http.get("/metrics").text
     for name in ("dynamo_frontend_requests_total", "dynamo_frontend_time_to_first_token_seconds_bucket",
