@@ -49,7 +49,7 @@ log = logging.getLogger("mocker.api")
 
 DP_RANK_HEADER = "x-data-parallel-rank"
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 413: "BadRequestError",
-                415: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+                415: "BadRequestError", 499: "Client Closed Request", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _JSON = "application/json"
 MAX_BODY = 64 * 1024 * 1024
 
@@ -288,6 +288,14 @@ class _TextTracker:
         return out, False
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so only disconnect is left)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], chat: bool) -> Response:
     model = _check_model(m, body)
     rank = m.dp_rank(request)
@@ -329,13 +337,24 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
 
     if not p.stream:
         finish = None
-        try:
+
+        async def collect() -> None:
+            nonlocal finish
             while finish is None:
                 token, reason = await queue.get()
                 _, finish = consume(token, reason)
+
+        collector = asyncio.ensure_future(collect())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((collector, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if finish is None:
+            watcher.cancel()
+            if finish is None:  # client went away (or the handler was cancelled): free the engine's blocks
+                collector.cancel()
                 engine.abort(rid)
+        if finish is None:
+            return error_response(499, "client disconnected")
         if finish == FINISH_ABORT:
             return error_response(503, "request aborted by the engine")
         if chat:

@@ -27,6 +27,7 @@ class MockerConfig:
     speedup_ratio: float = 1.0
     seed: int | None = None
     log_level: str = "warning"
+    timeout_keep_alive: float = 5.0
 
     def validate(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None,
                    help="fixes generated tokens' randomness and the external block hashes")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
+                   help="seconds an idle HTTP keep-alive connection stays open (uvicorn's and vLLM's default: 5)")
     return p
 
 

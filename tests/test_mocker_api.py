@@ -192,6 +192,17 @@ def test_client_disconnect_aborts_request(mocker):
     wait_until(idle, timeout=20, what="the aborted request to leave the engine")
 
 
+def test_non_stream_client_disconnect_aborts_request(mocker):
+    body = {"model": MODEL, "prompt": "long running too", "max_tokens": 20000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(mocker + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+
+    def idle():
+        return _metric(httpx.get(mocker + "/metrics").text, "vllm:num_requests_running", engine="0") == 0.0
+
+    wait_until(idle, timeout=20, what="the abandoned non-streaming request to leave the engine")
+
+
 def test_tokenize_matches_shared_tokenizer(mocker, tok):
     msgs = [{"role": "user", "content": "hi there"}]
     r = httpx.post(mocker + "/tokenize", json={"model": MODEL, "messages": msgs}).json()
