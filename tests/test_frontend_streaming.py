@@ -1,0 +1,127 @@
+"""Streaming pass-through: every chunk reaches the client before the worker produces the next one.
+
+The worker is a tiny in-process OpenAI-style server whose stream advances only when the test says
+so; the frontend is the real `python -m frontend` process. If the proxy buffered anything (or sat on
+a chunk waiting for more bytes), the client's read of chunk i would time out, because chunk i+1 is
+not produced until chunk i has been read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from support import free_ports, service, wait_until
+
+MODEL = "gated-model"
+
+
+class GatedWorker:
+    """An OpenAI-ish worker in a background thread; ``step()`` lets its current stream emit one chunk."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.gate: asyncio.Queue | None = None
+        self.seen_ranks: list[str | None] = []
+        self.disconnected = threading.Event()
+        app = Starlette(routes=[
+            Route("/health", lambda r: PlainTextResponse("")),
+            Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": [{"id": MODEL}]})),
+            Route("/metrics", lambda r: PlainTextResponse('vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n')),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.gate = asyncio.Queue()
+        self.loop.run_until_complete(self.server.serve())
+
+    async def chat(self, request: Request):
+        body = await request.json()
+        self.seen_ranks.append(request.headers.get("x-data-parallel-rank"))
+        n = body.get("max_tokens", 3)
+
+        async def gen():
+            try:
+                for i in range(n):
+                    await self.gate.get()
+                    chunk = {"object": "chat.completion.chunk", "model": MODEL,
+                             "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None if i < n - 1 else "length"}]}
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    def step(self) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self.gate.put_nowait, None)
+
+    def __enter__(self) -> "GatedWorker":
+        self.thread.start()
+        wait_until(lambda: self.server.started, 30, what="gated worker")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def frontend_and_worker():
+    wport, fport = free_ports(2)
+    with GatedWorker(wport) as worker:
+        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), "--router-mode", "kv",
+                "--worker", f"id=5,url=http://127.0.0.1:{wport}", "--health-check-interval", "0.5", "--log-level", "warning"]
+        with service(args, ready_url=f"http://127.0.0.1:{fport}/health", timeout=90):
+            wait_until(lambda: httpx.get(f"http://127.0.0.1:{fport}/health").status_code == 200, 60, what="frontend ready")
+            yield f"http://127.0.0.1:{fport}", worker
+
+
+def test_each_chunk_is_forwarded_before_the_next_exists(frontend_and_worker) -> None:
+    url, worker = frontend_and_worker
+    body = {"model": MODEL, "stream": True, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(timeout=httpx.Timeout(10.0)) as client:  # a buffered chunk would hit this read timeout
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200 and resp.headers["x-data-parallel-rank"] == "0"
+            it = resp.iter_raw()
+            for i in range(5):
+                worker.step()
+                chunk = next(it)
+                assert f'"t{i}"'.encode() in chunk and chunk.endswith(b"\n\n")
+            assert b"[DONE]" in chunk + b"".join(it)  # [DONE] follows t4 at once (same or next chunk)
+    assert worker.seen_ranks[-1] == "0"
+    loads = httpx.get(url + "/loads").json()
+    assert [(r["active_prefill_tokens"], r["active_decode_blocks"]) for r in loads] == [(0, 0)]
+
+
+def test_client_leaving_mid_stream_aborts_the_worker_request(frontend_and_worker) -> None:
+    url, worker = frontend_and_worker
+    worker.disconnected.clear()
+    body = {"model": MODEL, "stream": True, "max_tokens": 50, "messages": [{"role": "user", "content": "a longer question " * 20}]}
+    with httpx.Client(timeout=10.0) as client:
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            worker.step()
+            it = resp.iter_raw()  # keep the iterator: dropping it would close the stream here
+            assert b'"t0"' in next(it)
+            loads = httpx.get(url + "/loads").json()
+            assert loads[0]["active_decode_blocks"] > 0
+    # the client is gone while the worker waits for its next step: the frontend frees the load
+    # and closes the worker connection, which cancels the worker's stream
+    wait_until(lambda: httpx.get(url + "/loads").json()[0]["active_decode_blocks"] == 0, 30, what="load freed")
+    assert worker.disconnected.wait(30)
