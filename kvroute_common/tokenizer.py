@@ -2,7 +2,9 @@
 
 * ``load_tokenizer(None)`` loads the built-in offline tokenizer (``tokenizer_data/``, built by
   ``python -m kvroute_common.build_tokenizer``); a directory loads that HF tokenizer. Never downloads.
-* ``chat_prompt_token_ids`` / ``completion_prompt_token_ids`` tokenise the way vLLM does: chat =
+* ``chat_request_token_ids(tok, body)`` (an OpenAI chat body: messages + the template arguments
+  vLLM takes from it), ``chat_prompt_token_ids`` / ``completion_prompt_token_ids`` tokenise the
+  way vLLM does: chat =
   render the chat template with ``add_generation_prompt=True`` to text, then encode WITHOUT special
   tokens (the template carries BOS); completion text = encode WITH special tokens; token-id prompts
   pass through.
@@ -136,6 +138,42 @@ def chat_prompt_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], **te
     """Token ids of a chat request exactly as vLLM computes them (render, encode w/o specials)."""
     text = render_chat_prompt(tokenizer, messages, **template_kwargs)
     return prompt_encoder(tokenizer).encode(text, add_special_tokens=False)
+
+
+def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat-template arguments vLLM derives from an OpenAI chat request body.
+
+    ``chat_template_kwargs`` first, then the explicit fields ``add_generation_prompt`` and
+    ``continue_final_message``; ``tools`` unless ``tool_choice`` is ``"none"``; ``documents``.
+    """
+    kwargs: dict[str, Any] = {}
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, Mapping):
+            raise PromptError("chat_template_kwargs must be an object")
+        kwargs.update(extra)
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise PromptError("tools must be a list")
+        if body.get("tool_choice") != "none":
+            kwargs["tools"] = tools
+    if body.get("documents") is not None:
+        kwargs["documents"] = body["documents"]
+    for name in ("add_generation_prompt", "continue_final_message"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise PromptError(f"{name} must be a boolean")
+            kwargs[name] = value
+    return kwargs
+
+
+def chat_request_token_ids(tokenizer, body: Mapping[str, Any]) -> list[int]:
+    """Token ids of an OpenAI chat request body (messages + vLLM's template arguments)."""
+    if "messages" not in body:
+        raise PromptError("messages is required")
+    return chat_prompt_token_ids(tokenizer, body["messages"], **chat_template_kwargs(body))
 
 
 def completion_prompt_token_ids(tokenizer, prompt: Any) -> list[int]:

@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from kvroute_common.tokenizer import (
     PromptError,
-    chat_prompt_token_ids,
+    chat_request_token_ids,
     completion_prompt_token_ids,
     load_tokenizer,
 )
@@ -434,21 +434,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         body = await _body(request)
         _check_model(m, body)
-        kwargs: dict[str, Any] = {}
-        tools = body.get("tools")
-        if tools and body.get("tool_choice") != "none":
-            kwargs["tools"] = tools
-        ctk = body.get("chat_template_kwargs")
-        if ctk is not None:
-            if not isinstance(ctk, dict):
-                raise OpenAIError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
-            kwargs.update(ctk)
-        for name in ("add_generation_prompt", "continue_final_message"):
-            if name in body:
-                kwargs[name] = _opt_bool(body, name)
-        if "messages" not in body:
-            raise OpenAIError(400, "messages is required", "messages")
-        prompt = chat_prompt_token_ids(m.tokenizer, body["messages"], **kwargs)
+        prompt = chat_request_token_ids(m.tokenizer, body)
         return await _generate(m, request, body, prompt, chat=True)
 
     async def completions(request: Request) -> Response:
@@ -470,9 +456,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         body = await _body(request)
         _check_model(m, body)
         if "messages" in body:
-            kwargs = {k: body[k] for k in ("add_generation_prompt", "continue_final_message") if k in body}
-            kwargs.update(body.get("chat_template_kwargs") or {})
-            tokens = chat_prompt_token_ids(m.tokenizer, body["messages"], **kwargs)
+            tokens = chat_request_token_ids(m.tokenizer, body)
         elif isinstance(body.get("prompt"), str):
             if _opt_bool(body, "add_special_tokens", True):
                 tokens = completion_prompt_token_ids(m.tokenizer, body["prompt"])

@@ -97,6 +97,23 @@ def test_chat_token_ids_match_transformers(tok):
     assert ids[-len(tail):] == tail
 
 
+def test_chat_request_body_arguments_like_vllm(tok):
+    from kvroute_common.tokenizer import chat_request_token_ids, chat_template_kwargs
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert chat_request_token_ids(tok, {"messages": msgs}) == chat_prompt_token_ids(tok, msgs)
+    no_gen = chat_request_token_ids(tok, {"messages": msgs, "add_generation_prompt": False})
+    assert no_gen == chat_prompt_token_ids(tok, msgs, add_generation_prompt=False) != chat_prompt_token_ids(tok, msgs)
+    # explicit field wins over chat_template_kwargs; tools dropped with tool_choice "none"
+    kw = chat_template_kwargs({"chat_template_kwargs": {"add_generation_prompt": True, "x": 1},
+                               "add_generation_prompt": False, "tools": [{"type": "function"}], "tool_choice": "none"})
+    assert kw == {"add_generation_prompt": False, "x": 1}
+    assert chat_template_kwargs({"tools": [{"type": "function"}]})["tools"] == [{"type": "function"}]
+    for bad in ({"messages": msgs, "chat_template_kwargs": 3}, {"messages": msgs, "add_generation_prompt": "no"}, {}):
+        with pytest.raises(PromptError):
+            chat_request_token_ids(tok, bad)
+
+
 def test_completion_prompts(tok):
     ids = completion_prompt_token_ids(tok, "Hello world")
     assert ids == tok("Hello world")["input_ids"]
