@@ -83,8 +83,8 @@ class Frontend:
         return info["decode_worker_id"], info["decode_dp_rank"], comp
 
 
-def _spawn(args: list[str], log_name: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _spawn(args: list[str], log_name: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     log = open(os.path.join(_log_dir(), log_name), "wb")
     return subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -115,10 +115,10 @@ def start_mockers(n: int, stack: contextlib.ExitStack, extra: list[str] | None =
     return mockers
 
 
-def start_frontend(args: list[str], stack: contextlib.ExitStack) -> Frontend:
+def start_frontend(args: list[str], stack: contextlib.ExitStack, env: dict[str, str] | None = None) -> Frontend:
     (port,) = free_ports(1)
     proc = _spawn(["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--health-check-interval", "0.5",
-                   "--log-level", "warning", *args], f"frontend-{port}.log")
+                   "--log-level", "warning", *args], f"frontend-{port}.log", env)
     stack.callback(stop_process, proc)
     fe = Frontend(port, proc)
     stack.callback(fe.http.close)
@@ -197,7 +197,9 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         with open(c.workers_file, "w") as f:
             f.write(f"workers:\n  - id: 1\n    url: {ms[0].url}\n")
         c.rr = start_frontend(["--router-mode", "round-robin", "--workers-file", c.workers_file], stack)
-        c.rnd = start_frontend(["--router-mode", "random", *plain_workers], stack)
+        # thresholds from the command line and from DYN_* variables (set high enough never to fire)
+        c.rnd = start_frontend(["--active-prefill-tokens-threshold", "1000000", *plain_workers], stack,
+                               env={"DYN_ROUTER_MODE": "random", "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": "0.99"})
         c.approx = start_frontend(["--router-mode", "kv", "--no-router-kv-events", *plain_workers], stack)
         wait_ready(ms, [c.kv, c.hot, c.rr, c.rnd, c.approx])
         for fe in (c.kv, c.hot, c.rnd, c.approx):
@@ -333,6 +335,9 @@ def test_round_robin_with_workers_file_and_registration_api(cluster: Cluster) ->
 
 def test_random_mode_spreads_the_same_prompt(cluster: Cluster) -> None:
     fe = cluster.rnd
+    assert fe.http.get("/busy_threshold").json() == {"thresholds": [
+        {"model": MODEL, "active_decode_blocks_threshold": 0.99, "active_prefill_tokens_threshold": 1000000}]}
+    assert fe.http.post("/admin/route", json={"model": MODEL, "messages": unique_prompt()}).json()["router_mode"] == "random"
     system = {"role": "system", "content": system_prompt("random")}
     seen = Counter(fe.chat([system, {"role": "user", "content": "same"}])[0] for _ in range(24))
     assert set(seen) == {1, 2, 3}, seen
