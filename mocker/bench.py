@@ -89,8 +89,48 @@ async def _load(urls: list[str], dp: int, concurrency: int, requests: int, promp
             "ttft_p90_ms": round(ttfts[int(len(ttfts) * 0.9)] * 1000, 1)}
 
 
+def bench_tokenizer(rounds: int = 20) -> dict:
+    """Cost of tokenising an ~8k-token chat prompt (32 KB of English docs text) with the built-in
+    tokenizer: HF encode vs the cached fast encoder (cold, warm pieces, repeated segment)."""
+    import sysconfig
+    from statistics import median
+
+    from kvroute_common.tokenizer import chat_prompt_token_ids, load_tokenizer, prompt_encoder, render_chat_prompt
+
+    tok = load_tokenizer(None)
+    enc = prompt_encoder(tok)
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py"), encoding="utf-8") as fh:
+        corpus = fh.read()
+    texts = [corpus[o : o + 32768] for o in range(100_000, 100_000 + 33_000 * rounds, 33_000)]
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1000
+
+    msgs = [[{"role": "system", "content": "You are helpful."}, {"role": "user", "content": t}] for t in texts]
+    rendered = [render_chat_prompt(tok, m) for m in msgs]
+    hf = [timed(lambda r=r: tok(r, add_special_tokens=False)) for r in rendered]
+    render = [timed(lambda m=m: render_chat_prompt(tok, m)) for m in msgs]
+    cold = [timed(lambda m=m: chat_prompt_token_ids(tok, m)) for m in msgs]  # unseen texts, piece cache growing
+    warm = []
+    for m in msgs:
+        enc._segments.clear()
+        warm.append(timed(lambda m=m: chat_prompt_token_ids(tok, m)))
+    repeat = []
+    for m in msgs:
+        chat_prompt_token_ids(tok, m)
+        repeat.append(timed(lambda m=m: chat_prompt_token_ids(tok, m)))
+    n_tokens = len(chat_prompt_token_ids(tok, msgs[0]))
+    return {"prompt_tokens": n_tokens, "prompt_bytes": len(rendered[0].encode()),
+            "hf_encode_ms_p50": round(median(hf), 2), "render_ms_p50": round(median(render), 3),
+            "fast_cold_ms_p50": round(median(cold), 2), "fast_warm_pieces_ms_p50": round(median(warm), 2),
+            "fast_repeated_segment_ms_p50": round(median(repeat), 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokenizer", action="store_true", help="only measure the built-in tokenizer's prompt cost")
     p.add_argument("--mockers", type=int, default=2)
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=32, help="concurrent streams per mocker")
@@ -101,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-seconds", type=float, default=3.0)
     p.add_argument("--log-dir", default=None, help="keep the mockers' logs here")
     args = p.parse_args(argv)
+    if args.tokenizer:
+        print(json.dumps(bench_tokenizer()))
+        return 0
 
     procs, urls = [], []
     try:
