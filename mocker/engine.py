@@ -355,8 +355,10 @@ class RankScheduler:
 
     def _next_token(self, seq: Sequence) -> tuple[int, str | None]:
         k = seq.num_output  # index of the token being generated
-        if not seq.ignore_eos and self.eos_token_id is not None and k >= seq.natural_len:
-            return self.eos_token_id, FINISH_STOP
+        if not seq.ignore_eos and k >= seq.natural_len:
+            if self.eos_token_id is not None:
+                return self.eos_token_id, FINISH_STOP
+            return seq.rng.choice(self.output_vocab), FINISH_STOP  # a tokenizer without EOS
         token = seq.rng.choice(self.output_vocab)
         if token in seq.stop_token_ids and k >= seq.min_tokens:
             return token, FINISH_STOP
