@@ -214,7 +214,10 @@ class FrontendState:
         if worker.healthy and worker.discovered:
             self._attach(worker)
         elif not worker.healthy:
-            self._stop_events(worker)
+            if worker.unreachable:
+                # the process is gone and its KV cache with it; a merely failing worker keeps its
+                # index and event stream (it may come back with its cache intact)
+                self._stop_events(worker)
             if self.sessions is not None:
                 self.sessions.drop_worker(worker.id)
 

@@ -191,6 +191,8 @@ class Worker:
     max_num_batched_tokens: int | None = None
     healthy: bool = False
     discovered: bool = False
+    failures: int = 0  # consecutive failed health checks while healthy
+    unreachable: bool = False  # connection refused / lost: the process is gone, so is its KV cache
     last_error: str | None = None
     # set once the frontend has attached the worker to its models (tracker/indexer registration)
     attached_models: list[str] = field(default_factory=list)
@@ -234,7 +236,8 @@ class WorkerPool:
         on_change: Callable[[Worker], None],
         on_removed: Callable[[Worker], None],
         health_interval: float = 2.0,
-        health_timeout: float = 2.0,
+        health_timeout: float = 5.0,
+        failures_to_unhealthy: int = 2,
         request_timeout: float | None = None,
     ) -> None:
         self.workers: dict[int, Worker] = {}
@@ -242,6 +245,7 @@ class WorkerPool:
         self._on_removed = on_removed
         self.health_interval = health_interval
         self.health_timeout = health_timeout
+        self.failures_to_unhealthy = failures_to_unhealthy
         self.request_timeout = request_timeout
         self._tasks: set[asyncio.Task] = set()
         self._health_task: asyncio.Task | None = None
@@ -291,6 +295,7 @@ class WorkerPool:
         async with lock:
             if self.workers.get(worker.id) is not worker:
                 return False
+            refused = False
             try:
                 if not worker.discovered:
                     await self._discover(worker)
@@ -299,9 +304,22 @@ class WorkerPool:
                 error = None if ok else f"health check returned {resp.status_code}"
             except (httpx.HTTPError, OSError, ValueError) as exc:
                 ok, error = False, f"{type(exc).__name__}: {exc}"
+                refused = isinstance(exc, (httpx.ConnectError, ConnectionRefusedError))
             if self.workers.get(worker.id) is not worker:
                 return False
-            changed = ok != worker.healthy
+            if ok:
+                worker.failures = 0
+                worker.unreachable = False
+            elif worker.healthy and not refused:
+                # a slow or failing answer once is not enough to drop a live worker (and its index)
+                worker.failures += 1
+                if worker.failures < self.failures_to_unhealthy:
+                    worker.last_error = error
+                    return True
+            was_unreachable = worker.unreachable
+            if not ok and refused:
+                worker.unreachable = True
+            changed = ok != worker.healthy or (worker.unreachable and not was_unreachable)
             worker.healthy = ok
             worker.last_error = error
             if not ok:
@@ -336,15 +354,18 @@ class WorkerPool:
         worker.max_num_batched_tokens = spec.max_num_batched_tokens or info.get("max_num_batched_tokens")
         worker.discovered = True
 
-    def mark_failed(self, worker: Worker, error: str) -> None:
-        """A dispatch could not reach the worker: take it out until a health check passes."""
+    def mark_failed(self, worker: Worker, error: str, unreachable: bool = True) -> None:
+        """A dispatch could not reach the worker (or lost it): take it out until a health check passes."""
         if self.workers.get(worker.id) is not worker:
             return
         worker.last_error = error
+        newly_unreachable = unreachable and not worker.unreachable
+        worker.unreachable = worker.unreachable or unreachable
         worker.discovered = False
-        if worker.healthy:
+        if worker.healthy or newly_unreachable:
+            if worker.healthy:
+                log.warning("worker %s marked unhealthy: %s", worker.id, error)
             worker.healthy = False
-            log.warning("worker %s marked unhealthy: %s", worker.id, error)
             self._on_change(worker)
 
     async def check_all(self) -> None:

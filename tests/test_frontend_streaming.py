@@ -34,8 +34,9 @@ class GatedWorker:
         self.gate: asyncio.Queue | None = None
         self.seen_ranks: list[str | None] = []
         self.disconnected = threading.Event()
+        self.health_status = 200
         app = Starlette(routes=[
-            Route("/health", lambda r: PlainTextResponse("")),
+            Route("/health", lambda r: PlainTextResponse("", status_code=self.health_status)),
             Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": [{"id": MODEL}]})),
             Route("/metrics", lambda r: PlainTextResponse('vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n')),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -125,3 +126,25 @@ def test_client_leaving_mid_stream_aborts_the_worker_request(frontend_and_worker
     # and closes the worker connection, which cancels the worker's stream
     wait_until(lambda: httpx.get(url + "/loads").json()[0]["active_decode_blocks"] == 0, 30, what="load freed")
     assert worker.disconnected.wait(30)
+
+
+def test_failing_health_checks_take_the_worker_out_and_back(frontend_and_worker) -> None:
+    url, worker = frontend_and_worker
+    body = {"model": MODEL, "max_tokens": 1, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+    def healthy() -> bool:
+        return httpx.get(url + "/health").json()["instances"][0]["healthy"]
+
+    worker.health_status = 503
+    try:
+        wait_until(lambda: not healthy(), 30, what="worker marked unhealthy after failed checks")
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert httpx.get(url + "/health").status_code == 503
+        assert "503" in httpx.get(url + "/admin/workers").json()["workers"][0]["last_error"]
+    finally:
+        worker.health_status = 200
+    wait_until(healthy, 30, what="worker healthy again")
+    worker.step()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200 and b'"t0"' in r.read()
