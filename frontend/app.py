@@ -1017,7 +1017,15 @@ class AdminRoutes:
     # ---- worker registration API ----------------------------------------------------------------
     async def workers_list(self, request: Request) -> Response:
         st = self.state
-        body: dict[str, Any] = {"workers": [w.describe() for w in sorted(st.pool.workers.values(), key=lambda w: w.id)]}
+        events = {e["instance_id"]: e for e in st.events.workers()} if st.events is not None else {}
+        rows = []
+        for w in sorted(st.pool.workers.values(), key=lambda w: w.id):
+            row = w.describe()
+            ev = events.get(w.id)
+            if ev is not None:  # the embedded indexer's KV-event listeners of this worker
+                row["kv_events"] = {"status": ev["status"], "listeners": ev["listeners"]}
+            rows.append(row)
+        body: dict[str, Any] = {"workers": rows}
         if st.file_watcher is not None:
             body["workers_file"] = {"path": st.file_watcher.path, "last_error": st.file_watcher.last_error}
         return json_response(body)

@@ -276,6 +276,8 @@ def test_kv_shared_prefix_lands_on_the_worker_that_holds_it(cluster: Cluster) ->
         return d["worker_id"] == first_worker and d["overlap_blocks"] > 5
 
     wait_until(indexed, WAIT, what="prefix indexed from KV events")
+    rows = fe.http.get("/admin/workers").json()["workers"]
+    assert {r["id"]: r["kv_events"]["status"] for r in rows} == {1: "active", 2: "active", 3: "active"}
     seen = Counter(fe.chat([system, {"role": "user", "content": f"question {i}"}])[0] for i in range(1, 7))
     assert seen == Counter({first_worker: 6})
     hit_rate_sum = next(float(line.split()[-1]) for line in fe.http.get("/metrics").text.splitlines()
