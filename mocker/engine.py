@@ -446,9 +446,9 @@ class EngineRank:
                 continue
             started = loop.time()
             try:
-                step = sched.schedule()
-                self.flush_events()  # evictions happen while planning
+                step = sched.schedule()  # evictions recorded here go out with the step's batch
                 if not step.items:
+                    self.flush_events()
                     # nothing can run now (e.g. memory held by requests that just finished)
                     await asyncio.sleep(0.001)
                     continue
