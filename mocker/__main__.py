@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = build_app(cfg)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                timeout_keep_alive=cfg.timeout_keep_alive)
+                timeout_keep_alive=cfg.timeout_keep_alive, timeout_graceful_shutdown=2)
     return 0
 
 
