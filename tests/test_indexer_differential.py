@@ -207,6 +207,18 @@ def test_reference_and_ours_agree_on_random_rounds() -> None:
                         assert ha == hb, f"round {rnd}: /query_by_hash differs:\nreference {ha}\nours      {hb}"
                         checked += 1
             assert checked >= ROUNDS * len(prompts)
+
+            # Recovery across implementations: a fresh indexer of ours restores the reference's /dump
+            # (its merged runs, lower tiers, every partition) and answers exactly like it.
+            rec_port = free_port()
+            rec = f"http://127.0.0.1:{rec_port}"
+            with service(
+                ["-m", "indexer", "--host", "127.0.0.1", "--port", str(rec_port), "--peers", ref],
+                ready_url=f"{rec}/health",
+                env={"KVROUTE_INDEXER_RECOVERY_DELAY": "0"},
+            ):
+                for prompt in prompts:
+                    assert _query(client, rec, prompt.tokens, prompt.lora) == _query(client, ref, prompt.tokens, prompt.lora)
     finally:
         for p in pubs:
             p.sock.close(linger=0)
