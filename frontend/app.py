@@ -94,6 +94,7 @@ class FrontendState:
         self.sessions = None
         self.speculative = None
         self._bg: set[asyncio.Task] = set()
+        self._unregistering: dict[int, asyncio.Task] = {}  # worker id -> its KV-event listeners stopping
         self._init_extensions()
         self.metrics.add_collector(CallbackCollector(self._collect_gauges))
 
@@ -293,6 +294,15 @@ class FrontendState:
         spec = worker.spec
         if events is None or not spec.kv_events_endpoint:
             return
+        pending = self._unregistering.get(worker.id)
+        if pending is not None and not pending.done():  # still stopping its old listeners: register after
+            async def later() -> None:
+                await asyncio.wait([pending])
+                if self.pool.workers.get(worker.id) is worker and worker.healthy:
+                    self._start_events(worker, entry)
+
+            self._spawn(later())
+            return
         inst = events.instances.get(worker.id)
         if inst is not None:  # one event stream per worker: it feeds the model it was registered for
             return
@@ -322,7 +332,7 @@ class FrontendState:
                 except Exception as exc:
                     log.debug("indexer unregister %s: %s", worker.id, exc)
 
-            self._spawn(unregister())
+            self._unregistering[worker.id] = self._spawn(unregister())
         for model in worker.attached_models:
             entry = self.models.get(model)
             if entry is not None and entry.approx is not None:
@@ -384,10 +394,11 @@ class FrontendState:
             await asyncio.sleep(self.sessions.reap_interval_secs)
             self.sessions.expire()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+        return task
 
 
 # ============================================================================================

@@ -72,11 +72,11 @@ class Frontend:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def chat(self, messages: list[dict], **kw) -> tuple[int, int, object]:
+    def chat(self, messages: list[dict], nvext: dict | None = None, **kw) -> tuple[int, int, object]:
         """(worker_id, dp_rank, completion) of a non-streaming request."""
         kw.setdefault("max_tokens", 2)
         raw = self.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, extra_body={"nvext": {"extra_fields": ["worker_id"]}}, **kw)
+            model=MODEL, messages=messages, extra_body={"nvext": {"extra_fields": ["worker_id"], **(nvext or {})}}, **kw)
         comp = raw.parse()
         info = comp.model_extra["nvext"]["worker_id"]
         assert int(raw.headers["x-data-parallel-rank"]) == info["decode_dp_rank"]
@@ -457,6 +457,12 @@ def test_killed_worker_is_avoided_and_its_requests_fail_cleanly() -> None:
         wait_until(lambda: _all_healthy(fe, 2), START_TIMEOUT, what="restarted worker healthy again")
         back = Counter(fe.chat(unique_prompt())[0] for _ in range(16))
         assert set(back) == {1, 2}, back
+        # its new KV events are indexed again (a fresh subscription to the restarted process)
+        system = {"role": "system", "content": system_prompt("restarted")}
+        w, _, _ = fe.chat([system, {"role": "user", "content": "pinned"}], nvext={"backend_instance_id": victim})
+        assert w == victim
+        wait_until(lambda: {c["worker_id"]: c["overlap_blocks"] for c in fe.explain([system, {"role": "user", "content": "q"}])["candidates"]}[victim] > 5,
+                   WAIT, what="the restarted worker's KV events indexed")
         # nobody left: a clean 503, no hang, no leaked load
         for p in (proc, ms[2 - victim].proc):
             os.killpg(p.pid, signal.SIGKILL)
