@@ -328,7 +328,7 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
             elif token != m.eos_token_id or reason != FINISH_STOP:
                 text, hit = tracker.add(m.piece(token), final=reason is not None)
                 if hit:
-                    engine.abort(rid)
+                    engine.abort(rid, FINISH_STOP)
                     return text, FINISH_STOP
         if reason is not None:
             tail, _ = tracker.add("", final=True)

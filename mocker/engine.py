@@ -183,12 +183,13 @@ class RankScheduler:
         self.by_id[seq.request_id] = seq
         heapq.heappush(self.waiting, (seq.sort_key(), seq))
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request (client went away); its blocks return to the cache at once."""
+    def abort(self, request_id: str, reason: str = FINISH_ABORT) -> bool:
+        """Stop a request (client went away, or a stop string ended it: ``reason`` "stop");
+        its blocks return to the cache at once."""
         seq = self.by_id.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, FINISH_ABORT)
+        self._finish(seq, reason)
         return True
 
     def abort_all(self) -> None:
@@ -422,9 +423,8 @@ class EngineRank:
         self.scheduler.add(seq)
         self._wake.set()
 
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
-        self.flush_events()
+    def abort(self, request_id: str, reason: str = FINISH_ABORT) -> None:
+        self.scheduler.abort(request_id, reason)
 
     def flush_events(self) -> None:
         events = self.scheduler.kv.take_events()
