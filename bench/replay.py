@@ -397,7 +397,7 @@ def build_trace(name: str, args: argparse.Namespace) -> Trace:
         cfg = SyntheticConfig(
             seed=args.seed, sessions=args.sessions, turns=args.turns, system_prompts=args.system_prompts,
             system_tokens=args.system_tokens, user_tokens=args.user_tokens, reply_tokens=args.reply_tokens,
-            output_tokens=args.output_tokens, start_window_s=args.start_window, think_s=args.think_time,
+            output_tokens=args.output_tokens, start_window_s=args.start_window, think_s=args.think_time, think_min_s=args.think_min,
         )  # fmt: skip
         return synthetic_trace(cfg)
     path = os.path.join(args.traces_dir, MOONCAKE_TRACES[name]) if name in MOONCAKE_TRACES else name
@@ -454,7 +454,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
     g.add_argument("--output-tokens", type=int, default=d.output_tokens)
     g.add_argument("--start-window", type=float, default=d.start_window_s)
-    g.add_argument("--think-time", type=float, default=d.think_s)
+    g.add_argument("--think-time", type=float, default=d.think_s, help="mean exponential part of the gap between turns")
+    g.add_argument("--think-min", type=float, default=d.think_min_s, help="minimum gap between a session's turns")
     return p
 
 

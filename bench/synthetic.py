@@ -7,8 +7,8 @@ every worker hold (and evict) every session.
 
 Turn k of a session sends ``system + (user_1 + reply_1) + ... + user_k``; ``reply_i`` are
 deterministic synthetic tokens (not the engine's output), so the schedule is identical for every
-router mode. Sessions start spread over ``start_window_s``; turns follow after exponential think
-times. Same config (incl. seed) -> same trace, always.
+router mode. Sessions start spread over ``start_window_s``; turns follow after a minimum plus an
+exponential think time. Same config (incl. seed) -> same trace, always.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ class SyntheticConfig:
     reply_tokens: int = 64  # the assistant turn as it appears in the next prompt's history
     output_tokens: int = 16  # tokens generated per request (max_tokens, ignore_eos)
     start_window_s: float = 40.0
-    think_s: float = 4.0  # mean gap between a session's turns
+    think_s: float = 4.0  # mean gap between a session's turns, on top of think_min_s
+    think_min_s: float = 1.0  # a user reads the reply before answering: no turn overlaps the previous one's prefill
 
     def describe(self) -> str:
         return (
             f"{self.sessions} sessions x {self.turns} turns, {self.system_prompts} shared system prompts of "
             f"{self.system_tokens} tokens, user messages ~{self.user_tokens} tokens, history replies "
             f"{self.reply_tokens} tokens, {self.output_tokens} generated tokens per request, sessions start "
-            f"over {self.start_window_s:g} s, think time ~Exp({self.think_s:g} s), seed {self.seed}"
+            f"over {self.start_window_s:g} s, think time {self.think_min_s:g} s + Exp({self.think_s:g} s), seed {self.seed}"
         )
 
 
@@ -55,7 +56,7 @@ def synthetic_trace(cfg: SyntheticConfig = SyntheticConfig()) -> Trace:
             history.extend(rng.integers(VOCAB_LOW, VOCAB_HIGH, size=int(rng.integers(lo, hi))).tolist())
             pending.append((t, s, k, list(history), cfg.output_tokens))
             history.extend(rng.integers(VOCAB_LOW, VOCAB_HIGH, size=cfg.reply_tokens).tolist())
-            t += float(rng.exponential(cfg.think_s))
+            t += cfg.think_min_s + float(rng.exponential(cfg.think_s))
     pending.sort(key=lambda p: (p[0], p[1], p[2]))
     requests = [TraceRequest(i, round(p[0], 6), p[3], p[4], session=p[1]) for i, p in enumerate(pending)]
     return Trace("synthetic", requests, {"kind": "synthetic", **asdict(cfg), "description": cfg.describe()})
