@@ -439,7 +439,7 @@ class KvIndex:
             for p in range(c):
                 lookup[suffix.ext_of(w, p)] = suffix
 
-    def apply_removed(self, worker_id: int, dp_rank: int, ext_hashes: Sequence[int], tier: str = DEVICE) -> int:
+    def apply_removed(self, worker_id: int, dp_rank: int, ext_hashes: Iterable[int], tier: str = DEVICE) -> int:
         """Remove blocks by external hash. Unknown hashes are skipped; returns how many were found.
 
         On the device tier a removal drops the worker's coverage of the block's run from that
@@ -448,6 +448,8 @@ class KvIndex:
         w = (worker_id, dp_rank)
         if tier != DEVICE:
             return self._lower[tier].remove(w, ext_hashes)
+        if not isinstance(ext_hashes, list):
+            ext_hashes = list(ext_hashes)
         lookup = self._lookup.get(w)
         if lookup is None:
             lookup = self._lookup[w] = {}

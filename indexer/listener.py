@@ -244,7 +244,7 @@ class Listener:
             log.warning("No replay endpoint configured; batches lost (%s from seq %d)", self.endpoint, start)
             return
         self.replays += 1
-        dealer = self.ctx.socket(zmq.DEALER)
+        dealer = zmq.asyncio.Socket(self.ctx, zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         try:
             dealer.connect(self.replay_endpoint)
