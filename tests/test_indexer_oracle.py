@@ -92,3 +92,30 @@ def test_find_matches_agrees_with_reference_radix_tree() -> None:
             assert {w: d for w, (d, _, _) in ours.tier_matches(query).items()} == expected
             compared += 1
     assert compared == 150 * 6
+
+
+def test_divergent_external_hashes_reference_quirk_vs_ours() -> None:
+    """Two engines name the same blocks differently (vLLM without a shared PYTHONHASHSEED).
+
+    The reference keeps only the first inserter's hashes, so B's next store (parent = B's own hash
+    of a shared block) is dropped and B's chain stops at the shared prefix. We index B's own hashes
+    too and keep extending it (documented choice, indexer/core.py).
+    """
+    from dynamo._core import RadixTree
+
+    ref, ours = RadixTree(), KvIndex(4)
+    script = [
+        (1, None, [(11, 101), (12, 102)]),  # A
+        (2, None, [(21, 101), (22, 102)]),  # B: same tokens, its own external hashes
+        (2, 22, [(23, 103)]),  # B continues below its own block 22
+    ]
+    for k, (wid, parent, blocks) in enumerate(script):
+        ours.apply_stored(wid, 0, parent, blocks)
+        data = {"stored": {"parent_hash": parent, "blocks": [{"block_hash": b, "tokens_hash": t} for b, t in blocks]}}
+        try:
+            ref.apply_event(wid, _event(k, data, 0))
+        except RuntimeError:
+            pass
+    query = [101, 102, 103]
+    assert dict(ref.find_matches(query).scores) == {(1, 0): 2, (2, 0): 2}
+    assert ours.find_matches(query) == {(1, 0): 2, (2, 0): 3}
