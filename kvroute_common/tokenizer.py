@@ -286,9 +286,12 @@ class PromptEncoder:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise PromptError("prompt must be a string")
-        if self.piece_re is None:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._encode_fast(text)
+        try:
+            if self.piece_re is None:
+                return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            ids = self._encode_fast(text)
+        except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot encode
+            raise PromptError(f"the prompt cannot be tokenized: {exc}") from None
         if add_special_tokens and (self.prefix or self.suffix):
             return self.prefix + ids + self.suffix
         return ids

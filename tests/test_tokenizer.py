@@ -121,7 +121,7 @@ def test_completion_prompts(tok):
     assert completion_prompt_token_ids(tok, [5, 6, 7]) == [5, 6, 7]
     assert completion_prompt_token_ids(tok, ["Hello world"]) == ids
     assert completion_prompt_token_ids(tok, [[9, 10]]) == [9, 10]
-    for bad in ([], [1, -1], [1, len(tok)], [1, "x"], ["a", "b"], 42, None, [[1], [2]]):
+    for bad in ([], [1, -1], [1, len(tok)], [1, "x"], ["a", "b"], 42, None, [[1], [2]], "lone \ud800 surrogate"):
         with pytest.raises(PromptError):
             completion_prompt_token_ids(tok, bad)
 
