@@ -158,12 +158,16 @@ class Router:
             pool = [w]
         else:
             pool = [w for w in entry.workers.values() if w.healthy]
+        rank_fits = False
         for w in pool:
             ranks = w.spec.ranks
-            if pinned_rank is not None and pinned_worker is not None:
+            if pinned_rank is not None:
                 if pinned_rank not in ranks:
-                    raise OpenAIError(400, f"dp_rank {pinned_rank} is out of range for worker {w.id}")
+                    if pinned_worker is not None:
+                        raise OpenAIError(400, f"dp_rank {pinned_rank} is out of range for worker {w.id}")
+                    continue  # a rank-only pin: workers without that rank are not candidates
                 ranks = range(pinned_rank, pinned_rank + 1)
+            rank_fits = True
             if check:
                 total = w.num_gpu_blocks
                 mbt = w.max_num_batched_tokens
@@ -176,6 +180,8 @@ class Router:
                     continue
             for r in ranks:
                 out.append((w, r))
+        if pinned_rank is not None and pool and not rank_fits:
+            raise OpenAIError(400, f"dp_rank {pinned_rank} is out of range for every worker of model {entry.name}")
         return out, busy
 
     # ------------------------------------------------------------------------------------------

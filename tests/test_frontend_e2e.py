@@ -497,6 +497,13 @@ def test_data_parallel_ranks_are_separate_candidates() -> None:
         wait_until(lambda: {(c["dp_rank"], c["overlap_blocks"] > 5) for c in fe.explain([system, {"role": "user", "content": "x"}])["candidates"]}
                    == {(rank, True), (1 - rank, False)}, WAIT, what="per-rank KV events indexed")
         assert Counter(fe.chat([system, {"role": "user", "content": f"q{i}"}])[1] for i in range(5)) == Counter({rank: 5})
+        # a rank pin (header) overrides the cache preference; an impossible rank is a 400
+        pinned = fe.client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[system, {"role": "user", "content": "pinned"}], max_tokens=1,
+            extra_headers={"x-dynamo-dp-rank": str(1 - rank)})
+        assert pinned.headers["x-data-parallel-rank"] == str(1 - rank)
+        with pytest.raises(openai.BadRequestError):
+            fe.client.chat.completions.create(model=MODEL, messages=unique_prompt(), max_tokens=1, extra_headers={"x-dynamo-dp-rank": "5"})
         with open(os.path.join(_log_dir(), f"frontend-{fe.port}.log"), encoding="utf-8") as f:
             log = f.read()
         # the guide's per-candidate debug line
