@@ -208,3 +208,14 @@ def test_upstream_client_streams_reuses_and_reports_errors() -> None:
             await UpstreamPool(f"http://127.0.0.1:{dead_port}").request("POST", "/echo", b"{}")
 
     asyncio.run(main())
+
+
+def test_metric_buckets_are_the_references() -> None:
+    from frontend import metrics as m
+
+    assert m.REQUEST_DURATION_BUCKETS == [0, 2, 4, 8, 16, 32, 64, 130, 260, 510]
+    assert m.ISL_BUCKETS == [0, 100, 210, 430, 870, 1800, 3600, 7400, 15000, 31000, 63000, 130000]
+    assert m.OSL_BUCKETS == [0, 100, 210, 430, 880, 1800, 3700, 7600, 16000, 32000]
+    assert m.TTFT_BUCKETS == [0, 0.0022, 0.0047, 0.01, 0.022, 0.047, 0.1, 0.22, 0.47, 1, 2.2, 4.7, 10, 22, 48, 100, 220, 480]
+    assert m.ITL_BUCKETS == [0, 0.0019, 0.0035, 0.0067, 0.013, 0.024, 0.045, 0.084, 0.16, 0.3, 0.56, 1.1, 2]
+    assert m.KV_HIT_RATE_BUCKETS[:3] == [0.0, 0.05, 0.1] and m.KV_HIT_RATE_BUCKETS[-1] == 1.0
