@@ -568,6 +568,14 @@ class OpenAIRoutes:
                 mm.queued.dec()
                 mm.finished("error", "cancelled")
             raise
+        except Exception as exc:  # a bug or an unexpected library error: still an OpenAI-shaped 500
+            log.exception("request failed")
+            if mm is not None and not ctx.recorded:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", "internal")
+            return openai_error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
     async def _dispatch(self, ctx: RequestContext, pinned_worker: int | None, pinned_rank: int | None) -> Any:
         state = self.state
