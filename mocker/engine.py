@@ -3,9 +3,9 @@
 ``RankScheduler`` is the synchronous core (no I/O, no clock): ``schedule()`` plans one forward
 pass (running sequences first, one decode token each or the next prefill chunk, then waiting
 sequences by priority within the token budget, preempting the lowest-priority newest running
-sequence when blocks run out) and ``commit()`` applies it once the simulated time has passed
-(caches newly full blocks, samples one token for every sequence whose known tokens are all
-computed). ``EngineRank`` drives it from asyncio: it sleeps for the modelled step time, so an
+sequence when blocks run out, and registers the blocks the step fills in the prefix cache, as
+vLLM does at scheduling) and ``commit()`` applies it once the simulated time has passed (samples
+one token for every sequence whose known tokens are all computed). ``EngineRank`` drives it from asyncio: it sleeps for the modelled step time, so an
 idle or busy engine costs almost no CPU.
 
 Generated tokens are deterministic: each sequence draws from its own RNG seeded by the engine
@@ -257,6 +257,7 @@ class RankScheduler:
                 self._finish(seq, FINISH_LENGTH)
                 continue
             seq.blocks.extend(kv.allocate(need) or [])
+            self._cache_full_blocks(seq, seq.num_computed + num_new)
             scheduled[id(seq)] = num_new
             step.items.append((seq, num_new))
             budget -= num_new
@@ -319,26 +320,33 @@ class RankScheduler:
         self.stats.prefix_cache_hits += computed
         seq.status = RUNNING
         self.running.append(seq)
+        self._cache_full_blocks(seq, computed + num_new)
         scheduled[id(seq)] = num_new
         step.items.append((seq, num_new))
         return True
 
+    def _cache_full_blocks(self, seq: Sequence, n_tokens: int) -> None:
+        """Register the blocks that are full once this step has computed ``n_tokens`` tokens.
+
+        Done when the step is scheduled, as vLLM's allocate_slots does: the step's forward pass
+        writes these blocks before any later step can read them, and a sequence admitted in the
+        same step can already share them (KV is written before attention runs).
+        """
+        n_full = n_tokens // self.block_size
+        if n_full > seq.num_cached_blocks:
+            seq.update_hashes(self.block_size)
+            self.kv.cache_blocks(seq.blocks, seq.num_cached_blocks, seq.seq_hashes[:n_full], seq.local_hashes,
+                                 seq.tokens)
+            seq.num_cached_blocks = n_full
+
     def commit(self, step: Step) -> None:
-        """Apply a planned step after its simulated time: cache full blocks, sample tokens."""
-        bs = self.block_size
-        kv = self.kv
+        """Apply a planned step after its simulated time: sample one token per finished sequence."""
         now = self.clock()
         self.stats.steps += 1
         for seq, num_new in step.items:
             if seq.status != RUNNING:
                 continue  # aborted or preempted since it was scheduled
             seq.num_computed += num_new
-            n_full = seq.num_computed // bs
-            if n_full > seq.num_cached_blocks:
-                seq.update_hashes(bs)
-                kv.cache_blocks(seq.blocks, seq.num_cached_blocks, seq.seq_hashes[:n_full],
-                                seq.local_hashes, seq.tokens)
-                seq.num_cached_blocks = n_full
             if seq.num_computed < len(seq.tokens):
                 continue  # prefill chunk, more to compute
             token, reason = self._next_token(seq)
@@ -446,9 +454,9 @@ class EngineRank:
                 continue
             started = loop.time()
             try:
-                step = sched.schedule()  # evictions recorded here go out with the step's batch
+                step = sched.schedule()
+                self.flush_events()  # the step's evictions and newly cached blocks, like vLLM at scheduling
                 if not step.items:
-                    self.flush_events()
                     # nothing can run now (e.g. memory held by requests that just finished)
                     await asyncio.sleep(0.001)
                     continue
