@@ -30,9 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    import uvicorn
-
-    from slot_tracker.service import PotentialLoadsFastPath, build_app
+    from kvroute_common.fast_http import run
+    from slot_tracker.service import build_app
 
     registry = SlotRegistry(expiry_secs=expiry_from_env())
     sync = None
@@ -41,29 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
         peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
         sync = ReplicaSync(registry, ns.replica_sync_bind, ns.replica_sync_advertise, peers)
-    app = PotentialLoadsFastPath(build_app(registry, sync), registry)
-    # the lean settings measured in docs/bench/slot_tracker.md: httptools (one write per response) +
-    # uvloop, no access log, no proxy-header rewriting (nothing proxies us), no `server` header
-    http: object = "httptools"
-    if ns.http_protocol == "coalescing":
-        try:
-            from slot_tracker.fast_http import HeaderCoalescingProtocol
-
-            http = HeaderCoalescingProtocol
-        except ImportError:  # an uvicorn without the httptools protocol module
-            pass
-    uvicorn.run(
-        app,
-        host=ns.host,
-        port=ns.port,
-        log_level=ns.log_level,
-        access_log=False,
-        http=http,  # type: ignore[arg-type]
-        loop="uvloop",
-        lifespan="on",
-        proxy_headers=False,
-        server_header=False,
-    )
+    # uvicorn with the lean settings measured in docs/bench/slot_tracker.md (kvroute_common.fast_http)
+    run(build_app(registry, sync), ns.host, ns.port, log_level=ns.log_level, coalesce=ns.http_protocol == "coalescing")
     return 0
 
 

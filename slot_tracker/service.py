@@ -17,13 +17,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
-import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvroute_common.fast_http import FastJsonRoutes, JsonHandler
 from kvroute_common.http import ApiError, MiB, decode_json, json_response, json_service, ok, raw_json_response, read_body, read_json, route
 from kvroute_common.http import _is_json_content_type as is_json_content_type
 from slot_tracker.core import U32_MAX, U64_MAX, SlotRegistry, SlotTrackerError
@@ -168,47 +167,17 @@ def potential_loads_json(registry: SlotRegistry, body: bytes) -> bytes:
     return encode_potential_loads(tracker.potential_loads(b.sequence_hashes, isl))  # the core takes i64 or u64
 
 
-class PotentialLoadsFastPath:
-    """ASGI wrapper answering ``POST /potential_loads`` before Starlette's routing and Request.
+def hot_routes(registry: SlotRegistry) -> dict[str, JsonHandler]:
+    """The routes ``FastJsonRoutes`` answers before Starlette: POST /potential_loads (the routing read path).
 
-    The routing read path is the service's hot path; py-spy showed the router, middleware stack
-    and Request/Response objects costing about as much as the handler itself (see
-    docs/bench/slot_tracker.md). Same checks, same order as ``read_json``: 415, 413, 400, 422.
-    Everything else goes to ``app``.
+    py-spy showed Starlette's router, middleware and Request/Response objects costing about as
+    much as this handler (docs/bench/slot_tracker.md).
     """
 
-    def __init__(self, app: ASGIApp, registry: SlotRegistry, path: str = "/potential_loads") -> None:
-        self.app = app
-        self.registry = registry
-        self.path = path
+    def potential_loads(body: bytes) -> tuple[int, bytes]:
+        return 200, potential_loads_json(registry, body)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != self.path or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        content_type = content_length = None
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                content_type = value
-            elif name == b"content-length":
-                content_length = value
-        try:
-            if content_type is None or not is_json_content_type(content_type.decode("latin-1")):
-                raise ApiError(415, "Expected request with `Content-Type: application/json`")
-            if content_length is not None and content_length.isdigit() and int(content_length) > BODY_LIMIT:
-                raise ApiError(413, "Failed to buffer the request body: length limit exceeded")
-            message = await receive()
-            body = message.get("body", b"")
-            while message.get("more_body", False):
-                message = await receive()
-                body += message.get("body", b"")
-                if len(body) > BODY_LIMIT:
-                    raise ApiError(413, "Failed to buffer the request body: length limit exceeded")
-            status, payload = 200, potential_loads_json(self.registry, body)
-        except ApiError as exc:
-            status, payload = exc.status, orjson.dumps({"error": exc.message})
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(payload))]})
-        await send({"type": "http.response.body", "body": payload})
+    return {"/potential_loads": potential_loads}
 
 
 def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = None) -> list[BaseRoute]:
@@ -306,8 +275,9 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
     return routes
 
 
-def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, sweep_interval: float | None = None) -> Starlette:
-    """The standalone service: tracker routes, stale sweeps, and replica sync started with the app."""
+def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, sweep_interval: float | None = None) -> FastJsonRoutes:
+    """The standalone service: tracker routes (the hot one answered by ``FastJsonRoutes`` first),
+    stale sweeps, and replica sync started with the app."""
     interval = sweep_interval if sweep_interval is not None else min(30.0, max(registry.expiry_secs / 10.0, 0.05))
 
     @contextlib.asynccontextmanager
@@ -331,7 +301,7 @@ def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, s
 
     app = json_service(tracker_routes(registry, replica_sync), lifespan=lifespan)
     app.router.redirect_slashes = False  # the reference answers 404 for /register/, not a redirect
-    return app
+    return FastJsonRoutes(app, hot_routes(registry), BODY_LIMIT)
 
 
-__all__ = ["build_app", "tracker_routes", "potential_loads_json", "PotentialLoadsFastPath", "encode_potential_loads"]
+__all__ = ["build_app", "tracker_routes", "hot_routes", "potential_loads_json", "encode_potential_loads"]
