@@ -409,17 +409,16 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no
 
 
 def _tokenize(entry: ModelEntry, body: dict, chat: bool) -> list[int]:
-    from kvroute_common.tokenizer import PromptError, chat_prompt_token_ids, completion_prompt_token_ids
+    from kvroute_common.tokenizer import PromptError, chat_request_token_ids, completion_prompt_token_ids
 
     try:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
-            kwargs = body.get("chat_template_kwargs") or {}
-            if not isinstance(kwargs, dict):
-                raise OpenAIError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-            return chat_prompt_token_ids(entry.tokenizer, messages, **kwargs)
+            # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
+            # continue_final_message, tools, documents): the router must hash the engine's tokens
+            return chat_request_token_ids(entry.tokenizer, body)
         if "prompt" not in body:
             raise OpenAIError(400, "'prompt' is required", "prompt")
         return completion_prompt_token_ids(entry.tokenizer, body["prompt"])

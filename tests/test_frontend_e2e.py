@@ -556,3 +556,28 @@ def test_tracker_endpoints_share_the_frontends_accounting(cluster: Cluster) -> N
     wait_until(fe.idle, WAIT, what="idle after the external free")
     r = fe.http.post("/potential_loads", json={"model_name": MODEL, "sequence_hashes": [1, 2], "new_isl_tokens": 32})
     assert sorted((p["worker_id"], p["potential_prefill_tokens"]) for p in r.json()) == [(1, 32), (2, 32), (3, 32)]
+
+
+def test_router_tokenizes_exactly_as_the_engine_for_template_arguments(cluster: Cluster) -> None:
+    """Template arguments that change the prompt (add_generation_prompt, continue_final_message, tools,
+    chat_template_kwargs) must change the router's tokens the same way they change the engine's."""
+    fe, worker = cluster.kv, cluster.mockers[0]
+    messages = [{"role": "user", "content": "Plan a trip."}, {"role": "assistant", "content": "Sure, first"}]
+    variants = [
+        {},
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]},
+        {"chat_template_kwargs": {"add_generation_prompt": False}},
+    ]
+    seen = set()
+    for extra in variants:
+        body = {"model": MODEL, "messages": messages, **extra}
+        routed = fe.http.post("/admin/route", json=body)
+        assert routed.status_code == 200, routed.text
+        engine = httpx.post(worker.url + "/tokenize", json=body, timeout=10.0)
+        assert engine.status_code == 200, engine.text
+        engine_count = engine.json()["count"]
+        assert routed.json()["isl"] == engine_count, extra
+        seen.add(engine_count)
+    assert len(seen) >= 2  # the variants really do render different prompts
