@@ -23,15 +23,17 @@ from bench.traces import VOCAB_HIGH, VOCAB_LOW, Trace, TraceRequest
 @dataclass(frozen=True, slots=True)
 class SyntheticConfig:
     seed: int = 0
-    sessions: int = 60
-    turns: int = 6
+    # Defaults = the tuned benchmark workload (docs/bench/replay.md): long, prefix-heavy conversations
+    # (mean prompt ~7.3k tokens, last turn ~13k) so that recomputing a missed history costs real time.
+    sessions: int = 40
+    turns: int = 10
     system_prompts: int = 4
-    system_tokens: int = 512
-    user_tokens: int = 96  # mean; each message draws uniformly in [user_tokens/2, 3*user_tokens/2]
-    reply_tokens: int = 64  # the assistant turn as it appears in the next prompt's history
-    output_tokens: int = 16  # tokens generated per request (max_tokens, ignore_eos)
-    start_window_s: float = 40.0
-    think_s: float = 4.0  # mean gap between a session's turns, on top of think_min_s
+    system_tokens: int = 1024
+    user_tokens: int = 512  # mean; each message draws uniformly in [user_tokens/2, 3*user_tokens/2]
+    reply_tokens: int = 768  # the assistant turn as it appears in the next prompt's history
+    output_tokens: int = 4  # tokens generated per request (max_tokens, ignore_eos)
+    start_window_s: float = 30.0
+    think_s: float = 2.0  # mean gap between a session's turns, on top of think_min_s
     think_min_s: float = 1.0  # a user reads the reply before answering: no turn overlaps the previous one's prefill
 
     def describe(self) -> str:

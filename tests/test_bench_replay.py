@@ -13,7 +13,7 @@ from support import REPO_ROOT
 
 TINY_SYNTHETIC = [
     "--sessions", "4", "--turns", "3", "--system-prompts", "2", "--system-tokens", "64", "--user-tokens", "24",
-    "--reply-tokens", "16", "--output-tokens", "4", "--start-window", "1", "--think-time", "0.3",
+    "--reply-tokens", "16", "--output-tokens", "4", "--start-window", "1", "--think-time", "0.3", "--think-min", "0.2",
 ]  # fmt: skip
 
 
@@ -30,7 +30,7 @@ def check_mode(m: dict, requests: int) -> None:
 def test_replay_cli_starts_cold_clusters_per_mode_and_writes_outputs(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "bench", "replay", "--trace", "synthetic", "--modes", "kv,round_robin", "--workers", "2",
-           "--num-gpu-blocks", "256", "--speedup-ratio", "10", "--max-duration", "60", "--out-dir", str(out), *TINY_SYNTHETIC]  # fmt: skip
+           "--variant", "none", "--num-gpu-blocks", "256", "--speedup-ratio", "10", "--max-duration", "60", "--out-dir", str(out), *TINY_SYNTHETIC]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "oracle" in run.stdout and "[kv]" in run.stdout and "[round_robin]" in run.stdout  # progress output
