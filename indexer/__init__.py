@@ -6,7 +6,7 @@ Modules (one concept each):
   normalize  engine events -> index operations (medium table, filters, local hashes from tokens)
   listener   asyncio ZMQ SUB listener per (instance, dp_rank), sequence tracking and gap replay
   registry   IndexerRegistry: partitions + listeners (shared by the service and the frontend)
-  service    HTTP routes (Starlette) and the /query answer; hot handlers for httpserver
-  httpserver small HTTP/1.1 server answering the hot query routes in the protocol callback
+  service    HTTP routes (Starlette), the /query answer, the hot query handlers (``hot_routes``)
   app        ``python -m indexer``: CLI, start-up (workers, P2P recovery, gate), serving
+             (uvicorn via kvroute_common.fast_http, shared with the slot tracker)
 """

@@ -3,8 +3,9 @@
 Start-up follows the reference (§3.8): register ``--workers`` (their listeners connect at once but
 wait behind the ready gate), wait a moment past ZMQ's slow-joiner window, restore the first
 reachable peer's /dump, wait for ``DYN_ROUTER_MIN_INITIAL_WORKERS`` workers, open the gate (the
-listeners drain what they buffered), then bind the HTTP port (indexer.httpserver: the hot query
-routes answered in the protocol callback, everything else through the Starlette app).
+listeners drain what they buffered), then bind the HTTP port: uvicorn through
+``kvroute_common.fast_http.serve``, the query routes answered by ``FastJsonRoutes`` before the
+Starlette app (the same fast path as the slot tracker's).
 
 ``--threads``: accepted for CLI compatibility and otherwise ignored. Everything (index, ZMQ
 listeners, HTTP) runs on one asyncio loop: under the GIL a pool of threads cannot run Python index
@@ -19,15 +20,14 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 import httpx
 import prometheus_client
 
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError, parse_workers_arg, split_urls
-from indexer.httpserver import HttpServer
-from indexer.service import BODY_LIMIT, QUERY_BODY_LIMIT, PeerList, build_app, hot_handlers
+from indexer.service import PeerList, build_app
+from kvroute_common.fast_http import serve as serve_http
 
 log = logging.getLogger("indexer")
 
@@ -90,19 +90,8 @@ async def serve(args: argparse.Namespace) -> int:
     for url in peer_urls:
         peers.add(url)
     ready.set()
-    app = build_app(registry, peers)
-    server = HttpServer(app, hot_handlers(registry, app.state.metrics), QUERY_BODY_LIMIT, BODY_LIMIT)
-    await server.start(args.host, args.port)
-    log.info("indexer listening on http://%s:%d", args.host, args.port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await server.close()
-        await registry.close()
+    # until SIGINT/SIGTERM; the app's lifespan stops the registry's listeners on the way out
+    await serve_http(build_app(registry, peers), args.host, args.port, log_level=args.log_level.lower())
     return 0
 
 

@@ -1,12 +1,14 @@
 """HTTP API of the indexer (the document's routes and the reference's statuses), JSON errors everywhere.
 
 ``indexer_routes(registry, peers)`` gives the routes so the frontend can serve them on its own
-port; ``build_app`` wraps them into the standalone service's Starlette app with /metrics.
-``overlap_payload`` is the /query answer, shared by whoever serves it.
+port; ``build_app`` wraps them into the standalone service's Starlette app with /metrics, behind
+``kvroute_common.fast_http.FastJsonRoutes`` answering the two query routes (``hot_routes``)
+first. ``overlap_payload`` is the /query answer, shared by whoever serves it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated, Any
@@ -22,18 +24,8 @@ from starlette.routing import BaseRoute, Route
 
 from indexer.core import KvIndex
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError
-from kvroute_common.http import (
-    ApiError,
-    MiB,
-    decode_json,
-    error_response,
-    is_json_content_type,
-    json_response,
-    ok,
-    raw_json_response,
-    read_json,
-    read_json_asgi,
-)
+from kvroute_common.fast_http import FastJsonRoutes, JsonHandler
+from kvroute_common.http import ApiError, MiB, decode_json, error_response, json_response, json_service, ok, raw_json_response, read_json
 from router.hashing import local_block_hashes
 
 QUERY_BODY_LIMIT = 8 * MiB
@@ -303,74 +295,32 @@ def indexer_routes(registry: IndexerRegistry, peers: PeerList, metrics: Metrics 
     ]
 
 
-_JSON_HEADERS = [(b"content-type", b"application/json")]
+def hot_routes(registry: IndexerRegistry) -> dict[str, JsonHandler]:
+    """The two query routes, answered by ``kvroute_common.fast_http.FastJsonRoutes`` before Starlette.
 
-
-def hot_handlers(registry: IndexerRegistry, metrics: Metrics | None = None) -> dict[str, Callable[[bytes, bytes | None], tuple[int, bytes]]]:
-    """Synchronous handlers of the two hot routes for indexer.httpserver: (body, content type) -> (status, JSON)."""
-
-    def make(path: str, type_: type, answer: Callable[[IndexerRegistry, Any], bytes]) -> Callable[[bytes, bytes | None], tuple[int, bytes]]:
-        def handle(body: bytes, content_type: bytes | None) -> tuple[int, bytes]:
-            start = time.perf_counter()
-            try:
-                if not is_json_content_type(content_type.decode("latin-1") if content_type else None):
-                    raise ApiError(415, "Expected request with `Content-Type: application/json`")
-                status, out = 200, answer(registry, decode_json(body, type_))
-            except (ApiError, RegistryError) as exc:
-                status, out = exc.status, orjson.dumps({"error": exc.message})
-            if metrics is not None:
-                metrics.observe(path, "POST", status, time.perf_counter() - start)
-            return status, out
-
-        return handle
-
-    return {
-        "/query": make("/query", QueryRequest, answer_query),
-        "/query_by_hash": make("/query_by_hash", QueryByHashRequest, answer_query_by_hash),
-    }
-
-
-class FastQueries:
-    """ASGI front for the two hot routes (POST /query, /query_by_hash), everything else to ``app``.
-
-    Same validation, statuses and bodies as the Starlette routes, without building a Request,
-    routing through the route table and the exception middleware: that framework work was most
-    of a query's cost (see docs/bench/indexer.md).
+    Same validation, statuses and bodies as the Starlette routes, without the Request, the route
+    table and the exception middleware: that framework work was most of a query's cost
+    (docs/bench/indexer.md).
     """
 
-    def __init__(self, app: Any, registry: IndexerRegistry, metrics: Metrics | None = None) -> None:
-        self.app = app
-        self.registry = registry
-        self.metrics = metrics
-        self.state = getattr(app, "state", None)
-        self._routes = {
-            "/query": (QueryRequest, answer_query),
-            "/query_by_hash": (QueryByHashRequest, answer_query_by_hash),
-        }
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        route = self._routes.get(scope.get("path", "")) if scope["type"] == "http" and scope.get("method") == "POST" else None
-        if route is None:
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        type_, answer = route
-        status = 200
+    def query(body: bytes) -> tuple[int, bytes]:
         try:
-            body = answer(self.registry, await read_json_asgi(scope, receive, type_, QUERY_BODY_LIMIT))
-        except (ApiError, RegistryError) as exc:
-            status = exc.status
-            body = orjson.dumps({"error": exc.message})
-        await send({"type": "http.response.start", "status": status, "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-        if self.metrics is not None:
-            self.metrics.observe(scope["path"], "POST", status, time.perf_counter() - start)
+            return 200, answer_query(registry, decode_json(body, QueryRequest))
+        except RegistryError as exc:
+            raise ApiError(exc.status, exc.message) from None
+
+    def query_by_hash(body: bytes) -> tuple[int, bytes]:
+        try:
+            return 200, answer_query_by_hash(registry, decode_json(body, QueryByHashRequest))
+        except RegistryError as exc:
+            raise ApiError(exc.status, exc.message) from None
+
+    return {"/query": query, "/query_by_hash": query_by_hash}
 
 
-def build_app(registry: IndexerRegistry, peers: PeerList | None = None) -> Any:
-    """The standalone service's ASGI app: the indexer routes plus /health and /metrics."""
-    from kvroute_common.http import json_service
-
+def build_app(registry: IndexerRegistry, peers: PeerList | None = None) -> FastJsonRoutes:
+    """The standalone service's ASGI app: the indexer routes plus /health and /metrics, the query
+    routes answered first by ``FastJsonRoutes``; the registry's listeners stop with the app."""
     peers = peers if peers is not None else PeerList()
     metrics = Metrics(registry)
 
@@ -380,10 +330,20 @@ def build_app(registry: IndexerRegistry, peers: PeerList | None = None) -> Any:
     async def metrics_route(request: Request) -> Response:
         return metrics.render()
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any):  # type: ignore[no-untyped-def]
+        try:
+            yield
+        finally:
+            await registry.close()
+
+    def observe(path: str, status: int, seconds: float) -> None:
+        metrics.observe(path, "POST", status, seconds)
+
     routes = indexer_routes(registry, peers, metrics)
     routes += [Route("/health", health, methods=["GET"]), Route("/metrics", metrics_route, methods=["GET"])]
-    app = json_service(routes)
+    app = json_service(routes, lifespan=lifespan)
     app.state.registry = registry
     app.state.peers = peers
     app.state.metrics = metrics
-    return FastQueries(app, registry, metrics)
+    return FastJsonRoutes(app, hot_routes(registry), QUERY_BODY_LIMIT, observe)

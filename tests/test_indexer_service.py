@@ -249,7 +249,8 @@ def _raw(base: str, data: bytes, expect_responses: int = 1) -> bytes:
         return buf
 
 
-def test_http_server_keepalive_pipelining_chunked_and_continue(base: str) -> None:
+def test_raw_http_keepalive_pipelining_chunked_and_continue(base: str) -> None:
+    """The query routes (answered by FastJsonRoutes before Starlette) keep HTTP/1.1 semantics on uvicorn."""
     assert post(f"{base}/register", reg_body(401, free_port(), "raw")).status_code == 201
     q = json.dumps({"token_ids": toks(1, 2), "model_name": "raw"}).encode()
     req = b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(q), q)
@@ -264,9 +265,26 @@ def test_http_server_keepalive_pipelining_chunked_and_continue(base: str) -> Non
     # Expect: 100-continue gets its interim answer before the final one
     cont = _raw(base, req.replace(b"host: x\r\n", b"host: x\r\nexpect: 100-continue\r\n"))
     assert cont.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK")
-    # wrong content type on a hot route, then malformed HTTP
+    # wrong content type on a hot route, then malformed HTTP (a JSON error too)
     text = req.replace(b"application/json", b"text/plain")
     assert b"HTTP/1.1 415" in _raw(base, text)
-    assert b"HTTP/1.1 400" in _raw(base, b"NOT HTTP\r\n\r\n")
+    assert _raw(base, b"NOT HTTP\r\n\r\n").startswith(b"HTTP/1.1 400") and b'{"error":' in _raw(base, b"NOT HTTP\r\n\r\n")
     # HTTP/1.0 without keep-alive: answer then close
     assert b"connection: close" in _raw(base, req.replace(b"HTTP/1.1\r\n", b"HTTP/1.0\r\n", 1))
+
+
+def test_fast_query_routes_are_counted_in_metrics(base: str) -> None:
+    assert post(f"{base}/register", reg_body(501, free_port(), "met")).status_code == 201
+
+    def count(endpoint: str) -> float:
+        for line in httpx.get(f"{base}/metrics").text.splitlines():
+            if line.startswith(f'dynamo_kvindexer_requests_total{{endpoint="{endpoint}",method="POST"}}'):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = count("/query_by_hash"), count("/query")
+    assert post(f"{base}/query_by_hash", {"block_hashes": [1], "model_name": "met"}).status_code == 200
+    assert post(f"{base}/query", {"token_ids": toks(1), "model_name": "met"}).status_code == 200
+    assert post(f"{base}/query", {"token_ids": toks(1), "model_name": "none"}).status_code == 404
+    assert (count("/query_by_hash"), count("/query")) == (before[0] + 1, before[1] + 2)
+    assert 'dynamo_kvindexer_errors_total{endpoint="/query",status_class="4xx"}' in httpx.get(f"{base}/metrics").text
