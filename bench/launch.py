@@ -130,6 +130,24 @@ class Cluster:
         self.frontend: Child | None = None
         self.frontend_url: str | None = None
         self._children: list[Child] = []
+        self._reserved: set[int] = set()  # ports handed to children that may not have bound them yet
+
+    def _port(self) -> int:
+        for _ in range(100):
+            port = free_port()
+            if port not in self._reserved:
+                self._reserved.add(port)
+                return port
+        raise RuntimeError("no free port found")
+
+    def _port_block(self, n: int) -> int:
+        for _ in range(100):
+            base = free_port_block(n)
+            block = set(range(base, base + n))
+            if not block & self._reserved:
+                self._reserved |= block
+                return base
+        raise RuntimeError(f"no block of {n} free ports found")
 
     # -- starting ---------------------------------------------------------------------------------
     def _spawn(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Child:
@@ -154,7 +172,7 @@ class Cluster:
 
     def start_mocker(self, opts: MockerOptions, worker_id: int | None = None, port: int | None = None) -> Worker:
         worker_id = worker_id if worker_id is not None else len(self.workers) + 1
-        port = port or free_port()
+        port = port or self._port()
         args = [
             "-m", "mocker", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", opts.model_name,
@@ -165,7 +183,7 @@ class Cluster:
         ]  # fmt: skip
         kv_ep = replay_ep = None
         if opts.kv_events:
-            base = free_port_block(2 * opts.dp_size)
+            base = self._port_block(2 * opts.dp_size)
             args += ["--kv-events-endpoint", f"tcp://127.0.0.1:{base}", "--replay-endpoint", f"tcp://127.0.0.1:{base + opts.dp_size}"]
             kv_ep, replay_ep = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + opts.dp_size}"
         else:
@@ -186,7 +204,7 @@ class Cluster:
         model_path: str | None = None,
         kv_events: bool = True,
     ) -> str:
-        port = port or free_port()
+        port = port or self._port()
         args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", router_mode]
         for w in self.workers:
             spec = w.frontend_spec() if kv_events else f"id={w.worker_id},url={w.url},dp_size={w.dp_size}"
@@ -268,19 +286,31 @@ def start_cluster(
     frontend_args: Sequence[str] = (),
     log_dir: str | None = None,
     timeout: float = 120.0,
+    attempts: int = 3,
 ) -> Cluster:
-    """N mockers + a frontend, all ready to serve; stops whatever started if start-up fails."""
-    cluster = Cluster(log_dir=log_dir)
-    try:
-        for _ in range(n_workers):
-            cluster.start_mocker(opts)
-        cluster.wait_workers_ready(timeout)
-        cluster.start_frontend(router_mode, port=frontend_port, extra_args=frontend_args, model_path=opts.model_path, kv_events=opts.kv_events)
-        cluster.wait_frontend_ready(opts.model_name, timeout)
-        return cluster
-    except BaseException:
-        cluster.stop()
-        raise
+    """N mockers + a frontend, all ready to serve; stops whatever started if start-up fails.
+
+    Ports are picked free just before the children bind them, so on a busy machine another process
+    can take one in between: a start-up that fails is retried on fresh ports (``attempts`` times).
+    """
+    for attempt in range(1, attempts + 1):
+        cluster = Cluster(log_dir=log_dir)
+        try:
+            for _ in range(n_workers):
+                cluster.start_mocker(opts)
+            cluster.wait_workers_ready(timeout)
+            cluster.start_frontend(router_mode, port=frontend_port, extra_args=frontend_args, model_path=opts.model_path, kv_events=opts.kv_events)
+            cluster.wait_frontend_ready(opts.model_name, timeout)
+            return cluster
+        except (RuntimeError, TimeoutError) as exc:
+            cluster.stop()
+            if attempt == attempts or "in use" not in str(exc):
+                raise
+            print(f"start-up failed on a port conflict (attempt {attempt}/{attempts}); retrying on fresh ports", file=sys.stderr, flush=True)
+        except BaseException:
+            cluster.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

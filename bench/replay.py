@@ -328,6 +328,20 @@ def replay_mode(trace: Trace, mode: str | ModeSpec, opts: RunOptions, progress=p
     return summary
 
 
+def replay_mode_or_failure(trace: Trace, spec: ModeSpec, opts: RunOptions, progress=print) -> dict:
+    """``replay_mode``, but a mode that cannot run becomes a failed row instead of losing the others."""
+    try:
+        return replay_mode(trace, spec, opts, progress)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        if progress:
+            progress(f"[{spec.label}] run failed: {exc}")
+        n = len(trace.requests)
+        row = summarize([RequestResult(r.index, r.arrival_s, error=f"run failed: {exc}") for r in trace.requests], 0.0)
+        row.update({"mode": spec.label, "router_mode": spec.router_mode, "frontend_args": list(spec.frontend_args), "cache": None, "hit_rate": None})
+        row["requests"] = n
+        return row
+
+
 def replay_url(trace: Trace, url: str, label: str, metrics_urls: Sequence[str], opts: RunOptions, progress=print) -> dict:
     """One replay against an already running frontend (its router mode is whatever it was started with)."""
     before = scrape_cache_counters(metrics_urls)
@@ -534,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, opts)]
             setup = f"external frontend {args.url}"
         else:
-            results = [replay_mode(trace, mode, opts) for mode in modes]
+            results = [replay_mode_or_failure(trace, mode, opts) for mode in modes]
             setup = (
                 f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, {args.num_gpu_blocks} KV blocks per rank, "
                 f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, speedup {args.speedup_ratio:g}; "
