@@ -8,14 +8,15 @@ matplotlib.use("Agg")  # no display on servers / in tests
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"kv": "#2a9d8f", "round_robin": "#e76f51", "random": "#8d99ae"}
+VARIANT_COLOR = "#264653"  # tuned kv rows
 
 
 def plot_report(report: dict, path: str) -> None:
     """Three panels: TTFT p50/p90, end-to-end p50/p90, cache hit rate against the oracle."""
     modes = report["modes"]
     names = [m["mode"] for m in modes]
-    colors = [COLORS.get(n, "#457b9d") for n in names]
-    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.3), dpi=80)
+    colors = [COLORS.get(n, VARIANT_COLOR) for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.5), dpi=80)
 
     def latency_panel(ax, key: str, title: str) -> None:
         x = range(len(names))
@@ -23,7 +24,7 @@ def plot_report(report: dict, path: str) -> None:
         p90 = [(m[key]["p90"] or 0) for m in modes]
         ax.bar([i - 0.2 for i in x], p50, width=0.4, color=colors, label="p50")
         ax.bar([i + 0.2 for i in x], p90, width=0.4, color=colors, alpha=0.45, label="p90")
-        ax.set_xticks(list(x), names)
+        ax.set_xticks(list(x), names, fontsize=8, rotation=15)
         ax.set_ylabel("ms")
         ax.set_title(title)
         ax.legend(fontsize=8)
@@ -32,7 +33,8 @@ def plot_report(report: dict, path: str) -> None:
     latency_panel(axes[1], "e2e_ms", "end-to-end latency")
     ax = axes[2]
     hits = [(m.get("hit_rate") or 0.0) * 100 for m in modes]
-    ax.bar(names, hits, color=colors)
+    ax.bar(range(len(names)), hits, color=colors)
+    ax.set_xticks(list(range(len(names))), names, fontsize=8, rotation=15)
     oracle = report["oracle"]["token_share"] * 100
     ax.axhline(oracle, color="black", linestyle="--", linewidth=1)
     ax.text(len(names) - 0.5, oracle, f"oracle {oracle:.0f} %", ha="right", va="bottom", fontsize=8)
