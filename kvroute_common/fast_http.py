@@ -51,52 +51,76 @@ class FastJsonRoutes:
     """ASGI wrapper answering hot ``POST`` JSON routes directly; everything else goes to ``app``.
 
     ``routes`` maps a path to its handler; ``limit`` is the body limit of those routes (413 beyond
-    it, the connection is then closed rather than draining the rest). ``observe`` (optional) is
+    it). A 413, or a refusal of an ``Expect: 100-continue`` request, closes the connection: the
+    rest of the body is not worth reading, or may never come. ``observe`` (optional) is
     told every fast answer's path, status and duration. ``state`` is the wrapped app's, so the
     wrapper stands in for a Starlette app where its state is read.
+
+    Under any ASGI server this works as is; under uvicorn with ``FastJsonProtocol`` (the default
+    of ``server_config``) the same routes are answered in the protocol callback instead, through
+    the same ``precheck`` / ``answer`` methods, so the checks and messages cannot diverge.
     """
 
     def __init__(self, app: Any, routes: Mapping[str, JsonHandler], limit: int = DEFAULT_BODY_LIMIT, observe: Observer | None = None) -> None:
         self.app = app
         self.routes = dict(routes)
+        self.raw_routes = {path.encode("latin-1"): (path, handler) for path, handler in self.routes.items()}  # for FastJsonProtocol
         self.limit = limit
         self.observe = observe
         self.state = getattr(app, "state", None)
+
+    def precheck(self, content_type: bytes | None, content_length: bytes | None) -> tuple[int, bytes] | None:
+        """What the headers alone decide (415, then a bad or too large declared length), or None."""
+        if content_type != _JSON and not is_json_content_type(content_type.decode("latin-1") if content_type is not None else None):
+            return 415, _UNSUPPORTED_MEDIA
+        if content_length is not None:
+            if not content_length.isdigit():
+                return 400, _BAD_LENGTH
+            if int(content_length) > self.limit:
+                return 413, _TOO_LARGE
+        return None
+
+    @staticmethod
+    def answer(handler: JsonHandler, body: bytes) -> tuple[int, bytes]:
+        """The handler's answer, an ApiError turned into its ``{"error": ...}`` body."""
+        try:
+            return handler(body)
+        except ApiError as exc:
+            return exc.status, orjson.dumps({"error": exc.message})
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]) -> None:
         handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None:
             await self.app(scope, receive, send)
             return
-        start = time.perf_counter()
-        content_type = content_length = None
+        start = time.perf_counter() if self.observe is not None else 0.0
+        content_type = content_length = expect = None
         for name, value in scope["headers"]:
             if name == b"content-type":
                 content_type = value
             elif name == b"content-length":
                 content_length = value
-        headers = None
-        if content_type != _JSON and not is_json_content_type(content_type.decode("latin-1") if content_type is not None else None):
-            status, payload = 415, _UNSUPPORTED_MEDIA
-        elif content_length is not None and not content_length.isdigit():
-            status, payload = 400, _BAD_LENGTH
-        elif content_length is not None and int(content_length) > self.limit:
-            status, payload, headers = 413, _TOO_LARGE, [_CONTENT_TYPE, (b"content-length", b"%d" % len(_TOO_LARGE)), _CLOSE]
-        else:
+            elif name == b"expect":
+                expect = value
+        refused = self.precheck(content_type, content_length)
+        close = refused is not None and (refused[0] == 413 or expect is not None)  # no body worth reading, or none coming
+        if refused is None:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away: nobody to answer
             body = message.get("body", b"")
             if message.get("more_body", False):
                 body = await self._rest(body, receive)
-            if body is None:
-                status, payload, headers = 413, _TOO_LARGE, [_CONTENT_TYPE, (b"content-length", b"%d" % len(_TOO_LARGE)), _CLOSE]
-            else:
-                try:
-                    status, payload = handler(body)
-                except ApiError as exc:
-                    status, payload = exc.status, orjson.dumps({"error": exc.message})
-        await send({"type": "http.response.start", "status": status, "headers": headers or [_CONTENT_TYPE, (b"content-length", b"%d" % len(payload))]})
+            elif len(body) > self.limit:  # a chunked body the server buffered whole
+                body = None
+            status, payload = self.answer(handler, body) if body is not None else (413, _TOO_LARGE)
+            close = status == 413
+        else:
+            status, payload = refused
+        headers = [_CONTENT_TYPE, (b"content-length", b"%d" % len(payload))]
+        if close:
+            headers.append(_CLOSE)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
         if self.observe is not None:
             self.observe(scope["path"], status, time.perf_counter() - start)
@@ -105,6 +129,8 @@ class FastJsonRoutes:
         """The rest of a body sent in several pieces (chunked, large); None once it passes the limit."""
         chunks = [first]
         size = len(first)
+        if size > self.limit:
+            return None
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -121,13 +147,24 @@ class FastJsonRoutes:
 # -- uvicorn protocol: one write per response -------------------------------------------------
 
 try:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 except ImportError:  # pragma: no cover - uvicorn without httptools
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 _STATUS_PREFIX = b"HTTP/1.1 "
 _CONTINUE = b"100"
 _MALFORMED = orjson.dumps({"error": "Invalid HTTP request received."})
+_default_block: tuple[Any, bytes] = (None, b"")
+
+
+def _defaults(server_state: Any) -> bytes:
+    """uvicorn's default response headers (``date``...) as one block; uvicorn renews the list every second."""
+    global _default_block
+    headers = server_state.default_headers
+    if _default_block[0] is not headers:
+        _default_block = (headers, b"".join(name + b": " + value + b"\r\n" for name, value in headers))
+    return _default_block[1]
 
 
 class _HeaderHoldingTransport:
@@ -183,25 +220,125 @@ if HttpToolsProtocol is not None:
 
         def send_400_response(self, msg: str) -> None:
             """uvicorn's answer to an unparsable request, in the services' ``{"error": ...}`` shape."""
-            head = [b"HTTP/1.1 400 Bad Request\r\n"]
-            for name, value in self.server_state.default_headers:
-                head += [name, b": ", value, b"\r\n"]
-            head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(_MALFORMED))
-            self.transport.write(b"".join(head) + _MALFORMED)
+            self.transport.write(_json_answer(self.server_state, 400, _MALFORMED, close=True))
             self.transport.close()
 
+    class FastJsonProtocol(HeaderCoalescingProtocol):  # type: ignore[misc,valid-type]
+        """``HeaderCoalescingProtocol`` that answers the app's ``FastJsonRoutes`` in the parser callbacks.
+
+        Under uvicorn every request costs an ASGI scope, a RequestResponseCycle, an asyncio task and
+        a round of ``receive``/``send`` coroutines: more than the hot handlers themselves (measured:
+        docs/bench/indexer.md). When the served app is a ``FastJsonRoutes``, a ``POST`` to one of
+        its routes is answered here, synchronously, once the body is complete, through the
+        wrapper's own ``precheck``/``answer`` (same checks, statuses and messages). Anything else,
+        and a hot request pipelined behind a running ASGI request (answers stay in order), takes
+        uvicorn's normal path, where the wrapper answers it as ASGI. uvicorn still parses, keeps
+        connections alive, times idle ones out and shuts down; ``Expect: 100-continue`` is answered
+        when the headers pass the checks.
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            app = self.app
+            self.fast: FastJsonRoutes | None = app if isinstance(app, FastJsonRoutes) and not self.root_path else None
+            self.hot: JsonHandler | None = None
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.hot = None
+
+        def on_headers_complete(self) -> None:
+            fast = self.fast
+            if fast is not None and self.parser.get_method() == b"POST":
+                route = fast.raw_routes.get(httptools.parse_url(self.url).path)
+                cycle = self.cycle
+                if route is not None and (cycle is None or cycle.response_complete) and not self.pipeline and not self.parser.should_upgrade():
+                    self._begin_hot(fast, *route)
+                    return
+            super().on_headers_complete()
+
+        def _begin_hot(self, fast: FastJsonRoutes, path: str, handler: JsonHandler) -> None:
+            self.hot = handler
+            self.hot_path = path
+            self.hot_start = time.perf_counter() if fast.observe is not None else 0.0
+            self.hot_chunks: list[bytes] = []
+            self.hot_size = 0
+            self.hot_done = self.transport.is_closing()
+            self.hot_keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+            content_type = content_length = None
+            for name, value in self.headers:
+                if name == b"content-type":
+                    content_type = value
+                elif name == b"content-length":
+                    content_length = value
+            self.hot_refused = refused = fast.precheck(content_type, content_length)
+            if refused is not None:
+                if refused[0] == 413 or self.expect_100_continue:
+                    self._hot_reply(*refused, close=True)  # no body worth reading, or none coming
+            elif self.expect_100_continue and not self.hot_done:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+        def on_body(self, body: bytes) -> None:
+            if self.hot is None:
+                super().on_body(body)
+            elif not self.hot_done and self.hot_refused is None:
+                self.hot_size += len(body)
+                if self.hot_size > self.fast.limit:  # type: ignore[union-attr]
+                    self._hot_reply(413, _TOO_LARGE, close=True)
+                else:
+                    self.hot_chunks.append(body)
+
+        def on_message_complete(self) -> None:
+            if self.hot is None:
+                super().on_message_complete()
+            elif not self.hot_done:
+                if self.hot_refused is not None:
+                    status, payload = self.hot_refused
+                else:
+                    chunks = self.hot_chunks
+                    status, payload = FastJsonRoutes.answer(self.hot, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+                self._hot_reply(status, payload, close=not self.hot_keep_alive)
+
+        def _hot_reply(self, status: int, payload: bytes, close: bool) -> None:
+            self.hot_done = True
+            if self.transport.is_closing():
+                return
+            self.transport._transport.write(_json_answer(self.server_state, status, payload, close))  # type: ignore[attr-defined]
+            fast = self.fast
+            if fast is not None and fast.observe is not None:
+                fast.observe(self.hot_path, status, time.perf_counter() - self.hot_start)
+            if close:
+                self.transport.close()
+            self.on_response_complete()  # uvicorn's bookkeeping: request count, resume reading, keep-alive timer
+
+    def _json_answer(server_state: Any, status: int, payload: bytes, close: bool = False) -> bytes:
+        """A complete JSON response (status line, uvicorn's default headers, body) as one buffer."""
+        return b"%s%scontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
+            STATUS_LINE[status],
+            _defaults(server_state),
+            len(payload),
+            b"connection: close\r\n" if close else b"",
+            payload,
+        )
+
 else:  # pragma: no cover
-    HeaderCoalescingProtocol = None  # type: ignore[assignment,misc]
+    HeaderCoalescingProtocol = FastJsonProtocol = None  # type: ignore[assignment,misc]
 
 
 # -- running an app ----------------------------------------------------------------------------
 
 
-def server_config(app: Any, host: str, port: int, *, log_level: str = "warning", coalesce: bool = True, **overrides: Any) -> Any:
+PROTOCOLS = ("fast", "coalescing", "httptools")
+"""``server_config``'s ``protocol``: FastJsonProtocol, HeaderCoalescingProtocol, or uvicorn's stock httptools one."""
+
+
+def server_config(app: Any, host: str, port: int, *, log_level: str = "warning", protocol: str = "fast", **overrides: Any) -> Any:
     """A ``uvicorn.Config`` with the lean settings both services measured (override any with kwargs)."""
     import uvicorn
 
-    http: Any = HeaderCoalescingProtocol if coalesce and HeaderCoalescingProtocol is not None else "httptools"
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
+    http: Any = {"fast": FastJsonProtocol, "coalescing": HeaderCoalescingProtocol}.get(protocol) or "httptools"
     settings: dict[str, Any] = {
         "host": host,
         "port": port,
@@ -232,4 +369,4 @@ async def serve(app: Any, host: str, port: int, **kwargs: Any) -> None:
     await uvicorn.Server(server_config(app, host, port, **kwargs)).serve()
 
 
-__all__ = ["FastJsonRoutes", "HeaderCoalescingProtocol", "JsonHandler", "Observer", "run", "serve", "server_config"]
+__all__ = ["FastJsonProtocol", "FastJsonRoutes", "HeaderCoalescingProtocol", "JsonHandler", "Observer", "PROTOCOLS", "run", "serve", "server_config"]

@@ -17,7 +17,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replica-sync-peers", metavar="LIST", default="", help="comma-separated peer PUB endpoints")
     p.add_argument("--replica-sync-port", type=int, metavar="PORT", help="1.6.1 spelling: same as --replica-sync-bind tcp://*:PORT")
     p.add_argument("--log-level", default="warning")
-    p.add_argument("--http-protocol", choices=["coalescing", "httptools"], default="coalescing", help="uvicorn HTTP protocol (coalescing = httptools with one write per response)")
+    p.add_argument("--http-protocol", choices=["fast", "coalescing", "httptools"], default="fast", help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = hot route answered in the protocol + one write per response; coalescing = one write only; httptools = stock")
     ns = p.parse_args(argv)
     if ns.replica_sync_port is not None and ns.replica_sync_bind is None:
         ns.replica_sync_bind = f"tcp://*:{ns.replica_sync_port}"
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
         sync = ReplicaSync(registry, ns.replica_sync_bind, ns.replica_sync_advertise, peers)
     # uvicorn with the lean settings measured in docs/bench/slot_tracker.md (kvroute_common.fast_http)
-    run(build_app(registry, sync), ns.host, ns.port, log_level=ns.log_level, coalesce=ns.http_protocol == "coalescing")
+    run(build_app(registry, sync), ns.host, ns.port, log_level=ns.log_level, protocol=ns.http_protocol)
     return 0
 
 
