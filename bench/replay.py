@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.launch import DEFAULT_MODEL, MockerOptions, start_cluster
 from bench.synthetic import SyntheticConfig, synthetic_trace
-from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, Scaling, Trace, load_mooncake, oracle
+from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, Scaling, Trace, load_mooncake, oracle, pooled_lru_hits
 
 MODES = ("kv", "round_robin", "random")
 # The reference's default overlap weight (1.0) lets the load term (every active request's KV blocks)
@@ -370,6 +370,9 @@ def verdict(report: dict) -> list[str]:
         if rr and kv["ttft_ms"]["p50"] and rr["ttft_ms"]["p50"]:
             ratio = kv["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"]
             parts.append(f"TTFT p50 = {ratio:.2f} x round_robin's (goal <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'})")
+        pooled = report.get("pooled_lru")
+        if pooled and pooled.get("token_share") and kv.get("hit_rate") is not None:
+            parts.append(f"{kv['hit_rate'] / pooled['token_share']:.0%} of the pooled-LRU estimate {pooled['token_share']:.1%}")
         if parts:
             lines.append(f"{kv['mode']}: " + "; ".join(parts))
     for m in rows:
@@ -400,6 +403,12 @@ def markdown_table(report: dict) -> str:
         rows.append(
             f"| {m['mode']} | {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} | {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} "
             f"| {fmt(m['throughput_rps'])} | {fmt(m['output_tok_per_s'])} | {fmt(hit, '%')} | {of} | {m['completed']}/{m['requests']} |"
+        )
+    pooled = report.get("pooled_lru")
+    if pooled:
+        rows.append(
+            f"| pooled LRU ({pooled['capacity_blocks']} blocks = all workers' caches as one) | | | | | {fmt(pooled['token_share'], '%')} of prompt tokens "
+            f"| {pooled['token_share'] / orc['token_share']:.0%} | |" if orc["token_share"] else "| pooled LRU | | | | | n/a | | |"
         )
     rows.append(
         f"| oracle (infinite shared cache) | | | | | {fmt(orc['token_share'], '%')} of prompt tokens ({fmt(orc['block_share'], '%')} of full blocks) | 100% | |"
@@ -544,6 +553,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"== trace {trace.name}: {trace.summary()}")
         print(f"   scaling: {trace.scaling.get('description')}")
         print(f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, {orc.block_share:.1%} of full blocks")
+        pooled = None
+        if not args.url:
+            capacity = args.workers * args.data_parallel_size * args.num_gpu_blocks
+            pooled = {"capacity_blocks": capacity, **pooled_lru_hits([r.tokens for r in trace.requests], args.block_size, capacity).as_dict()}
+            print(f"   one pooled LRU cache of all workers' {capacity} blocks would reach {pooled['token_share']:.1%} of prompt tokens")
         if args.url:
             results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, opts)]
             setup = f"external frontend {args.url}"
@@ -558,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "trace": trace.summary(),
             "scaling": trace.scaling,
             "oracle": orc.as_dict(),
+            "pooled_lru": pooled,
             "setup": setup,
             "command": command,
             "seed": args.seed,

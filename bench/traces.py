@@ -232,3 +232,33 @@ def oracle(prompts: Iterable[Sequence[int]], block_size: int, recompute_last_tok
                 hits += 1
         seen.update(seq)
     return Oracle(block_size, prompt_tokens, prompt_blocks, hits)
+
+
+def pooled_lru_hits(prompts: Iterable[Sequence[int]], block_size: int, capacity_blocks: int, recompute_last_token: bool = True) -> Oracle:
+    """Prefix reuse of one LRU cache of ``capacity_blocks`` blocks (all workers' caches pooled).
+
+    The infinite-cache oracle ignores capacity; on traces whose prefixes come back long after they
+    were first seen (Mooncake's conversations) the workers' finite caches, not the router, bound the
+    hit rate. This is a single shared LRU cache with every block of a request touched when it is
+    served and requests run one after another: an estimate of what perfect routing over this much
+    cache could reach, not a strict bound for separate per-worker caches with concurrency.
+    """
+    from collections import OrderedDict
+
+    cache: OrderedDict[int, None] = OrderedDict()
+    prompt_tokens = prompt_blocks = hits = 0
+    for tokens in prompts:
+        _, seq = block_hashes(list(tokens), block_size)
+        prompt_tokens += len(tokens)
+        prompt_blocks += len(seq)
+        cap = (len(tokens) - 1) // block_size if recompute_last_token else len(seq)
+        for i, h in enumerate(seq):
+            if i >= cap or h not in cache:
+                break
+            hits += 1
+        for h in seq:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return Oracle(block_size, prompt_tokens, prompt_blocks, hits)

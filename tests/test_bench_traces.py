@@ -176,3 +176,13 @@ def test_summary_report_and_outputs(tmp_path):
     assert json.load(open(paths["json"]))["modes"][0]["mode"] == "kv"
     assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(paths["png"]) < 200_000
+
+
+def test_pooled_lru_reuse_is_bounded_by_capacity():
+    from bench.traces import pooled_lru_hits
+
+    a, b = list(range(1, 17)), list(range(101, 117))  # 4 blocks of 4 each
+    prompts = [a, b, a + [0]]  # a comes back after b
+    assert pooled_lru_hits(prompts, 4, capacity_blocks=100).hit_blocks == oracle(prompts, 4).hit_blocks == 4
+    assert pooled_lru_hits(prompts, 4, capacity_blocks=4).hit_blocks == 0  # b evicted all of a
+    assert pooled_lru_hits(prompts, 4, capacity_blocks=6).hit_blocks == 0  # a's first blocks are the oldest: the prefix is gone
