@@ -22,10 +22,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from kvroute_common.http import ApiError, exception_handlers, json_response, read_body, read_json, route
+from kvroute_common.http import ApiError, exception_handlers, json_response, read_json, route
 from router.config import RouterConfig
 
 from .busy import BusyThresholds, validate_update
+from kvroute_common.openai_api import read_openai_body
+
 from .errors import OpenAIError, model_not_found, openai_error_response
 from .metrics import WORKER_TYPE, CallbackCollector, FrontendMetrics
 from .models import TENANT, ModelEntry
@@ -465,16 +467,7 @@ class OpenAIRoutes:
         ctx.endpoint = endpoint = "chat_completions" if chat else "completions"
         mm = None
         try:
-            try:
-                raw = await read_body(request, BODY_LIMIT)
-            except ApiError as exc:
-                raise OpenAIError(exc.status, exc.message) from None
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise OpenAIError(400, f"invalid JSON body: {exc}") from None
-            if not isinstance(body, dict):
-                raise OpenAIError(400, "request body must be a JSON object")
+            raw, body = await read_openai_body(request, BODY_LIMIT)
             model = body.get("model")
             if not isinstance(model, str) or not model:
                 raise OpenAIError(400, "'model' is required", "model")

@@ -13,6 +13,10 @@ from http import HTTPStatus
 import orjson
 from starlette.responses import Response
 
+from kvroute_common.openai_api import OpenAIError
+
+__all__ = ["OpenAIError", "openai_error_body", "openai_error_response", "model_not_found", "no_worker", "all_busy"]
+
 OVERLOAD_STATUS = 529
 
 # error_type label of dynamo_frontend_requests_total per status
@@ -33,16 +37,6 @@ def reason_phrase(status: int) -> str:
 
 def error_type_label(status: int) -> str:
     return _ERROR_TYPES.get(status, "internal" if status >= 500 else "validation")
-
-
-class OpenAIError(Exception):
-    """A failure reported to an OpenAI client with ``status`` and ``message``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 def openai_error_body(status: int, message: str, param: str | None = None) -> bytes:

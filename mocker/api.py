@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvroute_common.openai_api import OpenAIError, read_openai_body
 from kvroute_common.tokenizer import (
     PromptError,
     chat_request_token_ids,
@@ -52,12 +53,6 @@ _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictErro
                 415: "BadRequestError", 499: "Client Closed Request", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _JSON = "application/json"
 MAX_BODY = 64 * 1024 * 1024
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
 
 
 def error_response(status: int, message: str, param: str | None = None) -> Response:
@@ -156,15 +151,7 @@ async def _body(request: Request) -> dict:
     ctype = request.headers.get("content-type", "")
     if ctype and "json" not in ctype:
         raise OpenAIError(415, f"unsupported content type {ctype!r}; expected application/json")
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise OpenAIError(413, "request body too large")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise OpenAIError(400, f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise OpenAIError(400, "request body must be a JSON object")
+    _raw, body = await read_openai_body(request, MAX_BODY)
     return body
 
 
