@@ -41,6 +41,8 @@ def test_replay_cli_starts_cold_clusters_per_mode_and_writes_outputs(tmp_path):
     for m in report["modes"]:
         check_mode(m, 12)
     assert 0.0 < report["oracle"]["token_share"] < 1.0
+    assert report["pooled_lru"]["capacity_blocks"] == 2 * 256
+    assert report["pooled_lru"]["token_share"] <= report["oracle"]["token_share"]
     # the cache can never beat the oracle (same block size, same schedule)
     assert all(m["hit_rate"] <= report["oracle"]["token_share"] + 1e-9 for m in report["modes"])
     md = (out / "synthetic.md").read_text()

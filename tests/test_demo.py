@@ -75,3 +75,34 @@ def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
                 except ProcessLookupError:
                     pass
         proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent-death signal is Linux-only")
+def test_demo_children_die_with_it_even_when_it_is_killed(tmp_path):
+    """SIGKILL gives the demo no chance to clean up; its children still stop (parent-death signal)."""
+    port = free_port()
+    log_path = tmp_path / "demo.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--workers", "1", "--log-dir", str(tmp_path / "logs")],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    kids: set[int] = set()
+    try:
+        wait_until(lambda: proc.poll() is not None or "is ready" in log_path.read_text(), timeout=150, what="the demo to be ready")
+        assert proc.poll() is None, log_path.read_text()
+        kids = children_of(proc.pid)
+        assert len(kids) == 2  # one worker + the frontend
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        wait_until(lambda: all(gone(k) for k in kids), timeout=30, what="the orphaned children to exit")
+    finally:
+        for pid in [proc.pid, *kids]:
+            if not gone(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.wait(timeout=10)
