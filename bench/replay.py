@@ -481,7 +481,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="replay against this running frontend instead of starting one (one run, labelled --label)")
     p.add_argument("--label", default="external", help="mode label for --url")
     p.add_argument("--metrics-url", action="append", default=[], help="with --url: a worker /metrics URL to read cache counters from (repeat)")
-    p.add_argument("--out-dir", default="bench-results", help="where the JSON, markdown and PNG go")
+    p.add_argument("--out-dir", default="bench/out", help="where the JSON, markdown, PNG and logs go (bench/out/ is git-ignored)")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("client")
     g.add_argument("--max-concurrency", type=int, default=64)
