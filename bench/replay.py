@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -84,10 +85,9 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, tokens: list
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                if '"usage":{' in data.replace(" ", "") or '"usage": {' in data:
-                    _read_usage(data, result)
-                if '"choices":[]' in data.replace(" ", ""):
-                    continue
+                if '"usage"' in data and not _NULL_USAGE.search(data):  # only the usage chunk is decoded
+                    if not _read_usage(data, result):
+                        continue  # the usage-only chunk (no choices) is not a token
                 if result.ttft_s is None:
                     result.ttft_s = time.perf_counter() - start
                 result.output_chunks += 1
@@ -98,13 +98,22 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, tokens: list
         result.error = f"{type(exc).__name__}: {exc}"[:300]
 
 
-def _read_usage(data: str, result: RequestResult) -> None:
-    with contextlib.suppress(Exception):
-        usage = orjson.loads(data).get("usage") or {}
+_NULL_USAGE = re.compile(r'"usage"\s*:\s*null')
+
+
+def _read_usage(data: str, result: RequestResult) -> bool:
+    """Record the chunk's usage; returns whether the chunk also carries choices (a token)."""
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return True
+    usage = chunk.get("usage") or {}
+    with contextlib.suppress(TypeError, ValueError):
         result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
         details = usage.get("prompt_tokens_details") or {}
         if details.get("cached_tokens") is not None:
             result.cached_tokens = int(details["cached_tokens"])
+    return bool(chunk.get("choices"))
 
 
 # -- the schedule -----------------------------------------------------------------------------------

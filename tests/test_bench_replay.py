@@ -25,6 +25,8 @@ def check_mode(m: dict, requests: int) -> None:
     assert m["throughput_rps"] > 0
     assert m["hit_rate"] is not None and 0.0 <= m["hit_rate"] <= 1.0, m
     assert m["cache"]["queries"] > 0
+    # the per-request usage (cached_tokens of the final stream chunk) agrees with the engines' counters
+    assert m["usage_cached_share"] is not None and abs(m["usage_cached_share"] - m["hit_rate"]) < 0.02, m
 
 
 def test_replay_cli_starts_cold_clusters_per_mode_and_writes_outputs(tmp_path):
