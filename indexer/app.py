@@ -27,6 +27,7 @@ import prometheus_client
 
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError, parse_workers_arg, split_urls
 from indexer.service import PeerList, build_app
+from kvroute_common.fast_http import PROTOCOLS
 from kvroute_common.fast_http import serve as serve_http
 
 log = logging.getLogger("indexer")
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default=None, help="comma-separated peer indexer URLs for start-up recovery")
     p.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer (default 2)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--http-protocol", choices=PROTOCOLS, default="fast", help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = query routes answered in the protocol + one write per response; coalescing = one write only; httptools = stock")
     return p
 
 
@@ -91,7 +93,7 @@ async def serve(args: argparse.Namespace) -> int:
         peers.add(url)
     ready.set()
     # until SIGINT/SIGTERM; the app's lifespan stops the registry's listeners on the way out
-    await serve_http(build_app(registry, peers), args.host, args.port, log_level=args.log_level.lower())
+    await serve_http(build_app(registry, peers), args.host, args.port, log_level=args.log_level.lower(), protocol=args.http_protocol)
     return 0
 
 
