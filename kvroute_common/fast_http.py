@@ -2,24 +2,29 @@
 
 Both standalone services (``python -m slot_tracker``, ``python -m indexer``) have a few hot
 read routes (``/potential_loads``, ``/query``, ``/query_by_hash``) whose handler work is a few
-microseconds, comparable to what Starlette's router, middleware and Request/Response objects
-cost per request. Three pieces, shared so there is one mechanism for the concept:
+microseconds, less than what Starlette (router, middleware, Request/Response) and uvicorn's
+per-request ASGI machinery (scope, cycle, task, receive/send) cost. The pieces, shared so there
+is one mechanism for the concept:
 
-- ``FastJsonRoutes(app, routes, limit)``: an ASGI wrapper that answers ``POST <path>`` for the
-  given paths with a synchronous ``(body) -> (status, payload)`` handler and passes everything
-  else (other paths, other methods, HEAD, lifespan) to the wrapped Starlette app. It applies
-  ``kvroute_common.http.read_json``'s checks in axum's order with the same messages: 415 (not
-  JSON), 413 (over ``limit``); handlers raise ``ApiError`` for 400/422/404...
+- ``FastJsonRoutes(app, routes, limit, observe)``: an ASGI wrapper that answers ``POST <path>``
+  for the given paths with a synchronous ``(body) -> (status, payload)`` handler and passes
+  everything else (other paths, other methods, HEAD, lifespan) to the wrapped Starlette app. It
+  applies ``kvroute_common.http.read_json``'s checks in axum's order with the same messages: 415
+  (not JSON), 413 (over ``limit``); handlers raise ``ApiError`` for 400/422/404...
 - ``HeaderCoalescingProtocol``: uvicorn's httptools protocol sending each response's header
   block and body in one socket write (uvicorn writes them separately: two ``send`` syscalls per
-  small answer, ~6 us of CPU each on this VM). Its malformed-request 400 is JSON like every
-  other error of the services.
+  small answer). Its malformed-request 400 is JSON like every other error of the services.
+- ``FastJsonProtocol`` (the default): the above, plus the ``FastJsonRoutes`` routes answered in
+  uvicorn's parser callbacks with the wrapper's own ``precheck``/``answer``: no ASGI cycle or
+  task for a hot request (-8 to -20 us of CPU per request, docs/bench/*.md).
 - ``server_config`` / ``run`` / ``serve``: uvicorn with the settings measured in
   docs/bench/slot_tracker.md and docs/bench/indexer.md (httptools + the protocol above, uvloop,
   no access log, no proxy-header rewriting, no ``server`` header).
 
-uvicorn does the HTTP/1.1 work (keep-alive, pipelining, chunked bodies, ``100-continue``,
-timeouts, graceful shutdown): no hand-written server to maintain.
+uvicorn does the HTTP/1.1 work (parsing, keep-alive, pipelining, chunked bodies, ``100-continue``,
+idle timeouts, graceful shutdown): no hand-written server to maintain. ``FastJsonProtocol``
+relies on a few uvicorn internals (tested with uvicorn 0.54); tests/test_fast_http.py runs the
+same behaviour tests on it and on the plain ASGI path.
 """
 
 from __future__ import annotations
@@ -240,7 +245,9 @@ if HttpToolsProtocol is not None:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             app = self.app
-            self.fast: FastJsonRoutes | None = app if isinstance(app, FastJsonRoutes) and not self.root_path else None
+            # uvicorn internals this relies on (tested with 0.54); without them, FastJsonRoutes answers as ASGI
+            internals = all(hasattr(self, name) for name in ("cycle", "pipeline", "expect_100_continue", "server_state", "parser"))
+            self.fast: FastJsonRoutes | None = app if isinstance(app, FastJsonRoutes) and not self.root_path and internals else None
             self.hot: JsonHandler | None = None
 
         def on_message_begin(self) -> None:
