@@ -246,9 +246,10 @@ if HttpToolsProtocol is not None:
             super().__init__(*args, **kwargs)
             app = self.app
             # uvicorn internals this relies on (tested with 0.54); without them, FastJsonRoutes answers as ASGI
-            internals = all(hasattr(self, name) for name in ("cycle", "pipeline", "expect_100_continue", "server_state", "parser"))
+            internals = all(hasattr(self, name) for name in ("cycle", "pipeline", "expect_100_continue", "server_state", "parser", "flow"))
             self.fast: FastJsonRoutes | None = app if isinstance(app, FastJsonRoutes) and not self.root_path and internals else None
             self.hot: JsonHandler | None = None
+            self.hot_paused_reading = False
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -317,6 +318,15 @@ if HttpToolsProtocol is not None:
             if close:
                 self.transport.close()
             self.on_response_complete()  # uvicorn's bookkeeping: request count, resume reading, keep-alive timer
+            if self.flow.write_paused:  # a client not reading its answers: stop reading its requests
+                self.flow.pause_reading()
+                self.hot_paused_reading = True
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self.hot_paused_reading:
+                self.hot_paused_reading = False
+                self.flow.resume_reading()
 
     def _json_answer(server_state: Any, status: int, payload: bytes, close: bool = False) -> bytes:
         """A complete JSON response (status line, uvicorn's default headers, body) as one buffer."""
