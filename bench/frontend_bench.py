@@ -170,7 +170,7 @@ async def _hammer(url: str, body: bytes, n: int, concurrency: int, path: str = "
 def bench_cpu(requests: int = 3000, concurrency: int = 16, n_workers: int = 2, router_mode: str = "kv", stream_tokens: int = 0) -> dict[str, Any]:
     """Frontend CPU per routed request: short chat, non-streaming, max_tokens=1, instant mockers
     (``stream_tokens`` > 0: streamed, that many tokens each)."""
-    from bench.launch import MockerOptions, start_cluster
+    from kvroute_common.local_cluster import MockerOptions, start_cluster
 
     opts = MockerOptions(speedup_ratio=0.0)
     req: dict[str, Any] = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Write a haiku about routers."}]}
@@ -213,7 +213,7 @@ def bench_latency(requests: int = 60, max_tokens: int = 64) -> dict[str, Any]:
     """Added latency of the proxy per streamed request (sequential, keep-alive) vs the mocker directly."""
     import httpx
 
-    from bench.launch import MockerOptions, start_cluster
+    from kvroute_common.local_cluster import MockerOptions, start_cluster
 
     opts = MockerOptions(speedup_ratio=1.0)
     out: dict[str, Any] = {"bench": "latency", "requests": requests, "max_tokens": max_tokens}

@@ -30,7 +30,7 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.launch import DEFAULT_MODEL, MockerOptions, start_cluster
+from kvroute_common.local_cluster import DEFAULT_MODEL, MockerOptions, start_cluster
 from bench.synthetic import SyntheticConfig, synthetic_trace
 from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, Scaling, Trace, load_mooncake, oracle, pooled_lru_hits
 

@@ -22,7 +22,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,15 +34,11 @@ import httpx
 
 from router.hashing import list_to_i64, sequence_hashes
 
+from kvroute_common.ports import free_port
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "bench-model"
 WORKERS, RANKS, REQUESTS_PER_RANK, QUERY_BLOCKS = 3, 3, 4, 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

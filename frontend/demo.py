@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from bench.launch import DEFAULT_MODEL, Cluster, MockerOptions, free_port
+from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions, free_port
 
 DEFAULT_PORT = 8000
 

@@ -12,37 +12,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_block(n: int) -> int:
-    """A base port with base .. base+n-1 free (rank r of a mocker uses base + r)."""
-    for _ in range(100):
-        base = _free_port()
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
+from kvroute_common.ports import free_port, free_port_block
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -148,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     procs, urls = [], []
     try:
         for _ in range(args.mockers):
-            port, pub, rep = _free_port(), _free_block(args.dp), _free_block(args.dp)
+            port, pub, rep = free_port(), free_port_block(args.dp), free_port_block(args.dp)
             cmd = [sys.executable, "-m", "mocker", "--port", str(port), "--data-parallel-size", str(args.dp),
                    "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{rep}",
                    "--speedup-ratio", str(args.speedup_ratio)]

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from bench.launch import MockerOptions, start_cluster
+from kvroute_common.local_cluster import MockerOptions, start_cluster
 from bench.replay import main as replay_main
 from support import REPO_ROOT
 

@@ -1,4 +1,4 @@
-"""Start mocker workers and a frontend as real processes, wait until they serve, stop them cleanly.
+"""A local kvroute cluster: start mocker workers and a frontend as real processes, wait until they serve, stop them cleanly.
 
 Used by the replay benchmark (fresh, cold workers for every router mode), the one-command demo and
 any other benchmark that needs a running system. Every child runs in its own session (so a Ctrl-C in
@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvroute_common.ports import free_port, free_port_block
+
 DEFAULT_MODEL = "kvroute-demo"
 _PR_SET_PDEATHSIG = 1
 
@@ -29,33 +30,6 @@ _PR_SET_PDEATHSIG = 1
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(n: int, attempts: int = 100) -> int:
-    """A base port with base .. base+n-1 all free (ZMQ endpoints use port + DP rank)."""
-    for _ in range(attempts):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports found")
 
 
 @dataclass(slots=True)
