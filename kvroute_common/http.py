@@ -173,40 +173,6 @@ def json_service(routes: list[BaseRoute], **kwargs: Any) -> Starlette:
     return Starlette(routes=routes, exception_handlers=exception_handlers(), **kwargs)
 
 
-async def read_json_asgi(scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], type_: type[T], limit: int = DEFAULT_BODY_LIMIT) -> T:
-    """``read_json`` for raw ASGI fast paths (no Starlette Request): same checks, order and messages."""
-    content_type = content_length = None
-    for name, value in scope["headers"]:
-        if name == b"content-type":
-            content_type = value.decode("latin-1")
-        elif name == b"content-length":
-            content_length = value
-    if not _is_json_content_type(content_type):
-        raise ApiError(415, "Expected request with `Content-Type: application/json`")
-    if content_length is not None:
-        try:
-            declared = int(content_length)
-        except ValueError:
-            raise ApiError(400, "invalid content-length header") from None
-        if declared > limit:
-            raise ApiError(413, "Failed to buffer the request body: length limit exceeded")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise ApiError(400, "client disconnected")
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, "Failed to buffer the request body: length limit exceeded")
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    return decode_json(chunks[0] if len(chunks) == 1 else b"".join(chunks), type_)
-
-
 def is_json_content_type(value: str | None) -> bool:
     """Whether a Content-Type header value is JSON (public name for servers outside Starlette)."""
     return _is_json_content_type(value)
