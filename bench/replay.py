@@ -24,7 +24,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import orjson
@@ -32,12 +32,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute_common.local_cluster import DEFAULT_MODEL, MockerOptions, start_cluster
 from bench.synthetic import SyntheticConfig, synthetic_trace
-from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, Scaling, Trace, load_mooncake, oracle, pooled_lru_hits
+from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, Scaling, Trace, distinct_blocks, load_mooncake, oracle, pooled_lru_hits
 
 MODES = ("kv", "round_robin", "random")
 # The reference's default overlap weight (1.0) lets the load term (every active request's KV blocks)
 # move a conversation off the worker holding its history; prefix-heavy workloads raise it.
 DEFAULT_VARIANTS = ("kv-w4=kv,--router-kv-overlap-score-weight=4",)
+# Trace time replayed per Mooncake trace when --window is not given: synthetic_trace whole (17 min,
+# the README's 64 % reuse), conversation_trace its first 10 minutes (the whole hour would take 6 min/mode).
+DEFAULT_WINDOWS = {"conversation": 600.0, "mooncake_synthetic": 0.0}
+DEFAULT_WINDOW = 600.0
+# Per-worker KV blocks when --num-gpu-blocks is not given. The built-in generator keeps 6144 (its
+# working set fits). Mooncake traces get "auto": all workers' caches together hold the scaled
+# schedule's distinct blocks, so what is lost to eviction is the router's doing (duplicating prefixes
+# across workers), not a cache too small for any router. Mocker blocks are bookkeeping, not memory.
+SYNTHETIC_GPU_BLOCKS = 6144
+AUTO_BLOCKS_ROUND = 1024
 HIT_METRIC = "vllm:prefix_cache_hits"
 QUERY_METRIC = "vllm:prefix_cache_queries"
 
@@ -471,13 +481,28 @@ def build_trace(name: str, args: argparse.Namespace) -> Trace:
     path = os.path.join(args.traces_dir, MOONCAKE_TRACES[name]) if name in MOONCAKE_TRACES else name
     if not os.path.exists(path):
         raise SystemExit(f"trace {name!r}: no such file {path!r} (use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})")
+    stem = name if name in MOONCAKE_TRACES else os.path.splitext(os.path.basename(path))[0]
+    window = args.window if args.window is not None else DEFAULT_WINDOWS.get(name, DEFAULT_WINDOW)
     scaling = Scaling(
-        start_s=args.start, window_s=args.window if args.window > 0 else None, rate_scale=args.rate_scale,
+        start_s=args.start, window_s=window if window > 0 else None, rate_scale=args.rate_scale,
         tokens_per_block=args.tokens_per_block, max_prompt_tokens=args.max_prompt_tokens or None,
         output_scale=args.output_scale, max_output_tokens=args.max_output_tokens, max_requests=args.max_requests or None,
     )  # fmt: skip
-    stem = name if name in MOONCAKE_TRACES else os.path.splitext(os.path.basename(path))[0]
     return load_mooncake(path, scaling, seed=args.seed, name=stem)
+
+
+def gpu_blocks_for(trace: Trace, args: argparse.Namespace) -> int:
+    """KV blocks per worker rank: as given, or sized from the schedule (see SYNTHETIC_GPU_BLOCKS)."""
+    if str(args.num_gpu_blocks) != "auto":
+        try:
+            return int(args.num_gpu_blocks)
+        except ValueError:
+            raise SystemExit(f"--num-gpu-blocks: expected an integer or 'auto', got {args.num_gpu_blocks!r}") from None
+    if trace.scaling.get("kind") != "mooncake":
+        return SYNTHETIC_GPU_BLOCKS
+    ranks = max(1, args.workers * args.data_parallel_size)
+    per_rank = math.ceil(distinct_blocks([r.tokens for r in trace.requests], args.block_size) / ranks)
+    return max(AUTO_BLOCKS_ROUND, math.ceil(per_rank / AUTO_BLOCKS_ROUND) * AUTO_BLOCKS_ROUND)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -499,7 +524,9 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("workers (when the benchmark starts them)")
     g.add_argument("--workers", type=int, default=4)
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-gpu-blocks", type=int, default=6144)
+    g.add_argument("--num-gpu-blocks", default="auto",
+                   help=f"KV blocks per worker rank; auto = {SYNTHETIC_GPU_BLOCKS} for the built-in generator, for Mooncake traces "
+                        "the scaled schedule's distinct blocks / (workers x DP), rounded up to a multiple of 1024")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--data-parallel-size", type=int, default=1)
@@ -507,7 +534,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--frontend-arg", action="append", default=[], help="extra frontend flag (repeat), e.g. --frontend-arg=--router-temperature=0.1")
     g = p.add_argument_group("Mooncake scaling")
     g.add_argument("--start", type=float, default=0.0, help="trace time (s) where the replayed window starts")
-    g.add_argument("--window", type=float, default=600.0, help="seconds of trace time replayed (0 = all)")
+    g.add_argument("--window", type=float, default=None,
+                   help=f"seconds of trace time replayed (0 = all); default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_WINDOWS.items())}, others {DEFAULT_WINDOW:g}")
     g.add_argument("--rate-scale", type=float, default=10.0, help="replay the window this many times faster")
     g.add_argument("--tokens-per-block", type=int, default=64, help="tokens generated per 512-token trace block")
     g.add_argument("--max-prompt-tokens", type=int, default=8192)
@@ -547,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         at = max((i for i, m in enumerate(modes) if m.router_mode == v.router_mode), default=len(modes) - 1)
         modes.insert(at + 1, v)
     mocker = MockerOptions(
-        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size, num_gpu_blocks=SYNTHETIC_GPU_BLOCKS, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, dp_size=args.data_parallel_size,
         speedup_ratio=args.speedup_ratio, seed=args.seed,
     )  # fmt: skip
@@ -563,17 +591,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"   scaling: {trace.scaling.get('description')}")
         print(f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, {orc.block_share:.1%} of full blocks")
         pooled = None
+        blocks = gpu_blocks_for(trace, args)
+        mocker = replace(opts.mocker, num_gpu_blocks=blocks)
+        mode_opts = replace(opts, mocker=mocker)
         if not args.url:
-            capacity = args.workers * args.data_parallel_size * args.num_gpu_blocks
+            print(f"   KV blocks per worker rank: {blocks} ({'given' if str(args.num_gpu_blocks) != 'auto' else 'auto'})")
+            capacity = args.workers * args.data_parallel_size * blocks
             pooled = {"capacity_blocks": capacity, **pooled_lru_hits([r.tokens for r in trace.requests], args.block_size, capacity).as_dict()}
             print(f"   one pooled LRU cache of all workers' {capacity} blocks would reach {pooled['token_share']:.1%} of prompt tokens")
         if args.url:
-            results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, opts)]
+            results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, mode_opts)]
             setup = f"external frontend {args.url}"
         else:
-            results = [replay_mode_or_failure(trace, mode, opts) for mode in modes]
+            results = [replay_mode_or_failure(trace, mode, mode_opts) for mode in modes]
             setup = (
-                f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, {args.num_gpu_blocks} KV blocks per rank, "
+                f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, {blocks} KV blocks per rank, "
                 f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, speedup {args.speedup_ratio:g}; "
                 f"fresh (cold) workers and frontend per mode; client max concurrency {args.max_concurrency}"
             )

@@ -234,6 +234,14 @@ def oracle(prompts: Iterable[Sequence[int]], block_size: int, recompute_last_tok
     return Oracle(block_size, prompt_tokens, prompt_blocks, hits)
 
 
+def distinct_blocks(prompts: Iterable[Sequence[int]], block_size: int) -> int:
+    """Distinct full prompt blocks (by prefix hash) in a schedule: the cache an infinite-cache oracle uses."""
+    seen: set[int] = set()
+    for tokens in prompts:
+        seen.update(block_hashes(list(tokens), block_size)[1])
+    return len(seen)
+
+
 def pooled_lru_hits(prompts: Iterable[Sequence[int]], block_size: int, capacity_blocks: int, recompute_last_token: bool = True) -> Oracle:
     """Prefix reuse of one LRU cache of ``capacity_blocks`` blocks (all workers' caches pooled).
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvroute_common.local_cluster import MockerOptions, start_cluster
 from bench.replay import main as replay_main
 from support import REPO_ROOT
@@ -72,3 +74,24 @@ def test_replay_against_a_running_frontend_with_a_mooncake_slice(tmp_path):
     assert report["oracle"]["hit_blocks"] == 28
     assert m["hit_rate"] > 0.0
     assert os.path.exists(tmp_path / "out" / "tiny.png")
+
+
+def test_auto_kv_blocks_hold_the_mooncake_schedules_distinct_blocks(tmp_path):
+    from bench.replay import DEFAULT_WINDOWS, SYNTHETIC_GPU_BLOCKS, build_trace, gpu_blocks_for, parser
+    from bench.traces import distinct_blocks
+
+    trace = tmp_path / "tiny.jsonl"
+    rows = [{"timestamp": i * 100, "input_length": 4096, "output_length": 4, "hash_ids": [0, 1] + [1000 * i + j for j in range(6)]} for i in range(40)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = parser().parse_args(["--trace", str(trace), "--workers", "3", "--tokens-per-block", "64"])
+    t = build_trace(str(trace), args)
+    assert len(t.requests) == 40 and t.scaling["window_s"] == 600.0  # a path gets the generic window
+    distinct = distinct_blocks([r.tokens for r in t.requests], 16)
+    blocks = gpu_blocks_for(t, args)
+    assert blocks % 1024 == 0 and blocks * 3 >= distinct > (blocks - 1024) * 3  # pooled capacity ~ the distinct blocks
+    assert gpu_blocks_for(t, parser().parse_args(["--num-gpu-blocks", "777"])) == 777
+    synth = build_trace("synthetic", parser().parse_args(TINY_SYNTHETIC))
+    assert gpu_blocks_for(synth, parser().parse_args([])) == SYNTHETIC_GPU_BLOCKS
+    with pytest.raises(SystemExit):
+        gpu_blocks_for(t, parser().parse_args(["--num-gpu-blocks", "lots"]))
+    assert DEFAULT_WINDOWS["mooncake_synthetic"] == 0.0  # the whole 17-minute trace (its 64 % reuse)

@@ -186,3 +186,11 @@ def test_pooled_lru_reuse_is_bounded_by_capacity():
     assert pooled_lru_hits(prompts, 4, capacity_blocks=100).hit_blocks == oracle(prompts, 4).hit_blocks == 4
     assert pooled_lru_hits(prompts, 4, capacity_blocks=4).hit_blocks == 0  # b evicted all of a
     assert pooled_lru_hits(prompts, 4, capacity_blocks=6).hit_blocks == 0  # a's first blocks are the oldest: the prefix is gone
+
+
+def test_distinct_blocks_counts_prefix_paths_once():
+    from bench.traces import distinct_blocks
+
+    a, b = list(range(1, 17)), list(range(101, 117))  # 4 blocks of 4 each
+    assert distinct_blocks([a, b, a + [0], a[:8] + b[:8]], 4) == 4 + 4 + 2  # a's tail and repeats are known; a[:8]+b[:8] adds 2 new paths
+    assert distinct_blocks([], 4) == 0
