@@ -532,9 +532,8 @@ def test_speculative_prefill_makes_the_next_turn_a_cache_hit(ext, mockers):
 # ---------------------------------------------------------------------------------------------
 
 
-def _decode_load_of_two_identical_streams(url: str) -> float:
-    """Decode load on worker 1 while two streams with the same prompt run there."""
-    content = words(120)
+def _decode_load_of_two_identical_streams(url: str, content: str) -> float:
+    """Decode load on worker 1 while two streams with the prompt ``content`` run there."""
     body = chat_body(content, max_tokens=5000, stream=True, ignore_eos=True)
     hdr = {"x-dynamo-worker-instance-id": "1"}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as a, \
@@ -549,9 +548,10 @@ def _decode_load_of_two_identical_streams(url: str) -> float:
 
 
 def test_no_assume_kv_reuse_counts_identical_prompts_twice(mockers, plain):
-    shared = _decode_load_of_two_identical_streams(plain)
+    content = words(120, seed="no-assume-kv-reuse")  # the same prompt (and block count) in both runs
+    shared = _decode_load_of_two_identical_streams(plain, content)
     with run_frontend([mockers[1].spec(), mockers[2].spec()], [MODEL], "--no-router-assume-kv-reuse") as unique_url:
-        unique = _decode_load_of_two_identical_streams(unique_url)
+        unique = _decode_load_of_two_identical_streams(unique_url, content)
     # by default the second request's prompt blocks are the first one's (same hashes): counted once;
     # with unique per-request hashes both requests' blocks count
     assert shared > 0 and unique >= 2 * shared - 2, (shared, unique)
