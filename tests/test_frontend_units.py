@@ -133,7 +133,10 @@ async def _serve(app, port):
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=1))
     task = asyncio.create_task(server.serve())
-    while not server.started:
+    deadline = asyncio.get_running_loop().time() + 10
+    while not server.started:  # bounded poll: fail instead of hanging if the server cannot start
+        if task.done() or asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError("test upstream server did not start")
         await asyncio.sleep(0.01)
     return server, task
 
