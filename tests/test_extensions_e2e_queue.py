@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import uuid
 from collections.abc import Iterator
 
@@ -21,11 +20,6 @@ import httpx
 import pytest
 
 from support import free_port, free_port_block, service
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("mocker.__main__") is None or importlib.util.find_spec("slot_tracker.core") is None,
-    reason="needs python -m mocker and the slot tracker core (issues 3/4) in this checkout",
-)
 
 Q_MODEL = "queue-model"
 
