@@ -62,6 +62,13 @@ def _nonneg_optional_float(value: str) -> float | None:
     return v
 
 
+def _positive_optional_float(value: str) -> float | None:
+    v = _optional_float(value)
+    if v is not None and v <= 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return v
+
+
 def _unit_optional_float(value: str) -> float | None:
     v = _optional_float(value)
     if v is not None and not 0.0 <= v <= 1.0:
@@ -150,7 +157,7 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
      "dedupe in-flight blocks by content; --no-router-assume-kv-reuse counts every request's blocks as unique"),
     ("--router-track-prefill-tokens", "router_track_prefill_tokens", ("DYN_ROUTER_TRACK_PREFILL_TOKENS",), bool, True,
      "count uncached prompt tokens in flight per worker as prefill load"),
-    ("--router-queue-threshold", "router_queue_threshold", ("DYN_ROUTER_QUEUE_THRESHOLD",), _nonneg_optional_float, None,
+    ("--router-queue-threshold", "router_queue_threshold", ("DYN_ROUTER_QUEUE_THRESHOLD",), _positive_optional_float, None,
      "hold requests while every rank's prefill tokens exceed this fraction of max_num_batched_tokens (unset = no queue)"),
     ("--router-queue-policy", "router_queue_policy", ("DYN_ROUTER_QUEUE_POLICY",), _queue_policy, "fcfs",
      "order of held requests: fcfs | lcfs | wspt"),
