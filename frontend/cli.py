@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_state(ns: argparse.Namespace):
-    from .app import FrontendState
+    from .state import FrontendState
     from .workers import WorkersFileWatcher, parse_worker_arg
 
     config = RouterConfig.from_args(ns)

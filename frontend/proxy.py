@@ -22,7 +22,7 @@ from .errors import openai_error_body
 from .upstream import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
-    from .app import FrontendState
+    from .state import FrontendState
     from .models import ModelEntry
     from .routing import Decision
 

@@ -1,0 +1,574 @@
+"""The OpenAI request pipeline (/v1/chat/completions, /v1/completions, POST /admin/route).
+
+Request path (one place, in order): parse -> hints (nvext + headers) -> tokenize -> admission
+(router queue) -> route (indexer overlaps + tracker loads + cost) -> book -> dispatch -> stream ->
+first token = prefill complete -> end / error / disconnect = free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvroute_common.http import ApiError, json_response, read_json
+from kvroute_common.openai_api import read_openai_body
+
+from .errors import OpenAIError, model_not_found, openai_error_response
+from .models import ModelEntry
+from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
+from .state import FrontendState
+from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
+
+log = logging.getLogger("frontend")
+_perf = time.perf_counter
+
+try:  # extension modules (owned by the extensions engineer)
+    from .admission import ClientDisconnected
+    from .hints import RequestTiming, engine_priority, parse_request_hints
+except ImportError:  # pragma: no cover
+    class ClientDisconnected(Exception):  # type: ignore[no-redef]
+        pass
+
+    RequestTiming = None  # type: ignore[assignment]
+    parse_request_hints = None  # type: ignore[assignment]
+    engine_priority = None  # type: ignore[assignment]
+
+BODY_LIMIT = 45 * 1024 * 1024  # DYN_HTTP_BODY_LIMIT_MB default
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+def _tokenize(entry: ModelEntry, body: dict, chat: bool) -> list[int]:
+    from kvroute_common.tokenizer import PromptError, chat_request_token_ids, completion_prompt_token_ids
+
+    try:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
+            # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
+            # continue_final_message, tools, documents): the router must hash the engine's tokens
+            return chat_request_token_ids(entry.tokenizer, body)
+        if "prompt" not in body:
+            raise OpenAIError(400, "'prompt' is required", "prompt")
+        return completion_prompt_token_ids(entry.tokenizer, body["prompt"])
+    except PromptError as exc:
+        raise OpenAIError(400, str(exc)) from None
+
+
+class RequestContext:
+    """What one OpenAI request carries through the pipeline."""
+
+    __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
+                 "recorded")
+
+    def __init__(self) -> None:
+        self.recorded = False  # a lease has recorded the request's end in the metrics
+        self.receive: Any = None
+        self.hints: Any = None
+        self.timing: Any = None
+        self.session: Any = None
+
+    @property
+    def rewrite(self) -> bool:
+        """Whether the response must be looked into (response nvext, speculative prefill)."""
+        h = self.hints
+        return h is not None and (h.want_worker_id or h.want_timing or h.speculative_prefill)
+
+
+class OpenAIRoutes:
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        state = self.state
+        ctx = RequestContext()
+        ctx.t_start = _perf()
+        ctx.receive = request.receive
+        ctx.chat = chat
+        ctx.endpoint = endpoint = "chat_completions" if chat else "completions"
+        mm = None
+        try:
+            raw, body = await read_openai_body(request, BODY_LIMIT)
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise OpenAIError(400, "'model' is required", "model")
+            entry = state.models.get(model)
+            if entry is None:
+                raise model_not_found(model)
+            stream = body.get("stream", False)
+            if stream is None:
+                stream = False
+            if not isinstance(stream, bool):
+                raise OpenAIError(400, "'stream' must be a boolean", "stream")
+            ctx.entry, ctx.stream, ctx.body = entry, stream, body
+            ctx.mm = mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
+            mm.started.inc()
+            mm.inflight.inc()
+            mm.active.inc()
+            mm.queued.inc()
+
+            modified = False
+            hints = None
+            if parse_request_hints is not None:
+                had_nvext = "nvext" in body
+                try:
+                    hints = parse_request_hints(body, request.headers, nvext_enabled=state.nvext_enabled)
+                except ApiError as exc:
+                    raise OpenAIError(exc.status, exc.message) from None
+                modified = had_nvext
+                if hints.priority is not None and engine_priority is not None:
+                    p = engine_priority(hints)
+                    if p is not None:
+                        body["priority"] = p
+                        modified = True
+                if hints.want_timing and RequestTiming is not None:
+                    ctx.timing = RequestTiming()
+                if hints.cache_salt and body.get("cache_salt") != hints.cache_salt:
+                    body["cache_salt"] = hints.cache_salt  # vLLM's field: the worker hashes its blocks with it too
+                    modified = True
+            ctx.hints = hints
+
+            t_tok = _perf()
+            tokens = hints.token_data if (hints is not None and hints.token_data) else _tokenize(entry, body, chat)
+            state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
+            ctx.tokens = tokens
+            ctx.out_body = orjson.dumps(body) if modified else raw
+
+            pinned_worker = hints.pinned_worker_id if hints is not None else None
+            pinned_rank = hints.pinned_dp_rank if hints is not None else None
+            if state.sessions is not None and hints is not None and hints.session_id:
+                try:
+                    ctx.session = state.sessions.lease(model, hints.session_id)
+                except Exception as exc:  # router.session.SessionError
+                    raise OpenAIError(getattr(exc, "status", 400), getattr(exc, "message", str(exc))) from None
+                target = ctx.session.target
+                if target is not None:  # a live binding beats headers and nvext
+                    pinned_worker, pinned_rank = target
+            try:
+                if state.admission is not None and hints is not None:
+                    if ctx.timing is not None:
+                        ctx.timing.router_queue_depth = state.admission.depth(model)
+                    try:
+                        await state.admission.wait(model, hints, new_tokens=len(tokens), receive=request.receive)
+                    except ClientDisconnected:
+                        mm.inflight.dec()
+                        mm.active.dec()
+                        mm.queued.dec()
+                        mm.finished("error", "cancelled")
+                        state.metrics.disconnected.inc()
+                        state.metrics.cancellations.labels(model, endpoint, mm.request_type).inc()
+                        if ctx.session is not None:
+                            ctx.session.release()
+                        return Response(b"", status_code=499)
+                return await self._dispatch(ctx, pinned_worker, pinned_rank)
+            except BaseException:
+                if ctx.session is not None:
+                    ctx.session.release()
+                raise
+        except OpenAIError as exc:
+            if mm is not None:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", _error_type(exc.status))
+                if exc.status == 529:
+                    state.metrics.rejections.labels(mm.model, endpoint).inc()
+            return openai_error_response(exc.status, exc.message, exc.param)
+        except asyncio.CancelledError:
+            if mm is not None and not ctx.recorded:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", "cancelled")
+            raise
+        except Exception as exc:  # a bug or an unexpected library error: still an OpenAI-shaped 500
+            log.exception("request failed")
+            if mm is not None and not ctx.recorded:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", "internal")
+            return openai_error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    async def _dispatch(self, ctx: RequestContext, pinned_worker: int | None, pinned_rank: int | None) -> Any:
+        state = self.state
+        entry = ctx.entry
+        attempts = 0
+        while True:
+            attempts += 1
+            decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
+                                          ctx.hints.cache_salt if ctx.hints is not None else None)
+            request_id = state.next_request_id()
+            try:
+                state.router.book(entry, request_id, decision)
+            except Exception as exc:
+                raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
+            state.metrics.router_started.inc()
+            lease = Lease(state, entry, request_id, decision, ctx.mm, ctx.t_start)
+            if state.config.router_track_output_blocks:
+                lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
+            _record_routed(state, ctx.mm, decision)
+            if ctx.timing is not None:
+                from .hints import kv_hit_rate
+
+                ctx.timing.dispatched = time.monotonic()
+                ctx.timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, entry.block_size)
+            try:
+                response = await self._send(ctx, lease)
+            except BaseException:
+                lease.status, lease.error_type = "error", "cancelled"
+                lease.release()
+                ctx.recorded = True
+                raise
+            if response is _RETRY:
+                if attempts < 3 and pinned_worker is None:
+                    lease.release(final=False)
+                    continue
+                lease.status, lease.error_type = "error", "unavailable"
+                lease.release()
+                if ctx.session is not None:
+                    ctx.session.invalidate()
+                    ctx.session.release()
+                return openai_error_response(503, f"worker {decision.worker.id} is unreachable")
+            return response
+
+    async def _send(self, ctx: RequestContext, lease: Lease) -> Any:
+        """One attempt on the lease's worker. Returns a response, or _RETRY when the worker was unreachable."""
+        state = self.state
+        decision = lease.decision
+        worker = decision.worker
+        path = "/v1/chat/completions" if ctx.chat else "/v1/completions"
+        headers = upstream_headers(decision.dp_rank, lease.request_id)
+        stream = ctx.stream
+        session = ctx.session
+        watch = None
+        if not stream and ctx.receive is not None:
+            # a unary request can run for a long time: a client that goes away must free its load now
+            watch = _watch_disconnect(ctx.receive)
+        try:
+            upstream = await worker.upstream.request("POST", path, ctx.out_body, headers, stream)
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise
+            asyncio.current_task().uncancel()
+            lease.status, lease.error_type = "error", "cancelled"
+            state.metrics.disconnected.inc()
+            state.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+            lease.release()
+            if session is not None:
+                session.release()
+            return Response(b"", status_code=499)
+        except UpstreamConnectError as exc:
+            # never reached the worker: take it out (it is now excluded) and let the caller route again
+            state.pool.mark_failed(worker, str(exc))
+            return _RETRY
+        except UpstreamTimeout as exc:
+            _lease_abort(lease, 504)
+            if session is not None:
+                session.release()
+            return openai_error_response(504, str(exc))
+        except (UpstreamError, OSError) as exc:
+            state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+            _lease_abort(lease, 500)
+            if session is not None:
+                session.invalidate()
+                session.release()
+            return openai_error_response(500, f"worker {worker.id} failed: {exc}")
+        finally:
+            if watch is not None:
+                watch.stop()
+        if upstream.status != 200:
+            if stream:
+                try:
+                    data = await upstream.aread()
+                except UpstreamError:
+                    data = b""
+                await upstream.aclose()
+            else:
+                data = upstream.content
+            if session is not None:
+                session.release()
+            return _upstream_error(lease, upstream.status, data)
+        if session is not None:
+            session.bind(decision.worker.id, decision.dp_rank)
+            lease.hooks.append(_SessionHook(session))
+        rewriter = ResponseRewriter(self, ctx, lease) if ctx.rewrite else None
+        if stream:
+            return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
+                               self._stream_failed, rewriter)
+        data = upstream.content
+        lease.first_token()
+        n = count_completion_tokens(data)
+        if n:
+            lease.tokens(n)
+        if rewriter is not None:
+            data = rewriter.unary(data)
+        lease.release()
+        if rewriter is not None:
+            rewriter.finished(lease)
+        return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank)
+
+    async def explain(self, request: Request) -> Response:
+        """``POST /admin/route``: the decision an OpenAI body would get now, with every candidate's
+        cost terms, without booking or sending anything (operators: "why did it go there?")."""
+        state = self.state
+        body = await read_json(request, dict, BODY_LIMIT)
+        model = body.get("model")
+        entry = state.models.get(model) if isinstance(model, str) else None
+        if entry is None:
+            raise ApiError(404, f"Model not found: {model}")
+        chat = "messages" in body
+        try:
+            tokens = _tokenize(entry, body, chat)
+            d = state.router.route(entry, tokens, explain=True)
+        except OpenAIError as exc:
+            raise ApiError(exc.status, exc.message) from None
+        cands = [{"worker_id": c.worker_id, "dp_rank": c.dp_rank, "overlap_blocks": c.overlap_blocks, "prefill_tokens": c.prefill_tokens,
+                  "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks, "active_requests": c.active_requests, "cost": c.cost}
+                 for c in (d.costs or [])]
+        return json_response({"model": entry.name, "isl": d.isl, "block_size": entry.block_size, "router_mode": state.config.router_mode,
+                              "worker_id": d.worker.id, "dp_rank": d.dp_rank, "overlap_blocks": d.overlap_blocks, "candidates": cands})
+
+    def _stream_failed(self, lease: Lease, exc: BaseException) -> None:
+        self.state.pool.mark_failed(lease.decision.worker, f"{type(exc).__name__}: {exc}")
+
+    async def send_pinned(self, body: dict, worker_id: int, dp_rank: int | None) -> None:
+        """Speculative prefill warm-up: a non-streaming request pinned to (worker, rank), full lifecycle."""
+        state = self.state
+        model = body.get("model")
+        entry = state.models.get(model) if isinstance(model, str) else None
+        if entry is None:
+            return
+        ctx = RequestContext()
+        ctx.t_start = _perf()
+        ctx.chat = "messages" in body
+        ctx.endpoint = "chat_completions" if ctx.chat else "completions"
+        ctx.entry, ctx.stream, ctx.body = entry, False, body
+        ctx.tokens = _tokenize(entry, body, ctx.chat)
+        ctx.out_body = orjson.dumps(body)
+        ctx.mm = mm = state.metrics.model_children(entry.name, ctx.endpoint, "unary")
+        mm.started.inc()
+        mm.inflight.inc()
+        mm.active.inc()
+        mm.queued.inc()
+        try:
+            await self._dispatch(ctx, worker_id, dp_rank)
+        except OpenAIError as exc:
+            mm.inflight.dec()
+            mm.active.dec()
+            mm.queued.dec()
+            mm.finished("error", _error_type(exc.status))
+            raise
+
+
+class _SessionHook:
+    """Ends the session's lease with the request (restarting its idle TTL); failures unbind it."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def on_tokens(self, lease: Lease, n: int) -> None:
+        pass
+
+    def on_release(self, lease: Lease) -> None:
+        if lease.status == "error" and lease.error_type not in ("cancelled", ""):
+            self.session.invalidate()
+        self.session.release()
+
+
+class ResponseRewriter:
+    """Only for requests that asked for response metadata or speculative prefill: adds ``nvext`` to
+    the final chunk / body and collects the assistant's text."""
+
+    def __init__(self, routes: OpenAIRoutes, ctx: RequestContext, lease: Lease) -> None:
+        self.routes = routes
+        self.ctx = ctx
+        self.lease = lease
+        self.collector = None
+        self._buf = b""
+        if ctx.hints.speculative_prefill and routes.state.speculative is not None:
+            from .speculative import TurnTextCollector
+
+            self.collector = TurnTextCollector()
+
+    def _nvext(self) -> dict | None:
+        from .hints import response_nvext
+
+        h = self.ctx.hints
+        if not (h.want_worker_id or h.want_timing):
+            return None
+        timing = self.ctx.timing
+        if timing is not None:
+            now = time.monotonic()
+            if timing.first_token is None:
+                timing.first_token = now
+            timing.finished = now
+        d = self.lease.decision
+        return response_nvext(h, d.worker.id, d.dp_rank, timing)
+
+    def unary(self, data: bytes) -> bytes:
+        if self.collector is not None:
+            self.collector.feed_json(data)
+        ext = self._nvext()
+        if ext is None:
+            return data
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return data
+        if isinstance(obj, dict):
+            obj["nvext"] = ext
+            return orjson.dumps(obj)
+        return data
+
+    def first_token(self) -> None:
+        t = self.ctx.timing
+        if t is not None and t.first_token is None:
+            t.first_token = time.monotonic()
+
+    def chunk(self, data: bytes) -> bytes:
+        """Rewrite whole SSE events; a partial event is held until its end arrives."""
+        if self.collector is not None:
+            self.collector.feed_sse(data)
+        h = self.ctx.hints
+        if not (h.want_worker_id or h.want_timing):
+            return data
+        buf = self._buf + data
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return b""
+        self._buf = buf[end + 2:]
+        events = buf[: end + 2].split(b"\n\n")
+        out = []
+        for ev in events:
+            if not ev:
+                continue
+            if ev.startswith(b"data: {") and b'"finish_reason":null' not in ev.replace(b" ", b""):
+                try:
+                    obj = orjson.loads(ev[6:])
+                except orjson.JSONDecodeError:
+                    obj = None
+                if isinstance(obj, dict) and any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or []):
+                    ext = self._nvext()
+                    if ext is not None:
+                        obj["nvext"] = ext
+                        ev = b"data: " + orjson.dumps(obj)
+            out.append(ev + b"\n\n")
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        buf, self._buf = self._buf, b""
+        return buf
+
+    def finished(self, lease: Lease) -> None:
+        """After a successful turn: schedule the speculative next-turn prefill."""
+        spec = self.routes.state.speculative
+        c = self.collector
+        if spec is None or c is None or lease.status != "success":
+            return
+        d = lease.decision
+        spec.on_turn_finished(orjson.loads(self.ctx.out_body), c.text(), d.worker.id, d.dp_rank)
+
+
+_RETRY = object()
+
+
+class _watch_disconnect:
+    """Cancels the current task when the client disconnects (one extra task, only for unary requests)."""
+
+    __slots__ = ("task", "gone", "_owner")
+
+    def __init__(self, receive: Any) -> None:
+        self.gone = False
+        self._owner = asyncio.current_task()
+        self.task = asyncio.get_running_loop().create_task(self._run(receive))
+
+    async def _run(self, receive: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                self._owner.cancel()
+                return
+
+    def stop(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+
+
+class _PassThrough:
+    """A worker's complete JSON answer, sent as is (cheaper than building a starlette Response)."""
+
+    __slots__ = ("body", "content_type", "rank")
+
+    def __init__(self, body: bytes, content_type: bytes, rank: int) -> None:
+        self.body, self.content_type, self.rank = body, content_type, rank
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", self.content_type), (b"content-length", str(len(self.body)).encode()),
+            (b"x-data-parallel-rank", str(self.rank).encode())]})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def _record_routed(state: FrontendState, mm: Any, decision: Any) -> None:
+    isl = decision.isl
+    mm.isl.observe(isl)
+    mm.cached.observe(decision.cached_tokens)
+    m = state.metrics
+    m.router_isl.observe(isl)
+    if isl:
+        m.router_kv_hit_rate.observe(decision.cached_tokens / isl)
+    state.worker_gauges(decision.worker.id, decision.dp_rank)[1].set(isl)
+
+
+def _lease_abort(lease: Lease, status: int) -> None:
+    lease.status, lease.error_type = "error", _error_type(status)
+    lease.release()
+
+
+def _upstream_error(lease: Lease, status: int, data: bytes) -> Response:
+    """Worker said no: 4xx passes through with its message, 5xx becomes a generic 500."""
+    _lease_abort(lease, status)
+    if 400 <= status < 500:
+        msg = _error_message(data) or f"worker returned {status}"
+        return openai_error_response(status, msg)
+    return openai_error_response(500, "Internal server error")
+
+
+def _error_message(data: bytes) -> str | None:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data.decode("utf-8", "replace")[:500] or None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(obj.get("message"), str):
+            return obj["message"]
+    return None
+
+
+def _error_type(status: int) -> str:
+    from .errors import error_type_label
+
+    return error_type_label(status)

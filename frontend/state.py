@@ -1,0 +1,377 @@
+"""FrontendState: everything one frontend owns (config, models, worker pool, embedded slot tracker and
+indexer, metrics) and how workers are attached to and detached from models as they come and go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import GaugeMetricFamily
+
+from router.config import RouterConfig
+
+from .busy import BusyThresholds
+from .metrics import WORKER_TYPE, CallbackCollector, FrontendMetrics
+from .models import TENANT, ModelEntry
+from .routing import Router
+from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
+
+if TYPE_CHECKING:
+    from .openai_routes import OpenAIRoutes
+
+log = logging.getLogger("frontend")
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def _truthy(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+
+
+class FrontendState:
+    """Everything one frontend owns: config, workers, models, embedded cores, metrics."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        model_path: str | None = None,
+        model_paths: dict[str, str] | None = None,
+        health_interval: float = 2.0,
+        request_timeout: float | None = None,
+        slot_registry: Any = None,
+        metrics: FrontendMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.model_paths: dict[str, str] = dict(model_paths or {})
+        self.metrics = metrics or FrontendMetrics()
+        if slot_registry is None:
+            from slot_tracker.core import SlotRegistry
+
+            slot_registry = SlotRegistry()
+        self.slots = slot_registry
+        self.events = None  # IndexerRegistry, created on first use inside the loop
+        self.models: dict[str, ModelEntry] = {}
+        self.thresholds: dict[str, BusyThresholds] = {}
+        self.router = Router(config, self.metrics)
+        self.pool = WorkerPool(self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout)
+        self.file_watcher: WorkersFileWatcher | None = None
+        self.replica_sync = None
+        self._ids = itertools.count(1)
+        self._id_prefix = f"kvr-{self.metrics.router_id[:8]}-"
+        self._worker_gauges: dict[tuple[int, int], tuple] = {}
+        self.shutting_down = False
+        self.admission = None
+        self.sessions = None
+        self.speculative = None
+        self._bg: set[asyncio.Task] = set()
+        self._unregistering: dict[int, asyncio.Task] = {}  # worker id -> its KV-event listeners stopping
+        self._init_extensions()
+        self.metrics.add_collector(CallbackCollector(self._collect_gauges))
+
+    # ---- extensions ---------------------------------------------------------------------------
+    def _init_extensions(self) -> None:
+        cfg = self.config
+        self.nvext_enabled = not _truthy(os.environ.get("DYN_DISABLE_FRONTEND_NVEXT"))
+        if cfg.router_queue_threshold is not None:
+            from .admission import AdmissionQueue
+
+            self.admission = AdmissionQueue(cfg.router_queue_policy, cfg.router_queue_threshold, self._queue_capacity)
+        if cfg.router_session_affinity_ttl_secs is not None:
+            from router.session import SessionTable
+
+            self.sessions = SessionTable(cfg.router_session_affinity_ttl_secs)
+
+    def _init_speculative(self, routes: "OpenAIRoutes") -> None:
+        from .speculative import SpeculativePrefiller
+
+        self.speculative = SpeculativePrefiller(routes.send_pinned, max_in_flight=4, is_busy=self._rank_busy)
+
+    def _rank_busy(self, worker_id: int, dp_rank: int | None) -> bool:
+        """For speculative prefill: skip warm-ups to a worker that is busy or has a backlog of prefill."""
+        for entry in self.models.values():
+            w = entry.workers.get(worker_id)
+            if w is None:
+                continue
+            if not w.healthy:
+                return True
+            t = entry.tracker
+            ranks = [dp_rank] if dp_rank is not None else list(w.spec.ranks)
+            th = entry.thresholds
+            for r in ranks:
+                prefill = t.active_prefill_tokens(worker_id, r)
+                if th.enabled and th.rank_overloaded(prefill, t.active_decode_blocks(worker_id, r), w.num_gpu_blocks, w.max_num_batched_tokens):
+                    return True
+                if w.max_num_batched_tokens and prefill > w.max_num_batched_tokens:
+                    return True
+        return False
+
+    def _queue_capacity(self, model: str, hints: Any, threshold: float) -> bool:
+        from .admission import any_rank_free
+
+        entry = self.models.get(model)
+        if entry is None:
+            return True
+        tracker = entry.tracker
+        pinned = hints.pinned_worker_id if hints is not None else None
+        prank = hints.pinned_dp_rank if hints is not None else None
+        ranks = [
+            (tracker.active_prefill_tokens(w.id, r), w.max_num_batched_tokens)
+            for w in entry.workers.values() if w.healthy and (pinned is None or w.id == pinned)
+            for r in w.spec.ranks if pinned is None or prank is None or r == prank
+        ]
+        return any_rank_free(ranks, threshold)
+
+    def capacity_changed(self, model: str) -> None:
+        adm = self.admission
+        if adm is not None:
+            adm.notify(model)
+
+    # ---- ids and gauges -------------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids)}"
+
+    def worker_gauges(self, worker_id: int, dp_rank: int) -> tuple:
+        g = self._worker_gauges.get((worker_id, dp_rank))
+        if g is None:
+            labels = (str(worker_id), str(dp_rank), WORKER_TYPE)
+            m = self.metrics
+            g = self._worker_gauges[(worker_id, dp_rank)] = (
+                m.worker_last_ttft.labels(*labels), m.worker_last_isl.labels(*labels), m.worker_last_itl.labels(*labels))
+        return g
+
+    def _collect_gauges(self):
+        """Scrape-time gauges: per-worker loads from the tracker, model readiness and capacity."""
+        decode = GaugeMetricFamily("dynamo_frontend_worker_active_decode_blocks", "Decode blocks in flight per worker rank", labels=["worker_id", "dp_rank", "worker_type"])
+        prefill = GaugeMetricFamily("dynamo_frontend_worker_active_prefill_tokens", "Prefill tokens in flight per worker rank", labels=["worker_id", "dp_rank", "worker_type"])
+        registered = GaugeMetricFamily("dynamo_component_router_worker_registered", "Worker ranks known to the router", labels=["router_worker_id", "dp_rank", "worker_type"])
+        ready = GaugeMetricFamily("dynamo_frontend_model_ready", "1 when the model has a healthy worker", labels=["model"])
+        blocks = GaugeMetricFamily("dynamo_frontend_model_total_kv_blocks", "Total KV blocks of the model's workers", labels=["model"])
+        mbt = GaugeMetricFamily("dynamo_frontend_model_max_num_batched_tokens", "Max batched tokens of the model's workers", labels=["model"])
+        bsz = GaugeMetricFamily("dynamo_frontend_model_kv_cache_block_size", "KV block size of the model", labels=["model"])
+        depth = GaugeMetricFamily("dynamo_frontend_router_queue_pending_requests", "Requests held in the router queue", labels=["model", "worker_type", "policy_class"])
+        for entry in list(self.models.values()):
+            tracker = entry.tracker
+            for w in entry.workers.values():
+                for r in w.spec.ranks:
+                    labels = [str(w.id), str(r), WORKER_TYPE]
+                    decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
+                    prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
+                    registered.add_metric(labels, 1 if w.healthy else 0)
+            ready.add_metric([entry.name], 1 if entry.ready else 0)
+            total, maxbt = entry.capacity()
+            if total is not None:
+                blocks.add_metric([entry.name], total)
+            if maxbt is not None:
+                mbt.add_metric([entry.name], maxbt)
+            bsz.add_metric([entry.name], entry.block_size)
+            depth.add_metric([entry.name, WORKER_TYPE, "default"], self.admission.depth(entry.name) if self.admission else 0)
+        return [decode, prefill, registered, ready, blocks, mbt, bsz, depth]
+
+    # ---- worker attachment ------------------------------------------------------------------------
+    def _events_registry(self):
+        if self.events is None and self.config.router_mode == "kv" and self.config.router_kv_events and self.config.uses_indexer:
+            from indexer.registry import IndexerRegistry
+
+            self.events = IndexerRegistry()
+        return self.events
+
+    def _tokenizer_for(self, model: str, worker: Worker) -> Any:
+        from kvroute_common.tokenizer import load_tokenizer
+
+        path = self.model_paths.get(model) or worker.spec.model_path or self.model_path
+        return load_tokenizer(path)
+
+    def _worker_changed(self, worker: Worker) -> None:
+        if worker.healthy and worker.discovered:
+            self._attach(worker)
+        elif not worker.healthy:
+            if worker.unreachable:
+                # the process is gone and its KV cache with it; a merely failing worker keeps its
+                # index and event stream (it may come back with its cache intact)
+                self._stop_events(worker)
+            if self.sessions is not None:
+                self.sessions.drop_worker(worker.id)
+
+    def _worker_removed(self, worker: Worker) -> None:
+        self._stop_events(worker)
+        if self.sessions is not None:
+            self.sessions.drop_worker(worker.id)
+        for model in list(worker.attached_models):
+            self._detach_model(worker, model)
+        worker.attached_models = []
+
+    def _detach_model(self, worker: Worker, model: str) -> None:
+        entry = self.models.get(model)
+        if entry is None:
+            return
+        entry.workers.pop(worker.id, None)
+        try:
+            self.slots.unregister(worker.id, model, TENANT)
+        except Exception as exc:
+            log.debug("tracker unregister %s/%s: %s", worker.id, model, exc)
+        if entry.approx is not None:
+            entry.approx.remove_worker(worker.id)
+        if not entry.workers:  # the model's last worker: the model is gone (404)
+            del self.models[model]
+
+    def _attach(self, worker: Worker) -> None:
+        cfg = self.config
+        attached = []
+        for model in [m for m in worker.attached_models if m not in worker.models]:  # it stopped serving these
+            self._detach_model(worker, model)
+        worker.attached_models = [m for m in worker.attached_models if m in worker.models]
+        for model in worker.models:
+            entry = self.models.get(model)
+            bs = cfg.kv_cache_block_size or worker.block_size or DEFAULT_BLOCK_SIZE
+            if cfg.kv_cache_block_size and worker.block_size and worker.block_size != cfg.kv_cache_block_size:
+                log.warning("worker %s reports block size %s but --kv-cache-block-size is %s: prefix matches will be wrong",
+                            worker.id, worker.block_size, cfg.kv_cache_block_size)
+            if entry is None:
+                try:
+                    tokenizer = self._tokenizer_for(model, worker)
+                except Exception as exc:
+                    worker.last_error = f"cannot load tokenizer for {model}: {exc}"
+                    log.error("worker %s: %s", worker.id, worker.last_error)
+                    continue
+                approx = None
+                if cfg.router_mode == "kv" and cfg.uses_indexer and not cfg.router_kv_events:
+                    from router.approx import ApproxIndex
+
+                    approx = ApproxIndex(bs, cfg.router_ttl_secs, cfg.router_max_tree_size, cfg.router_prune_target_ratio)
+                thresholds = self.thresholds.get(model)
+                if thresholds is None:
+                    thresholds = self.thresholds[model] = BusyThresholds(
+                        cfg.active_decode_blocks_threshold, cfg.active_prefill_tokens_threshold, cfg.active_prefill_tokens_threshold_frac)
+                entry = self.models[model] = ModelEntry(model, bs, tokenizer, self.slots, self._events_registry(), approx, thresholds)
+            elif worker.block_size and cfg.kv_cache_block_size is None and worker.block_size != entry.block_size:
+                worker.last_error = f"block size {worker.block_size} differs from model {model}'s {entry.block_size}"
+                log.error("worker %s not attached to %s: %s", worker.id, model, worker.last_error)
+                continue
+            entry.workers[worker.id] = worker
+            try:
+                self.slots.register(worker.id, model, TENANT, entry.block_size, worker.spec.dp_start, worker.spec.dp_size)
+            except Exception as exc:  # already registered (health came back) or registered externally
+                log.debug("tracker register %s/%s: %s", worker.id, model, exc)
+            self._start_events(worker, entry)
+            attached.append(model)
+        for model in worker.attached_models:
+            if model not in attached and model in self.models:
+                attached.append(model)
+        worker.attached_models = attached
+
+    def _start_events(self, worker: Worker, entry: ModelEntry) -> None:
+        events = self._events_registry()
+        spec = worker.spec
+        if events is None or not spec.kv_events_endpoint:
+            return
+        pending = self._unregistering.get(worker.id)
+        if pending is not None and not pending.done():  # still stopping its old listeners: register after
+            async def later() -> None:
+                await asyncio.wait([pending])
+                if self.pool.workers.get(worker.id) is worker and worker.healthy:
+                    self._start_events(worker, entry)
+
+            self._spawn(later())
+            return
+        inst = events.instances.get(worker.id)
+        if inst is not None:  # one event stream per worker: it feeds the model it was registered for
+            return
+        for r in spec.ranks:
+            try:
+                events.register(
+                    instance_id=worker.id,
+                    endpoint=spec.rank_endpoint(spec.kv_events_endpoint, r),
+                    model_name=entry.name,
+                    tenant_id=TENANT,
+                    block_size=entry.block_size,
+                    dp_rank=r,
+                    replay_endpoint=spec.rank_endpoint(spec.replay_endpoint, r),
+                )
+            except Exception as exc:
+                log.debug("indexer register %s rank %s: %s", worker.id, r, exc)
+
+    def _stop_events(self, worker: Worker) -> None:
+        """A worker that is gone or unhealthy: forget its cached blocks (they may not survive)."""
+        events = self.events
+        if events is not None and worker.id in events.instances:
+            model = events.instances[worker.id].model_name
+
+            async def unregister() -> None:
+                try:
+                    await events.unregister(worker.id, model)
+                except Exception as exc:
+                    log.debug("indexer unregister %s: %s", worker.id, exc)
+
+            self._unregistering[worker.id] = self._spawn(unregister())
+        for model in worker.attached_models:
+            entry = self.models.get(model)
+            if entry is not None and entry.approx is not None:
+                entry.approx.remove_worker(worker.id)
+
+    def apply_workers_file(self, specs: list[WorkerSpec], models: dict[str, dict[str, Any]]) -> None:
+        for name, conf in models.items():
+            if isinstance(conf, dict) and conf.get("model_path"):
+                self.model_paths[name] = str(conf["model_path"])
+        self.pool.sync_source("file", specs)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.replica_sync is not None:
+            await self.replica_sync.start()
+        if self.file_watcher is not None:
+            self.file_watcher.load_now()
+            self.file_watcher.start()
+        for w in list(self.pool.workers.values()):
+            self.pool._spawn(self.pool.probe(w))
+        need = self.config.router_min_initial_workers
+        if need > 0:  # --router-min-initial-workers: do not serve before that many workers are healthy
+            log.info("waiting for %d healthy worker(s)", need)
+            while sum(1 for w in self.pool.workers.values() if w.healthy) < need:
+                await asyncio.sleep(0.2)
+                await self.pool.check_all()
+        self.pool.start()
+        self._spawn(self._expiry_loop())
+        if self.sessions is not None:
+            self._spawn(self._session_reaper())
+
+    async def stop(self) -> None:
+        self.shutting_down = True
+        if self.file_watcher is not None:
+            self.file_watcher.stop()
+        for t in list(self._bg):
+            t.cancel()
+        if self.admission is not None:
+            self.admission.close()
+        if self.speculative is not None:
+            await self.speculative.aclose()
+        if self.replica_sync is not None:
+            await self.replica_sync.stop()
+        await self.pool.stop()
+        events = self.events
+        if events is not None:
+            await events.close()
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(60.0)
+            try:
+                self.slots.expire_stale()
+            except Exception:
+                log.exception("tracker expiry failed")
+
+    async def _session_reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.sessions.reap_interval_secs)
+            self.sessions.expire()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        return task
