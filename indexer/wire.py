@@ -187,23 +187,10 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     locality: str | None = None
 
 
-class _StoredMapTyped(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+class _StoredMapTyped(_StoredMap, tag="BlockStored", tag_field="type", gc=False):
     """_StoredMap with plain token ids: lets a whole map-form batch decode in one pass."""
 
-    block_hashes: list[Hash]
-    token_ids: list[Token]
-    block_size: int
-    parent_block_hash: Hash | None = None
-    lora_id: Any = None
-    medium: str | None = None
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    extra_keys: list[Any] | None = None
-    block_mm_infos: list[_MMInfo | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
+    token_ids: list[Token]  # overrides the Raw field in place (same position, same tag)
 
 
 class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
