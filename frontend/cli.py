@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from kvroute_common.drain import add_drain_arg
+from kvroute_common.security import add_security_args
 from router.config import RouterConfig, add_router_args
 
 log = logging.getLogger("frontend")
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--replica-sync-peers", default=os.environ.get("KVROUTE_REPLICA_SYNC_PEERS", ""), metavar="LIST",
                    help="comma-separated PUB endpoints of the other frontend replicas (also POST /register_peer at runtime)")
     g.add_argument("--log-level", default=os.environ.get("DYN_LOG", "info"), help="debug shows one cost line per candidate per decision")
+    add_drain_arg(g)
+    add_security_args(p)  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/access.py)
     add_router_args(p)
     return p
 
@@ -84,15 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from kvroute_common.drain import Drain, DrainingServer
+    from kvroute_common.security import ssl_options
+
+    tls = ssl_options(ns)
+    drain = Drain(ns.drain_timeout)
     state = make_state(ns)
+    from .access import guard_app
     from .app import build_app
 
     import uvicorn
 
-    app = build_app(state)
+    app = guard_app(build_app(state), ns, drain)
     config = uvicorn.Config(app, host=ns.http_host, port=ns.http_port, log_level="warning", access_log=False,
                             loop="uvloop", http="httptools", lifespan="on", timeout_keep_alive=75,
-                            timeout_graceful_shutdown=5, server_header=False, proxy_headers=False)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=5, server_header=False, proxy_headers=False, **tls)
+    server = DrainingServer(config, drain)  # SIGTERM: 503 on /health and new /v1 requests, streams finish, exit 0
     server.run()
     return 0

@@ -26,9 +26,11 @@ import httpx
 import prometheus_client
 
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError, parse_workers_arg, split_urls
-from indexer.service import PeerList, build_app
+from indexer.service import ACCESS, PeerList, build_app
+from kvroute_common.drain import Drain, add_drain_arg
 from kvroute_common.fast_http import PROTOCOLS
 from kvroute_common.fast_http import serve as serve_http
+from kvroute_common.security import add_security_args, outgoing_token, policy_from_args, ssl_options
 
 log = logging.getLogger("indexer")
 
@@ -48,12 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer (default 2)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--http-protocol", choices=PROTOCOLS, default="fast", help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = query routes answered in the protocol + one write per response; coalescing = one write only; httptools = stock")
+    add_security_args(p)  # --api-key: reads (GET, the queries); --admin-token: writes (also sent to --peers); TLS
+    add_drain_arg(p)
     return p
 
 
-async def recover_from_peers(registry: IndexerRegistry, peers: list[str], timeout: float = 10.0) -> str | None:
-    """Restore the first reachable peer's /dump; returns that peer's URL or None."""
-    async with httpx.AsyncClient(timeout=timeout) as client:
+async def recover_from_peers(registry: IndexerRegistry, peers: list[str], timeout: float = 10.0, token: str | None = None) -> str | None:
+    """Restore the first reachable peer's /dump; returns that peer's URL or None. ``token``: the bearer
+    token peers of a protected deployment want (this indexer's own admin token or API key)."""
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
         for url in peers:
             try:
                 resp = await client.get(f"{url}/dump")
@@ -69,6 +75,10 @@ async def recover_from_peers(registry: IndexerRegistry, peers: list[str], timeou
 
 
 async def serve(args: argparse.Namespace) -> int:
+    policy = policy_from_args(args, ACCESS)
+    token = outgoing_token(policy, args)
+    tls = ssl_options(args)
+    drain = Drain(args.drain_timeout)
     ready = asyncio.Event()
     registry = IndexerRegistry(replay_timeout=args.replay_timeout, ready=ready)
     peer_urls = list(split_urls(args.peers))
@@ -83,17 +93,18 @@ async def serve(args: argparse.Namespace) -> int:
     min_workers = int(os.environ.get("DYN_ROUTER_MIN_INITIAL_WORKERS", "0") or 0)
     if peer_urls:
         await asyncio.sleep(RECOVERY_DELAY)  # past the ZMQ slow-joiner window (reference behaviour)
-        await recover_from_peers(registry, peer_urls)
+        await recover_from_peers(registry, peer_urls, token=token)
     while registry.known_worker_count() < min_workers:
         log.info("waiting for %d initial workers (have %d)", min_workers, registry.known_worker_count())
         await asyncio.sleep(1.0)
         if peer_urls:
-            await recover_from_peers(registry, peer_urls)
+            await recover_from_peers(registry, peer_urls, token=token)
     for url in peer_urls:
         peers.add(url)
     ready.set()
     # until SIGINT/SIGTERM; the app's lifespan stops the registry's listeners on the way out
-    await serve_http(build_app(registry, peers), args.host, args.port, log_level=args.log_level.lower(), protocol=args.http_protocol)
+    await serve_http(build_app(registry, peers, policy=policy, drain=drain), args.host, args.port, drain=drain,
+                     log_level=args.log_level.lower(), protocol=args.http_protocol, **tls)
     return 0
 
 

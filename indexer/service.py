@@ -24,12 +24,16 @@ from starlette.routing import BaseRoute, Route
 
 from indexer.core import KvIndex
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError
-from kvroute_common.fast_http import FastJsonRoutes, JsonHandler
+from kvroute_common.drain import Drain
+from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
 from kvroute_common.http import ApiError, MiB, decode_json, error_response, json_response, json_service, ok, raw_json_response, read_json
+from kvroute_common.security import AccessPolicy, service_classifier
 from router.hashing import local_block_hashes
 
 QUERY_BODY_LIMIT = 8 * MiB
 BODY_LIMIT = 2 * MiB
+ACCESS = service_classifier(["/query", "/query_by_hash"])
+"""Who may call what with tokens set: reads (GET, the queries) need an API key, writes the admin token."""
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec ints stop at 2**64-1
 U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
@@ -318,9 +322,11 @@ def hot_routes(registry: IndexerRegistry) -> dict[str, JsonHandler]:
     return {"/query": query, "/query_by_hash": query_by_hash}
 
 
-def build_app(registry: IndexerRegistry, peers: PeerList | None = None) -> FastJsonRoutes:
+def build_app(registry: IndexerRegistry, peers: PeerList | None = None, policy: AccessPolicy | None = None,
+              drain: Drain | None = None) -> FastJsonRoutes:
     """The standalone service's ASGI app: the indexer routes plus /health and /metrics, the query
-    routes answered first by ``FastJsonRoutes``; the registry's listeners stop with the app."""
+    routes answered first by ``FastJsonRoutes``; the registry's listeners stop with the app.
+    Optionally behind an access policy (``ACCESS``) and a SIGTERM drain."""
     peers = peers if peers is not None else PeerList()
     metrics = Metrics(registry)
 
@@ -346,4 +352,4 @@ def build_app(registry: IndexerRegistry, peers: PeerList | None = None) -> FastJ
     app.state.registry = registry
     app.state.peers = peers
     app.state.metrics = metrics
-    return FastJsonRoutes(app, hot_routes(registry), QUERY_BODY_LIMIT, observe)
+    return FastJsonRoutes(protect(app, policy, drain), hot_routes(registry), QUERY_BODY_LIMIT, observe, policy=policy)

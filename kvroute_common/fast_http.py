@@ -10,7 +10,8 @@ is one mechanism for the concept:
   for the given paths with a synchronous ``(body) -> (status, payload)`` handler and passes
   everything else (other paths, other methods, HEAD, lifespan) to the wrapped Starlette app. It
   applies ``kvroute_common.http.read_json``'s checks in axum's order with the same messages: 415
-  (not JSON), 413 (over ``limit``); handlers raise ``ApiError`` for 400/422/404...
+  (not JSON), 413 (over ``limit``); handlers raise ``ApiError`` for 400/422/404... With a
+  ``policy`` (``kvroute_common.security``), a request it refuses gets its 401 first.
 - ``HeaderCoalescingProtocol``: uvicorn's httptools protocol sending each response's header
   block and body in one socket write (uvicorn writes them separately: two ``send`` syscalls per
   small answer). Its malformed-request 400 is JSON like every other error of the services.
@@ -37,6 +38,8 @@ from typing import Any
 import orjson
 
 from kvroute_common.http import DEFAULT_BODY_LIMIT, ApiError, is_json_content_type
+from kvroute_common.drain import Drain, DrainingServer, DrainMiddleware
+from kvroute_common.security import AccessPolicy, AuthMiddleware
 
 JsonHandler = Callable[[bytes], tuple[int, bytes]]
 """A hot route: raw request body -> (status, JSON payload). Synchronous, must not block; may raise ApiError."""
@@ -49,6 +52,7 @@ _TOO_LARGE = orjson.dumps({"error": "Failed to buffer the request body: length l
 _BAD_LENGTH = orjson.dumps({"error": "invalid content-length header"})
 _CONTENT_TYPE = (b"content-type", b"application/json")
 _CLOSE = (b"connection", b"close")
+_WWW_AUTHENTICATE = (b"www-authenticate", b"Bearer")
 _JSON = b"application/json"
 
 
@@ -66,8 +70,10 @@ class FastJsonRoutes:
     the same ``precheck`` / ``answer`` methods, so the checks and messages cannot diverge.
     """
 
-    def __init__(self, app: Any, routes: Mapping[str, JsonHandler], limit: int = DEFAULT_BODY_LIMIT, observe: Observer | None = None) -> None:
+    def __init__(self, app: Any, routes: Mapping[str, JsonHandler], limit: int = DEFAULT_BODY_LIMIT, observe: Observer | None = None,
+                 policy: AccessPolicy | None = None) -> None:
         self.app = app
+        self.policy = policy  # None: no token configured, nothing checked
         self.routes = dict(routes)
         self.raw_routes = {path.encode("latin-1"): (path, handler) for path, handler in self.routes.items()}  # for FastJsonProtocol
         self.limit = limit
@@ -107,7 +113,10 @@ class FastJsonRoutes:
                 content_length = value
             elif name == b"expect":
                 expect = value
-        refused = self.precheck(content_type, content_length)
+        policy = self.policy
+        refused = policy.refusal("POST", scope["path"], scope["headers"]) if policy is not None else None
+        if refused is None:
+            refused = self.precheck(content_type, content_length)
         close = refused is not None and (refused[0] == 413 or expect is not None)  # no body worth reading, or none coming
         if refused is None:
             message = await receive()
@@ -123,6 +132,8 @@ class FastJsonRoutes:
         else:
             status, payload = refused
         headers = [_CONTENT_TYPE, (b"content-length", b"%d" % len(payload))]
+        if status == 401:
+            headers.append(_WWW_AUTHENTICATE)
         if close:
             headers.append(_CLOSE)
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -279,7 +290,11 @@ if HttpToolsProtocol is not None:
                     content_type = value
                 elif name == b"content-length":
                     content_length = value
-            self.hot_refused = refused = fast.precheck(content_type, content_length)
+            policy = fast.policy
+            refused = policy.refusal("POST", path, self.headers) if policy is not None else None
+            if refused is None:
+                refused = fast.precheck(content_type, content_length)
+            self.hot_refused = refused
             if refused is not None:
                 if refused[0] == 413 or self.expect_100_continue:
                     self._hot_reply(*refused, close=True)  # no body worth reading, or none coming
@@ -330,10 +345,11 @@ if HttpToolsProtocol is not None:
 
     def _json_answer(server_state: Any, status: int, payload: bytes, close: bool = False) -> bytes:
         """A complete JSON response (status line, uvicorn's default headers, body) as one buffer."""
-        return b"%s%scontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        return b"%s%scontent-type: application/json\r\ncontent-length: %d\r\n%s%s\r\n%s" % (
             STATUS_LINE[status],
             _defaults(server_state),
             len(payload),
+            b"www-authenticate: Bearer\r\n" if status == 401 else b"",
             b"connection: close\r\n" if close else b"",
             payload,
         )
@@ -343,6 +359,19 @@ else:  # pragma: no cover
 
 
 # -- running an app ----------------------------------------------------------------------------
+
+
+def protect(app: Any, policy: AccessPolicy | None = None, drain: Drain | None = None) -> Any:
+    """``app`` behind the optional access policy and drain middlewares (none: ``app`` itself).
+
+    The drain is outermost so ``/health`` answers 503 while draining whatever the credentials; the
+    hot routes get the same policy through ``FastJsonRoutes(policy=...)``.
+    """
+    if policy is not None:
+        app = AuthMiddleware(app, policy)
+    if drain is not None:
+        app = DrainMiddleware(app, drain)
+    return app
 
 
 PROTOCOLS = ("fast", "coalescing", "httptools")
@@ -372,18 +401,23 @@ def server_config(app: Any, host: str, port: int, *, log_level: str = "warning",
     return uvicorn.Config(app, **settings)
 
 
-def run(app: Any, host: str, port: int, **kwargs: Any) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM (blocking; sets up uvloop): ``python -m <service>``'s last step."""
+def _server(app: Any, host: str, port: int, drain: Drain | None, kwargs: dict[str, Any]) -> Any:
     import uvicorn
 
-    uvicorn.Server(server_config(app, host, port, **kwargs)).run()
+    config = server_config(app, host, port, **kwargs)
+    return uvicorn.Server(config) if drain is None else DrainingServer(config, drain)
 
 
-async def serve(app: Any, host: str, port: int, **kwargs: Any) -> None:
+def run(app: Any, host: str, port: int, drain: Drain | None = None, **kwargs: Any) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM (blocking; sets up uvloop): ``python -m <service>``'s last step.
+    With ``drain`` (``kvroute_common.drain``), SIGTERM drains first and the exit is clean."""
+    _server(app, host, port, drain, kwargs).run()
+
+
+async def serve(app: Any, host: str, port: int, drain: Drain | None = None, **kwargs: Any) -> None:
     """``run`` inside an already running event loop (for services with an async start-up sequence)."""
-    import uvicorn
-
-    await uvicorn.Server(server_config(app, host, port, **kwargs)).serve()
+    await _server(app, host, port, drain, kwargs).serve()
 
 
-__all__ = ["FastJsonProtocol", "FastJsonRoutes", "HeaderCoalescingProtocol", "JsonHandler", "Observer", "PROTOCOLS", "run", "serve", "server_config"]
+__all__ = ["FastJsonProtocol", "FastJsonRoutes", "HeaderCoalescingProtocol", "JsonHandler", "Observer", "PROTOCOLS", "protect", "run", "serve",
+           "server_config"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvroute_common.drain import Drain, add_drain_arg
+from kvroute_common.security import add_security_args, policy_from_args, ssl_options
 from slot_tracker.core import SlotRegistry, expiry_from_env
 
 
@@ -18,6 +20,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replica-sync-port", type=int, metavar="PORT", help="1.6.1 spelling: same as --replica-sync-bind tcp://*:PORT")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--http-protocol", choices=["fast", "coalescing", "httptools"], default="fast", help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = hot route answered in the protocol + one write per response; coalescing = one write only; httptools = stock")
+    add_security_args(p)  # --api-key: reads (GET, /potential_loads); --admin-token: writes; TLS
+    add_drain_arg(p)
     ns = p.parse_args(argv)
     if ns.replica_sync_port is not None and ns.replica_sync_bind is None:
         ns.replica_sync_bind = f"tcp://*:{ns.replica_sync_port}"
@@ -31,8 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from kvroute_common.fast_http import run
-    from slot_tracker.service import build_app
+    from slot_tracker.service import ACCESS, build_app
 
+    policy = policy_from_args(ns, ACCESS)
+    tls = ssl_options(ns)
+    drain = Drain(ns.drain_timeout)
     registry = SlotRegistry(expiry_secs=expiry_from_env())
     sync = None
     if ns.replica_sync_bind:
@@ -41,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
         sync = ReplicaSync(registry, ns.replica_sync_bind, ns.replica_sync_advertise, peers)
     # uvicorn with the lean settings measured in docs/bench/slot_tracker.md (kvroute_common.fast_http)
-    run(build_app(registry, sync), ns.host, ns.port, log_level=ns.log_level, protocol=ns.http_protocol)
+    run(build_app(registry, sync, policy=policy, drain=drain), ns.host, ns.port, drain=drain, log_level=ns.log_level,
+        protocol=ns.http_protocol, **tls)
     return 0
 
 

@@ -22,15 +22,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
-from kvroute_common.fast_http import FastJsonRoutes, JsonHandler
+from kvroute_common.drain import Drain
+from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
 from kvroute_common.http import ApiError, MiB, decode_json, json_response, json_service, ok, raw_json_response, read_body, read_json, route
 from kvroute_common.http import _is_json_content_type as is_json_content_type
+from kvroute_common.security import AccessPolicy, service_classifier
 from slot_tracker.core import U32_MAX, U64_MAX, SlotRegistry, SlotTrackerError
 
 if TYPE_CHECKING:
     from slot_tracker.replica_sync import ReplicaSync
 
 BODY_LIMIT = 2 * MiB
+ACCESS = service_classifier(["/potential_loads"])
+"""Who may call what with tokens set: reads (GET, /potential_loads) need an API key, writes the admin token."""
 DEFAULT_TENANT = "default"
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
@@ -275,9 +279,11 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
     return routes
 
 
-def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, sweep_interval: float | None = None) -> FastJsonRoutes:
+def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, sweep_interval: float | None = None,
+              policy: AccessPolicy | None = None, drain: Drain | None = None) -> FastJsonRoutes:
     """The standalone service: tracker routes (the hot one answered by ``FastJsonRoutes`` first),
-    stale sweeps, and replica sync started with the app."""
+    stale sweeps, and replica sync started with the app; optionally behind an access policy
+    (``ACCESS``) and a SIGTERM drain."""
     interval = sweep_interval if sweep_interval is not None else min(30.0, max(registry.expiry_secs / 10.0, 0.05))
 
     @contextlib.asynccontextmanager
@@ -301,7 +307,7 @@ def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, s
 
     app = json_service(tracker_routes(registry, replica_sync), lifespan=lifespan)
     app.router.redirect_slashes = False  # the reference answers 404 for /register/, not a redirect
-    return FastJsonRoutes(app, hot_routes(registry), BODY_LIMIT)
+    return FastJsonRoutes(protect(app, policy, drain), hot_routes(registry), BODY_LIMIT, policy=policy)
 
 
 __all__ = ["build_app", "tracker_routes", "hot_routes", "potential_loads_json", "encode_potential_loads"]
