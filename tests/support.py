@@ -54,16 +54,18 @@ def service(
     timeout: float = 30.0,
     env: dict[str, str] | None = None,
     ready: Callable[[], object] | None = None,
+    log_path: str | None = None,
 ) -> Iterator[subprocess.Popen]:
     """Run ``python <args>`` as a real process until the block ends; wait for ``ready_url``.
 
-    Output goes to a temporary log that is printed if start-up fails, so a failing test says why.
+    Output goes to a temporary log (or ``log_path``, for tests that read it) that is printed if
+    start-up fails, so a failing test says why.
     """
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
-    log = open(os.devnull if os.environ.get("KVROUTE_TEST_QUIET") else _log_path(args), "w+b")
+    log = open(log_path or (os.devnull if os.environ.get("KVROUTE_TEST_QUIET") else _log_path(args)), "w+b")
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         check = ready or (http_ready(ready_url) if ready_url else None)
