@@ -126,7 +126,8 @@ class DrainingServer(uvicorn.Server):
         self.drain = drain
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self.should_exit:
+        # before the server started (still in its start-up) nothing is in flight: uvicorn's own way
+        if sig == signal.SIGTERM and not self.should_exit and self.started:
             if self.drain.draining:
                 self.drain.cut_short()
             else:
