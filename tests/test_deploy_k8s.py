@@ -238,6 +238,8 @@ def test_workers_are_discoverable_and_publish_kv_events(overlay: str) -> None:
         args = c.get("args", [])
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert int(ann["kvroute.io/http-port"]) == ports["http"] == int(flag(args, "--port"))
+        served = flag(args, "--served-model-name")
+        assert served is None or served == ann["kvroute.io/model"]
         config = flag(args, "--kv-events-config")
         if config is not None:  # vLLM: the README's --kv-events-config
             kv = json.loads(config)
