@@ -358,7 +358,10 @@ class ParityMonitor:
         elif wp.alarm and not alarm:
             log.info("hash parity: worker %s matches the router's hashes again", wp.worker_id)
         elif alarm:
-            wp.last_cause = wp.likely_cause(block_size)
+            cause = wp.likely_cause(block_size)
+            if cause != wp.last_cause:  # better evidence arrived (e.g. the events' block size): say it once
+                wp.last_cause = cause
+                log.warning("hash parity: worker %s: likely %s", wp.worker_id, cause)
         if alarm != wp.alarm:
             wp.alarm = alarm
             wp.gauge.set(1 if alarm else 0)
