@@ -48,8 +48,9 @@ log = logging.getLogger("frontend.parity")
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_USAGE_OBJ = b'"usage":{'
-_USAGE_NULL = b',"usage":null'
+_USAGE_KEY = b'"prompt_tokens"'  # only a usage object has it (a quote inside content is escaped)
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_USAGE_NULL = re.compile(rb',\s*"usage"\s*:\s*null')
 
 MATCH, MISMATCH = True, False
 
@@ -116,7 +117,7 @@ class UsageTap:
                 return b""
             self._held = chunk[end + 2:]
             chunk = chunk[: end + 2]
-        i = chunk.find(_USAGE_OBJ)
+        i = chunk.find(_USAGE_KEY)
         if i >= 0:
             start = chunk.rfind(b"data:", 0, i)
             start = 0 if start < 0 else start
@@ -125,10 +126,10 @@ class UsageTap:
             prompt, cached = parse_usage(chunk[start:end])
             if self.probe is not None:
                 self.probe.usage(prompt, cached)
-            if self.strip and b'"choices":[]' in chunk[start:end]:  # a usage-only event
+            if self.strip and _EMPTY_CHOICES.search(chunk, start, end):  # a usage-only event
                 chunk = chunk[:start] + chunk[end:]
-        if self.strip and _USAGE_NULL in chunk:
-            chunk = chunk.replace(_USAGE_NULL, b"")
+        if self.strip and b'"usage"' in chunk:
+            chunk = _USAGE_NULL.sub(b"", chunk)
         return chunk
 
     def flush(self) -> bytes:
@@ -190,7 +191,7 @@ class WorkerParity:
     """The evidence window and likely-cause hints of one worker."""
 
     __slots__ = ("worker_id", "window", "alarm", "pending", "totals", "foreign_block_size", "cached_not_multiple",
-                 "prompt_len_mismatch", "stores_unmatched", "usage_unpredicted", "last_cause", "gauge")
+                 "prompt_len_mismatch", "stores_unmatched", "usage_unpredicted", "last_cause", "last_kind", "gauge")
 
     def __init__(self, worker_id: int, window: int, gauge: Any) -> None:
         self.worker_id = worker_id
@@ -204,8 +205,18 @@ class WorkerParity:
         self.stores_unmatched = 0
         self.usage_unpredicted = 0
         self.last_cause: str | None = None
+        self.last_kind: str | None = None  # which kind of cause was last logged
         self.gauge = gauge
         gauge.set(0)
+
+    def cause_kind(self) -> str:
+        if self.foreign_block_size is not None:
+            return "events_block_size"
+        if self.cached_not_multiple is not None:
+            return "cached_block_size"
+        if self.prompt_len_mismatch is not None:
+            return "prompt_tokens"
+        return "stores" if self.stores_unmatched else "usage"
 
     def likely_cause(self, block_size: int) -> str:
         if self.foreign_block_size is not None:
@@ -353,15 +364,17 @@ class ParityMonitor:
         alarm = mismatches >= self.min_mismatches and mismatches == len(wp.window)
         if alarm and not wp.alarm:
             wp.last_cause = wp.likely_cause(block_size)
+            wp.last_kind = wp.cause_kind()
             log.warning("hash parity: worker %s's cached blocks never match the router's hashes (%d checks): likely %s",
                         wp.worker_id, mismatches, wp.last_cause)
         elif wp.alarm and not alarm:
             log.info("hash parity: worker %s matches the router's hashes again", wp.worker_id)
         elif alarm:
-            cause = wp.likely_cause(block_size)
-            if cause != wp.last_cause:  # better evidence arrived (e.g. the events' block size): say it once
-                wp.last_cause = cause
-                log.warning("hash parity: worker %s: likely %s", wp.worker_id, cause)
+            wp.last_cause = wp.likely_cause(block_size)
+            kind = wp.cause_kind()
+            if kind != wp.last_kind:  # better evidence arrived (e.g. the events' block size): say it once
+                wp.last_kind = kind
+                log.warning("hash parity: worker %s: likely %s", wp.worker_id, wp.last_cause)
         if alarm != wp.alarm:
             wp.alarm = alarm
             wp.gauge.set(1 if alarm else 0)
