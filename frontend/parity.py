@@ -4,8 +4,9 @@ KV routing silently becomes load balancing when the router's block hashes differ
 worker's cache is keyed by (another tokenizer or chat template, block size, LoRA, cache salt). For
 every routed request on a worker with KV events, two kinds of evidence are collected:
 
-* **events**: once the request is done, the router's block hashes of its prompt must be in the
-  indexer for that (worker, rank), because the worker stored them at prefill. Found = match. Not
+* **events**: once a request the router predicted no overlap for is done, the router's block hashes
+  of its prompt must be in the indexer for that (worker, rank), because the worker stored them at
+  prefill. Found = match. Not
   found although the worker stored (or sent blocks of another size) since dispatch = mismatch.
   Nothing stored at all = no evidence. A miss is re-checked after ``grace`` seconds (events race
   the response).
@@ -292,7 +293,7 @@ class ParityMonitor:
             return  # no KV events from this worker: its cache cannot disagree with the router's index
         wp = self._worker(d.worker.id)
         self._usage_evidence(wp, probe, bs)
-        if d.local_hashes:
+        if d.local_hashes and not d.overlap_blocks:  # a predicted overlap already proved parity: no second lookup
             self._events_check(wp, probe, final=False)
 
     def _usage_evidence(self, wp: WorkerParity, probe: RequestProbe, bs: int) -> None:
@@ -354,6 +355,12 @@ class ParityMonitor:
         if wp is None:
             wp = self.workers[worker_id] = WorkerParity(worker_id, self.window, self.alarm_gauge.labels(str(worker_id)))
         return wp
+
+    def record(self, worker_id: int, source: str, matched: bool, block_size: int) -> bool:
+        """One piece of evidence for ``worker_id``; returns the worker's alarm state after it."""
+        wp = self._worker(worker_id)
+        self._evidence(wp, source, matched, block_size)
+        return wp.alarm
 
     def _evidence(self, wp: WorkerParity, source: str, result: bool, block_size: int) -> None:
         key = "match" if result else "mismatch"

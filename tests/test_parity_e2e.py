@@ -106,7 +106,8 @@ def test_parity_alarm_fires_for_mismatched_workers_only(cluster):
     assert p3["mismatch"] is True and "block size" in p3["likely_cause"] and "32-token" in p3["likely_cause"], p3
     text = scrape(url)
     assert metric_sum(text, "kvroute_hash_parity_checks_total", worker="1", source="events", result="mismatch") == 0
-    assert metric(text, "kvroute_hash_parity_checks_total", worker="1", source="events", result="match") >= 6
+    assert metric(text, "kvroute_hash_parity_checks_total", worker="1", source="events", result="match") >= 1  # the cold request
+    assert metric(text, "kvroute_hash_parity_checks_total", worker="1", source="usage", result="match") >= 5  # predicted hits
     assert metric(text, "kvroute_hash_parity_checks_total", worker="2", source="events", result="mismatch") >= 4
     # worker 3 stores new 32-token blocks only while its prompts grow past the shared prefix: fewer events checks
     assert metric(text, "kvroute_hash_parity_checks_total", worker="3", source="events", result="mismatch") >= 1

@@ -79,3 +79,25 @@ def test_parse_usage_of_a_body_and_of_an_engine_without_cache_report() -> None:
     assert parse_usage(body) == (7, 0)
     assert parse_usage(b'{"usage": {"prompt_tokens": 9, "prompt_tokens_details": null}}') == (9, None)
     assert parse_usage(b'{"choices": []}') == (None, None)
+
+
+def test_alarm_needs_repeated_mismatches_without_a_match_and_one_match_clears_it(caplog) -> None:
+    reg = CollectorRegistry()
+    mon = ParityMonitor(reg, lambda: None, window=16, min_mismatches=4)
+
+    def gauge(worker: int) -> float | None:
+        return reg.get_sample_value("kvroute_hash_parity_mismatch", {"worker": str(worker)})
+
+    # a healthy worker: a stray mismatch (eviction, lagging events) among matches never alarms
+    for matched in (True, False, True, True, False, False, False, True):
+        assert mon.record(1, "usage", matched, 16) is False
+    assert gauge(1) == 0.0
+    # a mismatched worker: three pieces are not enough evidence, the fourth raises the alarm with a log line
+    with caplog.at_level("WARNING", logger="frontend.parity"):
+        assert [mon.record(2, "events", False, 16) for _ in range(4)] == [False, False, False, True]
+    assert gauge(2) == 1.0 and mon.describe(2, 16)["mismatch"] is True
+    assert any("worker 2" in r.getMessage() and "never match" in r.getMessage() for r in caplog.records)
+    assert mon.record(2, "events", True, 16) is False and gauge(2) == 0.0  # one match proves parity
+    assert reg.get_sample_value("kvroute_hash_parity_checks_total", {"worker": "2", "source": "events", "result": "mismatch"}) == 4
+    mon.forget(2)
+    assert mon.describe(2, 16) is None and gauge(2) is None
