@@ -109,7 +109,7 @@ class AdminRoutes:
             ev = events.get(w.id)
             if ev is not None:  # the embedded indexer's KV-event listeners of this worker, with their health
                 row["kv_events"] = {"status": ev["status"], "listeners": ev["listeners"], "health": st.events.health(w.id)}
-            parity = st.parity.describe(w.id, w.block_size)
+            parity = st.parity.describe(w.id)
             if parity is not None:
                 row["hash_parity"] = parity
             rows.append(row)

@@ -94,13 +94,31 @@ def stream_body_with_usage(body: dict, raw: bytes | None) -> tuple[bytes | None,
     return None, True
 
 
+def _event_end(data: bytes, pos: int) -> int:
+    """Index just past the end of the SSE event containing ``pos`` (``len(data)`` if it has none)."""
+    a = data.find(b"\n\n", pos)
+    b = data.find(b"\n\r\n", pos)
+    ends = [e for e in (a + 2 if a >= 0 else -1, b + 3 if b >= 0 else -1) if e >= 0]
+    return min(ends) if ends else len(data)
+
+
+def _last_event_end(data: bytes) -> int:
+    """Index just past the last complete SSE event (0 when there is none)."""
+    a = data.rfind(b"\n\n")
+    b = data.rfind(b"\n\r\n")
+    return max(a + 2 if a >= 0 else 0, b + 3 if b >= 0 else 0)
+
+
 class UsageTap:
     """Sits in a stream's path: reads the engine's usage event and, if asked, strips it.
 
-    Works on whole SSE events: a partial trailing event is held until its end arrives (a client
-    cannot use half an event anyway)."""
+    Works on whole SSE events (``\n\n`` or ``\r\n\r\n`` ends one): a partial trailing event is
+    held until its end arrives (a client cannot use half an event anyway), never more than
+    ``MAX_HELD`` bytes (then it is passed on as it is, so a stream never stalls here)."""
 
     __slots__ = ("strip", "probe", "_held")
+
+    MAX_HELD = 1 << 16
 
     def __init__(self, probe: "RequestProbe | None", strip: bool) -> None:
         self.probe = probe
@@ -111,19 +129,20 @@ class UsageTap:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        if not chunk.endswith(b"\n\n"):
-            end = chunk.rfind(b"\n\n")
-            if end < 0:
-                self._held = chunk
-                return b""
-            self._held = chunk[end + 2:]
-            chunk = chunk[: end + 2]
+        if not (chunk.endswith(b"\n\n") or chunk.endswith(b"\n\r\n")):
+            end = _last_event_end(chunk)
+            if end == 0:
+                if len(chunk) < self.MAX_HELD:
+                    self._held = chunk
+                    return b""
+                return chunk
+            self._held = chunk[end:]
+            chunk = chunk[:end]
         i = chunk.find(_USAGE_KEY)
         if i >= 0:
             start = chunk.rfind(b"data:", 0, i)
             start = 0 if start < 0 else start
-            end = chunk.find(b"\n\n", i)
-            end = len(chunk) if end < 0 else end + 2
+            end = _event_end(chunk, i)
             prompt, cached = parse_usage(chunk[start:end])
             if self.probe is not None:
                 self.probe.usage(prompt, cached)
@@ -236,7 +255,7 @@ class WorkerParity:
         return ("the engine reports cached prefixes the router never predicted: its KV events are missing or hashed "
                 "differently (tokenizer, chat template, block size, LoRA or salt)")
 
-    def describe(self, block_size: int | None) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         w = self.window
         out: dict[str, Any] = {"mismatch": self.alarm, "window_matches": sum(1 for e in w if e),
                                "window_mismatches": sum(1 for e in w if not e), "matches": self.totals["match"],
@@ -394,6 +413,6 @@ class ParityMonitor:
             except KeyError:
                 pass
 
-    def describe(self, worker_id: int, block_size: int | None) -> dict[str, Any] | None:
+    def describe(self, worker_id: int) -> dict[str, Any] | None:
         wp = self.workers.get(worker_id)
-        return None if wp is None else wp.describe(block_size)
+        return None if wp is None else wp.describe()

@@ -73,6 +73,20 @@ def test_usage_tap_handles_spaced_json_and_leaves_quoted_text_alone() -> None:
     assert orjson.loads(out.split(b"\n\n")[0][6:])["choices"][0]["delta"]["content"] == 'say "usage": null, "prompt_tokens"'
 
 
+def test_usage_tap_with_crlf_events_and_a_stream_without_event_ends() -> None:
+    usage = {"prompt_tokens": 12, "prompt_tokens_details": {"cached_tokens": 0}}
+    stream = b"".join(_events(usage)).replace(b"\n\n", b"\r\n\r\n")
+    probe = _probe()
+    tap = UsageTap(probe, True)
+    out = b"".join(tap.feed(stream[i:i + 9]) for i in range(0, len(stream), 9)) + tap.flush()
+    assert (probe.prompt_tokens, probe.cached_tokens) == (12, 0)
+    assert b"usage" not in out and out.count(b"data: ") == 4 and out.endswith(b"data: [DONE]\r\n\r\n")
+    # no event end ever: bytes are held only up to MAX_HELD, then passed on
+    tap = UsageTap(None, True)
+    blob = b"x" * (UsageTap.MAX_HELD + 10)
+    assert tap.feed(blob[:100]) == b"" and tap.feed(blob[100:]) == blob
+
+
 def test_parse_usage_of_a_body_and_of_an_engine_without_cache_report() -> None:
     body = orjson.dumps({"choices": [{"message": {"content": "x"}}],
                          "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}})
@@ -95,9 +109,9 @@ def test_alarm_needs_repeated_mismatches_without_a_match_and_one_match_clears_it
     # a mismatched worker: three pieces are not enough evidence, the fourth raises the alarm with a log line
     with caplog.at_level("WARNING", logger="frontend.parity"):
         assert [mon.record(2, "events", False, 16) for _ in range(4)] == [False, False, False, True]
-    assert gauge(2) == 1.0 and mon.describe(2, 16)["mismatch"] is True
+    assert gauge(2) == 1.0 and mon.describe(2)["mismatch"] is True
     assert any("worker 2" in r.getMessage() and "never match" in r.getMessage() for r in caplog.records)
     assert mon.record(2, "events", True, 16) is False and gauge(2) == 0.0  # one match proves parity
     assert reg.get_sample_value("kvroute_hash_parity_checks_total", {"worker": "2", "source": "events", "result": "mismatch"}) == 4
     mon.forget(2)
-    assert mon.describe(2, 16) is None and gauge(2) is None
+    assert mon.describe(2) is None and gauge(2) is None
