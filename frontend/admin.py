@@ -107,8 +107,11 @@ class AdminRoutes:
         for w in sorted(st.pool.workers.values(), key=lambda w: w.id):
             row = w.describe()
             ev = events.get(w.id)
-            if ev is not None:  # the embedded indexer's KV-event listeners of this worker
-                row["kv_events"] = {"status": ev["status"], "listeners": ev["listeners"]}
+            if ev is not None:  # the embedded indexer's KV-event listeners of this worker, with their health
+                row["kv_events"] = {"status": ev["status"], "listeners": ev["listeners"], "health": st.events.health(w.id)}
+            parity = st.parity.describe(w.id)
+            if parity is not None:
+                row["hash_parity"] = parity
             rows.append(row)
         body: dict[str, Any] = {"workers": rows}
         if st.file_watcher is not None:

@@ -21,7 +21,9 @@ from kvroute_common.openai_api import read_openai_body
 
 from .errors import OpenAIError, model_not_found, openai_error_response
 from .models import ModelEntry
+from .parity import UsageTap, stream_body_with_usage
 from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
+from .routing_record import routing_record, wants_routing
 from .state import FrontendState
 from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 
@@ -66,10 +68,12 @@ class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
     __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
-                 "recorded")
+                 "recorded", "probe", "strip_usage")
 
     def __init__(self) -> None:
         self.recorded = False  # a lease has recorded the request's end in the metrics
+        self.probe: Any = None  # parity.RequestProbe of the current attempt
+        self.strip_usage = False  # the engine was asked for stream usage the client did not want
         self.receive: Any = None
         self.hints: Any = None
         self.timing: Any = None
@@ -79,7 +83,7 @@ class RequestContext:
     def rewrite(self) -> bool:
         """Whether the response must be looked into (response nvext, speculative prefill)."""
         h = self.hints
-        return h is not None and (h.want_worker_id or h.want_timing or h.speculative_prefill)
+        return h is not None and (h.want_worker_id or h.want_timing or h.speculative_prefill or wants_routing(h))
 
 
 class OpenAIRoutes:
@@ -145,6 +149,12 @@ class OpenAIRoutes:
             tokens = hints.token_data if (hints is not None and hints.token_data) else _tokenize(entry, body, chat)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
             ctx.tokens = tokens
+            if stream:  # the engine's usage (cached tokens) feeds the parity alarm and the decomposition
+                spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
+                if spliced is not None:
+                    raw = spliced
+                elif ctx.strip_usage:
+                    modified = True
             ctx.out_body = orjson.dumps(body) if modified else raw
 
             pinned_worker = hints.pinned_worker_id if hints is not None else None
@@ -210,7 +220,8 @@ class OpenAIRoutes:
         while True:
             attempts += 1
             decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
-                                          ctx.hints.cache_salt if ctx.hints is not None else None)
+                                          ctx.hints.cache_salt if ctx.hints is not None else None,
+                                          record=wants_routing(ctx.hints))
             request_id = state.next_request_id()
             try:
                 state.router.book(entry, request_id, decision)
@@ -218,6 +229,7 @@ class OpenAIRoutes:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
             lease = Lease(state, entry, request_id, decision, ctx.mm, ctx.t_start)
+            ctx.probe = state.parity.begin(entry, decision, lease)
             if state.config.router_track_output_blocks:
                 lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
             _record_routed(state, ctx.mm, decision)
@@ -308,8 +320,10 @@ class OpenAIRoutes:
         rewriter = ResponseRewriter(self, ctx, lease) if ctx.rewrite else None
         if stream:
             return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
-                               self._stream_failed, rewriter)
+                               self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage))
         data = upstream.content
+        if ctx.probe is not None:
+            ctx.probe.usage_from_body(data)
         lease.first_token()
         n = count_completion_tokens(data)
         if n:
@@ -336,11 +350,7 @@ class OpenAIRoutes:
             d = state.router.route(entry, tokens, explain=True)
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
-        cands = [{"worker_id": c.worker_id, "dp_rank": c.dp_rank, "overlap_blocks": c.overlap_blocks, "prefill_tokens": c.prefill_tokens,
-                  "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks, "active_requests": c.active_requests, "cost": c.cost}
-                 for c in (d.costs or [])]
-        return json_response({"model": entry.name, "isl": d.isl, "block_size": entry.block_size, "router_mode": state.config.router_mode,
-                              "worker_id": d.worker.id, "dp_rank": d.dp_rank, "overlap_blocks": d.overlap_blocks, "candidates": cands})
+        return json_response(routing_record(state.config, entry, d))
 
     def _stream_failed(self, lease: Lease, exc: BaseException) -> None:
         self.state.pool.mark_failed(lease.decision.worker, f"{type(exc).__name__}: {exc}")
@@ -401,6 +411,9 @@ class ResponseRewriter:
         self.lease = lease
         self.collector = None
         self._buf = b""
+        h = ctx.hints
+        self.routing = wants_routing(h)
+        self.want_nvext = h.want_worker_id or h.want_timing or self.routing
         if ctx.hints.speculative_prefill and routes.state.speculative is not None:
             from .speculative import TurnTextCollector
 
@@ -410,7 +423,7 @@ class ResponseRewriter:
         from .hints import response_nvext
 
         h = self.ctx.hints
-        if not (h.want_worker_id or h.want_timing):
+        if not self.want_nvext:
             return None
         timing = self.ctx.timing
         if timing is not None:
@@ -419,7 +432,12 @@ class ResponseRewriter:
                 timing.first_token = now
             timing.finished = now
         d = self.lease.decision
-        return response_nvext(h, d.worker.id, d.dp_rank, timing)
+        out = response_nvext(h, d.worker.id, d.dp_rank, timing)
+        if self.routing:  # the decision this request actually got (the last attempt's)
+            if out is None:
+                out = {}
+            out["routing"] = routing_record(self.routes.state.config, self.ctx.entry, d)
+        return out
 
     def unary(self, data: bytes) -> bytes:
         if self.collector is not None:
@@ -445,8 +463,7 @@ class ResponseRewriter:
         """Rewrite whole SSE events; a partial event is held until its end arrives."""
         if self.collector is not None:
             self.collector.feed_sse(data)
-        h = self.ctx.hints
-        if not (h.want_worker_id or h.want_timing):
+        if not self.want_nvext:
             return data
         buf = self._buf + data
         end = buf.rfind(b"\n\n")

@@ -165,14 +165,16 @@ def count_completion_tokens(body: bytes) -> int:
 class StreamProxy:
     """ASGI response that relays a worker's SSE stream chunk by chunk and always releases the lease."""
 
-    __slots__ = ("upstream", "lease", "headers", "on_failure", "rewriter")
+    __slots__ = ("upstream", "lease", "headers", "on_failure", "rewriter", "tap")
 
-    def __init__(self, upstream: UpstreamResponse, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any, rewriter: Any = None) -> None:
+    def __init__(self, upstream: UpstreamResponse, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any, rewriter: Any = None,
+                 tap: Any = None) -> None:
         self.upstream = upstream
         self.lease = lease
         self.headers = headers
         self.on_failure = on_failure  # callable(lease, exc) for worker failures mid-stream
         self.rewriter = rewriter  # response nvext / speculative prefill (only when the request asked)
+        self.tap = tap  # parity.UsageTap: reads (and strips) the engine's usage event
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         lease = self.lease
@@ -217,6 +219,7 @@ class StreamProxy:
     async def _pump(self, send: Any) -> None:
         lease = self.lease
         rw = self.rewriter
+        tap = self.tap
         first = True
         try:
             async for chunk in self.upstream.aiter_raw():
@@ -234,15 +237,20 @@ class StreamProxy:
                     if b'"content":""' in chunk or b'"choices":[]' in chunk:  # role-only / usage-only events
                         n -= chunk.count(b'"content":""') + chunk.count(b'"choices":[]')
                     lease.tokens(n)
+                if tap is not None:
+                    chunk = tap.feed(chunk)
+                    if not chunk:
+                        continue
                 if rw is not None:
                     chunk = rw.chunk(chunk)
                     if not chunk:
                         continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            rest = tap.flush() if tap is not None else b""
             if rw is not None:
-                rest = rw.flush()
-                if rest:
-                    await send({"type": "http.response.body", "body": rest, "more_body": True})
+                rest = (rw.chunk(rest) if rest else b"") + rw.flush()
+            if rest:
+                await send({"type": "http.response.body", "body": rest, "more_body": True})
         except OSError:
             raise
         except UpstreamError as exc:

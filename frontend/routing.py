@@ -40,7 +40,8 @@ class Decision:
     local_hashes: list[int]
     seq_hashes: list[int]
     cost: WorkerCost | None = None
-    costs: list[WorkerCost] | None = None  # every candidate's terms (explain mode only)
+    costs: list[WorkerCost] | None = None  # every candidate's terms (explain / record only)
+    available_blocks: int = 0  # best overlap among the eligible candidates (hit-rate decomposition)
 
     @property
     def cached_tokens(self) -> int:
@@ -65,8 +66,12 @@ class Router:
         pinned_rank: int | None = None,
         cache_salt: str | None = None,
         explain: bool = False,
+        record: bool = False,
     ) -> Decision:
-        """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin)."""
+        """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin).
+
+        ``explain``: a dry run (no overhead metrics); ``explain`` or ``record`` keep every
+        candidate's cost terms on the decision (the routing record)."""
         cfg = self.config
         t0 = _perf()
         bs = entry.block_size
@@ -125,6 +130,12 @@ class Router:
                 self._rr += 1
                 worker, rank = candidates[self._rr % len(candidates)]
             overlap = 0
+        available = 0
+        if overlaps:
+            for worker_c, rank_c in candidates:
+                o = overlaps.get((worker_c.id, rank_c), 0)
+                if o > available:
+                    available = o
         new_tokens = isl - overlap * bs
         if new_tokens < 0:
             new_tokens = 0
@@ -136,7 +147,8 @@ class Router:
                 metrics.oh_find_matches.observe((t3 - t2) * 1e3)
             metrics.oh_scheduling.observe((t4 - t3) * 1e3)
             metrics.oh_total.observe((t4 - t0) * 1e3)
-        return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost, costs if (explain and kv) else None)
+        return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost,
+                        costs if ((explain or record) and kv) else None, available)
 
     # ------------------------------------------------------------------------------------------
     def _candidates(

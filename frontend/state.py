@@ -17,6 +17,7 @@ from router.config import RouterConfig
 from .busy import BusyThresholds
 from .metrics import WORKER_TYPE, CallbackCollector, FrontendMetrics
 from .models import TENANT, ModelEntry
+from .parity import ParityMonitor
 from .routing import Router
 from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
 
@@ -72,6 +73,8 @@ class FrontendState:
         self._bg: set[asyncio.Task] = set()
         self._unregistering: dict[int, asyncio.Task] = {}  # worker id -> its KV-event listeners stopping
         self._init_extensions()
+        # hash-parity alarm + hit-rate decomposition, fed where a response's usage arrives
+        self.parity = ParityMonitor(self.metrics.registry, lambda: self.events)
         self.metrics.add_collector(CallbackCollector(self._collect_gauges))
 
     # ---- extensions ---------------------------------------------------------------------------
@@ -171,7 +174,8 @@ class FrontendState:
                 mbt.add_metric([entry.name], maxbt)
             bsz.add_metric([entry.name], entry.block_size)
             depth.add_metric([entry.name, WORKER_TYPE, "default"], self.admission.depth(entry.name) if self.admission else 0)
-        return [decode, prefill, registered, ready, blocks, mbt, bsz, depth]
+        health = self.events.health_metrics() if self.events is not None else []  # KV-event health per worker rank
+        return [decode, prefill, registered, ready, blocks, mbt, bsz, depth, *health]
 
     # ---- worker attachment ------------------------------------------------------------------------
     def _events_registry(self):
@@ -200,6 +204,7 @@ class FrontendState:
 
     def _worker_removed(self, worker: Worker) -> None:
         self._stop_events(worker)
+        self.parity.forget(worker.id)
         if self.sessions is not None:
             self.sessions.drop_worker(worker.id)
         for model in list(worker.attached_models):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable
 
 import zmq
@@ -97,6 +98,11 @@ class Listener:
         self.batches_dropped = 0
         self.replays = 0
         self.replay_timeouts = 0
+        # KV-event health (frontend /admin/workers, both services' /metrics)
+        self.events_received = 0  # events in applied batches
+        self.gaps = 0  # sequence jumps detected (each starts a replay when an endpoint is configured)
+        self.batches_missed = 0  # batches the jumps skipped over
+        self.last_event_wall: float | None = None  # time.time() of the last applied batch
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
         self._sub: zmq.Socket | None = None
@@ -125,6 +131,24 @@ class Listener:
         if self.last_error:
             out["last_error"] = self.last_error
         return out
+
+    def health(self) -> dict[str, object]:
+        """Counters that tell a quiet engine from a broken stream (why: silent degradation)."""
+        last = self.last_event_wall
+        return {
+            "batches_applied": self.batches_applied,
+            "batches_dropped": self.batches_dropped,
+            "events_received": self.events_received,
+            "blocks_stored": self.applier.blocks_applied,
+            "blocks_rejected_block_size": self.applier.blocks_block_size_mismatch,
+            "gaps": self.gaps,
+            "batches_missed": self.batches_missed,
+            "replays": self.replays,
+            "replay_timeouts": self.replay_timeouts,
+            "last_seq": self.seq.last_seq,
+            "last_event_timestamp": last,
+            "last_event_age_seconds": None if last is None else max(0.0, time.time() - last),
+        }
 
     def _set_status(self, status: str, error: str | None = None) -> None:
         self.status = status
@@ -219,6 +243,8 @@ class Listener:
             return  # stale
         expected = 0 if last is None else last + 1
         if seq > expected:
+            self.gaps += 1
+            self.batches_missed += seq - expected
             await self._replay(expected)
             last = self.seq.last_seq
             if last is not None and seq <= last:
@@ -235,6 +261,8 @@ class Listener:
         self.applier.apply_batch(batch)
         self.seq.last_seq = seq
         self.batches_applied += 1
+        self.events_received += len(batch.events)
+        self.last_event_wall = time.time()
         return True
 
     # -- replay

@@ -56,6 +56,9 @@ class EventApplier:
         self._namespaces: dict[tuple[int, int], Any] = {}  # (dp_rank, ext) -> namespace | _AMBIGUOUS
         self._block_size_warnings = 0
         self.blocks_applied = 0
+        # blocks dropped because the engine's block size is not the partition's (hash parity evidence)
+        self.blocks_block_size_mismatch = 0
+        self.last_foreign_block_size: int | None = None
 
     def _count(self, event_type: str, status: str) -> None:
         key = (event_type, status)
@@ -112,6 +115,8 @@ class EventApplier:
                     self.instance_id, dp, ev.block_size, bs,
                 )
             self._count("stored", "block_size_mismatch")
+            self.blocks_block_size_mismatch += len(ev.block_hashes)
+            self.last_foreign_block_size = ev.block_size
             return
         namespace = ev.cache_salt or _salt_from_extra_keys(ev.extra_keys, ev.lora_name)
         if namespace is None and parent is not None:

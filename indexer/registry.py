@@ -227,6 +227,41 @@ class IndexerRegistry:
             )
         return out
 
+    def health(self, instance_id: int) -> dict[str, dict[str, Any]]:
+        """KV-event health of one instance's listeners, keyed by dp rank (``{}`` when unknown)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return {}
+        return {str(r): inst.listeners[r].health() for r in sorted(inst.listeners)}
+
+    def health_metrics(self) -> list[Any]:
+        """Per-listener KV-event health as Prometheus families (the same names in the frontend and
+        the standalone indexer): events, batches, gaps, replays, last event time."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["worker_id", "dp_rank"]
+        fams = {
+            "events_received": CounterMetricFamily("kvroute_kv_events_received", "KV events received in applied batches", labels=labels),
+            "batches_applied": CounterMetricFamily("kvroute_kv_event_batches_applied", "KV-event batches applied", labels=labels),
+            "batches_dropped": CounterMetricFamily("kvroute_kv_event_batches_dropped", "KV-event batches dropped (undecodable)", labels=labels),
+            "gaps": CounterMetricFamily("kvroute_kv_event_gaps", "Sequence gaps detected in the KV-event stream", labels=labels),
+            "batches_missed": CounterMetricFamily("kvroute_kv_event_batches_missed", "Batches skipped over by sequence gaps", labels=labels),
+            "replays": CounterMetricFamily("kvroute_kv_event_replays", "Replays requested from the engine's replay endpoint", labels=labels),
+            "replay_timeouts": CounterMetricFamily("kvroute_kv_event_replay_timeouts", "Replays abandoned without an answer", labels=labels),
+            "blocks_rejected_block_size": CounterMetricFamily(
+                "kvroute_kv_event_blocks_rejected_block_size", "Stored blocks dropped: the engine's block size is not the router's", labels=labels),
+        }
+        last = GaugeMetricFamily("kvroute_kv_event_last_timestamp_seconds", "Unix time of the last applied KV-event batch", labels=labels)
+        for inst in self.instances.values():
+            for r, lst in inst.listeners.items():
+                lv = [str(inst.instance_id), str(r)]
+                h = lst.health()
+                for key, fam in fams.items():
+                    fam.add_metric(lv, h[key])
+                if lst.last_event_wall is not None:
+                    last.add_metric(lv, lst.last_event_wall)
+        return [*fams.values(), last]
+
     def listener_status_counts(self) -> dict[str, int]:
         counts = {s: 0 for s in _STATUS_PRIORITY}
         for inst in self.instances.values():

@@ -211,6 +211,7 @@ class _StateCollector:
         for (model, tenant), part in reg.partitions.items():
             blocks.add_metric([model, tenant], part.index.size)
         yield blocks
+        yield from reg.health_metrics()
 
 
 Handler = Callable[[Request], Awaitable[Response]]

@@ -51,14 +51,15 @@ class Mocker:
 
 
 @contextlib.contextmanager
-def run_mocker(worker_id: int, model: str = MODEL, dp: int = 1, max_num_seqs: int = 256, speedup: float = 1.0) -> Iterator[Mocker]:
+def run_mocker(worker_id: int, model: str = MODEL, dp: int = 1, max_num_seqs: int = 256, speedup: float = 1.0,
+               block_size: int = BLOCK, extra: tuple[str, ...] = ()) -> Iterator[Mocker]:
     port = free_port()
     base = free_port_block(2 * dp)
     args = [
         "-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", model,
-        "--block-size", str(BLOCK), "--num-gpu-blocks", "4096", "--max-num-seqs", str(max_num_seqs),
+        "--block-size", str(block_size), "--num-gpu-blocks", "4096", "--max-num-seqs", str(max_num_seqs),
         "--data-parallel-size", str(dp), "--speedup-ratio", str(speedup), "--seed", str(worker_id),
-        "--kv-events-endpoint", f"tcp://127.0.0.1:{base}", "--replay-endpoint", f"tcp://127.0.0.1:{base + dp}",
+        "--kv-events-endpoint", f"tcp://127.0.0.1:{base}", "--replay-endpoint", f"tcp://127.0.0.1:{base + dp}", *extra,
     ]
     url = f"http://127.0.0.1:{port}"
     with service(args, ready_url=f"{url}/v1/models", timeout=90):

@@ -299,3 +299,35 @@ def test_first_batch_after_start_replays_from_zero_and_unregister_keeps_the_wate
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_health_counts_events_gaps_replays_block_size_rejections_and_last_event_time() -> None:
+    """KV-event health (issue 12): one listener's counters, its registry view and the Prometheus
+    families both services export (the standalone indexer's /metrics renders them too)."""
+    from indexer.service import Metrics
+
+    async def body(engine: Engine, reg, listener, index: KvIndex) -> None:
+        before = listener.health()
+        assert before["events_received"] >= 1 and before["gaps"] == 0 and before["last_event_timestamp"] is not None
+        engine.publish(1, batch(stored([1]), stored([2], parent=1, blocks=[2])), live=False)
+        engine.publish(3, batch(stored([3], parent=2, blocks=[3])), live=False)
+        foreign = BlockStored([40, 41], None, [5] * (2 * BS * 2), BS * 2, lora_id=None, medium=None, lora_name=None)
+        engine.publish(4, batch(foreign))  # seq 4 reveals the gap [1, 4); the replay fills it
+        await until(lambda: listener.seq.last_seq == 4, what="replay applied")
+        h = listener.health()
+        assert h["gaps"] == 1 and h["batches_missed"] == 3 and h["replays"] == 1 and h["replay_timeouts"] == 0
+        assert h["events_received"] == before["events_received"] + 4
+        assert h["batches_applied"] == before["batches_applied"] + 3  # seqs 1 and 3 (replayed) and 4
+        assert h["blocks_rejected_block_size"] == 2 and listener.applier.last_foreign_block_size == 2 * BS
+        assert h["last_seq"] == 4 and 0 <= h["last_event_age_seconds"] < 60
+        view = reg.health(1)
+        assert list(view) == ["0"] and view["0"]["gaps"] == 1 and view["0"]["blocks_stored"] == h["blocks_stored"]
+        assert reg.health(99) == {}
+        text = Metrics(reg).render().body.decode()
+        assert 'kvroute_kv_event_gaps_total{dp_rank="0",worker_id="1"} 1.0' in text
+        assert 'kvroute_kv_event_replays_total{dp_rank="0",worker_id="1"} 1.0' in text
+        assert 'kvroute_kv_event_blocks_rejected_block_size_total{dp_rank="0",worker_id="1"} 2.0' in text
+        assert f'kvroute_kv_events_received_total{{dp_rank="0",worker_id="1"}} {float(h["events_received"])}' in text
+        assert 'kvroute_kv_event_last_timestamp_seconds{dp_rank="0",worker_id="1"}' in text
+
+    _scenario(body)
