@@ -65,8 +65,11 @@ class Router:
         pinned_rank: int | None = None,
         cache_salt: str | None = None,
         explain: bool = False,
+        exclude: "set[int] | None" = None,
     ) -> Decision:
-        """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin)."""
+        """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin).
+
+        ``exclude``: worker ids this request must not go to (a migrated request's failed workers)."""
         cfg = self.config
         t0 = _perf()
         bs = entry.block_size
@@ -90,6 +93,8 @@ class Router:
         t3 = _perf()
 
         candidates, busy_excluded = self._candidates(entry, pinned_worker, pinned_rank)
+        if exclude:
+            candidates = [c for c in candidates if c[0].id not in exclude]
         if not candidates:
             if pinned_worker is not None and busy_excluded:
                 raise OpenAIError(529, f"Pinned worker {pinned_worker} is busy")
