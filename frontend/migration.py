@@ -16,7 +16,7 @@ Two failure points, counted in ``dynamo_frontend_model_migration_total{model, mi
 Why text continuation rather than token ids: it works with any OpenAI-compatible engine (vLLM,
 SGLang, the mocker) on both endpoints. Chat requests continue the generated text as a partial
 assistant message (``continue_final_message``, vLLM's and the chat template's way of resuming a
-turn); completions append it to the prompt. The router tokenizes the continued body exactly as the
+turn); completions append it to the prompt (a token-id prompt gets the text's token ids). The router tokenizes the continued body exactly as the
 engine will, so the new booking and the prefix lookup are for the tokens the new worker computes
 (the prompt plus the generated tokens, mostly cached where the prompt was). ``max_tokens`` (and
 ``min_tokens``) are reduced by the tokens already produced.
@@ -29,6 +29,7 @@ Only the first choice's ``content``/``text`` is carried over; reasoning or tool-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -45,8 +46,12 @@ def migratable(body: dict[str, Any]) -> bool:
     return n is None or n == 1
 
 
-def continuation_body(body: dict[str, Any], chat: bool, text: str, generated: int) -> dict[str, Any]:
-    """The request that continues ``body`` after ``text`` (``generated`` tokens) was produced."""
+def continuation_body(body: dict[str, Any], chat: bool, text: str, generated: int,
+                      encode: Callable[[str], list[int]] | None = None) -> dict[str, Any] | None:
+    """The request that continues ``body`` after ``text`` (``generated`` tokens) was produced.
+
+    ``encode`` (text -> token ids, no special tokens) extends a token-id prompt; without it such a
+    prompt cannot be continued (None)."""
     out = dict(body)
     if text:
         if chat:
@@ -57,12 +62,14 @@ def continuation_body(body: dict[str, Any], chat: bool, text: str, generated: in
             out["add_generation_prompt"] = False
         else:
             prompt = out.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one, as the tokenizer unwraps it
             if isinstance(prompt, str):
                 out["prompt"] = prompt + text
-            elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                out["prompt"] = [prompt[0] + text]
+            elif isinstance(prompt, list) and encode is not None:
+                out["prompt"] = list(prompt) + encode(text)  # the engine continues the same text
             else:
-                return out  # token-id prompts: the generated text cannot be appended as ids; start over
+                return None
     for key in ("max_tokens", "max_completion_tokens"):
         v = out.get(key)
         if type(v) is int:

@@ -395,8 +395,13 @@ class OpenAIRoutes:
         state = self.state
         entry = ctx.entry
         lease.free_booking()
-        body = continuation_body(ctx.body, ctx.chat, tracker.generated_text(), tracker.generated)
+        from kvroute_common.tokenizer import encode_text
+
+        body = continuation_body(ctx.body, ctx.chat, tracker.generated_text(), tracker.generated,
+                                 lambda text: encode_text(entry.tokenizer, text))
         try:
+            if body is None:
+                raise OpenAIError(400, "the prompt cannot be continued")
             tokens = _tokenize(entry, body, ctx.chat)
         except OpenAIError as exc:
             log.warning("cannot migrate: continued prompt rejected: %s", exc.message)

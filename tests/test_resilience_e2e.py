@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -154,14 +155,11 @@ def test_killed_worker_with_migration_off_gives_a_clean_error_event() -> None:
             fe.add_worker(2, url_b)
             wait_until(lambda: fe.http.get("/health").status_code == 200, 30, what="worker 2 serving")
             box: dict = {}
-            with contextlib.ExitStack():
-                import threading
-
-                t = threading.Thread(target=lambda: box.update(r=fe.http.post("/v1/completions", json={**body, "stream": False})))
-                t.start()
-                wait_until(lambda: fe.busy_workers() == [2], 30, what="the request on worker 2")
-                kill(proc_b)
-                t.join(60)
+            t = threading.Thread(target=lambda: box.update(r=fe.http.post("/v1/completions", json={**body, "stream": False})))
+            t.start()
+            wait_until(lambda: fe.busy_workers() == [2], 30, what="the request on worker 2")
+            kill(proc_b)
+            t.join(60)
             r = box["r"]
             assert r.status_code == 502, r.text
             assert r.json()["error"]["code"] == 502
@@ -173,8 +171,6 @@ def test_non_streaming_request_migrates_when_its_worker_dies() -> None:
     """A unary request whose worker dies before answering is sent again elsewhere (new_request)."""
     with mocker(SLOW) as (url_a, proc_a), mocker(SLOW) as (url_b, _):
         with frontend([(1, url_a)], "--migration-limit", "1") as fe:
-            import threading
-
             box: dict = {}
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "ignore_eos": True}
             t = threading.Thread(target=lambda: box.update(r=fe.http.post("/v1/chat/completions", json=body)))

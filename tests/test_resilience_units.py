@@ -111,7 +111,10 @@ def test_chat_continuation_is_a_partial_assistant_message_with_fewer_tokens():
 
 def test_completion_continuation_appends_the_text():
     assert continuation_body({"prompt": "a b", "max_tokens": 5}, False, " c d", 2)["prompt"] == "a b c d"
-    assert continuation_body({"prompt": ["a b"], "max_tokens": 5}, False, " c", 1)["prompt"] == ["a b c"]
+    assert continuation_body({"prompt": ["a b"], "max_tokens": 5}, False, " c", 1)["prompt"] == "a b c"
+    ids = continuation_body({"prompt": [5, 6], "max_tokens": 5}, False, " c", 1, lambda text: [len(text)])
+    assert ids["prompt"] == [5, 6, 2] and ids["max_tokens"] == 4
+    assert continuation_body({"prompt": [5, 6]}, False, " c", 1) is None
     assert continuation_body({"prompt": "a", "max_tokens": 3}, False, " x y z", 3)["max_tokens"] == 1  # never 0
     assert continuation_body({"prompt": "a"}, False, " x", 1) == {"prompt": "a x"}  # no limit stays no limit
     assert migratable({"n": 1}) and migratable({}) and not migratable({"n": 2})
