@@ -322,14 +322,20 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
             text += tail
         return text, reason
 
+    stall_after = m.cfg.stall_after_tokens
+
     if not p.stream:
         finish = None
 
         async def collect() -> None:
             nonlocal finish
+            n = 0
             while finish is None:
+                if stall_after is not None and n >= stall_after:
+                    await asyncio.Event().wait()  # --stall-after-tokens: never answers (a hung worker)
                 token, reason = await queue.get()
                 _, finish = consume(token, reason)
+                n += 1
 
         collector = asyncio.ensure_future(collect())
         watcher = asyncio.ensure_future(_disconnected(request))
@@ -370,8 +376,6 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
         if p.include_usage:
             payload["usage"] = None
         return b"data: " + dumps(payload) + b"\n\n"
-
-    stall_after = m.cfg.stall_after_tokens
 
     async def stream() -> AsyncIterator[bytes]:
         finish = None

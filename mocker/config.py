@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
                    help="seconds an idle HTTP keep-alive connection stays open (uvicorn's and vLLM's default: 5)")
     p.add_argument("--stall-after-tokens", type=int, default=None, metavar="N",
-                   help="test-only fault: every streamed response stops sending after N generated tokens and keeps its "
-                        "connection open until the client goes away (a hung worker)")
+                   help="test-only fault: every response stops after N generated tokens (a stream sends nothing more, a "
+                        "non-streaming request never answers) and keeps its connection open until the client goes away")
     return p
 
 

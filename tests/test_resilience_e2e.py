@@ -1,10 +1,13 @@
 """Request migration and the stream idle timeout, through real processes (issue 13, part A).
 
-Real mockers and a real frontend on loopback. Faults are real: a mocker process is SIGKILLed while
-it streams, or started with ``--stall-after-tokens`` so it goes silent mid-stream. The kill is
-deterministic without timing: the mockers are slowed down (``--speedup-ratio``) so a stream of 40
-tokens lasts seconds, the client waits until N chunks have arrived, then kills the worker that
-/loads shows holding the request. Every test ends with every load in /loads back at 0.
+Real mockers and a real frontend on loopback. Faults are real: a mocker process is SIGKILLed in the
+middle of a response, or started with ``--stall-after-tokens`` so it goes silent mid-stream. Kills
+land mid-response without racing the generation: either the mocker is stalled after N tokens
+(``--stall-after-tokens``: it holds the connection open, sending nothing) when the client, having
+received those N chunks, kills it, or it is slowed down (``--speedup-ratio``) so a 40-token stream
+lasts over a second and the kill follows the 5th chunk at once. A second worker is added
+(``POST /admin/workers``) only once the request is held by the first, so the first routing choice
+is known. Every test ends with every load in /loads back at 0.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[str]:
 def test_killed_worker_mid_stream_migrates_to_another_and_the_client_sees_one_stream() -> None:
     """--migration-limit 3, chat via the openai SDK: worker A is killed after 5 chunks; the stream
     goes on from worker B with the same id, one role chunk, one finish, usage over both workers."""
-    with mocker(SLOW) as (url_a, proc_a), mocker(SLOW) as (url_b, _):
+    with mocker(["--stall-after-tokens", "5"]) as (url_a, proc_a), mocker(SLOW) as (url_b, _):
         with frontend([(1, url_a)], "--migration-limit", "3") as fe:
             messages = [{"role": "user", "content": "Tell me a long story about routers and caches."}]
             prompt_tokens = httpx.post(f"{url_b}/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
@@ -136,7 +139,7 @@ def test_killed_worker_mid_stream_migrates_to_another_and_the_client_sees_one_st
 def test_killed_worker_with_migration_off_gives_a_clean_error_event() -> None:
     """--migration-limit 0 (default): the stream ends with an OpenAI error event and [DONE]; a
     non-streaming request whose worker dies gets an OpenAI-style 502."""
-    with mocker(SLOW) as (url_a, proc_a), mocker(SLOW) as (url_b, proc_b):
+    with mocker(SLOW) as (url_a, proc_a), mocker(["--stall-after-tokens", "2"]) as (url_b, proc_b):
         with frontend([(1, url_a)]) as fe:
             body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True}
             events = []
@@ -169,7 +172,7 @@ def test_killed_worker_with_migration_off_gives_a_clean_error_event() -> None:
 
 def test_non_streaming_request_migrates_when_its_worker_dies() -> None:
     """A unary request whose worker dies before answering is sent again elsewhere (new_request)."""
-    with mocker(SLOW) as (url_a, proc_a), mocker(SLOW) as (url_b, _):
+    with mocker(["--stall-after-tokens", "2"]) as (url_a, proc_a), mocker(SLOW) as (url_b, _):
         with frontend([(1, url_a)], "--migration-limit", "1") as fe:
             box: dict = {}
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "ignore_eos": True}
@@ -189,7 +192,7 @@ def test_non_streaming_request_migrates_when_its_worker_dies() -> None:
 
 def test_stalled_stream_is_cut_after_the_idle_timeout_and_its_booking_freed() -> None:
     with mocker(["--stall-after-tokens", "3"]) as (url, _):
-        with frontend([(1, url)], "--stream-idle-timeout", "1") as fe:
+        with frontend([(1, url)], "--stream-idle-timeout", "2") as fe:
             body = {"model": MODEL, "prompt": "hello", "max_tokens": 50, "ignore_eos": True, "stream": True}
             with fe.http.stream("POST", "/v1/completions", json=body) as r:
                 events = list(sse_events(r.iter_lines()))
@@ -209,7 +212,7 @@ def test_stalled_stream_migrates_when_migration_is_on() -> None:
     """One stalling and one healthy worker, round robin: of two streams one lands on the staller
     and is continued on the other after the idle timeout; both complete."""
     with mocker(["--stall-after-tokens", "3"]) as (url_s, _), mocker() as (url_h, _):
-        with frontend([(1, url_s), (2, url_h)], "--stream-idle-timeout", "1", "--migration-limit", "2") as fe:
+        with frontend([(1, url_s), (2, url_h)], "--stream-idle-timeout", "2", "--migration-limit", "2") as fe:
             wait_until(lambda: len(fe.loads()) == 2, 30, what="both workers registered")
             for _ in range(2):
                 body = {"model": MODEL, "prompt": "a b c", "max_tokens": 12, "ignore_eos": True, "stream": True,
