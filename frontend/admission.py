@@ -56,6 +56,19 @@ class ClientDisconnected(Exception):
     """The client went away while its request was held in the router queue (it left the queue)."""
 
 
+class QueueRejected(Exception):
+    """Backpressure: the request was not admitted (answered 529 + Retry-After, never routed).
+
+    ``reason`` is the ``router_queue_backpressure_total`` label: ``request_limit`` (the queue was
+    full on arrival, ``--router-queue-max``) or ``queue_timeout`` (held longer than
+    ``--router-queue-timeout-secs``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
 async def _until_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
@@ -100,9 +113,17 @@ class AdmissionQueue:
         *,
         recheck_interval: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        max_queued: int | None = None,
+        queue_timeout: float | None = None,
     ) -> None:
         if threshold is not None and threshold < 0:
             raise ValueError("router queue threshold must be >= 0")
+        if max_queued is not None and max_queued < 0:
+            raise ValueError("router queue max must be >= 0")
+        if queue_timeout is not None and queue_timeout <= 0:
+            raise ValueError("router queue timeout must be > 0")
+        self.max_queued = max_queued  # per model; None = unbounded, 0 = never hold (reject instead)
+        self.queue_timeout = queue_timeout
         self.policy = QueuePolicy.parse(policy)
         self.threshold = threshold
         self._capacity_check = capacity_check
@@ -117,6 +138,8 @@ class AdmissionQueue:
         self.admitted_directly = 0
         self.admitted_after_wait = 0
         self.cancelled_while_waiting = 0
+        self.rejected_full = 0
+        self.rejected_timeout = 0
 
     @property
     def enabled(self) -> bool:
@@ -131,7 +154,11 @@ class AdmissionQueue:
         ``receive``: the ASGI receive callable (``request.receive``) of a request whose body was
         already read: while held, a client disconnect takes the request out of the queue and
         raises :class:`ClientDisconnected` (Starlette does not cancel a handler on disconnect).
-        Cancelling the waiting task also removes it from the queue."""
+        Cancelling the waiting task also removes it from the queue.
+
+        Backpressure: raises :class:`QueueRejected` at once when ``max_queued`` requests of this
+        model are already held, and when the request has been held ``queue_timeout`` seconds
+        (it leaves the queue first; nothing was booked)."""
         threshold = self.threshold
         if threshold is None:
             return 0.0
@@ -144,6 +171,9 @@ class AdmissionQueue:
         q = self._queues.get(model)
         if q is None:
             q = self._queues[model] = PendingQueue(self.policy)
+        if self.max_queued is not None and len(q) >= self.max_queued:
+            self.rejected_full += 1
+            raise QueueRejected("request_limit", f"router queue for model {model} is full ({self.max_queued} requests held); retry later")
         fut = loop.create_future()
         start = self._clock()
         entry = q.push(
@@ -156,18 +186,22 @@ class AdmissionQueue:
         self._ensure_tick()
         watcher: asyncio.Task | None = None
         try:
-            if receive is None:
-                await fut
-            else:
+            waits: tuple[asyncio.Future, ...] = (fut,)
+            if receive is not None:
                 watcher = loop.create_task(_until_disconnect(receive))
-                await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
-                if fut.cancelled():  # close()
-                    raise asyncio.CancelledError
-                if not fut.done():  # the client went away while held
-                    q.remove(entry)
-                    fut.cancel()
+                waits = (fut, watcher)
+            await asyncio.wait(waits, timeout=self.queue_timeout, return_when=asyncio.FIRST_COMPLETED)
+            if fut.cancelled():  # close()
+                raise asyncio.CancelledError
+            if not fut.done():  # still held: the client went away, or the wait timed out
+                q.remove(entry)
+                fut.cancel()
+                if watcher is not None and watcher.done():
                     self.cancelled_while_waiting += 1
                     raise ClientDisconnected(f"client disconnected while queued for model {model}")
+                self.rejected_timeout += 1
+                raise QueueRejected("queue_timeout", f"request waited {self.queue_timeout:g} s in the router queue for model {model} "
+                                                     "without capacity; retry later")
         except asyncio.CancelledError:
             if q.remove(entry):
                 self.cancelled_while_waiting += 1

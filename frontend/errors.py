@@ -46,8 +46,8 @@ def openai_error_body(status: int, message: str, param: str | None = None) -> by
     )
 
 
-def openai_error_response(status: int, message: str, param: str | None = None) -> Response:
-    return Response(openai_error_body(status, message, param), status_code=status, media_type="application/json")
+def openai_error_response(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    return Response(openai_error_body(status, message, param), status_code=status, media_type="application/json", headers=headers)
 
 
 def model_not_found(model: str) -> OpenAIError:

@@ -82,6 +82,10 @@ class FrontendMetrics:
         self.output_tokens = Counter(f"{p}_output_tokens", "Generated tokens", m, registry=r)
         self.tokenizer_ms = Histogram(f"{p}_tokenizer_latency_ms", "Tokenizer latency", ("operation",), buckets=TOKENIZER_MS_BUCKETS, registry=r)
         self.rejections = Counter(f"{p}_model_rejection", "Requests rejected because every eligible worker was busy", ("model", "endpoint"), registry=r)
+        self.migrations = Counter(f"{p}_model_migration", "Requests re-dispatched to another worker after a worker failure",
+                                  ("model", "migration_type"), registry=r)
+        self.queue_backpressure = Counter(f"{p}_router_queue_backpressure", "Requests refused by the router queue (529 + Retry-After)",
+                                          ("model", "worker_type", "policy_class", "reason"), registry=r)
         self.cancellations = Counter(f"{p}_model_cancellation", "Requests cancelled by the client", ("model", "endpoint", "request_type"), registry=r)
         # worker gauges always carry the dynamo_frontend_ prefix in the reference
         self.worker_last_ttft = Gauge("dynamo_frontend_worker_last_time_to_first_token_seconds", "Last TTFT per worker", ("worker_id", "dp_rank", "worker_type"), registry=r)

@@ -20,6 +20,7 @@ from kvroute_common.http import ApiError, json_response, read_json
 from kvroute_common.openai_api import read_openai_body
 
 from .errors import OpenAIError, model_not_found, openai_error_response
+from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
 from .parity import UsageTap, stream_body_with_usage
 from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
@@ -31,17 +32,23 @@ log = logging.getLogger("frontend")
 _perf = time.perf_counter
 
 try:  # extension modules (owned by the extensions engineer)
-    from .admission import ClientDisconnected
+    from .admission import ClientDisconnected, QueueRejected
     from .hints import RequestTiming, engine_priority, parse_request_hints
 except ImportError:  # pragma: no cover
     class ClientDisconnected(Exception):  # type: ignore[no-redef]
         pass
+
+    class QueueRejected(Exception):  # type: ignore[no-redef]
+        reason = message = ""
 
     RequestTiming = None  # type: ignore[assignment]
     parse_request_hints = None  # type: ignore[assignment]
     engine_priority = None  # type: ignore[assignment]
 
 BODY_LIMIT = 45 * 1024 * 1024  # DYN_HTTP_BODY_LIMIT_MB default
+# Retry-After of a backpressure 529: the queue drains as prefills complete (well under a second on
+# a healthy worker), so a client that waits one second finds fresh capacity numbers.
+RETRY_AFTER_SECS = "1"
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -68,12 +75,15 @@ class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
     __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
-                 "recorded", "probe", "strip_usage")
+                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned")
 
     def __init__(self) -> None:
         self.recorded = False  # a lease has recorded the request's end in the metrics
         self.probe: Any = None  # parity.RequestProbe of the current attempt
         self.strip_usage = False  # the engine was asked for stream usage the client did not want
+        self.migrations = 0  # times this request moved to another worker (--migration-limit)
+        self.failed_workers: set[int] | None = None  # workers it failed on: not chosen again for it
+        self.pinned = False
         self.receive: Any = None
         self.hints: Any = None
         self.timing: Any = None
@@ -183,6 +193,8 @@ class OpenAIRoutes:
                         if ctx.session is not None:
                             ctx.session.release()
                         return Response(b"", status_code=499)
+                    except QueueRejected as exc:
+                        return self._rejected(ctx, exc)
                 return await self._dispatch(ctx, pinned_worker, pinned_rank)
             except BaseException:
                 if ctx.session is not None:
@@ -213,15 +225,29 @@ class OpenAIRoutes:
                 mm.finished("error", "internal")
             return openai_error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
+    def _rejected(self, ctx: RequestContext, exc: Exception) -> Response:
+        """Backpressure from the router queue: 529 + Retry-After at once, nothing booked."""
+        state, mm = self.state, ctx.mm
+        mm.inflight.dec()
+        mm.active.dec()
+        mm.queued.dec()
+        mm.finished("error", "overload")
+        state.metrics.rejections.labels(mm.model, ctx.endpoint).inc()
+        state.metrics.queue_backpressure.labels(mm.model, "decode", "default", getattr(exc, "reason", "")).inc()
+        if ctx.session is not None:
+            ctx.session.release()
+        return openai_error_response(529, getattr(exc, "message", str(exc)), headers={"retry-after": RETRY_AFTER_SECS})
+
     async def _dispatch(self, ctx: RequestContext, pinned_worker: int | None, pinned_rank: int | None) -> Any:
         state = self.state
         entry = ctx.entry
+        ctx.pinned = pinned_worker is not None
         attempts = 0
         while True:
             attempts += 1
             decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
                                           ctx.hints.cache_salt if ctx.hints is not None else None,
-                                          record=wants_routing(ctx.hints))
+                                          record=wants_routing(ctx.hints), exclude=ctx.failed_workers)
             request_id = state.next_request_id()
             try:
                 state.router.book(entry, request_id, decision)
@@ -245,6 +271,9 @@ class OpenAIRoutes:
                 lease.release()
                 ctx.recorded = True
                 raise
+            if response is _MIGRATE:  # the worker failed before answering: the same request goes elsewhere
+                lease.release(final=False)
+                continue
             if response is _RETRY:
                 if attempts < 3 and pinned_worker is None:
                     lease.release(final=False)
@@ -294,11 +323,14 @@ class OpenAIRoutes:
             return openai_error_response(504, str(exc))
         except (UpstreamError, OSError) as exc:
             state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
-            _lease_abort(lease, 500)
+            if self._may_migrate(ctx):
+                self._count_migration(ctx, worker.id, NEW_REQUEST)
+                return _MIGRATE
+            _lease_abort(lease, 502)
             if session is not None:
                 session.invalidate()
                 session.release()
-            return openai_error_response(500, f"worker {worker.id} failed: {exc}")
+            return openai_error_response(502, f"worker {worker.id} failed: {exc}")
         finally:
             if watch is not None:
                 watch.stop()
@@ -319,8 +351,10 @@ class OpenAIRoutes:
             lease.hooks.append(_SessionHook(session))
         rewriter = ResponseRewriter(self, ctx, lease) if ctx.rewrite else None
         if stream:
+            migrator = _Migrator(self, ctx) if self._may_migrate(ctx) else None
             return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
-                               self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage))
+                               self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage),
+                               state.config.stream_idle_timeout, migrator)
         data = upstream.content
         if ctx.probe is not None:
             ctx.probe.usage_from_body(data)
@@ -351,6 +385,88 @@ class OpenAIRoutes:
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
         return json_response(routing_record(state.config, entry, d))
+
+    def _may_migrate(self, ctx: RequestContext) -> bool:
+        """--migration-limit: budget left, not pinned, one choice."""
+        return ctx.migrations < self.state.config.migration_limit and not ctx.pinned and migratable(ctx.body)
+
+    def _count_migration(self, ctx: RequestContext, failed_worker: int, kind: str) -> None:
+        ctx.migrations += 1
+        if ctx.failed_workers is None:
+            ctx.failed_workers = set()
+        ctx.failed_workers.add(failed_worker)
+        self.state.metrics.migrations.labels(ctx.entry.name, kind).inc()
+        log.warning("request migrating from worker %s (%s, %d of %d)", failed_worker, kind, ctx.migrations, self.state.config.migration_limit)
+
+    async def _continue_stream(self, ctx: RequestContext, tracker: SseTracker, lease: Lease) -> "tuple[Any, Lease]":
+        """A stream broke mid-way: continue it on another worker (a new routing decision and
+        booking; the failed worker's booking is freed at once). Returns the new upstream response,
+        or None when it cannot continue (budget spent, no worker, the new worker refused), and the
+        lease that now carries the request (the caller ends the request with it)."""
+        state = self.state
+        entry = ctx.entry
+        lease.free_booking()
+        from kvroute_common.tokenizer import encode_text
+
+        body = continuation_body(ctx.body, ctx.chat, tracker.generated_text(), tracker.generated,
+                                 lambda text: encode_text(entry.tokenizer, text))
+        try:
+            if body is None:
+                raise OpenAIError(400, "the prompt cannot be continued")
+            tokens = _tokenize(entry, body, ctx.chat)
+        except OpenAIError as exc:
+            log.warning("cannot migrate: continued prompt rejected: %s", exc.message)
+            return None, lease
+        raw = orjson.dumps(body)
+        path = "/v1/chat/completions" if ctx.chat else "/v1/completions"
+        salt = ctx.hints.cache_salt if ctx.hints is not None else None
+        while self._may_migrate(ctx):
+            self._count_migration(ctx, lease.decision.worker.id, ONGOING_REQUEST)
+            try:
+                decision = state.router.route(entry, tokens, None, None, salt, exclude=ctx.failed_workers)
+            except OpenAIError as exc:
+                log.warning("cannot migrate: %s", exc.message)
+                return None, lease
+            request_id = state.next_request_id()
+            try:
+                state.router.book(entry, request_id, decision)
+            except Exception as exc:
+                log.warning("cannot migrate: booking worker %s failed: %s", decision.worker.id, exc)
+                return None, lease
+            state.metrics.router_started.inc()
+            new = Lease(state, entry, request_id, decision, ctx.mm, ctx.t_start)
+            new.inherit(lease)
+            new.status, new.error_type = lease.status, lease.error_type  # until it delivers
+            lease.released = True  # its booking is freed; the request now ends with ``new``
+            lease = new
+            if state.config.router_track_output_blocks:
+                lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
+            _record_routed(state, ctx.mm, decision)
+            worker = decision.worker
+            try:
+                upstream = await worker.upstream.request("POST", path, raw, upstream_headers(decision.dp_rank, request_id), True)
+            except asyncio.CancelledError:
+                lease.status, lease.error_type = "error", "cancelled"
+                lease.release()
+                raise
+            except (UpstreamError, OSError) as exc:
+                if not isinstance(exc, UpstreamTimeout):
+                    state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+                lease.free_booking()
+                continue
+            if upstream.status != 200:
+                try:
+                    data = await upstream.aread()
+                except UpstreamError:
+                    data = b""
+                await upstream.aclose()
+                lease.free_booking()
+                log.warning("cannot migrate: worker %s answered %s: %s", worker.id, upstream.status, _error_message(data))
+                return None, lease
+            lease.status, lease.error_type = "success", ""
+            tracker.switch()
+            return upstream, lease
+        return None, lease
 
     def _stream_failed(self, lease: Lease, exc: BaseException) -> None:
         self.state.pool.mark_failed(lease.decision.worker, f"{type(exc).__name__}: {exc}")
@@ -504,6 +620,21 @@ class ResponseRewriter:
 
 
 _RETRY = object()
+_MIGRATE = object()
+
+
+class _Migrator:
+    """What a migratable stream needs to continue elsewhere (see frontend/migration.py)."""
+
+    __slots__ = ("routes", "ctx", "tracker")
+
+    def __init__(self, routes: OpenAIRoutes, ctx: RequestContext) -> None:
+        self.routes = routes
+        self.ctx = ctx
+        self.tracker = SseTracker(ctx.chat, len(ctx.tokens))
+
+    async def resume(self, lease: Lease, exc: BaseException) -> "tuple[Any, Lease] | None":
+        return await self.routes._continue_stream(self.ctx, self.tracker, lease)
 
 
 class _watch_disconnect:

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .errors import openai_error_body
-from .upstream import UpstreamError, UpstreamResponse
+from .upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 if TYPE_CHECKING:
     from .state import FrontendState
@@ -37,7 +37,7 @@ class Lease:
     """One request's booking on its (worker, rank) plus its per-request metrics."""
 
     __slots__ = ("state", "entry", "request_id", "decision", "mm", "t_start", "t_first", "t_last", "tokens_out",
-                 "prefilled", "released", "status", "error_type", "hooks", "_osl", "_out_blocks")
+                 "prefilled", "released", "status", "error_type", "hooks", "_osl", "_out_blocks", "ttft_recorded", "_freed")
 
     def __init__(self, state: "FrontendState", entry: "ModelEntry", request_id: str, decision: "Decision", mm: Any, t_start: float) -> None:
         self.state = state
@@ -56,6 +56,17 @@ class Lease:
         self.hooks: list[Any] = []  # objects with on_tokens(lease, n) / on_release(lease) (extensions)
         self._out_blocks: int | None = None  # output-block tracking off
         self._osl: int | None = None
+        self.ttft_recorded = False  # the request's TTFT is in the metrics (maybe by a lease it migrated from)
+        self._freed = False  # the booking was freed in the tracker
+
+    def inherit(self, old: "Lease") -> None:
+        """Request migration: this lease continues ``old``'s request on another worker. The
+        request's metrics (TTFT, tokens so far, hooks) carry over, so they are recorded once."""
+        self.t_start = old.t_start
+        self.t_first, self.t_last = old.t_first, old.t_last
+        self.tokens_out = old.tokens_out
+        self.ttft_recorded = old.ttft_recorded
+        self.hooks, old.hooks = old.hooks, []
 
     def track_output(self, osl: int | None) -> None:
         """--router-track-output-blocks: add a placeholder block whenever isl + generated crosses a block."""
@@ -68,6 +79,10 @@ class Lease:
         if self.prefilled or self.released:
             return
         self.prefilled = True
+        if self.ttft_recorded:  # a migrated request: its first token was long ago, only the booking moves on
+            self._prefill_complete()
+            return
+        self.ttft_recorded = True
         now = _now()
         self.t_first = self.t_last = now
         ttft = now - self.t_start
@@ -77,6 +92,9 @@ class Lease:
         self.state.metrics.router_ttft.observe(ttft)
         g = self.state.worker_gauges(self.decision.worker.id, self.decision.dp_rank)
         g[0].set(ttft)
+        self._prefill_complete()
+
+    def _prefill_complete(self) -> None:
         try:
             self.entry.tracker.prefill_complete(self.request_id)
         except Exception as exc:  # unknown request (tracker dropped it): nothing left to complete
@@ -108,6 +126,18 @@ class Lease:
         for h in self.hooks:
             h.on_tokens(self, n)
 
+    def free_booking(self, notify: bool = True) -> None:
+        """Free the (worker, rank) booking only (idempotent); the request itself goes on (migration)."""
+        if self._freed:
+            return
+        self._freed = True
+        try:
+            self.entry.tracker.free(self.request_id)
+        except Exception as exc:
+            log.debug("free(%s): %s", self.request_id, exc)
+        if notify:
+            self.state.capacity_changed(self.entry.name)
+
     def fail(self, status: int, error_type: str) -> None:
         self.status = "error"
         self.error_type = error_type
@@ -120,19 +150,12 @@ class Lease:
             return
         self.released = True
         if not final:
-            try:
-                self.entry.tracker.free(self.request_id)
-            except Exception as exc:
-                log.debug("free(%s): %s", self.request_id, exc)
-            self.state.capacity_changed(self.entry.name)
+            self.free_booking()
             return
         mm = self.mm
-        if not self.prefilled:
+        if not self.ttft_recorded:
             mm.queued.dec()
-        try:
-            self.entry.tracker.free(self.request_id)
-        except Exception as exc:
-            log.debug("free(%s): %s", self.request_id, exc)
+        self.free_booking(notify=False)
         for h in self.hooks:
             try:
                 h.on_release(self)
@@ -165,19 +188,22 @@ def count_completion_tokens(body: bytes) -> int:
 class StreamProxy:
     """ASGI response that relays a worker's SSE stream chunk by chunk and always releases the lease."""
 
-    __slots__ = ("upstream", "lease", "headers", "on_failure", "rewriter", "tap")
+    __slots__ = ("upstream", "lease", "headers", "on_failure", "rewriter", "tap", "idle_timeout", "migrator")
 
     def __init__(self, upstream: UpstreamResponse, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any, rewriter: Any = None,
-                 tap: Any = None) -> None:
+                 tap: Any = None, idle_timeout: float | None = None, migrator: Any = None) -> None:
         self.upstream = upstream
         self.lease = lease
         self.headers = headers
         self.on_failure = on_failure  # callable(lease, exc) for worker failures mid-stream
         self.rewriter = rewriter  # response nvext / speculative prefill (only when the request asked)
         self.tap = tap  # parity.UsageTap: reads (and strips) the engine's usage event
+        self.idle_timeout = idle_timeout  # --stream-idle-timeout: cut a worker that goes silent mid-stream
+        # --migration-limit: ``tracker`` (migration.SseTracker) and ``async resume(lease, exc) ->
+        # (upstream, lease) | None`` that continues the request on another worker
+        self.migrator = migrator
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        lease = self.lease
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             pump = asyncio.ensure_future(self._pump(send))
@@ -204,7 +230,7 @@ class StreamProxy:
             self._cancelled()
             raise
         finally:
-            lease.release()
+            self.lease.release()  # the current one: a migrated stream moved on to another lease
             await self.upstream.aclose()
 
     def _cancelled(self) -> None:
@@ -217,48 +243,79 @@ class StreamProxy:
         st.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
 
     async def _pump(self, send: Any) -> None:
-        lease = self.lease
         rw = self.rewriter
         tap = self.tap
-        first = True
-        try:
-            async for chunk in self.upstream.aiter_raw():
-                if not chunk:
-                    continue
-                if first and not _role_only(chunk):  # first token (vLLM-style role chunks carry none)
-                    first = False
-                    lease.first_token()
+        mig = self.migrator
+        tracker = mig.tracker if mig is not None else None
+        while True:
+            lease = self.lease
+            first = True
+            try:
+                async for chunk in self.upstream.aiter_raw(self.idle_timeout):
+                    if not chunk:
+                        continue
+                    if first and not _role_only(chunk):  # first token (vLLM-style role chunks carry none)
+                        first = False
+                        lease.first_token()
+                        if rw is not None:
+                            rw.first_token()
+                    n = chunk.count(b"data:")
+                    if n:
+                        if _DONE in chunk:
+                            n -= 1
+                        if b'"content":""' in chunk or b'"choices":[]' in chunk:  # role-only / usage-only events
+                            n -= chunk.count(b'"content":""') + chunk.count(b'"choices":[]')
+                        lease.tokens(n)
+                    if tracker is not None:
+                        chunk = tracker.feed(chunk)
+                        if not chunk:
+                            continue
+                    if tap is not None:  # after the tracker: it reads the usage counted over both workers
+                        chunk = tap.feed(chunk)
+                        if not chunk:
+                            continue
                     if rw is not None:
-                        rw.first_token()
-                n = chunk.count(b"data:")
-                if n:
-                    if _DONE in chunk:
-                        n -= 1
-                    if b'"content":""' in chunk or b'"choices":[]' in chunk:  # role-only / usage-only events
-                        n -= chunk.count(b'"content":""') + chunk.count(b'"choices":[]')
-                    lease.tokens(n)
-                if tap is not None:
-                    chunk = tap.feed(chunk)
-                    if not chunk:
-                        continue
+                        chunk = rw.chunk(chunk)
+                        if not chunk:
+                            continue
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                rest = tap.flush() if tap is not None else b""
                 if rw is not None:
-                    chunk = rw.chunk(chunk)
-                    if not chunk:
+                    rest = (rw.chunk(rest) if rest else b"") + rw.flush()
+                if rest:
+                    await send({"type": "http.response.body", "body": rest, "more_body": True})
+            except OSError:
+                raise
+            except UpstreamError as exc:
+                if tracker is not None and tracker.done:  # lost after its [DONE]: the response is complete
+                    break
+                timeout = isinstance(exc, UpstreamTimeout)
+                if timeout:  # silent, not dead: the worker stays in the candidate set
+                    lease.fail(504, "response_timeout")
+                else:
+                    lease.fail(500, "internal")
+                    self.on_failure(lease, exc)
+                if mig is not None and not tracker.finished:
+                    if tap is not None:  # the continuation's usage is not this routing decision's evidence
+                        tap.probe = None
+                    upstream, self.lease = await mig.resume(lease, exc)
+                    if rw is not None:
+                        rw.lease = self.lease
+                    if upstream is not None:
+                        old, self.upstream = self.upstream, upstream
+                        await old.aclose()
                         continue
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            rest = tap.flush() if tap is not None else b""
-            if rw is not None:
-                rest = (rw.chunk(rest) if rest else b"") + rw.flush()
-            if rest:
-                await send({"type": "http.response.body", "body": rest, "more_body": True})
-        except OSError:
-            raise
-        except UpstreamError as exc:
-            lease.fail(500, "internal")
-            self.on_failure(lease, exc)
-            msg = f"worker {lease.decision.worker.id} failed mid-stream: {exc}"
-            err = b"data: " + openai_error_body(500, msg) + b"\n\ndata: [DONE]\n\n"
-            await send({"type": "http.response.body", "body": err, "more_body": True})
+                    lease = self.lease
+                if tracker is not None and tracker.finished:
+                    err = b"data: [DONE]\n\n"  # every choice ended: only the terminator was lost
+                else:
+                    status = 504 if timeout else 500
+                    msg = (f"worker {lease.decision.worker.id} stopped sending mid-stream: {exc}" if timeout
+                           else f"worker {lease.decision.worker.id} failed mid-stream: {exc}")
+                    err = b"data: " + openai_error_body(status, msg) + b"\n\ndata: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": err, "more_body": True})
+            break
+        lease = self.lease
         lease.release()
         if rw is not None:
             rw.finished(lease)

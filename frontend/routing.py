@@ -67,11 +67,13 @@ class Router:
         cache_salt: str | None = None,
         explain: bool = False,
         record: bool = False,
+        exclude: "set[int] | None" = None,
     ) -> Decision:
         """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin).
 
         ``explain``: a dry run (no overhead metrics); ``explain`` or ``record`` keep every
-        candidate's cost terms on the decision (the routing record)."""
+        candidate's cost terms on the decision (the routing record).
+        ``exclude``: worker ids this request must not go to (a migrated request's failed workers)."""
         cfg = self.config
         t0 = _perf()
         bs = entry.block_size
@@ -95,6 +97,8 @@ class Router:
         t3 = _perf()
 
         candidates, busy_excluded = self._candidates(entry, pinned_worker, pinned_rank)
+        if exclude:
+            candidates = [c for c in candidates if c[0].id not in exclude]
         if not candidates:
             if pinned_worker is not None and busy_excluded:
                 raise OpenAIError(529, f"Pinned worker {pinned_worker} is busy")

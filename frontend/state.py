@@ -84,7 +84,11 @@ class FrontendState:
         if cfg.router_queue_threshold is not None:
             from .admission import AdmissionQueue
 
-            self.admission = AdmissionQueue(cfg.router_queue_policy, cfg.router_queue_threshold, self._queue_capacity)
+            self.admission = AdmissionQueue(cfg.router_queue_policy, cfg.router_queue_threshold, self._queue_capacity,
+                                            max_queued=cfg.router_queue_max, queue_timeout=cfg.router_queue_timeout_secs)
+        elif cfg.router_queue_max is not None or cfg.router_queue_timeout_secs is not None:
+            log.warning("--router-queue-max / --router-queue-timeout-secs bound the router queue, which only exists with "
+                        "--router-queue-threshold: they have no effect")
         if cfg.router_session_affinity_ttl_secs is not None:
             from router.session import SessionTable
 

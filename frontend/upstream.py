@@ -70,11 +70,16 @@ class UpstreamResponse:
             return chunks[0]
         return b"".join(chunks)
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive (everything buffered so far in one piece)."""
+    async def aiter_raw(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (everything buffered so far in one piece).
+
+        ``idle_timeout``: once the first body bytes arrived, a gap longer than this raises
+        :class:`UpstreamTimeout` (a worker that hangs mid-stream; ``--stream-idle-timeout``)."""
         chunks = self._chunks
+        started = False
         while True:
             if chunks:
+                started = True
                 if len(chunks) == 1:
                     yield chunks.popleft()
                 else:
@@ -86,11 +91,15 @@ class UpstreamResponse:
                 return
             if self.error is not None:
                 raise self.error
-            fut = self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            fut = self._waiter = loop.create_future()
+            timer = loop.call_later(idle_timeout, _idle_expired, fut, idle_timeout) if (idle_timeout is not None and started) else None
             try:
                 await fut
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
 
     async def aread(self) -> bytes:
         out = []
@@ -120,6 +129,11 @@ class UpstreamResponse:
                 f.set_exception(exc)
                 f.exception()  # mark retrieved: the awaiting side may be gone
         self._wake()
+
+
+def _idle_expired(fut: asyncio.Future, seconds: float) -> None:
+    if not fut.done():
+        fut.set_exception(UpstreamTimeout(f"worker sent nothing for {seconds:g} s mid-stream"))
 
 
 class _Connection(asyncio.Protocol):

@@ -322,14 +322,20 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
             text += tail
         return text, reason
 
+    stall_after = m.cfg.stall_after_tokens
+
     if not p.stream:
         finish = None
 
         async def collect() -> None:
             nonlocal finish
+            n = 0
             while finish is None:
+                if stall_after is not None and n >= stall_after:
+                    await asyncio.Event().wait()  # --stall-after-tokens: never answers (a hung worker)
                 token, reason = await queue.get()
                 _, finish = consume(token, reason)
+                n += 1
 
         collector = asyncio.ensure_future(collect())
         watcher = asyncio.ensure_future(_disconnected(request))
@@ -373,6 +379,7 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
 
     async def stream() -> AsyncIterator[bytes]:
         finish = None
+        sent = 0
         try:
             if chat:
                 yield chunk(None, None, role=True)
@@ -382,13 +389,19 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
                     items.append(queue.get_nowait())
                 out = bytearray()
                 for token, reason in items:
+                    if stall_after is not None and sent >= stall_after:
+                        break
                     text, finish = consume(token, reason)
                     if text or finish is not None:
                         out += chunk(text, finish)
+                        sent += 1
                     if finish is not None:
                         break
                 if out:
                     yield bytes(out)
+                if stall_after is not None and sent >= stall_after and finish is None:
+                    # --stall-after-tokens: a hung worker; the connection stays open, nothing more is sent
+                    await asyncio.Event().wait()
             if p.include_usage:
                 yield b"data: " + dumps({"id": rid, "object": obj, "created": created, "model": model,
                                          "choices": [], "usage": usage()}) + b"\n\n"

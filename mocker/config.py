@@ -28,12 +28,15 @@ class MockerConfig:
     seed: int | None = None
     log_level: str = "warning"
     timeout_keep_alive: float = 5.0
+    stall_after_tokens: int | None = None
 
     def validate(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
                      "max_model_len", "data_parallel_size", "replay_buffer_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.stall_after_tokens is not None and self.stall_after_tokens < 0:
+            raise ValueError("--stall-after-tokens must be >= 0")
         if self.speedup_ratio < 0:
             raise ValueError("--speedup-ratio must be >= 0 (0 = no simulated delay)")
         if not 0 < self.port < 65536:
@@ -72,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
                    help="seconds an idle HTTP keep-alive connection stays open (uvicorn's and vLLM's default: 5)")
+    p.add_argument("--stall-after-tokens", type=int, default=None, metavar="N",
+                   help="test-only fault: every response stops after N generated tokens (a stream sends nothing more, a "
+                        "non-streaming request never answers) and keeps its connection open until the client goes away")
     return p
 
 

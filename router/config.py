@@ -76,6 +76,20 @@ def _unit_optional_float(value: str) -> float | None:
     return v
 
 
+def _nonneg_int(value: str) -> int:
+    v = int(value)
+    if v < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return v
+
+
+def _nonneg_optional_int(value: str) -> int | None:
+    v = _optional_int(value)
+    if v is not None and v < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return v
+
+
 def _queue_policy(value: str) -> str:
     v = value.strip().lower()
     if v not in QUEUE_POLICIES:
@@ -115,6 +129,10 @@ class RouterConfig:
     router_session_affinity_ttl_secs: float | None = None
     router_replica_sync: bool = False
     router_min_initial_workers: int = 0
+    migration_limit: int = 0
+    router_queue_max: int | None = None
+    router_queue_timeout_secs: float | None = None
+    stream_idle_timeout: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -175,6 +193,14 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
      "share active load with other frontend replicas"),
     ("--router-min-initial-workers", "router_min_initial_workers", ("DYN_ROUTER_MIN_INITIAL_WORKERS",), int, 0,
      "wait for this many workers before serving"),
+    ("--migration-limit", "migration_limit", ("DYN_MIGRATION_LIMIT",), _nonneg_int, 0,
+     "times one request may be re-dispatched to another worker after its worker failed (0 = off)"),
+    ("--router-queue-max", "router_queue_max", ("DYN_ROUTER_QUEUE_MAX",), _nonneg_optional_int, None,
+     "requests the router queue may hold per model; a request arriving at a full queue gets 529 + Retry-After (unset = unbounded)"),
+    ("--router-queue-timeout-secs", "router_queue_timeout_secs", ("DYN_ROUTER_QUEUE_TIMEOUT_SECS",), _positive_optional_float, None,
+     "a request held longer than this in the router queue gets 529 + Retry-After (unset = wait for capacity)"),
+    ("--stream-idle-timeout", "stream_idle_timeout", ("DYN_STREAM_IDLE_TIMEOUT",), _positive_optional_float, None,
+     "seconds a worker may go silent mid-stream (after its first byte) before the stream is cut or migrated (unset = off)"),
 ]
 
 
