@@ -12,6 +12,7 @@ from starlette.routing import BaseRoute, Route
 from kvroute_common.http import exception_handlers, route
 
 from .admin import AdminRoutes, _tracker_routes
+from .errors import openai_exception_handlers
 from .openai_routes import OpenAIRoutes
 from .state import FrontendState
 
@@ -45,6 +46,6 @@ def build_app(state: FrontendState) -> Starlette:
         finally:
             await state.stop()
 
-    app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=openai_exception_handlers(exception_handlers()), lifespan=lifespan)
     app.state.frontend = state
     return app

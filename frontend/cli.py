@@ -17,6 +17,16 @@ log = logging.getLogger("frontend")
 _NOT_YET: dict[str, str] = {}
 
 
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not an integer") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m frontend",
@@ -33,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read when it changes')
     g.add_argument("--model-path", default=os.environ.get("KVROUTE_MODEL_PATH"),
                    help="local HF tokenizer directory for every model (default: the built-in offline tokenizer)")
+    g.add_argument("--tokenizer-offload-chars", type=int, default=_env_int("DYN_TOKENIZER_OFFLOAD_CHARS"), metavar="N",
+                   help="prompts longer than N characters are tokenized on a worker thread, never blocking the event loop; "
+                        "0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 16384]")
     g.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker health checks [default 2]")
     g.add_argument("--request-timeout", type=float, default=None, help="seconds to wait for a worker's response (streaming: its headers) before answering 504 [default: no limit]")
     g.add_argument("--replica-sync-bind", default=os.environ.get("KVROUTE_REPLICA_SYNC_BIND"), metavar="ENDPOINT",
@@ -47,10 +60,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_model_path(path: str | None) -> None:
+    """Fail fast: a ``--model-path`` that does not load is an exit with the reason, not a frontend
+    that starts and answers 404 later. Loading here also warms the tokenizer cache."""
+    if not path:
+        return
+    from kvroute_common.tokenizer import load_tokenizer
+
+    if not os.path.isdir(path) and (os.path.exists(path) or path.startswith((".", "/", "~"))):
+        raise SystemExit(f"--model-path {path!r}: not a directory (expected a local Hugging Face tokenizer directory)")
+    try:
+        load_tokenizer(path)
+    except Exception as exc:  # OSError, ValueError, PromptError from transformers / tokenizers
+        raise SystemExit(f"--model-path {path!r}: cannot load a tokenizer from it: {type(exc).__name__}: {exc}") from None
+
+
+def startup_line(url: str, state) -> str:
+    """The one line that says the frontend is up and how it is configured."""
+    cfg = state.config
+    workers = sorted(state.pool.workers.values(), key=lambda w: w.id)
+    wdesc = ", ".join(f"{w.id}={w.spec.url}" for w in workers) or "none yet"
+    if state.file_watcher is not None:
+        wdesc += f" (+ {state.file_watcher.path})"
+    tok = state.model_path or "built-in offline tokenizer (kvroute-demo; give --model-path for real engines)"
+    return f"kvroute frontend listening on {url} | router mode {cfg.router_mode} | workers: {wdesc} | tokenizer: {tok}"
+
+
 def make_state(ns: argparse.Namespace):
     from .state import FrontendState
     from .workers import WorkersFileWatcher, parse_worker_arg
 
+    check_model_path(ns.model_path)
     config = RouterConfig.from_args(ns)
     for dest, flag in _NOT_YET.items():
         if getattr(config, dest, None) not in (None, False):
@@ -59,7 +99,10 @@ def make_state(ns: argparse.Namespace):
         log.info("--router-event-threads %s: KV events are applied on the event loop; the value is ignored", config.router_event_threads)
     if config.router_mode != "kv" and not config.router_kv_events:
         log.info("--no-router-kv-events only matters with --router-mode kv")
-    state = FrontendState(config, model_path=ns.model_path, health_interval=ns.health_check_interval, request_timeout=ns.request_timeout)
+    if ns.tokenizer_offload_chars is not None and ns.tokenizer_offload_chars < 0:
+        raise SystemExit("--tokenizer-offload-chars must be >= 0 (0 = tokenize every prompt inline)")
+    state = FrontendState(config, model_path=ns.model_path, health_interval=ns.health_check_interval, request_timeout=ns.request_timeout,
+                          tokenize_offload_chars=ns.tokenizer_offload_chars)
     if config.router_replica_sync or ns.replica_sync_bind:
         if not ns.replica_sync_bind:
             raise SystemExit("--router-replica-sync needs --replica-sync-bind (replicas share active load over ZMQ, not NATS)")
@@ -103,6 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=ns.http_host, port=ns.http_port, log_level="warning", access_log=False,
                             loop="uvloop", http="httptools", lifespan="on", timeout_keep_alive=75,
                             timeout_graceful_shutdown=5, server_header=False, proxy_headers=False, **tls)
-    server = DrainingServer(config, drain)  # SIGTERM: 503 on /health and new /v1 requests, streams finish, exit 0
+    scheme = "https" if tls else "http"
+    scheme_host = ns.http_host if ns.http_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+
+    class _Server(DrainingServer):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # bound and serving: say so once, whatever the log level
+                print(startup_line(f"{scheme}://{scheme_host}:{ns.http_port}", state), flush=True)
+
+    server = _Server(config, drain)  # SIGTERM: 503 on /health and new /v1 requests, streams finish, exit 0
     server.run()
-    return 0
+    return 0 if server.started else 1

@@ -9,13 +9,15 @@ The body carries both shapes clients look for: OpenAI's nested ``{"error": {"mes
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import Any
 
 import orjson
 from starlette.responses import Response
 
 from kvroute_common.openai_api import OpenAIError
 
-__all__ = ["OpenAIError", "openai_error_body", "openai_error_response", "model_not_found", "no_worker", "all_busy"]
+__all__ = ["OpenAIError", "openai_error_body", "openai_error_response", "model_not_found", "no_worker", "all_busy",
+           "openai_exception_handlers"]
 
 OVERLOAD_STATUS = 529
 
@@ -60,3 +62,40 @@ def no_worker(model: str) -> OpenAIError:
 
 def all_busy(model: str) -> OpenAIError:
     return OpenAIError(OVERLOAD_STATUS, f"All eligible workers are busy for model {model}; retry later")
+
+
+def openai_exception_handlers(base: dict[Any, Any]) -> dict[Any, Any]:
+    """``base`` (the services' ``{"error": "..."}`` handlers) for every path but ``/v1/*``, where
+    framework errors (unknown path 404, wrong method 405, bad request 400, bugs 500) take the
+    OpenAI shape clients parse."""
+    from starlette.exceptions import HTTPException
+
+    from kvroute_common.http import ApiError
+
+    def wrap(handler: Any) -> Any:
+        async def handle(request: Any, exc: Exception) -> Response:
+            path = request.url.path
+            if not (path == "/v1" or path.startswith("/v1/")):
+                return await handler(request, exc)
+            headers = None
+            if isinstance(exc, HTTPException):
+                status = exc.status_code
+                if status == 404:
+                    message = f"Route not found: {request.method} {path}"
+                elif status == 405:
+                    message = f"Method {request.method} not allowed on {path}"
+                    headers = dict(exc.headers or {})
+                else:
+                    message = str(exc.detail)
+            elif isinstance(exc, ApiError):
+                status, message = exc.status, exc.message
+            else:
+                status, message = 500, f"internal error: {type(exc).__name__}: {exc}"
+            resp = openai_error_response(status, message)
+            if headers:
+                resp.headers.update(headers)
+            return resp
+
+        return handle
+
+    return {key: wrap(h) for key, h in base.items()}

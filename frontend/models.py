@@ -49,6 +49,12 @@ class ModelEntry:
     def ready(self) -> bool:
         return any(w.healthy for w in self.workers.values())
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest context length the model's workers report (None: none reports one)."""
+        lens = [w.max_model_len for w in self.workers.values() if w.max_model_len]
+        return min(lens) if lens else None
+
     def capacity(self) -> tuple[int | None, int | None]:
         """(total KV blocks, max batched tokens) summed / maxed over healthy workers, for gauges."""
         total = [w.num_gpu_blocks * w.spec.dp_size for w in self.workers.values() if w.num_gpu_blocks]

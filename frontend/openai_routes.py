@@ -26,6 +26,7 @@ from .parity import UsageTap, stream_body_with_usage
 from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
 from .routing_record import routing_record, wants_routing
 from .state import FrontendState
+from .validation import check_context_length, validate_messages, validate_sampling
 from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("frontend")
@@ -53,7 +54,8 @@ RETRY_AFTER_SECS = "1"
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-def _tokenize(entry: ModelEntry, body: dict, chat: bool) -> list[int]:
+def _tokenize(entry: ModelEntry, body: dict, chat: bool, nogil: bool = False) -> list[int]:
+    """The engine's prompt tokens (``nogil``: on a worker thread, see kvroute_common.tokenize_offload)."""
     from kvroute_common.tokenizer import PromptError, chat_request_token_ids, completion_prompt_token_ids
 
     try:
@@ -63,12 +65,19 @@ def _tokenize(entry: ModelEntry, body: dict, chat: bool) -> list[int]:
                 raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
             # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
             # continue_final_message, tools, documents): the router must hash the engine's tokens
-            return chat_request_token_ids(entry.tokenizer, body)
+            return chat_request_token_ids(entry.tokenizer, body, nogil=nogil)
         if "prompt" not in body:
             raise OpenAIError(400, "'prompt' is required", "prompt")
-        return completion_prompt_token_ids(entry.tokenizer, body["prompt"])
+        return completion_prompt_token_ids(entry.tokenizer, body["prompt"], nogil=nogil)
     except PromptError as exc:
         raise OpenAIError(400, str(exc)) from None
+
+
+async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, chat: bool) -> list[int]:
+    """``_tokenize`` inline for short prompts, on a worker thread above the offload threshold."""
+    from kvroute_common.tokenize_offload import prompt_chars
+
+    return await state.tokenize.run(prompt_chars(body), _tokenize, entry, body, chat)
 
 
 class RequestContext:
@@ -128,6 +137,9 @@ class OpenAIRoutes:
             if not isinstance(stream, bool):
                 raise OpenAIError(400, "'stream' must be a boolean", "stream")
             ctx.entry, ctx.stream, ctx.body = entry, stream, body
+            validate_sampling(body, chat)
+            if chat:
+                validate_messages(body.get("messages"))
             ctx.mm = mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
             mm.started.inc()
             mm.inflight.inc()
@@ -156,8 +168,9 @@ class OpenAIRoutes:
             ctx.hints = hints
 
             t_tok = _perf()
-            tokens = hints.token_data if (hints is not None and hints.token_data) else _tokenize(entry, body, chat)
+            tokens = hints.token_data if (hints is not None and hints.token_data) else await tokenize_request(state, entry, body, chat)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
+            check_context_length(len(tokens), body, entry.max_model_len, chat)
             ctx.tokens = tokens
             if stream:  # the engine's usage (cached tokens) feeds the parity alarm and the decomposition
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
@@ -380,7 +393,7 @@ class OpenAIRoutes:
             raise ApiError(404, f"Model not found: {model}")
         chat = "messages" in body
         try:
-            tokens = _tokenize(entry, body, chat)
+            tokens = await tokenize_request(state, entry, body, chat)
             d = state.router.route(entry, tokens, explain=True)
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
@@ -483,7 +496,7 @@ class OpenAIRoutes:
         ctx.chat = "messages" in body
         ctx.endpoint = "chat_completions" if ctx.chat else "completions"
         ctx.entry, ctx.stream, ctx.body = entry, False, body
-        ctx.tokens = _tokenize(entry, body, ctx.chat)
+        ctx.tokens = await tokenize_request(state, entry, body, ctx.chat)
         ctx.out_body = orjson.dumps(body)
         ctx.mm = mm = state.metrics.model_children(entry.name, ctx.endpoint, "unary")
         mm.started.inc()

@@ -46,8 +46,13 @@ class FrontendState:
         request_timeout: float | None = None,
         slot_registry: Any = None,
         metrics: FrontendMetrics | None = None,
+        tokenize_offload_chars: int | None = None,
     ) -> None:
+        from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS, TokenizeOffload
+
         self.config = config
+        # long prompts are tokenized on a worker thread (never blocks the loop)
+        self.tokenize = TokenizeOffload(DEFAULT_OFFLOAD_CHARS if tokenize_offload_chars is None else tokenize_offload_chars)
         self.model_path = model_path
         self.model_paths: dict[str, str] = dict(model_paths or {})
         self.metrics = metrics or FrontendMetrics()
@@ -189,11 +194,29 @@ class FrontendState:
             self.events = IndexerRegistry()
         return self.events
 
+    def _tokenizer_path(self, model: str, worker: Worker) -> str | None:
+        return self.model_paths.get(model) or worker.spec.model_path or self.model_path
+
     def _tokenizer_for(self, model: str, worker: Worker) -> Any:
         from kvroute_common.tokenizer import load_tokenizer
 
-        path = self.model_paths.get(model) or worker.spec.model_path or self.model_path
-        return load_tokenizer(path)
+        return load_tokenizer(self._tokenizer_path(model, worker))
+
+    def _check_tokenizer_fit(self, model: str, worker: Worker) -> None:
+        """kv mode hashes the router's tokens: with the built-in tokenizer they match only the
+        mocker's (which uses the same one); any other engine caches different tokens, so overlaps
+        stay 0 and kv routing silently degrades into load balancing. Say so, once per worker."""
+        if self.config.router_mode != "kv" or self._tokenizer_path(model, worker) is not None:
+            return
+        engine = worker.capacity.engine if worker.capacity is not None else "unknown"
+        if engine == "mocker":
+            return
+        msg = (f"kv routing for model {model} uses the built-in tokenizer but worker {worker.id} ({worker.spec.url}) is "
+               f"{'a ' + engine + ' engine' if engine != 'unknown' else 'not the kvroute mocker'}: its KV blocks will not match "
+               "the router's hashes (no prefix hits). Give --model-path (or model_path=) with the served model's tokenizer")
+        if msg not in worker.warnings:
+            worker.warnings.append(msg)
+            log.warning(msg)
 
     def _worker_changed(self, worker: Worker) -> None:
         if worker.healthy and worker.discovered:
@@ -263,6 +286,7 @@ class FrontendState:
                 log.error("worker %s not attached to %s: %s", worker.id, model, worker.last_error)
                 continue
             entry.workers[worker.id] = worker
+            self._check_tokenizer_fit(model, worker)
             try:
                 self.slots.register(worker.id, model, TENANT, entry.block_size, worker.spec.dp_start, worker.spec.dp_size)
             except Exception as exc:  # already registered (health came back) or registered externally
@@ -362,6 +386,7 @@ class FrontendState:
         if self.replica_sync is not None:
             await self.replica_sync.stop()
         await self.pool.stop()
+        self.tokenize.close()
         events = self.events
         if events is not None:
             await events.close()

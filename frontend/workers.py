@@ -6,7 +6,8 @@ and the runtime registration API; each source owns its own entries, so a file re
 worker that came from the command line or the API.
 
 Discovery reads the served models from ``/v1/models`` and the capacity (block size, KV blocks,
-max batched tokens) from the ``vllm:cache_config_info`` metric unless the configuration gives them.
+max batched tokens, context length) from what the engine exposes (``frontend.capacity``) unless the
+configuration gives them; what nothing exposes is warned about and listed in ``/admin/workers``.
 A worker that fails a health check or a dispatch leaves the candidate set until a health check
 passes again.
 """
@@ -159,22 +160,17 @@ def parse_workers_document(text: str) -> tuple[list[WorkerSpec], dict[str, dict[
     return specs, models
 
 
-_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_cache_config_info(metrics_text: str) -> dict[str, int]:
     """Integer labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...) from /metrics text."""
-    for line in metrics_text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            labels = dict(_LABEL_RE.findall(line[line.index("{") : line.rindex("}") + 1]))
-            out: dict[str, int] = {}
-            for key, value in labels.items():
-                try:
-                    out[key] = int(float(value))
-                except ValueError:
-                    continue
-            return out
-    return {}
+    from .capacity import metric_labels
+
+    out: dict[str, int] = {}
+    for key, value in (metric_labels(metrics_text, "vllm:cache_config_info") or {}).items():
+        try:
+            out[key] = int(float(value))
+        except ValueError:
+            continue
+    return out
 
 
 @dataclass(slots=True)
@@ -189,6 +185,10 @@ class Worker:
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # from the engine's /v1/models (vLLM and SGLang report it)
+    capacity: Any = None  # frontend.capacity.EngineCapacity: what the engine exposed, and from where
+    capacity_warned: bool = False
+    warnings: list[str] = field(default_factory=list)  # configuration problems found at attach time
     healthy: bool = False
     discovered: bool = False
     failures: int = 0  # consecutive failed health checks while healthy
@@ -210,6 +210,12 @@ class Worker:
             "block_size": self.block_size,
             "num_gpu_blocks": self.num_gpu_blocks,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "engine": self.capacity.engine if self.capacity is not None else None,
+            "capacity_sources": dict(self.capacity.sources) if self.capacity is not None else {},
+            # capacity values the engine does not expose (thresholds use the reference's stand-ins)
+            "capacity_unknown": self.capacity.unknown if self.capacity is not None else None,
+            "warnings": list(self.warnings),
             "last_error": self.last_error,
         }
 
@@ -331,27 +337,34 @@ class WorkerPool:
 
     async def _discover(self, worker: Worker) -> None:
         spec = worker.spec
+        models_json: Any = None
+        try:
+            resp = await worker.client.get("/v1/models", timeout=self.health_timeout)
+            resp.raise_for_status()
+            models_json = resp.json()
+        except (httpx.HTTPError, ValueError):
+            if not spec.model:
+                raise
         if spec.model:
             models = [spec.model]
         else:
-            resp = await worker.client.get("/v1/models", timeout=self.health_timeout)
-            resp.raise_for_status()
-            data = resp.json().get("data") or []
+            data = (models_json.get("data") if isinstance(models_json, dict) else None) or []
             models = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
             if not models:
                 raise ValueError("worker serves no model")
-        info: dict[str, int] = {}
-        if spec.block_size is None or spec.num_gpu_blocks is None or spec.max_num_batched_tokens is None:
-            try:
-                resp = await worker.client.get("/metrics", timeout=self.health_timeout)
-                if resp.status_code == 200:
-                    info = parse_cache_config_info(resp.text)
-            except httpx.HTTPError:
-                info = {}
+        from .capacity import read_capacity, unknown_capacity_message
+
+        cap = await read_capacity(worker.client, {"block_size": spec.block_size, "num_gpu_blocks": spec.num_gpu_blocks,
+                                                  "max_num_batched_tokens": spec.max_num_batched_tokens}, models_json, self.health_timeout)
         worker.models = models
-        worker.block_size = spec.block_size or info.get("block_size")
-        worker.num_gpu_blocks = spec.num_gpu_blocks or info.get("num_gpu_blocks")
-        worker.max_num_batched_tokens = spec.max_num_batched_tokens or info.get("max_num_batched_tokens")
+        worker.capacity = cap
+        worker.block_size = cap.get("block_size")
+        worker.num_gpu_blocks = cap.get("num_gpu_blocks")
+        worker.max_num_batched_tokens = cap.get("max_num_batched_tokens")
+        worker.max_model_len = cap.get("max_model_len")
+        if cap.unknown and not worker.capacity_warned:
+            worker.capacity_warned = True
+            log.warning(unknown_capacity_message(worker.id, cap))
         worker.discovered = True
 
     def mark_failed(self, worker: Worker, error: str, unreachable: bool = True) -> None:

@@ -134,10 +134,12 @@ def render_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], **templ
         raise PromptError(f"chat template error: {exc}") from exc
 
 
-def chat_prompt_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
-    """Token ids of a chat request exactly as vLLM computes them (render, encode w/o specials)."""
+def chat_prompt_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], *, nogil: bool = False, **template_kwargs: Any) -> list[int]:
+    """Token ids of a chat request exactly as vLLM computes them (render, encode w/o specials).
+
+    ``nogil=True`` (worker threads): encode with the backend call that releases the GIL."""
     text = render_chat_prompt(tokenizer, messages, **template_kwargs)
-    return prompt_encoder(tokenizer).encode(text, add_special_tokens=False)
+    return prompt_encoder(tokenizer).encode(text, add_special_tokens=False, nogil=nogil)
 
 
 def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -169,20 +171,20 @@ def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def chat_request_token_ids(tokenizer, body: Mapping[str, Any]) -> list[int]:
+def chat_request_token_ids(tokenizer, body: Mapping[str, Any], nogil: bool = False) -> list[int]:
     """Token ids of an OpenAI chat request body (messages + vLLM's template arguments)."""
     if "messages" not in body:
         raise PromptError("messages is required")
-    return chat_prompt_token_ids(tokenizer, body["messages"], **chat_template_kwargs(body))
+    return chat_prompt_token_ids(tokenizer, body["messages"], nogil=nogil, **chat_template_kwargs(body))
 
 
-def completion_prompt_token_ids(tokenizer, prompt: Any) -> list[int]:
+def completion_prompt_token_ids(tokenizer, prompt: Any, nogil: bool = False) -> list[int]:
     """Token ids of a completions ``prompt``: text is encoded with special tokens (as vLLM),
     a token-id list passes through; a batch of exactly one prompt is unwrapped."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt_encoder(tokenizer).encode(prompt, add_special_tokens=True)
+        return prompt_encoder(tokenizer).encode(prompt, add_special_tokens=True, nogil=nogil)
     if isinstance(prompt, list):
         if not prompt:
             raise PromptError("prompt must not be empty")
@@ -209,6 +211,8 @@ class PromptEncoder:
 
     def __init__(self, tokenizer) -> None:
         self.backend = tokenizer.backend_tokenizer
+        # ids without offsets, GIL released (tokenizers >= 0.21); encode_batch otherwise
+        self._batch_fast = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
         self._lock = threading.Lock()
         self._pieces: dict[str, list[int]] = {}
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
@@ -283,10 +287,14 @@ class PromptEncoder:
         if self._encode_fast(sample) != self.backend.encode(sample, add_special_tokens=False).ids:
             self.piece_re = None
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, nogil: bool = False) -> list[int]:
+        """``nogil=True``: one backend ``encode_batch_fast`` call, which releases the GIL for the whole
+        encode (``backend.encode`` and our ``re``-based fast path hold it), for worker threads."""
         if not isinstance(text, str):
             raise PromptError("prompt must be a string")
         try:
+            if nogil:
+                return self._batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
             if self.piece_re is None:
                 return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
             ids = self._encode_fast(text)
@@ -323,7 +331,7 @@ class PromptEncoder:
         cache = self._pieces
         missing = [p for p in set(pieces) if p not in cache]
         if missing:
-            encs = self.backend.encode_batch_fast(missing, add_special_tokens=False)
+            encs = self._batch_fast(missing, add_special_tokens=False)
             with self._lock:
                 if len(cache) + len(missing) > self.PIECE_CACHE_MAX:
                     cache.clear()

@@ -25,6 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvroute_common.openai_api import OpenAIError, read_openai_body
+from kvroute_common.tokenize_offload import TokenizeOffload, prompt_chars
 from kvroute_common.tokenizer import (
     PromptError,
     chat_request_token_ids,
@@ -96,6 +97,7 @@ class Mocker:
         self.ranks: list[EngineRank] = []
         self._zmq: zmq.asyncio.Context | None = None
         self._piece_cache: dict[int, str] = {}
+        self.tokenize = TokenizeOffload()  # long prompts on a thread, like the frontend
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -117,6 +119,7 @@ class Mocker:
             await er.stop()
         for pub in self.publishers:
             await pub.close()
+        self.tokenize.close()
         if self._zmq is not None:
             self._zmq.term()
 
@@ -434,7 +437,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         body = await _body(request)
         _check_model(m, body)
-        prompt = chat_request_token_ids(m.tokenizer, body)
+        prompt = await m.tokenize.run(prompt_chars(body), chat_request_token_ids, m.tokenizer, body)
         return await _generate(m, request, body, prompt, chat=True)
 
     async def completions(request: Request) -> Response:
@@ -442,7 +445,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         _check_model(m, body)
         if "prompt" not in body:
             raise OpenAIError(400, "prompt is required", "prompt")
-        prompt = completion_prompt_token_ids(m.tokenizer, body["prompt"])
+        prompt = await m.tokenize.run(prompt_chars(body), completion_prompt_token_ids, m.tokenizer, body["prompt"])
         return await _generate(m, request, body, prompt, chat=False)
 
     async def models(request: Request) -> Response:
@@ -471,6 +474,22 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         return Response(m.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def server_info(request: Request) -> Response:
+        """vLLM's dev-mode ``/server_info``: the engine config (the only place vLLM exposes its
+        scheduler budget); ``config_format=json`` as a structure, else as text."""
+        vllm_config = {
+            "model_config": {"model": cfg.model_path or cfg.served_model_name, "served_model_name": cfg.served_model_name,
+                             "max_model_len": cfg.max_model_len},
+            "cache_config": {"block_size": cfg.block_size, "num_gpu_blocks": cfg.num_gpu_blocks,
+                             "num_gpu_blocks_override": cfg.num_gpu_blocks, "enable_prefix_caching": True, "cache_dtype": "auto"},
+            "scheduler_config": {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
+                                 "max_model_len": cfg.max_model_len},
+            "parallel_config": {"data_parallel_size": cfg.data_parallel_size},
+        }
+        if request.query_params.get("config_format", "text") == "json":
+            return json_response({"vllm_config": vllm_config})
+        return json_response({"vllm_config": str(vllm_config)})
 
     async def reset_prefix_cache(request: Request) -> Response:
         busy = [er.rank for er in m.ranks if not er.reset_prefix_cache()]
@@ -509,6 +528,8 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         Route("/reset_prefix_cache", handler(reset_prefix_cache), methods=["POST"]),
         Route("/mocker/kv_blocks", handler(kv_blocks), methods=["GET"]),
     ]
+    if cfg.server_info:
+        routes.append(Route("/server_info", handler(server_info), methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.mocker = m
     return app

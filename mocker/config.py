@@ -29,6 +29,7 @@ class MockerConfig:
     log_level: str = "warning"
     timeout_keep_alive: float = 5.0
     stall_after_tokens: int | None = None
+    server_info: bool = True
 
     def validate(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-after-tokens", type=int, default=None, metavar="N",
                    help="test-only fault: every response stops after N generated tokens (a stream sends nothing more, a "
                         "non-streaming request never answers) and keeps its connection open until the client goes away")
+    p.add_argument("--no-server-info", dest="server_info", action="store_false",
+                   help="do not serve GET /server_info (like vLLM without VLLM_SERVER_DEV_MODE=1: the scheduler "
+                        "budget, max_num_batched_tokens, is then exposed nowhere)")
     return p
 
 

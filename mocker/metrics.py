@@ -1,9 +1,11 @@
 """Prometheus metrics with vLLM's names and labels (``model_name``, ``engine`` = DP rank).
 
 Gauges and counters are read from the schedulers when scraped (nothing to update on the hot
-path); latency histograms are observed once per request. ``vllm:cache_config_info`` also carries
-``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len`` and ``data_parallel_size`` labels,
-which vLLM does not have, so a frontend can size its load model from the scrape alone.
+path); latency histograms are observed once per request. ``vllm:cache_config_info`` carries only
+what vLLM's carries (its CacheConfig: block size, KV blocks, ...): the scheduler's budget
+(``max_num_batched_tokens``, ``max_num_seqs``) is on ``/server_info`` as in vLLM, so a frontend
+tested against the mocker reads real vLLM the same way. ``kvroute_mocker_info`` (not a vLLM name)
+tells a frontend it talks to the mocker, and which tokenizer the mocker uses.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class _EngineState(Collector):
         gen = CounterMetricFamily("vllm:generation_tokens", "Number of generation tokens processed.", labels=LABELS)
         preempt = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=LABELS)
         info_labels = ["block_size", "num_gpu_blocks", "num_gpu_blocks_override", "enable_prefix_caching", "cache_dtype",
-                       "max_num_batched_tokens", "max_num_seqs", "max_model_len", "data_parallel_size", "engine"]
+                       "gpu_memory_utilization", "engine"]
+        mocker = GaugeMetricFamily("kvroute_mocker_info", "The kvroute simulated engine (not a vLLM metric)", labels=["model_name", "tokenizer"])
+        mocker.add_metric([name, self.cfg.model_path or "builtin"], 1.0)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=info_labels)
         cfg = self.cfg
         for rank, s in enumerate(self.schedulers):
@@ -54,10 +58,9 @@ class _EngineState(Collector):
             prompt.add_metric(lv, s.stats.prompt_tokens)
             gen.add_metric(lv, s.stats.generation_tokens)
             preempt.add_metric(lv, s.stats.preemptions)
-            info.add_metric([str(cfg.block_size), str(cfg.num_gpu_blocks), str(cfg.num_gpu_blocks), "True", "auto",
-                             str(cfg.max_num_batched_tokens), str(cfg.max_num_seqs), str(cfg.max_model_len),
-                             str(cfg.data_parallel_size), str(rank)], 1.0)
-        yield from (running, waiting, usage, queries, hits, prompt, gen, preempt, info)
+            info.add_metric([str(cfg.block_size), str(cfg.num_gpu_blocks), str(cfg.num_gpu_blocks), "True", "auto", "0.9",
+                             str(rank)], 1.0)
+        yield from (running, waiting, usage, queries, hits, prompt, gen, preempt, info, mocker)
 
 
 class MockerMetrics:

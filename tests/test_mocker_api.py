@@ -171,8 +171,10 @@ def test_dp_rank_header_and_metrics(mocker, client):
                  "vllm:time_to_first_token_seconds_count"):
         assert _metric(text, name, engine="0") is not None, name
         assert _metric(text, name, engine="1") is not None, name
-    assert _metric(text, "vllm:cache_config_info", engine="1", block_size="16", num_gpu_blocks="2048",
-                   max_num_batched_tokens="8192") == 1.0
+    assert _metric(text, "vllm:cache_config_info", engine="1", block_size="16", num_gpu_blocks="2048") == 1.0
+    assert "max_num_batched_tokens" not in text  # as in vLLM: the scheduler budget is only on /server_info
+    info = httpx.get(mocker + "/server_info", params={"config_format": "json"}).json()["vllm_config"]
+    assert info["scheduler_config"]["max_num_batched_tokens"] > 0 and info["cache_config"]["num_gpu_blocks"] == 2048
     blocks = httpx.get(mocker + "/mocker/kv_blocks", params={"dp_rank": 1}).json()
     assert blocks["dp_rank"] == 1 and len(blocks["blocks"]) >= r.usage.prompt_tokens // 16
 

@@ -1,0 +1,98 @@
+"""Tokenization that never blocks the event loop: long prompts go to a worker thread.
+
+Why: a 3 MB prompt takes ~1 s to encode; inline, every other request on the loop waits that long.
+Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``):
+
+* HF ``tokenizers``' ``encode_batch_fast`` releases the GIL for the whole encode; ``encode`` and our
+  ``re``-based fast path (``PromptEncoder``) hold it (one 3 MB ``re.findall`` holds it ~90 ms), so
+  the thread path encodes with ``encode_batch_fast`` (same ids, ``nogil=True``).
+* Rendering the chat template (jinja, pure Python) keeps the GIL only between bytecodes: the loop
+  gets it back every switch interval (5 ms), so rendering in the thread is fine.
+* A thread hop costs ~0.1 ms; short prompts stay inline on the cached fast path, which is quicker
+  than the backend for text it has seen (shared system prompts).
+
+Prompts above ``threshold_chars`` characters of text are offloaded (default 16384: where an inline
+encode of fresh text starts to cost ~10 ms of loop time). ``threshold_chars=0`` never offloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+DEFAULT_OFFLOAD_CHARS = 16384
+# two threads: one huge prompt does not hold up the next one; more would only fight over 2 cores
+_MAX_THREADS = 2
+
+T = TypeVar("T")
+
+
+def prompt_chars(body: Mapping[str, Any]) -> int:
+    """Characters of prompt text in an OpenAI body (chat messages, completion prompt, responses
+    input), counted without copying; token-id prompts count 0."""
+    n = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if isinstance(m, Mapping):
+                n += _content_chars(m.get("content"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        n += len(prompt)
+    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        n += len(prompt[0])
+    inp = body.get("input")
+    if isinstance(inp, str):
+        n += len(inp)
+    elif isinstance(inp, list):
+        for item in inp:
+            if isinstance(item, str):
+                n += len(item)
+            elif isinstance(item, Mapping):
+                n += _content_chars(item.get("content"))
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        n += len(instructions)
+    return n
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    n = 0
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                n += len(part["text"])
+    return n
+
+
+class TokenizeOffload:
+    """Runs a tokenize function inline or on a small thread pool, by prompt size."""
+
+    def __init__(self, threshold_chars: int = DEFAULT_OFFLOAD_CHARS) -> None:
+        if threshold_chars < 0:
+            raise ValueError("the tokenizer offload threshold must be >= 0 (0 = never offload)")
+        self.threshold_chars = threshold_chars
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.offloaded = 0  # prompts tokenized in a thread (tests and metrics read it)
+
+    def offloads(self, chars: int) -> bool:
+        return 0 < self.threshold_chars < chars
+
+    async def run(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args, nogil=...)``: inline for short prompts, in a thread (``nogil=True``) for long ones."""
+        if not self.offloads(chars):
+            return fn(*args, nogil=False)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="tokenize")
+        self.offloaded += 1
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, nogil=True))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
