@@ -54,10 +54,15 @@ RETRY_AFTER_SECS = "1"
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-def _tokenize(entry: ModelEntry, body: dict, chat: bool, nogil: bool = False) -> list[int]:
-    """The engine's prompt tokens (``nogil``: on a worker thread, see kvroute_common.tokenize_offload)."""
-    from kvroute_common.tokenizer import PromptError, chat_request_token_ids, completion_prompt_token_ids
+def _tokenize(entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, max_model_len: int | None = None) -> list[int]:
+    """The engine's prompt tokens, checked against the context length as vLLM checks them.
 
+    ``nogil``: running on a worker thread (kvroute_common.tokenize_offload); there the over-long
+    prompt is refused before its ids are built and a long id list is freed on the thread, never on
+    the loop."""
+    from kvroute_common.tokenizer import PromptError, PromptTooLong, chat_request_token_ids, completion_prompt_token_ids
+
+    limit = max_model_len if nogil else None
     try:
         if chat:
             messages = body.get("messages")
@@ -65,19 +70,25 @@ def _tokenize(entry: ModelEntry, body: dict, chat: bool, nogil: bool = False) ->
                 raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
             # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
             # continue_final_message, tools, documents): the router must hash the engine's tokens
-            return chat_request_token_ids(entry.tokenizer, body, nogil=nogil)
-        if "prompt" not in body:
-            raise OpenAIError(400, "'prompt' is required", "prompt")
-        return completion_prompt_token_ids(entry.tokenizer, body["prompt"], nogil=nogil)
+            tokens = chat_request_token_ids(entry.tokenizer, body, nogil=nogil, limit=limit)
+        else:
+            if "prompt" not in body:
+                raise OpenAIError(400, "'prompt' is required", "prompt")
+            tokens = completion_prompt_token_ids(entry.tokenizer, body["prompt"], nogil=nogil, limit=limit)
+    except PromptTooLong as exc:
+        check_context_length(exc.n_tokens, body, max_model_len, chat)
+        raise OpenAIError(400, str(exc)) from None  # pragma: no cover - the check above raises
     except PromptError as exc:
         raise OpenAIError(400, str(exc)) from None
+    check_context_length(len(tokens), body, max_model_len, chat)
+    return tokens
 
 
 async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, chat: bool) -> list[int]:
     """``_tokenize`` inline for short prompts, on a worker thread above the offload threshold."""
     from kvroute_common.tokenize_offload import prompt_chars
 
-    return await state.tokenize.run(prompt_chars(body), _tokenize, entry, body, chat)
+    return await state.tokenize.run(prompt_chars(body), _tokenize, entry, body, chat, max_model_len=entry.max_model_len)
 
 
 class RequestContext:
@@ -170,7 +181,6 @@ class OpenAIRoutes:
             t_tok = _perf()
             tokens = hints.token_data if (hints is not None and hints.token_data) else await tokenize_request(state, entry, body, chat)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
-            check_context_length(len(tokens), body, entry.max_model_len, chat)
             ctx.tokens = tokens
             if stream:  # the engine's usage (cached tokens) feeds the parity alarm and the decomposition
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)

@@ -82,15 +82,15 @@ class TokenizeOffload:
     def offloads(self, chars: int) -> bool:
         return 0 < self.threshold_chars < chars
 
-    async def run(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args, nogil=...)``: inline for short prompts, in a thread (``nogil=True``) for long ones."""
+    async def run(self, chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, nogil=..., **kwargs)``: inline for short prompts, in a thread (``nogil=True``) for long ones."""
         if not self.offloads(chars):
-            return fn(*args, nogil=False)
+            return fn(*args, nogil=False, **kwargs)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="tokenize")
         self.offloaded += 1
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, nogil=True))
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, nogil=True, **kwargs))
 
     def close(self) -> None:
         if self._pool is not None:

@@ -40,6 +40,15 @@ class PromptError(ValueError):
     """The prompt or messages cannot be tokenised (maps to an OpenAI 400 error)."""
 
 
+class PromptTooLong(PromptError):
+    """The prompt has ``n_tokens`` >= the ``limit`` it was encoded against (its ids were never built)."""
+
+    def __init__(self, n_tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt has {n_tokens} tokens, the limit is {limit}")
+        self.n_tokens = n_tokens
+        self.limit = limit
+
+
 @lru_cache(maxsize=16)
 def load_tokenizer(model_path: str | None = None):
     """A transformers fast tokenizer; ``None`` = the built-in offline one. Cached per path.
@@ -134,12 +143,14 @@ def render_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], **templ
         raise PromptError(f"chat template error: {exc}") from exc
 
 
-def chat_prompt_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], *, nogil: bool = False, **template_kwargs: Any) -> list[int]:
+def chat_prompt_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], *, nogil: bool = False, limit: int | None = None,
+                          **template_kwargs: Any) -> list[int]:
     """Token ids of a chat request exactly as vLLM computes them (render, encode w/o specials).
 
-    ``nogil=True`` (worker threads): encode with the backend call that releases the GIL."""
+    ``nogil=True`` (worker threads): encode with the backend call that releases the GIL; ``limit``:
+    raise PromptTooLong instead of building the ids of a prompt with that many tokens or more."""
     text = render_chat_prompt(tokenizer, messages, **template_kwargs)
-    return prompt_encoder(tokenizer).encode(text, add_special_tokens=False, nogil=nogil)
+    return prompt_encoder(tokenizer).encode(text, add_special_tokens=False, nogil=nogil, limit=limit)
 
 
 def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -171,20 +182,20 @@ def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def chat_request_token_ids(tokenizer, body: Mapping[str, Any], nogil: bool = False) -> list[int]:
+def chat_request_token_ids(tokenizer, body: Mapping[str, Any], nogil: bool = False, limit: int | None = None) -> list[int]:
     """Token ids of an OpenAI chat request body (messages + vLLM's template arguments)."""
     if "messages" not in body:
         raise PromptError("messages is required")
-    return chat_prompt_token_ids(tokenizer, body["messages"], nogil=nogil, **chat_template_kwargs(body))
+    return chat_prompt_token_ids(tokenizer, body["messages"], nogil=nogil, limit=limit, **chat_template_kwargs(body))
 
 
-def completion_prompt_token_ids(tokenizer, prompt: Any, nogil: bool = False) -> list[int]:
+def completion_prompt_token_ids(tokenizer, prompt: Any, nogil: bool = False, limit: int | None = None) -> list[int]:
     """Token ids of a completions ``prompt``: text is encoded with special tokens (as vLLM),
     a token-id list passes through; a batch of exactly one prompt is unwrapped."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt_encoder(tokenizer).encode(prompt, add_special_tokens=True, nogil=nogil)
+        return prompt_encoder(tokenizer).encode(prompt, add_special_tokens=True, nogil=nogil, limit=limit)
     if isinstance(prompt, list):
         if not prompt:
             raise PromptError("prompt must not be empty")
@@ -287,17 +298,24 @@ class PromptEncoder:
         if self._encode_fast(sample) != self.backend.encode(sample, add_special_tokens=False).ids:
             self.piece_re = None
 
-    def encode(self, text: str, add_special_tokens: bool = False, nogil: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, nogil: bool = False, limit: int | None = None) -> list[int]:
         """``nogil=True``: one backend ``encode_batch_fast`` call, which releases the GIL for the whole
-        encode (``backend.encode`` and our ``re``-based fast path hold it), for worker threads."""
+        encode (``backend.encode`` and our ``re``-based fast path hold it), for worker threads.
+        ``limit`` (nogil path): a prompt of ``limit`` tokens or more raises PromptTooLong before its
+        ids are built (building a list of millions of ints holds the GIL for tens of ms)."""
         if not isinstance(text, str):
             raise PromptError("prompt must be a string")
         try:
             if nogil:
-                return self._batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+                enc = self._batch_fast([text], add_special_tokens=add_special_tokens)[0]
+                if limit is not None and len(enc) >= limit:
+                    raise PromptTooLong(len(enc), limit)
+                return enc.ids
             if self.piece_re is None:
                 return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
             ids = self._encode_fast(text)
+        except PromptError:
+            raise
         except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot encode
             raise PromptError(f"the prompt cannot be tokenized: {exc}") from None
         if add_special_tokens and (self.prefix or self.suffix):
