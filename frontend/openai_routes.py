@@ -26,6 +26,7 @@ from .parity import UsageTap, stream_body_with_usage
 from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
 from .routing_record import routing_record, wants_routing
 from .state import FrontendState
+from .unary_stream import UnaryAssembler, convertible, streaming_body
 from .validation import check_context_length, validate_messages, validate_sampling
 from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 
@@ -318,12 +319,16 @@ class OpenAIRoutes:
         headers = upstream_headers(decision.dp_rank, lease.request_id)
         stream = ctx.stream
         session = ctx.session
+        # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
+        as_stream = not stream and convertible(ctx.body)
+        body = streaming_body(ctx.body) if as_stream else ctx.out_body
         watch = None
+        upstream = None
         if not stream and ctx.receive is not None:
             # a unary request can run for a long time: a client that goes away must free its load now
             watch = _watch_disconnect(ctx.receive)
         try:
-            upstream = await worker.upstream.request("POST", path, ctx.out_body, headers, stream)
+            upstream = await worker.upstream.request("POST", path, body, headers, stream or as_stream)
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
                 raise
@@ -355,10 +360,12 @@ class OpenAIRoutes:
                 session.release()
             return openai_error_response(502, f"worker {worker.id} failed: {exc}")
         finally:
-            if watch is not None:
+            if watch is not None and (not as_stream or upstream is None):
                 watch.stop()
         if upstream.status != 200:
-            if stream:
+            if watch is not None:
+                watch.stop()
+            if stream or as_stream:
                 try:
                     data = await upstream.aread()
                 except UpstreamError:
@@ -378,6 +385,8 @@ class OpenAIRoutes:
             return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
                                self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage),
                                state.config.stream_idle_timeout, migrator)
+        if as_stream:
+            return await self._reassemble(ctx, lease, upstream, rewriter, watch)
         data = upstream.content
         if ctx.probe is not None:
             ctx.probe.usage_from_body(data)
@@ -391,6 +400,61 @@ class OpenAIRoutes:
         if rewriter is not None:
             rewriter.finished(lease)
         return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank)
+
+    async def _reassemble(self, ctx: RequestContext, lease: Lease, upstream: Any, rewriter: "ResponseRewriter | None", watch: Any) -> Any:
+        """A non-streaming request's engine stream: first token = prefill complete, then one OpenAI body."""
+        state = self.state
+        worker = lease.decision.worker
+        asm = UnaryAssembler(ctx.chat)
+        try:
+            async for chunk in upstream.aiter_raw(state.config.stream_idle_timeout):
+                n = asm.feed(chunk)
+                if n:
+                    if not lease.prefilled:
+                        lease.first_token()
+                        if rewriter is not None:
+                            rewriter.first_token()
+                    lease.tokens(n)
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                lease.status, lease.error_type = "error", "cancelled"
+                lease.release()
+                raise
+            asyncio.current_task().uncancel()
+            lease.status, lease.error_type = "error", "cancelled"
+            state.metrics.disconnected.inc()
+            state.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+            lease.release()
+            return Response(b"", status_code=499)
+        except UpstreamError as exc:
+            silent = isinstance(exc, UpstreamTimeout)  # --stream-idle-timeout: silent, not dead (stays a candidate)
+            if not silent:
+                state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+            if self._may_migrate(ctx):  # nothing reached the client yet: the whole request goes elsewhere
+                self._count_migration(ctx, worker.id, NEW_REQUEST)
+                return _MIGRATE
+            status = 504 if silent else 502
+            _lease_abort(lease, status)
+            return openai_error_response(status, f"worker {worker.id} {'went silent' if silent else 'failed'} mid-response: {exc}")
+        finally:
+            if watch is not None:
+                watch.stop()
+            await upstream.aclose()
+        if asm.error is not None:
+            code = asm.error.get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            msg = asm.error.get("message") if isinstance(asm.error.get("message"), str) else f"worker {worker.id} failed"
+            _lease_abort(lease, status)
+            return openai_error_response(status if status < 500 else 500, msg if status < 500 else "Internal server error")
+        data = asm.body()
+        if ctx.probe is not None:
+            ctx.probe.usage_from_body(data)
+        if rewriter is not None:
+            data = rewriter.unary(data)
+        lease.release()
+        if rewriter is not None:
+            rewriter.finished(lease)
+        return _PassThrough(data, b"application/json", lease.decision.dp_rank)
 
     async def explain(self, request: Request) -> Response:
         """``POST /admin/route``: the decision an OpenAI body would get now, with every candidate's
