@@ -24,6 +24,8 @@ def build_app(state: FrontendState) -> Starlette:
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
+        Route("/v1/responses", oa.responses, methods=["POST"]),
+        Route("/v1/embeddings", oa.embeddings, methods=["POST"]),
         Route("/v1/models", ad.models, methods=["GET"]),
         Route("/v1/models/{model:path}", ad.model, methods=["GET"]),
         Route("/health", ad.health, methods=["GET"]),

@@ -85,20 +85,54 @@ def _tokenize(entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, ma
     return tokens
 
 
-async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, chat: bool) -> list[int]:
-    """``_tokenize`` inline for short prompts, on a worker thread above the offload threshold."""
+def _embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, max_model_len: int | None = None) -> list[int]:
+    """All inputs' tokens, concatenated (for load accounting; embeddings are routed by load)."""
+    from kvroute_common.tokenizer import PromptError, completion_prompt_token_ids
+
+    inp = body.get("input")
+    if isinstance(inp, str) or (isinstance(inp, list) and inp and all(type(t) is int for t in inp)):
+        items = [inp]
+    elif isinstance(inp, list) and inp and all(isinstance(t, (str, list)) for t in inp):
+        items = inp
+    else:
+        raise OpenAIError(400, "'input' must be a non-empty string, list of strings, list of token ids or list of token-id lists", "input")
+    out: list[int] = []
+    try:
+        for item in items:
+            ids = completion_prompt_token_ids(entry.tokenizer, item, nogil=nogil)
+            check_context_length(len(ids), {}, max_model_len, False)
+            out += ids
+    except PromptError as exc:
+        raise OpenAIError(400, str(exc), "input") from None
+    return out
+
+
+async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, kind: "str | bool") -> list[int]:
+    """The request's tokens: inline for short prompts, on a worker thread above the offload threshold.
+
+    ``kind``: chat | completions | responses | embeddings (a bool means chat / completions)."""
+    from kvroute_common.openai_api import responses_to_chat
     from kvroute_common.tokenize_offload import prompt_chars
 
-    return await state.tokenize.run(prompt_chars(body), _tokenize, entry, body, chat, max_model_len=entry.max_model_len)
+    if isinstance(kind, bool):
+        kind = "chat" if kind else "completions"
+    chars = prompt_chars(body)
+    if kind == "embeddings":
+        return await state.tokenize.run(chars, _embedding_tokens, entry, body, max_model_len=entry.max_model_len)
+    if kind == "responses":
+        body = responses_to_chat(body)
+    return await state.tokenize.run(chars, _tokenize, entry, body, kind != "completions", max_model_len=entry.max_model_len)
 
 
 class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
     __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
-                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned")
+                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned", "kind", "path")
 
     def __init__(self) -> None:
+        self.kind = "chat"  # chat | completions | responses | embeddings (see _KINDS)
+        self.path = "/v1/chat/completions"
         self.recorded = False  # a lease has recorded the request's end in the metrics
         self.probe: Any = None  # parity.RequestProbe of the current attempt
         self.strip_usage = False  # the engine was asked for stream usage the client did not want
@@ -122,18 +156,29 @@ class OpenAIRoutes:
         self.state = state
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, True)
+        return await self._generate(request, "chat")
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, False)
+        return await self._generate(request, "completions")
 
-    async def _generate(self, request: Request, chat: bool) -> Response:
+    async def responses(self, request: Request) -> Response:
+        """``/v1/responses``: tokenized like chat (instructions + input as messages), routed kv."""
+        return await self._generate(request, "responses")
+
+    async def embeddings(self, request: Request) -> Response:
+        """``/v1/embeddings``: no decode and no reuse to speak of, so routed by load alone."""
+        return await self._generate(request, "embeddings")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
         state = self.state
         ctx = RequestContext()
         ctx.t_start = _perf()
         ctx.receive = request.receive
+        chat = kind in ("chat", "responses")
+        ctx.kind = kind
         ctx.chat = chat
-        ctx.endpoint = endpoint = "chat_completions" if chat else "completions"
+        ctx.endpoint, ctx.path = _KINDS[kind]
+        endpoint = ctx.endpoint
         mm = None
         try:
             raw, body = await read_openai_body(request, BODY_LIMIT)
@@ -149,8 +194,9 @@ class OpenAIRoutes:
             if not isinstance(stream, bool):
                 raise OpenAIError(400, "'stream' must be a boolean", "stream")
             ctx.entry, ctx.stream, ctx.body = entry, stream, body
-            validate_sampling(body, chat)
-            if chat:
+            if kind != "embeddings":
+                validate_sampling(body, chat)
+            if kind == "chat":
                 validate_messages(body.get("messages"))
             ctx.mm = mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
             mm.started.inc()
@@ -180,7 +226,7 @@ class OpenAIRoutes:
             ctx.hints = hints
 
             t_tok = _perf()
-            tokens = hints.token_data if (hints is not None and hints.token_data) else await tokenize_request(state, entry, body, chat)
+            tokens = hints.token_data if (hints is not None and hints.token_data) else await tokenize_request(state, entry, body, kind)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
             ctx.tokens = tokens
             if stream:  # the engine's usage (cached tokens) feeds the parity alarm and the decomposition
@@ -271,7 +317,8 @@ class OpenAIRoutes:
             attempts += 1
             decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
                                           ctx.hints.cache_salt if ctx.hints is not None else None,
-                                          record=wants_routing(ctx.hints), exclude=ctx.failed_workers)
+                                          record=wants_routing(ctx.hints), exclude=ctx.failed_workers,
+                                          use_overlap=ctx.kind != "embeddings")
             request_id = state.next_request_id()
             try:
                 state.router.book(entry, request_id, decision)
@@ -279,7 +326,8 @@ class OpenAIRoutes:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
             lease = Lease(state, entry, request_id, decision, ctx.mm, ctx.t_start)
-            ctx.probe = state.parity.begin(entry, decision, lease)
+            # embeddings leave no KV cache behind: no hash-parity evidence to collect
+            ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
             if state.config.router_track_output_blocks:
                 lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
             _record_routed(state, ctx.mm, decision)
@@ -315,12 +363,12 @@ class OpenAIRoutes:
         state = self.state
         decision = lease.decision
         worker = decision.worker
-        path = "/v1/chat/completions" if ctx.chat else "/v1/completions"
+        path = ctx.path
         headers = upstream_headers(decision.dp_rank, lease.request_id)
         stream = ctx.stream
         session = ctx.session
         # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
-        as_stream = not stream and convertible(ctx.body)
+        as_stream = not stream and ctx.kind in ("chat", "completions") and convertible(ctx.body)
         body = streaming_body(ctx.body) if as_stream else ctx.out_body
         watch = None
         upstream = None
@@ -475,7 +523,8 @@ class OpenAIRoutes:
 
     def _may_migrate(self, ctx: RequestContext) -> bool:
         """--migration-limit: budget left, not pinned, one choice."""
-        return ctx.migrations < self.state.config.migration_limit and not ctx.pinned and migratable(ctx.body)
+        return (ctx.migrations < self.state.config.migration_limit and not ctx.pinned and ctx.kind in ("chat", "completions")
+                and migratable(ctx.body))
 
     def _count_migration(self, ctx: RequestContext, failed_worker: int, kind: str) -> None:
         ctx.migrations += 1
@@ -722,6 +771,10 @@ class _Migrator:
 
     async def resume(self, lease: Lease, exc: BaseException) -> "tuple[Any, Lease] | None":
         return await self.routes._continue_stream(self.ctx, self.tracker, lease)
+
+# kind -> (endpoint label of the metrics, engine path)
+_KINDS = {"chat": ("chat_completions", "/v1/chat/completions"), "completions": ("completions", "/v1/completions"),
+          "responses": ("responses", "/v1/responses"), "embeddings": ("embeddings", "/v1/embeddings")}
 
 
 class _watch_disconnect:

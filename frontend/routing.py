@@ -68,19 +68,21 @@ class Router:
         explain: bool = False,
         record: bool = False,
         exclude: "set[int] | None" = None,
+        use_overlap: bool = True,
     ) -> Decision:
         """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin).
 
         ``explain``: a dry run (no overhead metrics); ``explain`` or ``record`` keep every
         candidate's cost terms on the decision (the routing record).
-        ``exclude``: worker ids this request must not go to (a migrated request's failed workers)."""
+        ``exclude``: worker ids this request must not go to (a migrated request's failed workers).
+        ``use_overlap=False`` (embeddings): the kv cost without cache overlaps, i.e. by load alone."""
         cfg = self.config
         t0 = _perf()
         bs = entry.block_size
         isl = len(tokens)
         kv = cfg.router_mode == "kv"
         metrics = None if explain else self.metrics
-        index = entry.index if kv else None
+        index = entry.index if (kv and use_overlap) else None
 
         local = local_block_hashes(tokens, bs, None, cache_salt) if (index is not None or cfg.router_track_active_blocks) else []
         t1 = _perf()
