@@ -454,15 +454,20 @@ class OpenAIRoutes:
         state = self.state
         worker = lease.decision.worker
         asm = UnaryAssembler(ctx.chat)
+        limit = worker.upstream.timeout  # --request-timeout bounds the whole unary answer, as before
         try:
-            async for chunk in upstream.aiter_raw(state.config.stream_idle_timeout):
-                n = asm.feed(chunk)
-                if n:
-                    if not lease.prefilled:
-                        lease.first_token()
-                        if rewriter is not None:
-                            rewriter.first_token()
-                    lease.tokens(n)
+            async with asyncio.timeout(limit):
+                async for chunk in upstream.aiter_raw(state.config.stream_idle_timeout):
+                    n = asm.feed(chunk)
+                    if n:
+                        if not lease.prefilled:
+                            lease.first_token()
+                            if rewriter is not None:
+                                rewriter.first_token()
+                        lease.tokens(n)
+        except TimeoutError:
+            _lease_abort(lease, 504)
+            return openai_error_response(504, f"worker {worker.id} did not answer within {limit} s")
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
                 lease.status, lease.error_type = "error", "cancelled"

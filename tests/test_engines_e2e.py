@@ -346,3 +346,18 @@ def test_bad_model_path_exits_nonzero_with_the_reason(kind: str, tmp_path) -> No
     assert proc.returncode != 0
     assert re.search(r"--model-path '.*': (not a directory|cannot load a tokenizer)", proc.stderr), proc.stderr[-2000:]
     assert "listening on" not in proc.stdout
+
+
+def test_request_timeout_still_bounds_a_whole_unary_answer(eng: Eng) -> None:
+    """Non-streaming requests are streams to the engine now: --request-timeout must still cover the whole answer."""
+    with contextlib.ExitStack() as stack:
+        fe = start_frontend(["--router-mode", "kv", "--request-timeout", "1", "--worker", f"id=1,url={eng.mocker_urls[0]}"], stack)
+        wait_until(lambda: fe.http.get("/health").status_code == 200, START_TIMEOUT, what="timeout frontend")
+        t0 = time.monotonic()
+        r = fe.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "long"}],
+                                                       "max_tokens": 5000, "ignore_eos": True})
+        assert r.status_code == 504 and "within 1.0 s" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 20
+        wait_until(fe.idle, WAIT, what="timed-out request freed")
+        ok = fe.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "short"}], "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
