@@ -8,6 +8,8 @@ Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``
   the thread path encodes with ``encode_batch_fast`` (same ids, ``nogil=True``).
 * Rendering the chat template (jinja, pure Python) keeps the GIL only between bytecodes: the loop
   gets it back every switch interval (5 ms), so rendering in the thread is fine.
+* The threads keep the loop's OS priority: a lower one (nice +10) was measured worse on a loaded
+  machine, since a descheduled thread that holds the GIL mid-render stalls the loop (priority inversion).
 * A thread hop costs ~0.1 ms; short prompts stay inline on the cached fast path, which is quicker
   than the backend for text it has seen (shared system prompts).
 
