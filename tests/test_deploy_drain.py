@@ -71,7 +71,7 @@ def test_sigterm_drains_the_stream_in_flight_then_exits_0() -> None:
         wait_until(lambda: stream.chunks, 30, what="the first streamed chunk")
         proc.send_signal(signal.SIGTERM)
         # /health turns 503 at once (the listener stays open); new /v1 requests are refused OpenAI-style
-        wait_until(lambda: httpx.get(f"{url}/health", timeout=2.0).status_code == 503, 10, what="/health 503")
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=2.0).status_code == 503, 30, what="/health 503")
         assert httpx.get(f"{url}/health").json()["status"] == "shutting_down"
         r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "late"}], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["connection"] == "close"
@@ -119,7 +119,7 @@ def test_slot_tracker_drains_a_request_in_flight_and_exits_0() -> None:
         sock = _raw_partial_post(port, "/register", body, 10)
         try:
             proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: httpx.get(f"{url}/health", timeout=2.0).status_code == 503, 10, what="/health 503")
+            wait_until(lambda: httpx.get(f"{url}/health", timeout=2.0).status_code == 503, 30, what="/health 503")
             assert proc.poll() is None  # waiting for the request in flight
             sock.sendall(body[10:])
             answer = b""
