@@ -4,6 +4,7 @@ and the embedded slot tracker's routes.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from kvroute_common.http import ApiError, json_response, read_json
 from .busy import BusyThresholds, validate_update
 from .errors import openai_error_response
 from .state import FrontendState
+from .supervisor import child_index
 from .workers import WorkerSpec
 
 
@@ -51,7 +53,8 @@ class AdminRoutes:
     async def live(self, request: Request) -> Response:
         if self.state.shutting_down:
             return json_response({"status": "shutting_down", "message": "Service is shutting down"}, 503)
-        return json_response({"status": "live", "message": "Service is live"})
+        # pid / process: which of the `--workers N` processes answered (frontend/supervisor.py)
+        return json_response({"status": "live", "message": "Service is live", "pid": os.getpid(), "process": child_index() or 0})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--replica-sync-advertise", default=None, metavar="ENDPOINT", help="externally reachable form of the bind endpoint")
     g.add_argument("--replica-sync-peers", default=os.environ.get("KVROUTE_REPLICA_SYNC_PEERS", ""), metavar="LIST",
                    help="comma-separated PUB endpoints of the other frontend replicas (also POST /register_peer at runtime)")
+    g.add_argument("--workers", type=_processes, default=_processes(os.environ.get("DYN_FRONTEND_WORKERS", "1")), metavar="N",
+                   help="frontend processes behind the one port (SO_REUSEPORT), sharing active load through replica sync "
+                        "on private ipc:// sockets; a supervisor restarts them and forwards SIGTERM/SIGINT "
+                        "(frontend/supervisor.py) [env DYN_FRONTEND_WORKERS; default 1]")
     g.add_argument("--log-level", default=os.environ.get("DYN_LOG", "info"), help="debug shows one cost line per candidate per decision")
     add_drain_arg(g)
     add_security_args(p)  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/access.py)
@@ -84,6 +88,16 @@ def startup_line(url: str, state) -> str:
         wdesc += f" (+ {state.file_watcher.path})"
     tok = state.model_path or "built-in offline tokenizer (kvroute-demo; give --model-path for real engines)"
     return f"kvroute frontend listening on {url} | router mode {cfg.router_mode} | workers: {wdesc} | tokenizer: {tok}"
+
+
+def _processes(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--workers must be an integer, got {value!r}") from None
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"--workers must be between 1 and 64, got {n}")
+    return n
 
 
 def make_state(ns: argparse.Namespace):
@@ -128,7 +142,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo.main(argv[1:]) or 0
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .supervisor import ENV_REUSE_PORT, child_index, reuse_port_socket, supervise
+
+    index = child_index()
+    tag = f"[p{index}] " if index is not None else ""
+    logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
+    if ns.workers > 1 and index is None:  # --workers N: this process only supervises N frontends
+        if ns.replica_sync_bind:
+            raise SystemExit("--workers N > 1 gives each process its own replica-sync endpoint: drop --replica-sync-bind")
+        peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
+        return supervise(argv, ns.workers, ns.http_host, ns.http_port, ns.drain_timeout, peers)
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from kvroute_common.drain import Drain, DrainingServer
@@ -156,5 +179,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(startup_line(f"{scheme}://{scheme_host}:{ns.http_port}", state), flush=True)
 
     server = _Server(config, drain)  # SIGTERM: 503 on /health and new /v1 requests, streams finish, exit 0
-    server.run()
+    sockets = [reuse_port_socket(ns.http_host, ns.http_port)] if os.environ.get(ENV_REUSE_PORT) else None  # --workers N child
+    server.run(sockets=sockets)
     return 0 if server.started else 1
