@@ -123,7 +123,11 @@ def make_state(ns: argparse.Namespace):
         from slot_tracker.replica_sync import ReplicaSync
 
         peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
-        state.replica_sync = ReplicaSync(state.slots, ns.replica_sync_bind, ns.replica_sync_advertise, peers)
+        from .supervisor import child_index
+
+        # the --workers N siblings: private endpoints, so events may travel in batches (cheaper per request)
+        batch = child_index() is not None
+        state.replica_sync = ReplicaSync(state.slots, ns.replica_sync_bind, ns.replica_sync_advertise, peers, batch=batch)
     for text in ns.worker:
         try:
             spec = parse_worker_arg(text)
@@ -148,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     tag = f"[p{index}] " if index is not None else ""
     logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
     if ns.workers > 1 and index is None:  # --workers N: this process only supervises N frontends
-        if ns.replica_sync_bind:
-            raise SystemExit("--workers N > 1 gives each process its own replica-sync endpoint: drop --replica-sync-bind")
-        peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
-        return supervise(argv, ns.workers, ns.http_host, ns.http_port, ns.drain_timeout, peers)
+        if ns.replica_sync_bind or ns.replica_sync_peers.strip():
+            raise SystemExit("--workers N > 1 shares load among its own processes (private replica-sync endpoints): "
+                             "drop --replica-sync-bind / --replica-sync-peers (replica sync with other hosts and --workers is not supported yet)")
+        return supervise(argv, ns.workers, ns.http_host, ns.http_port, ns.drain_timeout, [])
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from kvroute_common.drain import Drain, DrainingServer

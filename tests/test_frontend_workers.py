@@ -116,9 +116,11 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
             raise AssertionError("something still answers on the port")
 
 
-def test_workers_flag_rejects_a_fixed_replica_sync_bind_and_bad_counts() -> None:
+def test_workers_flag_rejects_fixed_replica_sync_endpoints_and_bad_counts() -> None:
     base = [sys.executable, "-m", "frontend", "--http-port", "1"]
     r = subprocess.run([*base, "--workers", "2", "--replica-sync-bind", "tcp://127.0.0.1:9999"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "drop --replica-sync-bind" in r.stderr
+    r = subprocess.run([*base, "--workers", "2", "--replica-sync-peers", "tcp://10.0.0.1:1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "not supported yet" in r.stderr
     r = subprocess.run([*base, "--workers", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "between 1 and 64" in r.stderr

@@ -213,3 +213,17 @@ def test_interoperates_with_the_reference_replica():
         wait_until(lambda: a.load("m", 1, 0) == (7, 2), timeout=30, what="reference add reaches ours")
         assert a.post("/free", {"model_name": "m", "request_id": "x"}).status_code == 200
         wait_until(lambda: ref.load("m", 1, 0) == (0, 0), timeout=30, what="our free reaches the reference")
+
+
+def test_a_batched_message_applies_every_event_in_it():
+    """batch=True (the --workers N siblings) sends [TOPIC, event, event, ...]; each event is applied."""
+    reg = SlotRegistry()
+    reg.register(7, "m", "default", 16, 0, 2)
+    sync = ReplicaSync(reg, "tcp://127.0.0.1:1", batch=True)
+    sync._receive([TOPIC, REFERENCE_ADD, b"\xc1 not msgpack", REFERENCE_FREE])
+    assert (sync.stats["received"], sync.stats["applied"], sync.stats["dropped"]) == (3, 2, 1)
+    assert len(reg.get("m")) == 0  # added then freed
+    sync._receive([TOPIC, REFERENCE_ADD])
+    assert reg.get("m").active_decode_blocks(7, 1) == 3
+    sync._receive([b"other", REFERENCE_FREE])
+    assert reg.get("m").active_decode_blocks(7, 1) == 3 and sync.stats["dropped"] == 2
