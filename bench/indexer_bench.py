@@ -96,6 +96,7 @@ class Publisher:
 BRANCH_MODEL = "bench-branch"
 BRANCH_SYSTEMS = 4  # shared system prompts
 BRANCH_SYSTEM_BLOCKS = 32  # 512 tokens each
+BRANCH_FIRST_INSTANCE = 1001  # instance ids are global: not the default shape's 1-4
 BRANCH_CONT_BLOCKS = 32  # each request's own continuation (one event, parent = the system prompt's last block)
 
 
@@ -142,14 +143,14 @@ def send_interleaved(pubs: list["Publisher"], per_pub: list[list[bytes]]) -> Non
 def populate_branching(ctx: zmq.Context, urls: list[str], n_workers: int = 32, conts_per_worker: int = 50) -> list[int]:
     """32 workers each hold the 4 system prompts and 50 continuations; returns the 1024-token query:
     system prompt 0 + a continuation one worker holds (every worker matches 32 blocks, one 64)."""
-    pubs = connect_publishers(ctx, urls, n_workers, BRANCH_MODEL, 1)
+    pubs = connect_publishers(ctx, urls, n_workers, BRANCH_MODEL, BRANCH_FIRST_INSTANCE)
     send_interleaved(pubs, [branch_payloads(pub, i, conts_per_worker, 1000 * (i + 1)) for i, pub in enumerate(pubs)])
     final = toks_for(9 * 10**6 + 999, 1)
     for pub in pubs:
         for p in pub.store_chain(final):
             pub.send_payload(p)
     for i in range(n_workers):
-        wait_until(lambda i=i: all(marker_seen(u, final, i + 1, BRANCH_MODEL) for u in urls), timeout=120, what="branching population applied")
+        wait_until(lambda i=i: all(marker_seen(u, final, BRANCH_FIRST_INSTANCE + i, BRANCH_MODEL) for u in urls), timeout=120, what="branching population applied")
     for pub in pubs:
         pub.sock.close(linger=0)
     return branch_tokens(0, 1000 * 3 + 4)  # worker 3's 5th continuation: 4 % 4 == 0 -> system prompt 0

@@ -82,16 +82,17 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
             assert r.json()["choices"][0]["message"]["content"]
             assert c.get("/live").json()["pid"] == pid  # still the same process (keep-alive)
 
-        # a long stream booked by process a is seen by process b's tracker, and its end too
+        # a booking made on process a (the embedded tracker's /add: the routing path books through the
+        # same tracker) shows in process b's load view, and its free too; and the other way round
         a, b = pids
-        assert _decode_blocks(clients[b]) == 0
-        body = {"model": MODEL, "stream": True, "max_tokens": 2000, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "a long answer please " * 40}]}
-        with clients[a].stream("POST", "/v1/chat/completions", json=body) as stream:
-            assert stream.status_code == 200
-            next(stream.iter_raw())  # the first chunk: booked, prefill done
-            assert wait_until(lambda: _decode_blocks(clients[b]), WAIT, what="process b to see process a's booking") > 0
-        wait_until(lambda: _decode_blocks(clients[b]) == 0, WAIT, what="process b to see the booking freed")
+        for src, dst, rid in ((a, b, "share-1"), (b, a, "share-2")):
+            assert _decode_blocks(clients[dst]) == 0
+            r = clients[src].post("/add", json={"model_name": MODEL, "request_id": rid, "worker_id": 1, "dp_rank": 0,
+                                                "sequence_hashes": [11, 12, 13], "new_isl_tokens": 48})
+            assert r.status_code == 201, r.text
+            wait_until(lambda: _decode_blocks(clients[dst]) == 3, WAIT, what=f"process {dst} to see {src}'s booking")
+            assert clients[src].post("/free", json={"model_name": MODEL, "request_id": rid}).status_code == 200
+            wait_until(lambda: _decode_blocks(clients[dst]) == 0, WAIT, what=f"process {dst} to see the booking freed")
 
         # a process that dies is started again
         os.kill(b, signal.SIGKILL)
