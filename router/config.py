@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-ROUTER_MODES = ("kv", "round_robin", "random")
+ROUTER_MODES = ("kv", "latency", "round_robin", "random")
+KV_AWARE_MODES = ("kv", "latency")  # modes that read the block index
 QUEUE_POLICIES = ("fcfs", "lcfs", "wspt")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -23,7 +24,7 @@ def normalize_router_mode(value: str) -> str:
     """``round-robin`` and ``round_robin`` are the same mode."""
     mode = value.strip().lower().replace("-", "_")
     if mode not in ROUTER_MODES:
-        raise argparse.ArgumentTypeError(f"invalid router mode {value!r} (choose from kv, round_robin, random)")
+        raise argparse.ArgumentTypeError(f"invalid router mode {value!r} (choose from kv, latency, round_robin, random)")
     return mode
 
 
@@ -97,6 +98,20 @@ def _queue_policy(value: str) -> str:
     return v
 
 
+def _prefill_speed(value: str) -> float:
+    v = float(value)
+    if not 100.0 <= v <= 1e8:
+        raise argparse.ArgumentTypeError("must be between 100 and 1e8 tokens/s")
+    return v
+
+
+def _window(value: str) -> float:
+    v = float(value)
+    if not 1.0 <= v <= 1e6:
+        raise argparse.ArgumentTypeError("must be between 1 and 1e6 observations")
+    return v
+
+
 def _session_ttl(value: str) -> float | None:
     v = _optional_float(value)
     if v is not None and not 1 <= v <= 31_536_000:
@@ -133,12 +148,21 @@ class RouterConfig:
     router_queue_max: int | None = None
     router_queue_timeout_secs: float | None = None
     stream_idle_timeout: float | None = None
+    router_latency_prefill_tokens_per_s: float = 20000.0
+    router_latency_window: float = 100.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def uses_indexer(self) -> bool:
         """A weight of 0 means pure load balancing: the reference builds no indexer at all."""
+        if self.router_mode == "latency":
+            return True
         return self.router_mode == "kv" and self.router_kv_overlap_score_weight != 0
+
+    @property
+    def kv_aware(self) -> bool:
+        """kv and latency modes: overlaps from the index (event-fed or approximate) shape the choice."""
+        return self.router_mode in KV_AWARE_MODES
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> "RouterConfig":
@@ -149,7 +173,7 @@ class RouterConfig:
 # (flag, dest, env vars (first wins), type, default, help). Booleans use type=bool.
 _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
     ("--router-mode", "router_mode", ("DYN_ROUTER_MODE",), normalize_router_mode, "round_robin",
-     "kv | round_robin (round-robin) | random"),
+     "kv | latency (lowest estimated TTFT, learned per worker) | round_robin (round-robin) | random"),
     ("--router-temperature", "router_temperature", ("DYN_ROUTER_TEMPERATURE",), float, 0.0,
      "softmax temperature over min-max normalised costs; 0 = lowest cost, random among ties"),
     ("--kv-cache-block-size", "kv_cache_block_size", ("DYN_KV_CACHE_BLOCK_SIZE",), _optional_int, None,
@@ -201,6 +225,10 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
      "a request held longer than this in the router queue gets 529 + Retry-After (unset = wait for capacity)"),
     ("--stream-idle-timeout", "stream_idle_timeout", ("DYN_STREAM_IDLE_TIMEOUT",), _positive_optional_float, None,
      "seconds a worker may go silent mid-stream (after its first byte) before the stream is cut or migrated (unset = off)"),
+    ("--router-latency-prefill-tokens-per-s", "router_latency_prefill_tokens_per_s", ("DYN_ROUTER_LATENCY_PREFILL_TOKENS_PER_S",),
+     _prefill_speed, 20000.0, "latency mode: prior prefill speed of a worker rank until its own TTFTs are learned"),
+    ("--router-latency-window", "router_latency_window", ("DYN_ROUTER_LATENCY_WINDOW",), _window, 100.0,
+     "latency mode: observed TTFTs per rank the learned speed mostly rests on (exponential forgetting)"),
 ]
 
 

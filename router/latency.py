@@ -1,0 +1,208 @@
+"""Latency-aware cost (``--router-mode latency``): the time to first token a request would see on a rank.
+
+For each candidate (worker, DP rank):
+
+    work_tokens = queued prefill tokens on the rank (booked, first token not seen yet)
+                  + this request's uncached tokens there (isl - overlap_blocks * block_size)
+    est_ttft_s  = base_s + s_per_token * (work_tokens + DECODE_TOKENS_PER_BLOCK * decode_blocks)
+
+``decode_blocks`` is the decode pressure: the KV blocks the rank would hold with this request
+(in-flight prompt blocks + this request's blocks not already in flight there, as in ``kv`` mode);
+each costs as much as prefilling ``DECODE_TOKENS_PER_BLOCK`` (1) token, i.e. 1/16 of prefilling the
+block (the ``kv`` formula's weight 1 charges a decode block like a whole prefill block, which is
+what moves requests off their cached prefix). The lowest estimate wins (``router.selection.choose``:
+random among ties, optional temperature).
+
+``base_s`` and ``s_per_token`` are learned online **per rank** from the TTFTs the frontend observes:
+each routed, streamed request is one observation ``(work_tokens, decode_blocks) -> ttft``, fitted
+by ridge regression towards a prior with exponential forgetting (recent observations count most, so
+a rank that slows down is seen within about ``window`` requests), with outliers down-weighted
+(Huber) and both coefficients bounded. Before any observation the prior decides, so a new rank is
+judged like its peers; a rank is re-observed only when it is chosen (a rank learned slow is tried
+again once the others have queued more work than its estimate). The decode weight is fixed, not
+fitted: work and decode blocks rise together (both grow with in-flight requests), so a free fit
+cannot tell them apart. Assumptions: the engine prefills in arrival order (work queued ahead of the
+request delays it one for one), prefill time is close to linear in tokens over the range seen
+(batched steps), a cached block costs nothing. No I/O here: the frontend feeds observations and
+reads estimates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from router.selection import CandidateLoad, WorkerCost, WorkerRank
+
+# Internal feature scales: coefficients are fitted per 1k tokens / per 100 blocks so that the
+# prior's strength (``prior_weight`` pseudo-observations) means the same for every coefficient.
+_W_SCALE = 1000.0
+DECODE_TOKENS_PER_BLOCK = 1.0
+MIN_TOKENS_PER_S = 100.0
+MAX_TOKENS_PER_S = 1e8
+MAX_BASE_S = 10.0
+HUBER_K = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyPrior:
+    """What a rank is assumed to be before it has been observed (and the pull of the fit towards it)."""
+
+    tokens_per_s: float = 20000.0  # prefill speed: a mid-size model on one modern GPU
+    base_s: float = 0.02  # fixed cost of a first token (one engine step + transport)
+    decode_tokens_per_block: float = DECODE_TOKENS_PER_BLOCK  # prefill tokens one active KV block weighs
+    prior_weight: float = 4.0  # pseudo-observations holding the fit near the prior
+    window: float = 100.0  # forgetting: observations older than ~window count e^-1 as much
+
+    def __post_init__(self) -> None:
+        if not MIN_TOKENS_PER_S <= self.tokens_per_s <= MAX_TOKENS_PER_S:
+            raise ValueError(f"prior prefill speed must be between {MIN_TOKENS_PER_S:g} and {MAX_TOKENS_PER_S:g} tokens/s")
+        if not 0 <= self.base_s <= MAX_BASE_S or self.decode_tokens_per_block < 0:
+            raise ValueError("prior base latency must be in [0, 10] s and the decode weight >= 0")
+        if self.prior_weight <= 0 or self.window < 1:
+            raise ValueError("prior weight must be > 0 and window >= 1")
+
+
+class RankLatency:
+    """Online TTFT model of one rank: ``est = base + s_per_token * (work + k * decode_blocks)``."""
+
+    __slots__ = ("prior", "_theta0", "_s", "_r", "_decay", "observations", "_abs_resid", "base_s", "s_per_token", "_k")
+
+    def __init__(self, prior: LatencyPrior, block_size: int = 16) -> None:
+        self.prior = prior
+        self._k = prior.decode_tokens_per_block
+        # theta in scaled units: [base s, s per 1k tokens]
+        self._theta0 = (prior.base_s, _W_SCALE / prior.tokens_per_s)
+        self._s = [0.0, 0.0, 0.0]  # forgotten sums of w, w x, w x^2
+        self._r = [0.0, 0.0]  # forgotten sums of w y, w x y
+        self._decay = math.exp(-1.0 / prior.window)
+        self.observations = 0
+        self._abs_resid = 0.0  # EWMA of |residual| (Huber scale)
+        self.base_s = prior.base_s
+        self.s_per_token = 1.0 / prior.tokens_per_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.s_per_token
+
+    @property
+    def s_per_block(self) -> float:
+        """What one decode block adds to the estimate (s)."""
+        return self.s_per_token * self._k
+
+    def predict(self, work_tokens: float, decode_blocks: float) -> float:
+        """Estimated TTFT in seconds."""
+        return self.base_s + self.s_per_token * (work_tokens + self._k * decode_blocks)
+
+    def observe(self, work_tokens: float, decode_blocks: float, ttft_s: float) -> bool:
+        """Add one observed TTFT; returns False (and learns nothing) for unusable values."""
+        if not (ttft_s > 0 and math.isfinite(ttft_s)) or work_tokens < 0 or decode_blocks < 0:
+            return False
+        resid = ttft_s - self.predict(work_tokens, decode_blocks)
+        weight = 1.0
+        if self.observations >= 8:  # Huber: a stall or a burst moves the fit only so far
+            scale = max(self._abs_resid, 1e-4)
+            if abs(resid) > HUBER_K * scale:
+                weight = HUBER_K * scale / abs(resid)
+            self._abs_resid = 0.9 * self._abs_resid + 0.1 * min(abs(resid), HUBER_K * scale)
+        else:
+            self._abs_resid = max(self._abs_resid, 0.5 * abs(resid))
+        x = (work_tokens + self._k * decode_blocks) / _W_SCALE
+        d = self._decay
+        s, r = self._s, self._r
+        s[0] = d * s[0] + weight
+        s[1] = d * s[1] + weight * x
+        s[2] = d * s[2] + weight * x * x
+        r[0] = d * r[0] + weight * ttft_s
+        r[1] = d * r[1] + weight * x * ttft_s
+        self.observations += 1
+        self._solve()
+        return True
+
+    def _solve(self) -> None:
+        """theta = (S + λI)^-1 (r + λ theta0) for the 2x2 system, then bounded."""
+        lam = self.prior.prior_weight
+        t0 = self._theta0
+        a11, a12, a22 = self._s[0] + lam, self._s[1], self._s[2] + lam
+        b1, b2 = self._r[0] + lam * t0[0], self._r[1] + lam * t0[1]
+        det = a11 * a22 - a12 * a12
+        if det <= 1e-18:
+            return
+        base = (b1 * a22 - a12 * b2) / det
+        per_k = (a11 * b2 - a12 * b1) / det
+        self.s_per_token = min(max(per_k / _W_SCALE, 1.0 / MAX_TOKENS_PER_S), 1.0 / MIN_TOKENS_PER_S)
+        self.base_s = min(max(base, 0.0), MAX_BASE_S)
+
+    def as_dict(self) -> dict:
+        return {"observations": self.observations, "tokens_per_s": round(self.tokens_per_s, 1),
+                "base_ms": round(self.base_s * 1e3, 3), "us_per_decode_block": round(self.s_per_block * 1e6, 3)}
+
+
+class LatencyModels:
+    """The per-rank models of one frontend, created from the prior on first use."""
+
+    __slots__ = ("prior", "block_size", "_ranks")
+
+    def __init__(self, prior: LatencyPrior | None = None, block_size: int = 16) -> None:
+        self.prior = prior or LatencyPrior()
+        self.block_size = block_size
+        self._ranks: dict[WorkerRank, RankLatency] = {}
+
+    def get(self, key: WorkerRank) -> RankLatency:
+        m = self._ranks.get(key)
+        if m is None:
+            m = self._ranks[key] = RankLatency(self.prior, self.block_size)
+        return m
+
+    def peek(self, key: WorkerRank) -> RankLatency | None:
+        return self._ranks.get(key)
+
+    def observe(self, key: WorkerRank, work_tokens: float, decode_blocks: float, ttft_s: float) -> bool:
+        return self.get(key).observe(work_tokens, decode_blocks, ttft_s)
+
+    def forget_worker(self, worker_id: int) -> None:
+        """A removed worker's ranks start from the prior if the id comes back (it may be another machine)."""
+        for key in [k for k in self._ranks if k[0] == worker_id]:
+            del self._ranks[key]
+
+    def snapshot(self) -> dict[str, dict]:
+        return {f"{w}:{r}": m.as_dict() for (w, r), m in sorted(self._ranks.items())}
+
+
+def score_latency(
+    loads: Iterable[CandidateLoad],
+    overlaps: Mapping[WorkerRank, int],
+    isl_tokens: int,
+    block_size: int,
+    models: LatencyModels,
+    track_prefill_tokens: bool = True,
+) -> list[WorkerCost]:
+    """Estimated TTFT of every candidate as its cost, in milliseconds (lower is better).
+
+    ``WorkerCost.prefill_tokens`` is the work the estimate charges (queued + uncached tokens),
+    ``decode_blocks`` the decode pressure, ``cost`` the estimate in ms.
+    """
+    out: list[WorkerCost] = []
+    get = models.get
+    for load in loads:
+        key = (load.worker_id, load.dp_rank)
+        overlap = overlaps.get(key, 0)
+        new_tokens = isl_tokens - overlap * block_size
+        if new_tokens < 0:
+            new_tokens = 0
+        work = (load.active_prefill_tokens + new_tokens) if track_prefill_tokens else new_tokens
+        decode = load.potential_decode_blocks
+        decode_blocks = float(0 if decode is None else decode)
+        est_ms = get(key).predict(work, decode_blocks) * 1e3
+        out.append(WorkerCost(load.worker_id, load.dp_rank, overlap, work, work / block_size, decode_blocks, load.active_requests, est_ms))
+    return out
+
+
+def formula(c: WorkerCost, model: RankLatency) -> str:
+    """Debug line per candidate: the estimate and its terms."""
+    name = f"worker_{c.worker_id}" + (f"_dp{c.dp_rank}" if c.dp_rank else "")
+    return (
+        f"Latency for {name}: {c.cost:.1f} ms = {model.base_s * 1e3:.1f} + {c.prefill_tokens} tok / {model.tokens_per_s:.0f} tok/s "
+        f"+ {c.decode_blocks:.0f} decode blocks x {model.s_per_block * 1e6:.2f} us (cached_blocks: {c.overlap_blocks})"
+    )

@@ -1,0 +1,125 @@
+"""Latency cost model (router/latency.py): estimates, online learning, robustness, bounds, choice."""
+
+import argparse
+import random
+
+import pytest
+
+from router.config import RouterConfig, add_router_args
+from router.latency import LatencyModels, LatencyPrior, RankLatency, formula, score_latency
+from router.selection import CandidateLoad, choose
+
+
+def _fit(model: RankLatency, base: float, s_tok: float, n: int = 400, seed: int = 0, noise: float = 0.0) -> None:
+    rng = random.Random(seed)
+    for _ in range(n):
+        w = rng.uniform(0, 8000)
+        d = rng.uniform(0, 3000)
+        y = base + s_tok * (w + d)  # decode blocks weigh one prefill token each
+        model.observe(w, d, y * (1 + rng.uniform(-noise, noise)))
+
+
+def test_prior_decides_before_any_observation() -> None:
+    m = RankLatency(LatencyPrior(tokens_per_s=10000, base_s=0.01))
+    assert m.predict(1000, 0) == pytest.approx(0.01 + 0.1)
+    assert m.predict(1000, 160) == pytest.approx(0.01 + 0.1 + 0.016)  # a decode block weighs one prefill token
+    assert m.tokens_per_s == pytest.approx(10000)
+
+
+def test_learns_a_rank_speed_and_base_from_ttfts() -> None:
+    m = RankLatency(LatencyPrior(), block_size=16)
+    _fit(m, base=0.030, s_tok=1 / 40000, noise=0.02)
+    assert m.tokens_per_s == pytest.approx(40000, rel=0.05)
+    assert m.base_s == pytest.approx(0.030, abs=0.004)
+    assert m.s_per_block == pytest.approx(1 / 40000, rel=0.05)
+    assert m.predict(4000, 1000) == pytest.approx(0.030 + 0.1 + 0.025, rel=0.03)
+
+
+def test_forgetting_follows_a_rank_that_slows_down() -> None:
+    m = RankLatency(LatencyPrior(window=50))
+    _fit(m, 0.02, 1 / 40000, n=300)
+    assert m.tokens_per_s == pytest.approx(40000, rel=0.05)
+    _fit(m, 0.02, 1 / 10000, n=300, seed=1)  # e.g. a noisy neighbour on the GPU
+    assert m.tokens_per_s == pytest.approx(10000, rel=0.05)
+
+
+def test_outliers_move_the_fit_only_a_little() -> None:
+    m = RankLatency(LatencyPrior())
+    rng = random.Random(3)
+    for i in range(600):
+        w = rng.uniform(0, 8000)
+        y = 0.02 + w / 30000
+        if i % 25 == 0:
+            y += 5.0  # a stalled request every now and then
+        m.observe(w, 0, y)
+    assert m.tokens_per_s == pytest.approx(30000, rel=0.15)
+
+
+def test_bad_observations_are_refused_and_bounds_hold() -> None:
+    m = RankLatency(LatencyPrior())
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert not m.observe(100, 0, bad)
+    assert not m.observe(-5, 0, 0.1)
+    assert m.observations == 0
+    # absurd data (time falls as work grows): speed and base stay within their bounds, decode cost >= 0
+    for i in range(200):
+        m.observe(i * 100, 10_000 - i * 50, max(1e-4, 2.0 - i * 0.01))
+    assert 100 <= m.tokens_per_s <= 1e8
+    assert 0.0 <= m.base_s <= 10.0
+
+
+def test_prior_is_validated() -> None:
+    with pytest.raises(ValueError):
+        LatencyPrior(tokens_per_s=0)
+    with pytest.raises(ValueError):
+        LatencyPrior(window=0)
+
+
+def test_cached_prefix_wins_when_the_holder_is_not_queued() -> None:
+    models = LatencyModels(LatencyPrior(), block_size=16)
+    loads = [CandidateLoad(1, 0, 0, 200, 1), CandidateLoad(2, 0, 0, 50, 0)]
+    # worker 1 holds 100 of the 117 blocks and has a decoding request; kv (w=1) would pick 2 (cost 117+50 vs 17+200+...)
+    costs = score_latency(loads, {(1, 0): 100}, 117 * 16, 16, models)
+    by = {c.worker_id: c for c in costs}
+    assert by[1].prefill_tokens == 17 * 16 and by[2].prefill_tokens == 117 * 16
+    assert choose(costs).worker_id == 1
+
+
+def test_queued_prefill_work_sends_the_request_elsewhere() -> None:
+    models = LatencyModels(LatencyPrior(), block_size=16)
+    # worker 1 holds half the prompt but has 8k tokens of prefill queued ahead
+    loads = [CandidateLoad(1, 0, 8000, 0, 4), CandidateLoad(2, 0, 0, 0, 0)]
+    costs = score_latency(loads, {(1, 0): 32}, 1024, 16, models)
+    assert choose(costs).worker_id == 2
+    # without prefill tracking the queue is invisible and the cache wins
+    costs = score_latency(loads, {(1, 0): 32}, 1024, 16, models, track_prefill_tokens=False)
+    assert choose(costs).worker_id == 1
+
+
+def test_a_slow_rank_is_avoided_once_learned() -> None:
+    models = LatencyModels(LatencyPrior(), block_size=16)
+    for i in range(200):
+        w = 500 + (i % 10) * 500
+        models.observe((1, 0), w, 0, 0.01 + w / 5000)  # 5k tokens/s
+        models.observe((2, 0), w, 0, 0.01 + w / 50000)  # 50k tokens/s
+    loads = [CandidateLoad(1, 0, 0, 0, 0), CandidateLoad(2, 0, 1000, 0, 1)]
+    costs = score_latency(loads, {(1, 0): 20}, 1024, 16, models)  # rank 1 has most of the prompt cached
+    assert choose(costs).worker_id == 2
+    assert models.get((1, 0)).tokens_per_s == pytest.approx(5000, rel=0.05)
+    assert "Latency for worker_1" in formula(costs[0], models.get((1, 0)))
+    models.forget_worker(1)
+    assert models.peek((1, 0)) is None and models.peek((2, 0)) is not None
+    assert set(models.snapshot()) == {"2:0"}
+
+
+def test_latency_mode_and_flags_parse() -> None:
+    p = argparse.ArgumentParser()
+    add_router_args(p, {"DYN_ROUTER_MODE": "latency", "DYN_ROUTER_LATENCY_PREFILL_TOKENS_PER_S": "50000"})
+    cfg = RouterConfig.from_args(p.parse_args([]))
+    assert cfg.router_mode == "latency" and cfg.kv_aware and cfg.uses_indexer
+    assert cfg.router_latency_prefill_tokens_per_s == 50000.0 and cfg.router_latency_window == 100.0
+    cfg = RouterConfig.from_args(p.parse_args(["--router-latency-window", "20"]))
+    assert cfg.router_latency_window == 20.0
+    with pytest.raises(SystemExit):
+        p.parse_args(["--router-latency-prefill-tokens-per-s", "0"])
+    assert not RouterConfig(router_mode="round_robin").kv_aware
