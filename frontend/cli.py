@@ -111,8 +111,8 @@ def make_state(ns: argparse.Namespace):
             log.warning("%s is accepted but not implemented yet in this frontend: it has no effect", flag)
     if config.router_event_threads and config.router_event_threads > 1:
         log.info("--router-event-threads %s: KV events are applied on the event loop; the value is ignored", config.router_event_threads)
-    if config.router_mode != "kv" and not config.router_kv_events:
-        log.info("--no-router-kv-events only matters with --router-mode kv")
+    if not config.kv_aware and not config.router_kv_events:
+        log.info("--no-router-kv-events only matters with --router-mode kv or latency")
     if ns.tokenizer_offload_chars is not None and ns.tokenizer_offload_chars < 0:
         raise SystemExit("--tokenizer-offload-chars must be >= 0 (0 = tokenize every prompt inline)")
     state = FrontendState(config, model_path=ns.model_path, health_interval=ns.health_check_interval, request_timeout=ns.request_timeout,

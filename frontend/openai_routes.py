@@ -438,7 +438,7 @@ class OpenAIRoutes:
         data = upstream.content
         if ctx.probe is not None:
             ctx.probe.usage_from_body(data)
-        lease.first_token()
+        lease.first_token(streamed=False)
         n = count_completion_tokens(data)
         if n:
             lease.tokens(n)
@@ -524,7 +524,10 @@ class OpenAIRoutes:
             d = state.router.route(entry, tokens, explain=True)
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
-        return json_response(routing_record(state.config, entry, d))
+        record = routing_record(state.config, entry, d)
+        if state.config.router_mode == "latency":  # costs are estimated TTFTs (ms); what each rank's estimate has learned
+            record["latency_models"] = state.router.latency_models(entry).snapshot()
+        return json_response(record)
 
     def _may_migrate(self, ctx: RequestContext) -> bool:
         """--migration-limit: budget left, not pinned, one choice."""

@@ -74,8 +74,11 @@ class Lease:
         self._osl = osl
         self._out_blocks = -(-self.decision.isl // bs)
 
-    def first_token(self) -> None:
-        """The worker produced output: the prompt is no longer prefill load."""
+    def first_token(self, streamed: bool = True) -> None:
+        """The worker produced output: the prompt is no longer prefill load.
+
+        ``streamed=False`` for unary responses: their "first token" is the whole response, so the
+        latency model does not learn from it."""
         if self.prefilled or self.released:
             return
         self.prefilled = True
@@ -84,6 +87,8 @@ class Lease:
             return
         self.ttft_recorded = True
         now = _now()
+        if streamed:
+            self.state.router.observe_first_token(self.entry, self.decision, now)
         self.t_first = self.t_last = now
         ttft = now - self.t_start
         mm = self.mm

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.hashing import local_block_hashes, sequence_hashes
+from router.latency import LatencyModels, LatencyPrior, score_latency
+from router.latency import formula as latency_formula
 from router.selection import CandidateLoad, WorkerCost, choose, formula, score_candidates
 
 from .errors import OpenAIError, all_busy, no_worker
@@ -42,6 +44,7 @@ class Decision:
     cost: WorkerCost | None = None
     costs: list[WorkerCost] | None = None  # every candidate's terms (explain / record only)
     available_blocks: int = 0  # best overlap among the eligible candidates (hit-rate decomposition)
+    t_routed: float = 0.0  # perf_counter at the decision (latency mode: TTFT observations start here)
 
     @property
     def cached_tokens(self) -> int:
@@ -56,6 +59,31 @@ class Router:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self._rr = 0
+        # latency mode: learned per-rank TTFT models, one set per model name (block sizes may differ)
+        self._latency: dict[str, LatencyModels] = {}
+        self._latency_prior = LatencyPrior(
+            tokens_per_s=getattr(config, "router_latency_prefill_tokens_per_s", 20000.0),
+            window=getattr(config, "router_latency_window", 100.0),
+        )
+
+    def latency_models(self, entry: "ModelEntry") -> LatencyModels:
+        """The learned per-rank TTFT models of ``entry``'s workers (latency mode)."""
+        models = self._latency.get(entry.name)
+        if models is None:
+            models = self._latency[entry.name] = LatencyModels(self._latency_prior, entry.block_size)
+        return models
+
+    def observe_first_token(self, entry: "ModelEntry", decision: Decision, now: float) -> None:
+        """Latency mode: learn from the TTFT the chosen rank gave (dispatch to first streamed token)."""
+        c = decision.cost
+        if c is None or self.config.router_mode != "latency" or not decision.t_routed:
+            return
+        self.latency_models(entry).observe((c.worker_id, c.dp_rank), c.prefill_tokens, c.decode_blocks, now - decision.t_routed)
+
+    def forget_worker(self, worker_id: int) -> None:
+        """A removed worker's learned speeds go with it."""
+        for models in self._latency.values():
+            models.forget_worker(worker_id)
 
     # ------------------------------------------------------------------------------------------
     def route(
@@ -80,7 +108,7 @@ class Router:
         t0 = _perf()
         bs = entry.block_size
         isl = len(tokens)
-        kv = cfg.router_mode == "kv"
+        kv = cfg.kv_aware
         metrics = None if explain else self.metrics
         index = entry.index if (kv and use_overlap) else None
 
@@ -119,12 +147,17 @@ class Router:
                     loads.append(CandidateLoad(worker.id, rank, 0, len(tracked), 0))
                 else:
                     loads.append(CandidateLoad(worker.id, rank, p[2], p[3], p[4]))
-            costs = score_candidates(loads, overlaps, isl, bs, cfg.router_kv_overlap_score_weight, cfg.router_track_prefill_tokens)
+            if cfg.router_mode == "latency":
+                lmodels = self.latency_models(entry)
+                costs = score_latency(loads, overlaps, isl, bs, lmodels, cfg.router_track_prefill_tokens)
+            else:
+                lmodels = None
+                costs = score_candidates(loads, overlaps, isl, bs, cfg.router_kv_overlap_score_weight, cfg.router_track_prefill_tokens)
             cost = choose(costs, cfg.router_temperature, self.rng)
             if log.isEnabledFor(logging.DEBUG):
                 w = cfg.router_kv_overlap_score_weight
                 for c in costs:
-                    log.debug(formula(c, w))
+                    log.debug(formula(c, w) if lmodels is None else latency_formula(c, lmodels.get(c.key)))
                 log.debug("Selected worker_%s dp_rank %s (cost %.1f) for %d tokens of model %s", cost.worker_id, cost.dp_rank, cost.cost, isl, entry.name)
             chosen_id, rank = cost.worker_id, cost.dp_rank
             worker = next(w for w, r in candidates if w.id == chosen_id and r == rank)
@@ -154,7 +187,7 @@ class Router:
             metrics.oh_scheduling.observe((t4 - t3) * 1e3)
             metrics.oh_total.observe((t4 - t0) * 1e3)
         return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost,
-                        costs if ((explain or record) and kv) else None, available)
+                        costs if ((explain or record) and kv) else None, available, t4)
 
     # ------------------------------------------------------------------------------------------
     def _candidates(

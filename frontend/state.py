@@ -188,7 +188,7 @@ class FrontendState:
 
     # ---- worker attachment ------------------------------------------------------------------------
     def _events_registry(self):
-        if self.events is None and self.config.router_mode == "kv" and self.config.router_kv_events and self.config.uses_indexer:
+        if self.events is None and self.config.kv_aware and self.config.router_kv_events and self.config.uses_indexer:
             from indexer.registry import IndexerRegistry
 
             self.events = IndexerRegistry()
@@ -232,6 +232,7 @@ class FrontendState:
     def _worker_removed(self, worker: Worker) -> None:
         self._stop_events(worker)
         self.parity.forget(worker.id)
+        self.router.forget_worker(worker.id)
         if self.sessions is not None:
             self.sessions.drop_worker(worker.id)
         for model in list(worker.attached_models):
@@ -272,7 +273,7 @@ class FrontendState:
                     log.error("worker %s: %s", worker.id, worker.last_error)
                     continue
                 approx = None
-                if cfg.router_mode == "kv" and cfg.uses_indexer and not cfg.router_kv_events:
+                if cfg.kv_aware and cfg.uses_indexer and not cfg.router_kv_events:
                     from router.approx import ApproxIndex
 
                     approx = ApproxIndex(bs, cfg.router_ttl_secs, cfg.router_max_tree_size, cfg.router_prune_target_ratio)
