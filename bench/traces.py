@@ -10,6 +10,8 @@ results, so a number is never shown without how it was obtained.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import math
 import os
@@ -25,8 +27,45 @@ MOONCAKE_BLOCK_TOKENS = 512
 VOCAB_LOW = 1000
 VOCAB_HIGH = 16000
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TRACES_DIR = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "traces"))
+# The Mooncake traces ship with the repository (bench/data/, gzip-compressed; source, license and
+# checksums in bench/data/README.md), so the benchmark needs nothing outside the clone.
+VENDORED_TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DEFAULT_TRACES_DIR = VENDORED_TRACES_DIR
 MOONCAKE_TRACES = {"conversation": "conversation_trace.jsonl", "mooncake_synthetic": "synthetic_trace.jsonl"}
+# sha256 of the uncompressed JSONL: byte-identical to kvcache-ai/Mooncake FAST25-release/traces/
+MOONCAKE_SHA256 = {
+    "conversation_trace.jsonl": "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df",
+    "synthetic_trace.jsonl": "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131",
+}
+
+
+def find_trace(name: str, traces_dir: str = DEFAULT_TRACES_DIR) -> str | None:
+    """Path of a built-in trace (``conversation``, ``mooncake_synthetic``) or a file name in
+    ``traces_dir``, plain ``.jsonl`` or ``.jsonl.gz``; None when neither exists."""
+    fname = MOONCAKE_TRACES.get(name, name)
+    for candidate in (os.path.join(traces_dir, fname), os.path.join(traces_dir, fname + ".gz")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _open_text(path: str):
+    """Text reader for ``.jsonl`` and gzip-compressed ``.jsonl.gz`` (by the gzip magic, not the name)."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def trace_sha256(path: str) -> str:
+    """sha256 of a trace's uncompressed bytes (the same for ``x.jsonl`` and ``x.jsonl.gz``)."""
+    h = hashlib.sha256()
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +169,9 @@ class BlockTokens:
 
 
 def read_mooncake(path: str) -> list[dict]:
-    """Rows of a Mooncake JSONL trace, validated (clear error naming the line on bad input)."""
+    """Rows of a Mooncake JSONL trace (plain or gzip), validated (clear error naming the line on bad input)."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -178,7 +217,8 @@ def scale_mooncake(rows: Iterable[dict], scaling: Scaling, seed: int = 0, name: 
 
 
 def load_mooncake(path: str, scaling: Scaling, seed: int = 0, name: str | None = None) -> Trace:
-    return scale_mooncake(read_mooncake(path), scaling, seed=seed, name=name or os.path.splitext(os.path.basename(path))[0])
+    stem = os.path.basename(path).removesuffix(".gz").removesuffix(".jsonl")
+    return scale_mooncake(read_mooncake(path), scaling, seed=seed, name=name or stem)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,10 @@ import pytest
 
 from bench.replay import cache_delta, markdown_report, percentile, read_counter, summarize, verdict, write_outputs, RequestResult
 from bench.synthetic import SyntheticConfig, synthetic_trace
-from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, BlockTokens, Scaling, load_mooncake, oracle, read_mooncake, scale_mooncake
+from bench.traces import (
+    DEFAULT_TRACES_DIR, MOONCAKE_SHA256, MOONCAKE_TRACES, BlockTokens, Scaling, find_trace, load_mooncake, oracle, read_mooncake,
+    scale_mooncake, trace_sha256,
+)  # fmt: skip
 
 
 def write_trace(path, rows) -> str:
@@ -121,15 +124,40 @@ def test_synthetic_generator_is_deterministic_and_multi_turn():
     assert 0.4 < o.token_share < 1.0
 
 
-def test_real_mooncake_traces_load_when_present():
-    for name, fname in MOONCAKE_TRACES.items():
-        path = os.path.join(DEFAULT_TRACES_DIR, fname)
-        if not os.path.exists(path):
-            pytest.skip(f"{path} not present")
+def test_real_mooncake_traces_load():
+    for name in MOONCAKE_TRACES:
+        path = find_trace(name)
+        assert path is not None, f"{name}: not vendored in {DEFAULT_TRACES_DIR}"
         t = load_mooncake(path, Scaling(window_s=120.0, tokens_per_block=16, max_prompt_tokens=2048), name=name)
         assert len(t.requests) > 50
         assert all(0 < len(r.tokens) <= 2048 and r.max_tokens >= 1 for r in t.requests)
         assert 0.0 < oracle([r.tokens for r in t.requests], 16).token_share < 1.0
+
+
+
+def test_vendored_traces_match_the_published_checksums():
+    """bench/data/ holds the Mooncake traces gzip-compressed; their content is byte-identical to upstream."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert os.path.samefile(DEFAULT_TRACES_DIR, os.path.join(repo, "bench", "data"))  # inside the clone, not ../shared
+    for fname, digest in MOONCAKE_SHA256.items():
+        path = os.path.join(DEFAULT_TRACES_DIR, fname + ".gz")
+        assert os.path.getsize(path) < 2_000_000
+        assert trace_sha256(path) == digest, f"{path}: content differs from the published trace"
+    rows = read_mooncake(find_trace("mooncake_synthetic"))
+    assert len(rows) == 3993 and rows[0]["hash_ids"]
+
+
+def test_gzip_and_plain_traces_read_the_same(tmp_path):
+    import gzip
+
+    plain = write_trace(tmp_path / "t.jsonl", TINY_ROWS)
+    with open(plain, "rb") as f, gzip.open(tmp_path / "u.jsonl.gz", "wb") as g:
+        g.write(f.read())
+    assert read_mooncake(plain) == read_mooncake(str(tmp_path / "u.jsonl.gz"))
+    assert find_trace("u.jsonl", str(tmp_path)) == str(tmp_path / "u.jsonl.gz")
+    assert find_trace("nothing.jsonl", str(tmp_path)) is None
+    assert load_mooncake(str(tmp_path / "u.jsonl.gz"), Scaling(window_s=None)).name == "u"
+    assert trace_sha256(plain) == trace_sha256(str(tmp_path / "u.jsonl.gz"))
 
 
 METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries
