@@ -32,9 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute_common.local_cluster import DEFAULT_MODEL, MockerOptions, start_cluster
 from bench.synthetic import SyntheticConfig, synthetic_trace
-from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, Scaling, Trace, distinct_blocks, load_mooncake, oracle, pooled_lru_hits
+from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, find_trace, Scaling, Trace, distinct_blocks, load_mooncake, oracle, pooled_lru_hits
 
-MODES = ("kv", "round_robin", "random")
+MODES = ("latency", "kv", "round_robin", "random")
+DEFAULT_MODES = ("latency", "kv", "round_robin")  # random: --modes ...,random (always the worst; it costs a run)
 # The reference's default overlap weight (1.0) lets the load term (every active request's KV blocks)
 # move a conversation off the worker holding its history; prefix-heavy workloads raise it.
 DEFAULT_VARIANTS = ("kv-w4=kv,--router-kv-overlap-score-weight=4",)
@@ -375,25 +376,37 @@ def replay_url(trace: Trace, url: str, label: str, metrics_urls: Sequence[str], 
 
 # -- reporting --------------------------------------------------------------------------------------
 def verdict(report: dict) -> list[str]:
-    """Plain statements of where kv mode meets the goals (>= 90 % of the oracle, <= half round_robin's
-    TTFT p50) and where it does not; one line per kv row (default and tuned variants)."""
+    """Plain statements of where the cache-aware rows meet the goals and where they do not.
+
+    kv rows (default and tuned): >= 90 % of the oracle and <= 0.5x round_robin's TTFT p50 (the first
+    goal). latency rows (issue 14): >= 95 % of the oracle, <= 0.45x round_robin's TTFT p50, and a
+    lower TTFT p90 than every kv row of the same run."""
     lines = []
     rows = report["modes"]
     rr = next((m for m in rows if m.get("router_mode", m["mode"]) == "round_robin"), None)
     orc = report["oracle"]["token_share"]
-    for kv in [m for m in rows if m.get("router_mode", m["mode"]) == "kv"]:
+    kv_rows = [m for m in rows if m.get("router_mode", m["mode"]) == "kv"]
+    for row in [m for m in rows if m.get("router_mode", m["mode"]) in ("kv", "latency")]:
+        latency = row.get("router_mode", row["mode"]) == "latency"
+        hit_goal, ttft_goal = (0.95, 0.45) if latency else (0.9, 0.5)
         parts = []
-        if kv.get("hit_rate") is not None and orc:
-            share = kv["hit_rate"] / orc
-            parts.append(f"hit rate {kv['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} (goal >= 90 %: {'met' if share >= 0.9 else 'NOT met'})")
-        if rr and kv["ttft_ms"]["p50"] and rr["ttft_ms"]["p50"]:
-            ratio = kv["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"]
-            parts.append(f"TTFT p50 = {ratio:.2f} x round_robin's (goal <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'})")
+        if row.get("hit_rate") is not None and orc:
+            share = row["hit_rate"] / orc
+            parts.append(f"hit rate {row['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} (goal >= {hit_goal:.0%}: {'met' if share >= hit_goal else 'NOT met'})")
+        if rr and row["ttft_ms"]["p50"] and rr["ttft_ms"]["p50"]:
+            ratio = row["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"]
+            parts.append(f"TTFT p50 = {ratio:.2f} x round_robin's (goal <= {ttft_goal:g}: {'met' if ratio <= ttft_goal else 'NOT met'})")
+        if latency and kv_rows and row["ttft_ms"]["p90"]:
+            p90s = {k["mode"]: k["ttft_ms"]["p90"] for k in kv_rows if k["ttft_ms"]["p90"]}
+            best = min(p90s.values(), default=None)
+            if best:
+                ok = row["ttft_ms"]["p90"] < best
+                parts.append(f"TTFT p90 {row['ttft_ms']['p90']:g} ms vs best kv {best:g} ms ({row['ttft_ms']['p90'] / best:.2f}x; goal < every kv weight: {'met' if ok else 'NOT met'})")
         pooled = report.get("pooled_lru")
-        if pooled and pooled.get("token_share") and kv.get("hit_rate") is not None:
-            parts.append(f"{kv['hit_rate'] / pooled['token_share']:.0%} of the pooled-LRU estimate {pooled['token_share']:.1%}")
+        if pooled and pooled.get("token_share") and row.get("hit_rate") is not None:
+            parts.append(f"{row['hit_rate'] / pooled['token_share']:.0%} of the pooled-LRU estimate {pooled['token_share']:.1%}")
         if parts:
-            lines.append(f"{kv['mode']}: " + "; ".join(parts))
+            lines.append(f"{row['mode']}: " + "; ".join(parts))
     for m in rows:
         if m["completed"] < m["requests"]:
             example = next(iter(m.get("error_examples", {}).values()), "")[:160]
@@ -478,10 +491,11 @@ def build_trace(name: str, args: argparse.Namespace) -> Trace:
             output_tokens=args.output_tokens, start_window_s=args.start_window, think_s=args.think_time, think_min_s=args.think_min,
         )  # fmt: skip
         return synthetic_trace(cfg)
-    path = os.path.join(args.traces_dir, MOONCAKE_TRACES[name]) if name in MOONCAKE_TRACES else name
-    if not os.path.exists(path):
-        raise SystemExit(f"trace {name!r}: no such file {path!r} (use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})")
-    stem = name if name in MOONCAKE_TRACES else os.path.splitext(os.path.basename(path))[0]
+    path = find_trace(name, args.traces_dir) if name in MOONCAKE_TRACES else name
+    if path is None or not os.path.exists(path):
+        where = os.path.join(args.traces_dir, MOONCAKE_TRACES[name]) + "[.gz]" if name in MOONCAKE_TRACES else name
+        raise SystemExit(f"trace {name!r}: no such file {where!r} (use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})")
+    stem = name if name in MOONCAKE_TRACES else os.path.basename(path).removesuffix(".gz").removesuffix(".jsonl")
     window = args.window if args.window is not None else DEFAULT_WINDOWS.get(name, DEFAULT_WINDOW)
     scaling = Scaling(
         start_s=args.start, window_s=window if window > 0 else None, rate_scale=args.rate_scale,
@@ -508,8 +522,8 @@ def gpu_blocks_for(trace: Trace, args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench replay", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--trace", default="synthetic", help=f"comma-separated: synthetic, {', '.join(MOONCAKE_TRACES)} or a Mooncake JSONL path")
-    p.add_argument("--traces-dir", default=DEFAULT_TRACES_DIR, help="where the Mooncake traces are")
-    p.add_argument("--modes", default=",".join(MODES), help="router modes to compare (each on fresh workers)")
+    p.add_argument("--traces-dir", default=DEFAULT_TRACES_DIR, help="where the Mooncake traces are (.jsonl or .jsonl.gz; default: the copies vendored in bench/data/)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"router modes to compare (each on fresh workers), from {', '.join(MODES)}")
     p.add_argument("--variant", action="append", default=None, metavar="LABEL=MODE[,FLAG...]",
                    help=f"an extra row: a router mode with extra frontend flags (repeat; default: {DEFAULT_VARIANTS[0]}; 'none' for no variant)")
     p.add_argument("--url", help="replay against this running frontend instead of starting one (one run, labelled --label)")
@@ -530,7 +544,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--data-parallel-size", type=int, default=1)
-    g.add_argument("--speedup-ratio", type=float, default=0.5)
+    g.add_argument("--speedup-ratio", default="0.5",
+                   help="engine speed (mocker speedup ratio); comma-separated for several load levels in one run, e.g. 0.5,0.35 "
+                        "(lower = slower engines = heavier load; outputs then named <trace>-s<ratio>, plus summary.md/.png)")
     g.add_argument("--frontend-arg", action="append", default=[], help="extra frontend flag (repeat), e.g. --frontend-arg=--router-temperature=0.1")
     g = p.add_argument_group("Mooncake scaling")
     g.add_argument("--start", type=float, default=0.0, help="trace time (s) where the replayed window starts")
@@ -557,8 +573,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_loads(text: str) -> list[float]:
+    """``--speedup-ratio 0.5,0.35``: one or more engine speeds (lower = slower engines = heavier load)."""
+    try:
+        loads = [float(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--speedup-ratio: expected numbers separated by commas, got {text!r}") from None
+    if not loads or any(v < 0 for v in loads):
+        raise SystemExit(f"--speedup-ratio: expected one or more values >= 0, got {text!r}")
+    return loads
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    loads = parse_loads(args.speedup_ratio)
     modes: list[ModeSpec] = []
     for m in [m.strip().replace("-", "_") for m in args.modes.split(",") if m.strip()]:
         if m not in MODES:
@@ -577,13 +605,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     mocker = MockerOptions(
         block_size=args.block_size, num_gpu_blocks=SYNTHETIC_GPU_BLOCKS, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, dp_size=args.data_parallel_size,
-        speedup_ratio=args.speedup_ratio, seed=args.seed,
+        speedup_ratio=loads[0], seed=args.seed,
     )  # fmt: skip
     opts = RunOptions(
         workers=args.workers, mocker=mocker, max_concurrency=args.max_concurrency, max_duration_s=args.max_duration,
         request_timeout_s=args.request_timeout, frontend_args=tuple(args.frontend_arg), log_dir=os.path.join(args.out_dir, "logs"),
     )  # fmt: skip
     command = "python -m bench replay " + " ".join(argv if argv is not None else sys.argv[1:])
+    reports: list[dict] = []
     for name in [t.strip() for t in args.trace.split(",") if t.strip()]:
         trace = build_trace(name, args)
         orc: Oracle = oracle([r.tokens for r in trace.requests], args.block_size)
@@ -592,38 +621,98 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, {orc.block_share:.1%} of full blocks")
         pooled = None
         blocks = gpu_blocks_for(trace, args)
-        mocker = replace(opts.mocker, num_gpu_blocks=blocks)
-        mode_opts = replace(opts, mocker=mocker)
         if not args.url:
             print(f"   KV blocks per worker rank: {blocks} ({'given' if str(args.num_gpu_blocks) != 'auto' else 'auto'})")
             capacity = args.workers * args.data_parallel_size * blocks
             pooled = {"capacity_blocks": capacity, **pooled_lru_hits([r.tokens for r in trace.requests], args.block_size, capacity).as_dict()}
             print(f"   one pooled LRU cache of all workers' {capacity} blocks would reach {pooled['token_share']:.1%} of prompt tokens")
-        if args.url:
-            results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, mode_opts)]
-            setup = f"external frontend {args.url}"
-        else:
-            results = [replay_mode_or_failure(trace, mode, mode_opts) for mode in modes]
-            setup = (
-                f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, {blocks} KV blocks per rank, "
-                f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, speedup {args.speedup_ratio:g}; "
-                f"fresh (cold) workers and frontend per mode; client max concurrency {args.max_concurrency}"
-            )
-        report = {
-            "trace": trace.summary(),
-            "scaling": trace.scaling,
-            "oracle": orc.as_dict(),
-            "pooled_lru": pooled,
-            "setup": setup,
-            "command": command,
-            "seed": args.seed,
-            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-            "modes": results,
-        }
-        report["verdict"] = verdict(report)
-        paths = write_outputs(report, args.out_dir, trace.name)
-        print()
-        print(markdown_report(report))
-        print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
+        for speed in loads if not args.url else loads[:1]:
+            mode_opts = replace(opts, mocker=replace(opts.mocker, num_gpu_blocks=blocks, speedup_ratio=speed))
+            if len(loads) > 1:
+                print(f"-- {trace.name} at speedup ratio {speed:g} (load level {loads.index(speed) + 1} of {len(loads)}), {load_avg()}")
+            if args.url:
+                results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, mode_opts)]
+                setup = f"external frontend {args.url}"
+            else:
+                results = [replay_mode_or_failure(trace, mode, mode_opts) for mode in modes]
+                setup = (
+                    f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, {blocks} KV blocks per rank, "
+                    f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, speedup {speed:g}; "
+                    f"fresh (cold) workers and frontend per mode; client max concurrency {args.max_concurrency}"
+                )
+            report = {
+                "trace": trace.summary(),
+                "scaling": trace.scaling,
+                "oracle": orc.as_dict(),
+                "pooled_lru": pooled,
+                "setup": setup,
+                "speedup_ratio": speed,
+                "command": command,
+                "seed": args.seed,
+                "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "load_after": load_avg()},
+                "modes": results,
+            }
+            report["verdict"] = verdict(report)
+            stem = trace.name if len(loads) == 1 else f"{trace.name}-s{speed:g}"
+            paths = write_outputs(report, args.out_dir, stem)
+            reports.append(report)
+            print()
+            print(markdown_report(report))
+            print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
+    if len(reports) > 1:
+        paths = write_summary(reports, args.out_dir)
+        print(summary_table(reports))
+        print(f"wrote {paths['md']}, {paths['png']}")
     return 0
 
+
+def load_avg() -> str:
+    """The machine's load average (the benchmarks share it with other work; stated with each result)."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "load average n/a"
+    return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f}"
+
+
+def summary_table(reports: Sequence[dict]) -> str:
+    """One row per (trace, load): every mode's hit rate as a share of the oracle and its TTFT p50 / p90,
+    with the ratio of p50 to round_robin's."""
+    labels: list[str] = []
+    for r in reports:
+        for m in r["modes"]:
+            if m["mode"] not in labels:
+                labels.append(m["mode"])
+    head = "| trace | speedup | oracle | " + " | ".join(f"{label}: of oracle, TTFT p50 / p90 ms (p50 vs rr)" for label in labels) + " |"
+    rows = [head, "| " + " | ".join(["---"] * (3 + len(labels))) + " |"]
+    for r in reports:
+        by = {m["mode"]: m for m in r["modes"]}
+        rr = next((m for m in r["modes"] if m.get("router_mode") == "round_robin"), None)
+        orc = r["oracle"]["token_share"]
+        cells = []
+        for label in labels:
+            m = by.get(label)
+            if m is None or not m["ttft_ms"]["p50"]:
+                cells.append("n/a")
+                continue
+            share = f"{m['hit_rate'] / orc:.0%}" if m.get("hit_rate") is not None and orc else "n/a"
+            ratio = f" ({m['ttft_ms']['p50'] / rr['ttft_ms']['p50']:.2f}x)" if rr and rr["ttft_ms"]["p50"] else ""
+            cells.append(f"{share}, {fmt(m['ttft_ms']['p50'])} / {fmt(m['ttft_ms']['p90'])}{ratio}")
+        rows.append(f"| {r['trace']['name']} | {r.get('speedup_ratio', 'n/a')} | {orc:.1%} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def write_summary(reports: Sequence[dict], out_dir: str) -> dict[str, str]:
+    """summary.md (the side-by-side table and every run's verdict) and summary.png (one panel pair per run)."""
+    paths = {"md": os.path.join(out_dir, "summary.md"), "png": os.path.join(out_dir, "summary.png"), "json": os.path.join(out_dir, "summary.json")}
+    lines = ["# Replay summary", "", f"Command: `{reports[0]['command']}`", "", summary_table(reports), ""]
+    for r in reports:
+        lines.append(f"- {r['trace']['name']} at speedup {r.get('speedup_ratio')}: " + "; ".join(r.get("verdict", [])))
+    with open(paths["md"], "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(paths["json"], "w", encoding="utf-8") as f:
+        json.dump(list(reports), f, indent=2)
+    from bench.plot import plot_summary
+
+    plot_summary(reports, paths["png"])
+    return paths

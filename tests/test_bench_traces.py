@@ -206,6 +206,39 @@ def test_summary_report_and_outputs(tmp_path):
     assert os.path.getsize(paths["png"]) < 200_000
 
 
+def _row(mode: str, router_mode: str, hit: float, p50: float, p90: float) -> dict:
+    return {"mode": mode, "router_mode": router_mode, "hit_rate": hit, "requests": 10, "completed": 10,
+            "ttft_ms": {"p50": p50, "p90": p90, "p99": p90 * 2}, "e2e_ms": {"p50": p50 * 2, "p90": p90 * 2, "p99": p90 * 3}}
+
+
+def test_latency_verdict_and_the_side_by_side_summary(tmp_path):
+    from bench.replay import parse_loads, summary_table, write_summary
+
+    def report(speed: float, lat_p90: float) -> dict:
+        r = {"trace": {"name": "tiny", "requests": 10}, "oracle": {"token_share": 0.5}, "speedup_ratio": speed,
+             "command": "python -m bench replay --trace tiny --speedup-ratio 0.5,0.35",
+             "modes": [_row("latency", "latency", 0.48, 40.0, lat_p90), _row("kv", "kv", 0.40, 80.0, 150.0),
+                       _row("kv-w4", "kv", 0.46, 60.0, 120.0), _row("round_robin", "round_robin", 0.25, 100.0, 300.0)]}
+        r["verdict"] = verdict(r)
+        return r
+
+    good, bad = report(0.5, 100.0), report(0.35, 130.0)
+    lat = next(v for v in good["verdict"] if v.startswith("latency:"))
+    assert "96% of the oracle" in lat and "goal >= 95%: met" in lat and "0.40 x round_robin's (goal <= 0.45: met)" in lat
+    assert "best kv 120 ms" in lat and "goal < every kv weight: met" in lat
+    assert "goal < every kv weight: NOT met" in next(v for v in bad["verdict"] if v.startswith("latency:"))
+    assert any(v.startswith("kv-w4:") and "goal >= 90%: met" in v for v in good["verdict"])  # kv rows keep the first goal
+    table = summary_table([good, bad])
+    assert "| tiny | 0.5 | 50.0% | 96%, 40 / 100 (0.40x) |" in table and "| tiny | 0.35 |" in table
+    paths = write_summary([good, bad], str(tmp_path))
+    assert "Replay summary" in open(paths["md"]).read()
+    assert open(paths["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert parse_loads("0.5, 0.35") == [0.5, 0.35]
+    for bad_text in ("", "fast", "-1"):
+        with pytest.raises(SystemExit):
+            parse_loads(bad_text)
+
+
 def test_pooled_lru_reuse_is_bounded_by_capacity():
     from bench.traces import pooled_lru_hits
 
