@@ -95,3 +95,21 @@ def test_auto_kv_blocks_hold_the_mooncake_schedules_distinct_blocks(tmp_path):
     with pytest.raises(SystemExit):
         gpu_blocks_for(t, parser().parse_args(["--num-gpu-blocks", "lots"]))
     assert DEFAULT_WINDOWS["mooncake_synthetic"] == 0.0  # the whole 17-minute trace (its 64 % reuse)
+
+
+def test_mooncake_replay_runs_from_a_clean_copy_without_shared(tmp_path):
+    """``python -m bench replay --trace mooncake_synthetic`` needs nothing outside the repository."""
+    import shutil
+
+    clone = tmp_path / "clone"
+    shutil.copytree(REPO_ROOT, clone, ignore=shutil.ignore_patterns(".git", "__pycache__", "out", ".benchmarks"))
+    assert not (tmp_path / "shared").exists()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench", "replay", "--trace", "mooncake_synthetic", "--modes", "latency", "--variant", "none",
+           "--workers", "1", "--max-requests", "12", "--num-gpu-blocks", "1024", "--speedup-ratio", "10", "--max-duration", "60",
+           "--out-dir", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, cwd=clone, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "mooncake_synthetic.json").read_text())
+    assert report["trace"]["requests"] == 12
+    check_mode(report["modes"][0], 12)

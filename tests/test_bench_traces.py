@@ -255,3 +255,21 @@ def test_distinct_blocks_counts_prefix_paths_once():
     a, b = list(range(1, 17)), list(range(101, 117))  # 4 blocks of 4 each
     assert distinct_blocks([a, b, a + [0], a[:8] + b[:8]], 4) == 4 + 4 + 2  # a's tail and repeats are known; a[:8]+b[:8] adds 2 new paths
     assert distinct_blocks([], 4) == 0
+
+
+def test_offline_routing_simulation_compares_cost_models():
+    """bench.routing_sim: the replay's schedule through the real router cores and the mocker's scheduler in virtual time."""
+    from bench.routing_sim import simulate, ttft_floor_ms
+
+    t = synthetic_trace(SyntheticConfig(sessions=8, turns=4, system_prompts=2, system_tokens=256, user_tokens=64, reply_tokens=64,
+                                        output_tokens=2, start_window_s=2.0, think_s=0.5, think_min_s=0.2))
+    orc = oracle([r.tokens for r in t.requests], 16).token_share
+    rows = {p: simulate(t, p, workers=3, blocks=2048, speedup=0.5) for p in ("latency", "kv", "round_robin")}
+    for r in rows.values():
+        assert r["completed"] == r["requests"] == len(t.requests)
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
+        assert 0.0 <= r["hit_rate"] <= orc + 1e-9
+    assert rows["latency"]["hit_rate"] > rows["round_robin"]["hit_rate"]
+    assert rows["latency"]["latency_models"]  # it learned from the simulated first tokens
+    assert simulate(t, "latency", 3, 2048, 0.5) == rows["latency"]  # deterministic
+    assert 0 < ttft_floor_ms(t, 16, 0.5) <= rows["latency"]["ttft_ms"]["p50"]

@@ -91,6 +91,17 @@ def test_queued_prefill_work_sends_the_request_elsewhere() -> None:
     loads = [CandidateLoad(1, 0, 8000, 0, 4), CandidateLoad(2, 0, 0, 0, 0)]
     costs = score_latency(loads, {(1, 0): 32}, 1024, 16, models)
     assert choose(costs).worker_id == 2
+    by = {c.worker_id: c for c in costs}
+    # worker 2 pays its own 1024 tokens plus the 512 it recomputes although worker 1 holds them
+    assert by[2].cost == pytest.approx((0.02 + (1024 + 512) / 20000) * 1e3)
+    assert by[1].cost == pytest.approx((0.02 + (8000 + 512) / 20000) * 1e3)
+    greedy = score_latency(loads, {(1, 0): 32}, 1024, 16, models, recompute_weight=0.0)
+    assert {c.worker_id: c.cost for c in greedy}[2] == pytest.approx((0.02 + 1024 / 20000) * 1e3)
+    # a moderate queue on the holder: greedy TTFT leaves (700 queued + 512 uncached > 1024 on the idle
+    # rank); the recompute charge (+512 there) keeps the prefix in one place
+    moderate = [CandidateLoad(1, 0, 700, 0, 1), CandidateLoad(2, 0, 0, 0, 0)]
+    assert choose(score_latency(moderate, {(1, 0): 32}, 1024, 16, models, recompute_weight=0.0)).worker_id == 2
+    assert choose(score_latency(moderate, {(1, 0): 32}, 1024, 16, models)).worker_id == 1
     # without prefill tracking the queue is invisible and the cache wins
     costs = score_latency(loads, {(1, 0): 32}, 1024, 16, models, track_prefill_tokens=False)
     assert choose(costs).worker_id == 1

@@ -1,0 +1,193 @@
+"""Offline routing simulation: the replay's schedule through the real router cores and simulated engines
+in virtual time (no processes, no sockets, no wall clock), for iterating on cost models quickly.
+
+Each worker is the mocker's own ``RankScheduler`` (same prefix cache, scheduler and time model as
+``python -m mocker``) driven by an event loop in virtual time; routing uses the real slot tracker
+core (``slot_tracker.core``) and the real cost functions (``router.selection``, ``router.latency``).
+Overlaps are read from the engines' caches directly (what KV events report, without their delay),
+and there is no frontend or network overhead, so absolute TTFTs are lower than a live replay's; the
+comparison between router modes is what this is for. Deterministic for a given seed.
+
+    python -m bench routing_sim --trace mooncake_synthetic --speedup-ratio 0.5,0.35
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import sys
+import time
+from collections.abc import Sequence as Seq
+
+from bench.replay import build_trace, gpu_blocks_for, parse_loads, parser as replay_parser, percentile
+from bench.traces import Trace, oracle
+from mocker.engine import RankScheduler, Sequence
+from mocker.kv_cache import KvCache
+from mocker.perf_model import PerfModel
+from router.hashing import local_block_hashes, sequence_hashes
+from router.latency import LatencyModels, LatencyPrior, score_latency
+from router.selection import CandidateLoad, choose, score_candidates
+from slot_tracker.core import SlotTracker
+
+POLICIES = ("latency", "kv", "kv-w4", "round_robin")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(trace: Trace, policy: str, workers: int, blocks: int, speedup: float, block_size: int = 16,
+             max_num_seqs: int = 64, max_batched: int = 4096, seed: int = 0) -> dict:
+    """Route and run every request of ``trace``; returns TTFT percentiles (ms) and the hit rate."""
+    clock = _Clock()
+    rng = random.Random(seed)
+    perf = PerfModel(speedup)
+    ttfts: dict[str, float] = {}
+    sent_at: dict[str, float] = {}
+    tracker = SlotTracker("sim", "default", block_size, clock=clock)
+    for w in range(workers):
+        tracker._add_worker(w, 0, 1)
+    name, _, opt = policy.partition(":")  # e.g. latency:k=4 (decode tokens per block), for experiments
+    kw = {k: float(v) for k, v in (o.split("=") for o in opt.split(",") if o)}
+    prior = LatencyPrior(**({"decode_tokens_per_block": kw["k"]} if "k" in kw else {}))
+    models = LatencyModels(prior, block_size)
+    policy = name
+    decisions: dict[str, tuple[int, int, float]] = {}
+    pending_first: list[tuple[float, str]] = []
+
+    def on_first(seq: Sequence, _elapsed: float) -> None:
+        rid = seq.request_id
+        ttfts[rid] = clock.now - sent_at[rid]
+        tracker.prefill_complete(rid, notify=False)
+        w, work, dec = decisions[rid]
+        if policy == "latency":
+            models.observe((w, 0), work, dec, clock.now - sent_at[rid])
+
+    def on_finished(seq: Sequence, _reason: str) -> None:
+        tracker.free(seq.request_id, notify=False)
+
+    ranks = [RankScheduler(KvCache(blocks, block_size, ext_seed=w, emit_events=False), perf, max_num_seqs, max_batched, None,
+                           on_first_token=on_first, on_finished=on_finished, clock=clock) for w in range(workers)]
+    busy_until = [None] * workers  # (end time, step) of the step in flight per rank
+    events: list[tuple[float, int, int, int]] = []  # (time, kind 0=step end 1=arrival, order, index)
+    for r in trace.requests:
+        heapq.heappush(events, (r.arrival_s, 1, r.index, r.index))
+    order = len(trace.requests)
+    rr = 0
+
+    def kick(w: int) -> None:
+        nonlocal order
+        if busy_until[w] is None and ranks[w].has_work():
+            step = ranks[w].schedule()
+            busy_until[w] = step
+            order += 1
+            heapq.heappush(events, (clock.now + max(step.seconds, 1e-6), 0, order, w))
+
+    n_events = 0
+    limit = 50_000_000
+    while events and n_events < limit:
+        n_events += 1
+        t, kind, _, idx = heapq.heappop(events)
+        clock.now = t
+        if kind == 0:
+            step = busy_until[idx]
+            busy_until[idx] = None
+            ranks[idx].commit(step)
+            kick(idx)
+            continue
+        req = trace.requests[idx]
+        rid = f"r{idx}"
+        local = local_block_hashes(req.tokens, block_size)
+        seq_h = sequence_hashes(local)
+        isl = len(req.tokens)
+        if policy == "prefix":  # longest cached prefix, ties to the least queued prefill (offline reference)
+            ov = [len(ranks[k].kv.longest_prefix(seq_h, len(seq_h))) for k in range(workers)]
+            best = max(ov)
+            cands = [k for k in range(workers) if ov[k] == best]
+            w = min(cands, key=lambda k: (tracker.active_prefill_tokens(k, 0), rng.random()))
+            overlap = ov[w]
+            work, dec = isl - overlap * block_size, 0
+        elif policy == "round_robin":
+            w = rr % workers
+            rr += 1
+            overlap = len(ranks[w].kv.longest_prefix(seq_h, (isl - 1) // block_size))
+            work, dec = isl - overlap * block_size, 0
+        else:
+            overlaps = {(k, 0): len(ranks[k].kv.longest_prefix(seq_h, len(seq_h))) for k in range(workers)}
+            loads = [CandidateLoad(p[0], p[1], p[2], p[3], p[4]) for p in tracker.potential_loads(seq_h, 0)]
+            if policy == "latency":
+                costs = score_latency(loads, overlaps, isl, block_size, models, recompute_weight=kw.get("r", 1.0))
+            else:
+                costs = score_candidates(loads, overlaps, isl, block_size, 4.0 if policy == "kv-w4" else 1.0)
+            c = choose(costs, 0.0, rng)
+            w, overlap, work, dec = c.worker_id, c.overlap_blocks, c.prefill_tokens, c.decode_blocks
+        new = max(0, isl - overlap * block_size)
+        tracker.add(rid, w, 0, seq_h, new)
+        decisions[rid] = (w, work, dec)
+        sent_at[rid] = t
+        ranks[w].add(Sequence(rid, list(req.tokens), req.max_tokens, lambda tok, reason: None, random.Random(idx),
+                              ignore_eos=True, arrival_time=t))
+        kick(w)
+    queries = sum(r.stats.prefix_cache_queries for r in ranks)
+    hits = sum(r.stats.prefix_cache_hits for r in ranks)
+    vals = list(ttfts.values())
+    return {"policy": policy, "speedup": speedup, "completed": len(vals), "requests": len(trace.requests),
+            "hit_rate": hits / queries if queries else None,
+            "ttft_ms": {f"p{p}": round(1e3 * percentile(vals, p), 1) for p in (50, 90, 99)} if vals else None,
+            "latency_models": models.snapshot() if policy == "latency" else None}
+
+
+def ttft_floor_ms(trace: Trace, block_size: int, speedup: float, p: float = 50) -> float:
+    """A lower bound on any router's TTFT percentile: every request alone on an idle engine with the
+    oracle's cache (all of its prefix seen before is cached): one prefill step of its uncached tokens."""
+    from router.hashing import block_hashes
+
+    seen: set[int] = set()
+    perf = PerfModel(speedup)
+    out = []
+    for r in trace.requests:
+        _, seq = block_hashes(list(r.tokens), block_size)
+        cap = (len(r.tokens) - 1) // block_size
+        hit = 0
+        while hit < min(cap, len(seq)) and seq[hit] in seen:
+            hit += 1
+        seen.update(seq)
+        out.append(perf.step_seconds(len(r.tokens) - hit * block_size, 0, 0.0) * 1e3)
+    return round(percentile(out, p), 1)
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench routing_sim", description=__doc__.split("\n\n")[0], parents=[replay_parser()], add_help=False,
+                                conflict_handler="resolve")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
+    args = p.parse_args(argv)
+    for name in [t.strip() for t in args.trace.split(",") if t.strip()]:
+        trace = build_trace(name, args)
+        orc = oracle([r.tokens for r in trace.requests], args.block_size).token_share
+        blocks = gpu_blocks_for(trace, args)
+        print(f"== {trace.name}: {len(trace.requests)} requests, oracle {orc:.1%}, {blocks} blocks per worker")
+        for speed in parse_loads(args.speedup_ratio):
+            rows = []
+            for pol in [x.strip() for x in args.policies.split(",") if x.strip()]:
+                t0 = time.process_time()
+                r = simulate(trace, pol, args.workers, blocks, speed, args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.seed)
+                r["cpu_s"] = round(time.process_time() - t0, 1)
+                rows.append(r)
+            rr = next((r for r in rows if r["policy"] == "round_robin"), None)
+            floor = ttft_floor_ms(trace, args.block_size, speed)
+            print(f"  speedup {speed:g} floor (oracle cache, no queueing, no decode): TTFT p50 {floor} ms"
+                  + (f" = {floor / rr['ttft_ms']['p50']:.2f}x rr" if rr else ""))
+            for r in rows:
+                ratio = f"{r['ttft_ms']['p50'] / rr['ttft_ms']['p50']:.2f}x rr" if rr else ""
+                print(f"  speedup {speed:g} {r['policy']:>12}: hit {r['hit_rate']:.1%} ({r['hit_rate'] / orc:.0%} of oracle), "
+                      f"TTFT p50/p90/p99 {r['ttft_ms']['p50']}/{r['ttft_ms']['p90']}/{r['ttft_ms']['p99']} ms {ratio} [{r['cpu_s']} s]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
