@@ -77,8 +77,8 @@ class Lease:
     def first_token(self, streamed: bool = True) -> None:
         """The worker produced output: the prompt is no longer prefill load.
 
-        ``streamed=False`` for unary responses: their "first token" is the whole response, so the
-        latency model does not learn from it."""
+        ``streamed=False`` for answers that arrive whole: their "first token" is the whole response,
+        so the latency model does not learn from it."""
         if self.prefilled or self.released:
             return
         self.prefilled = True

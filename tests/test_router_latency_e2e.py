@@ -45,7 +45,7 @@ def test_latency_mode_learns_speeds_and_keeps_prefixes() -> None:
         assert d["router_mode"] == "latency" and len({c["cost"] for c in d["candidates"]}) == 1
         assert all(c["cost"] > 0 for c in d["candidates"])
 
-        # learn: streamed requests are observations (unary ones are not: their first token is the whole answer)
+        # learn: every request whose first token is seen is an observation (pinned here to observe both workers)
         # (pinned, so that both workers are observed whatever the first picks are)
         streamed = 0
         for _ in range(4):
@@ -56,8 +56,8 @@ def test_latency_mode_learns_speeds_and_keeps_prefixes() -> None:
         assert est[1] > 2 * est[2], (est, fe.explain(_prompt())["latency_models"])  # the same prompt is estimated 2x+ slower (~450 vs ~5 ms of prefill) on the slow worker
         models = fe.explain(_prompt())["latency_models"]
         assert models["1:0"]["observations"] == models["2:0"]["observations"] == 4, models
-        fe.chat(_prompt())  # unary: routed, not learned from
-        assert sum(m["observations"] for m in fe.explain(_prompt())["latency_models"].values()) == streamed
+        fe.chat(_prompt())  # non-streaming, sent to the engine as a stream: its real first token is an observation too
+        assert sum(m["observations"] for m in fe.explain(_prompt())["latency_models"].values()) == streamed + 1
 
         # learned: new prompts go to the fast worker
         picks = Counter(_stream(fe, _prompt()) for _ in range(8))
