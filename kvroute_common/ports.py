@@ -9,11 +9,22 @@ from __future__ import annotations
 import socket
 
 
+# Ports this process has handed out: the kernel may hand the same ephemeral port to two separate
+# ``bind(0)`` calls once the first socket is closed, and a test that asks twice (an HTTP port, then a
+# replay port) must not get one port for both.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago and not handed out before by this process."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port that was not handed out before")
 
 
 def free_ports(n: int) -> list[int]:
@@ -24,7 +35,11 @@ def free_ports(n: int) -> list[int]:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind(("127.0.0.1", 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+        ports = [s.getsockname()[1] for s in socks]
+        if _handed_out.intersection(ports):  # rare: retry for ports not handed out before
+            return [free_port() for _ in range(n)]
+        _handed_out.update(ports)
+        return ports
     finally:
         for s in socks:
             s.close()
