@@ -209,3 +209,19 @@ def test_documents_are_served_on_every_service(tracker_url, indexer_url, fronten
     for path in ("/v1/chat/completions", "/v1/completions", "/admin/workers", "/busy_threshold", "/potential_loads", "/metrics"):
         assert path in front
 
+
+# ------------------------------------------------------------------------------------------ regressions found by the run
+
+
+def test_v1_framework_errors_are_openai_shaped(frontend_url):
+    """A /v1 path no route matches (a model id with a newline, an unknown route) or a wrong method gets
+    the OpenAI error body, like every other /v1 error; other paths keep {"error": "..."}."""
+    for method, path, status in (("GET", "/v1/models/a%0Ab", 404), ("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405)):
+        r = httpx.request(method, f"{frontend_url}{path}", timeout=10)
+        assert r.status_code == status, (path, r.text)
+        body = r.json()
+        assert body["error"]["code"] == status and body["code"] == status and isinstance(body["message"], str), body
+    r = httpx.get(f"{frontend_url}/v1/chat/completions", timeout=10)
+    assert r.headers["allow"] == "POST"
+    r = httpx.get(f"{frontend_url}/nope", timeout=10)
+    assert (r.status_code, r.json()) == (404, {"error": "route not found"})
