@@ -35,8 +35,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 
 # the worker each standalone service is started with (the documents' example model)
-TRACKER_SEED = {"model_name": "llama-3-8b", "worker_id": 7}
-INDEXER_SEED = {"model_name": "llama-3-8b", "instance_id": 1}
+TRACKER_SEED = {"model_name": "llama-3-8b", "worker_id": 7, "dp_rank": 0, "tenant_id": "default", "routing_group": "default"}
+INDEXER_SEED = {"model_name": "llama-3-8b", "instance_id": 1, "tenant_id": "default", "routing_group": "default"}
 
 _CLOSED_PORT = free_port()  # nothing listens here: connects are refused at once
 
@@ -63,7 +63,7 @@ def _steer(case: Any, seeded: dict[str, Any] | None = None) -> None:
             body[key] = f"http://127.0.0.1:{_CLOSED_PORT}" if path == "/admin/workers" else f"tcp://127.0.0.1:{_CLOSED_PORT}"
     if path == "/admin/workers" and str(body.get("id", "")).strip().lstrip("+").lstrip("0") in {str(i) for i in WORKER_IDS}:
         body["id"] = 7999
-    if seeded is not None:
+    if seeded is not None and path != "/unregister":  # the seeded worker stays registered
         for key, value in seeded.items():
             current = body.get(key)
             if isinstance(current, str) and len(current) % 2 == 0:
@@ -72,7 +72,10 @@ def _steer(case: Any, seeded: dict[str, Any] | None = None) -> None:
                 body[key] = value
 
 
-def _run(case: Any, seeded: dict[str, Any] | None = None) -> None:
+def _run(case: Any, seeded: dict[str, Any] | None = None, seed_registration: tuple[str, dict] | None = None) -> None:
+    if seed_registration is not None:  # a generated /unregister may have dropped it (201 or 409: registered)
+        url, body = seed_registration
+        assert httpx.post(url, json=body, timeout=10).status_code in (201, 409)
     _steer(case, seeded)
     if case.path == "/admin/workers/{worker_id}" and str(case.path_parameters.get("worker_id", "")).strip() in {str(i) for i in WORKER_IDS}:
         case.path_parameters["worker_id"] = "7999"
@@ -94,8 +97,7 @@ def tracker_url():
     args = ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port), "--replica-sync-bind", f"tcp://127.0.0.1:{sync_port}"]
     with service(args, ready_url=f"{url}/health") as proc:
         seed = {"worker_id": TRACKER_SEED["worker_id"], "model_name": TRACKER_SEED["model_name"], "block_size": 16, "dp_start": 0, "dp_size": 2}
-        assert httpx.post(f"{url}/register", json=seed, timeout=10).status_code == 201
-        yield url
+        yield url, (f"{url}/register", seed)
         assert proc.poll() is None, "the slot tracker died during the run"
         for row in httpx.get(f"{url}/loads", timeout=10).json():  # what the fuzzer booked, never below 0
             assert row["active_prefill_tokens"] >= 0 and row["active_decode_blocks"] >= 0
@@ -103,7 +105,7 @@ def tracker_url():
 
 @pytest.fixture
 def tracker_schema(tracker_url):
-    return _load(tracker_url)
+    return _load(tracker_url[0])
 
 
 tracker = schemathesis.pytest.from_fixture("tracker_schema")
@@ -111,8 +113,8 @@ tracker = schemathesis.pytest.from_fixture("tracker_schema")
 
 @tracker.parametrize()
 @FUZZ_SETTINGS
-def test_slot_tracker_conforms(case):
-    _run(case, TRACKER_SEED)
+def test_slot_tracker_conforms(case, tracker_url):
+    _run(case, TRACKER_SEED, tracker_url[1])
 
 
 # ------------------------------------------------------------------------------------------ indexer
@@ -125,14 +127,13 @@ def indexer_url():
     with service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], ready_url=f"{url}/health") as proc:
         seed = {"instance_id": INDEXER_SEED["instance_id"], "model_name": INDEXER_SEED["model_name"], "block_size": 16,
                 "endpoint": f"tcp://127.0.0.1:{_CLOSED_PORT}"}
-        assert httpx.post(f"{url}/register", json=seed, timeout=10).status_code == 201
-        yield url
+        yield url, (f"{url}/register", seed)
         assert proc.poll() is None, "the indexer died during the run"
 
 
 @pytest.fixture
 def indexer_schema(indexer_url):
-    return _load(indexer_url)
+    return _load(indexer_url[0])
 
 
 indexer = schemathesis.pytest.from_fixture("indexer_schema")
@@ -140,8 +141,8 @@ indexer = schemathesis.pytest.from_fixture("indexer_schema")
 
 @indexer.parametrize()
 @FUZZ_SETTINGS
-def test_indexer_conforms(case):
-    _run(case, INDEXER_SEED)
+def test_indexer_conforms(case, indexer_url):
+    _run(case, INDEXER_SEED, indexer_url[1])
 
 
 # ------------------------------------------------------------------------------------------ frontend
@@ -197,6 +198,7 @@ def test_frontend_conforms(case):
 def test_documents_are_served_on_every_service(tracker_url, indexer_url, frontend_url):
     """Each service answers /openapi.json (on the ordinary ASGI path) with its own OpenAPI 3.1 document."""
     titles = {}
+    tracker_url, indexer_url = tracker_url[0], indexer_url[0]
     for url in (tracker_url, indexer_url, frontend_url):
         r = httpx.get(f"{url}/openapi.json", timeout=10)
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
