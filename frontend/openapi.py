@@ -17,7 +17,6 @@ from slot_tracker.openapi import tracker_paths, tracker_schemas
 
 from .hints import _NvExt
 
-_U64 = {"type": "integer", "minimum": 0, "maximum": oa.U64_MAX}
 _INT_STR = {"type": "string", "description": "an integer; unparsable values are ignored"}
 
 # statuses of the /v1 generation routes (frontend/openai_routes.py, frontend/routing.py); a worker's 4xx passes through

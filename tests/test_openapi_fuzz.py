@@ -41,6 +41,14 @@ INDEXER_SEED = {"model_name": "llama-3-8b", "instance_id": 1, "tenant_id": "defa
 _CLOSED_PORT = free_port()  # nothing listens here: connects are refused at once
 
 
+def _is_real_worker(value: Any) -> bool:
+    """Whether the frontend would read ``value`` as one of the two real workers' ids."""
+    try:
+        return int(str(value).strip()) in WORKER_IDS
+    except ValueError:
+        return False
+
+
 def _steer(case: Any, seeded: dict[str, Any] | None = None) -> None:
     """Keep a generated request bounded and on loopback; on the standalone services, aim half the
     requests at the worker the fixture registered so success paths get exercised too."""
@@ -61,7 +69,7 @@ def _steer(case: Any, seeded: dict[str, Any] | None = None) -> None:
         value = body.get(key)
         if isinstance(value, str) and "://" in value:
             body[key] = f"http://127.0.0.1:{_CLOSED_PORT}" if path == "/admin/workers" else f"tcp://127.0.0.1:{_CLOSED_PORT}"
-    if path == "/admin/workers" and str(body.get("id", "")).strip().lstrip("+").lstrip("0") in {str(i) for i in WORKER_IDS}:
+    if path == "/admin/workers" and _is_real_worker(body.get("id")):
         body["id"] = 7999
     if seeded is not None and path != "/unregister":  # the seeded worker stays registered
         for key, value in seeded.items():
@@ -77,21 +85,20 @@ def _run(case: Any, seeded: dict[str, Any] | None = None, seed_registration: tup
         url, body = seed_registration
         assert httpx.post(url, json=body, timeout=10).status_code in (201, 409)
     _steer(case, seeded)
-    if case.path == "/admin/workers/{worker_id}" and str(case.path_parameters.get("worker_id", "")).strip() in {str(i) for i in WORKER_IDS}:
+    if case.path == "/admin/workers/{worker_id}" and _is_real_worker(case.path_parameters.get("worker_id")):
         case.path_parameters["worker_id"] = "7999"
     case.call_and_validate(checks=CHECKS, timeout=60)
 
 
 def _load(url: str) -> Any:
-    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
-    return schema
+    return schemathesis.openapi.from_url(f"{url}/openapi.json")
 
 
 # ------------------------------------------------------------------------------------------ slot tracker
 
 
 @pytest.fixture(scope="module")
-def tracker_url():
+def tracker_service():
     port, sync_port = free_ports(2)
     url = f"http://127.0.0.1:{port}"
     args = ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port), "--replica-sync-bind", f"tcp://127.0.0.1:{sync_port}"]
@@ -104,8 +111,8 @@ def tracker_url():
 
 
 @pytest.fixture
-def tracker_schema(tracker_url):
-    return _load(tracker_url[0])
+def tracker_schema(tracker_service):
+    return _load(tracker_service[0])
 
 
 tracker = schemathesis.pytest.from_fixture("tracker_schema")
@@ -113,15 +120,15 @@ tracker = schemathesis.pytest.from_fixture("tracker_schema")
 
 @tracker.parametrize()
 @FUZZ_SETTINGS
-def test_slot_tracker_conforms(case, tracker_url):
-    _run(case, TRACKER_SEED, tracker_url[1])
+def test_slot_tracker_conforms(case, tracker_service):
+    _run(case, TRACKER_SEED, tracker_service[1])
 
 
 # ------------------------------------------------------------------------------------------ indexer
 
 
 @pytest.fixture(scope="module")
-def indexer_url():
+def indexer_service():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], ready_url=f"{url}/health") as proc:
@@ -132,8 +139,8 @@ def indexer_url():
 
 
 @pytest.fixture
-def indexer_schema(indexer_url):
-    return _load(indexer_url[0])
+def indexer_schema(indexer_service):
+    return _load(indexer_service[0])
 
 
 indexer = schemathesis.pytest.from_fixture("indexer_schema")
@@ -141,8 +148,8 @@ indexer = schemathesis.pytest.from_fixture("indexer_schema")
 
 @indexer.parametrize()
 @FUZZ_SETTINGS
-def test_indexer_conforms(case, indexer_url):
-    _run(case, INDEXER_SEED, indexer_url[1])
+def test_indexer_conforms(case, indexer_service):
+    _run(case, INDEXER_SEED, indexer_service[1])
 
 
 # ------------------------------------------------------------------------------------------ frontend
@@ -195,10 +202,10 @@ def test_frontend_conforms(case):
 # ------------------------------------------------------------------------------------------ the documents themselves
 
 
-def test_documents_are_served_on_every_service(tracker_url, indexer_url, frontend_url):
+def test_documents_are_served_on_every_service(tracker_service, indexer_service, frontend_url):
     """Each service answers /openapi.json (on the ordinary ASGI path) with its own OpenAPI 3.1 document."""
     titles = {}
-    tracker_url, indexer_url = tracker_url[0], indexer_url[0]
+    tracker_url, indexer_url = tracker_service[0], indexer_service[0]
     for url in (tracker_url, indexer_url, frontend_url):
         r = httpx.get(f"{url}/openapi.json", timeout=10)
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"

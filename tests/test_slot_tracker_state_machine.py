@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -170,6 +169,3 @@ SlotTrackerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_slot_tracker_state_machine = SlotTrackerMachine.TestCase
-
-if __name__ == "__main__":  # pragma: no cover
-    pytest.main([__file__])
