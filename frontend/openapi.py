@@ -16,6 +16,7 @@ from kvroute_common import openapi as oa
 from slot_tracker.openapi import tracker_paths, tracker_schemas
 
 from .hints import _NvExt
+from .workers import _ALIASES, _INT_FIELDS, _STR_FIELDS
 
 _INT_STR = {"type": "string", "description": "an integer; unparsable values are ignored"}
 
@@ -60,6 +61,22 @@ _MESSAGE = {
 
 _USAGE = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
                                            "total_tokens": {"type": "integer"}}}
+
+def _worker_spec() -> dict[str, Any]:
+    """``WorkerSpec.from_mapping``'s rules: known fields (and their aliases) only, integers also as
+    decimal strings, null = unset, http:// URLs."""
+    minimum = {"id": 0, "dp_start": 0, "dp_size": 1}
+    props: dict[str, Any] = {}
+    for name in sorted(_INT_FIELDS):
+        low = minimum.get(name, 1)
+        forms = [{"type": "integer", "minimum": low}, {"type": "string", "pattern": "^\\s*[+-]?[0-9]+\\s*$"}]
+        props[name] = {"anyOf": forms if name == "id" else [*forms, {"type": "null"}]}
+    for name in sorted(_STR_FIELDS):
+        props[name] = {"type": "string", "pattern": "^http://"} if name == "url" else {"type": ["string", "null"]}
+    for alias, name in _ALIASES.items():
+        props[alias] = {**props[name], "description": f"alias of `{name}`"}
+    return {"type": "object", "required": ["id", "url"], "properties": props, "additionalProperties": False}
+
 
 _SCHEMAS: dict[str, Any] = {
     "ChatCompletionRequest": {
@@ -130,18 +147,7 @@ _SCHEMAS: dict[str, Any] = {
                        "active_prefill_tokens_threshold": {"type": ["integer", "null"]},
                        "active_prefill_tokens_threshold_frac": {"type": ["number", "null"]}},
     },
-    "WorkerSpec": {
-        "type": "object",
-        "required": ["id", "url"],
-        "description": "integers may also be given as strings; `url` must be http://",
-        "properties": {
-            "id": {"type": ["integer", "string"]}, "url": {"type": "string"}, "dp_size": {"type": ["integer", "string", "null"]},
-            "dp_start": {"type": ["integer", "string", "null"]}, "kv_events_endpoint": {"type": ["string", "null"]},
-            "replay_endpoint": {"type": ["string", "null"]}, "model": {"type": ["string", "null"]}, "model_path": {"type": ["string", "null"]},
-            "block_size": {"type": ["integer", "string", "null"]}, "num_gpu_blocks": {"type": ["integer", "string", "null"]},
-            "max_num_batched_tokens": {"type": ["integer", "string", "null"]},
-        },
-    },
+    "WorkerSpec": _worker_spec(),
     "Worker": {
         "type": "object",
         "required": ["id", "url", "source", "healthy", "models"],

@@ -67,8 +67,10 @@ def _steer(case: Any, seeded: dict[str, Any] | None = None) -> None:
             body["max_tokens"] = MAX_TOKENS
     for key in ("endpoint", "replay_endpoint", "kv_events_endpoint", "url"):
         value = body.get(key)
-        if isinstance(value, str) and "://" in value:
-            body[key] = f"http://127.0.0.1:{_CLOSED_PORT}" if path == "/admin/workers" else f"tcp://127.0.0.1:{_CLOSED_PORT}"
+        if path == "/admin/workers" and key == "url" and isinstance(value, str):
+            body[key] = f"http://127.0.0.1:{_CLOSED_PORT}"  # every worker URL: added workers are probed
+        elif isinstance(value, str) and "://" in value:
+            body[key] = f"tcp://127.0.0.1:{_CLOSED_PORT}"
     if path == "/admin/workers" and _is_real_worker(body.get("id")):
         body["id"] = 7999
     if seeded is not None and path != "/unregister":  # the seeded worker stays registered
