@@ -3,13 +3,17 @@
 Every generated request (schema-valid and schema-violating ones) must get: no 5xx, a documented
 status, a documented content type, a body matching the documented schema. The frontend runs in kv
 mode in front of two mockers (KV events on), so ``/v1`` requests go the whole way through routing,
-booking, the engine and back.
+booking, the engine and back. Afterwards every process is still running, the frontend's loads on
+its real workers are all back to 0 (nothing generated leaked a booking) and no standalone tracker
+load is negative.
 
-Generated data is steered in three places only, so the run stays bounded and loopback-only:
+Generated data is steered only so the run stays bounded and loopback-only and reaches success paths:
 ``/v1`` bodies name the served model and ask for at most a few tokens (the engine's default is the
-whole context); ZMQ endpoints and worker URLs that could be usable are pointed at a closed loopback
+whole context); worker URLs, and ZMQ endpoints that could be usable, point at a closed loopback
 port (no DNS, no traffic leaves the machine); the two real workers' ids cannot be generated for
-``/admin/workers``. Examples per operation: ``KVROUTE_FUZZ_EXAMPLES`` (default 25).
+``/admin/workers``; on the standalone services half the generated names and ids are replaced by the
+worker the fixture registered, so success paths are reached. Examples per operation:
+``KVROUTE_FUZZ_EXAMPLES`` (default 25).
 """
 
 from __future__ import annotations
