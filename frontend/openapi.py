@@ -93,6 +93,57 @@ _SCHEMAS: dict[str, Any] = {
                                             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
                        **_GENERATION},
     },
+    "ResponsesRequest": {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {
+            "model": {"type": "string", "minLength": 1},
+            "instructions": {"type": ["string", "null"]},
+            "input": {"anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"anyOf": [
+                    {"type": "string"},
+                    {"type": "object", "required": ["role", "content"], "properties": {
+                        "type": {"const": "message"}, "role": {"type": "string", "minLength": 1},
+                        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+                            "type": "object", "required": ["type", "text"],
+                            "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}}]},
+                    }},
+                ]}},
+            ]},
+            "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+            "stream": {"type": ["boolean", "null"]},
+            "nvext": oa.ref("NvExt"),
+        },
+    },
+    "ResponsesAnswer": {
+        "type": "object",
+        "required": ["id", "object", "model"],
+        "properties": {"id": {"type": "string"}, "object": {"const": "response"}, "model": {"type": "string"}, "output": {"type": "array"},
+                       "usage": {"type": "object"}, "nvext": {"type": "object"}},
+    },
+    "EmbeddingsRequest": {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {
+            "model": {"type": "string", "minLength": 1},
+            "input": {"anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+            ]},
+            "nvext": oa.ref("NvExt"),
+        },
+    },
+    "Embeddings": {
+        "type": "object",
+        "required": ["object", "data", "model"],
+        "properties": {"object": {"const": "list"}, "model": {"type": "string"}, "usage": {"type": "object"},
+                       "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
+                           "object": {"const": "embedding"}, "index": {"type": "integer"},
+                           "embedding": {"type": "array", "items": {"type": "number"}}}}}},
+    },
     "ChatMessage": _MESSAGE,
     "StreamEvent": {
         "type": "object",
@@ -173,9 +224,11 @@ _ROUTING_HEADERS = [
 ]
 
 
-def _generation(summary: str, request: str, answer: str) -> dict[str, Any]:
-    ok = {"description": "the completion (JSON), or its SSE stream with `stream: true`",
-          "content": {"application/json": {"schema": oa.ref(answer)}, "text/event-stream": {"schema": oa.ref("StreamEvent")}}}
+def _generation(summary: str, request: str, answer: str, streams: bool = True) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": oa.ref(answer)}}
+    if streams:
+        content["text/event-stream"] = {"schema": oa.ref("StreamEvent")}
+    ok = {"description": "the answer (JSON)" + (", or its SSE stream with `stream: true`" if streams else ""), "content": content}
     responses = {"200": ok}
     responses.update(oa.errors(_V1_ERRORS, "OpenAIError"))
     return {"summary": summary, "parameters": _ROUTING_HEADERS,
@@ -188,6 +241,9 @@ def frontend_paths() -> dict[str, Any]:
     return {
         "/v1/chat/completions": {"post": _generation("chat completion, routed to the best worker", "ChatCompletionRequest", "ChatCompletion")},
         "/v1/completions": {"post": _generation("text completion, routed to the best worker", "CompletionRequest", "Completion")},
+        "/v1/responses": {"post": _generation("OpenAI Responses request (text), tokenized like chat and routed", "ResponsesRequest",
+                                              "ResponsesAnswer")},
+        "/v1/embeddings": {"post": _generation("embeddings, routed by load", "EmbeddingsRequest", "Embeddings", streams=False)},
         "/v1/models": {"get": oa.get("served models", {200: oa.json_ok("models", {
             "type": "object", "required": ["object", "data"],
             "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": oa.ref("Model")}}})})},

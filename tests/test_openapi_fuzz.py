@@ -63,11 +63,14 @@ def _steer(case: Any, seeded: dict[str, Any] | None = None) -> None:
     if path.startswith("/v1/") or path == "/admin/route":
         if isinstance(body.get("model"), str):
             body["model"] = MODEL
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_TOKENS:
                 body[name] = MAX_TOKENS
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
+        if path == "/v1/responses":
+            if "max_output_tokens" not in body:
+                body["max_output_tokens"] = MAX_TOKENS
+        elif path != "/v1/embeddings" and "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = MAX_TOKENS
     for key in ("endpoint", "replay_endpoint", "kv_events_endpoint", "url"):
         value = body.get(key)
@@ -221,7 +224,8 @@ def test_documents_are_served_on_every_service(tracker_service, indexer_service,
         assert "/openapi.json" in doc["paths"]
     assert titles == {tracker_url: "kvroute slot tracker", indexer_url: "kvroute indexer", frontend_url: "kvroute frontend"}
     front = httpx.get(f"{frontend_url}/openapi.json", timeout=10).json()["paths"]
-    for path in ("/v1/chat/completions", "/v1/completions", "/admin/workers", "/busy_threshold", "/potential_loads", "/metrics"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/admin/workers", "/busy_threshold",
+                 "/potential_loads", "/metrics"):
         assert path in front
 
 
