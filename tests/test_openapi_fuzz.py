@@ -244,3 +244,11 @@ def test_v1_framework_errors_are_openai_shaped(frontend_url):
     assert r.headers["allow"] == "POST"
     r = httpx.get(f"{frontend_url}/nope", timeout=10)
     assert (r.status_code, r.json()) == (404, {"error": "route not found"})
+
+
+def test_admin_workers_refuses_ids_beyond_64_bits(frontend_url):
+    """Found by schemathesis: an id (or alias) over 2**64-1 was accepted and its answer failed to encode (500)."""
+    for body in ({"id": 1 << 70, "url": "http://127.0.0.1:9"}, {"instance_id": str(1 << 66), "url": "http://127.0.0.1:9"}):
+        r = httpx.post(f"{frontend_url}/admin/workers", params={"wait": "false"}, json=body, timeout=10)
+        assert r.status_code == 400 and "out of range" in r.json()["error"], r.text
+    assert all(w["id"] < 1 << 64 for w in httpx.get(f"{frontend_url}/admin/workers", timeout=10).json()["workers"])
