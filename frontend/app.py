@@ -10,10 +10,12 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 
 from kvroute_common.http import exception_handlers, route
+from kvroute_common.openapi import openapi_route
 
 from .admin import AdminRoutes, _tracker_routes
 from .errors import openai_exception_handlers
 from .openai_routes import OpenAIRoutes
+from .openapi import build_document
 from .state import FrontendState
 
 
@@ -39,6 +41,7 @@ def build_app(state: FrontendState) -> Starlette:
         route("/admin/route", oa.explain, ["POST"]),
     ]
     routes += _tracker_routes(state)
+    routes.append(openapi_route(build_document()))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -72,6 +72,8 @@ class WorkerSpec:
                     value = int(value)
                 except ValueError:
                     raise ValueError(f"worker field {key!r} must be an integer, got {value!r}") from None
+                if not -(1 << 63) <= value <= (1 << 64) - 1:  # ids are u64; beyond, nothing can hold or print it
+                    raise ValueError(f"worker field {key!r} is out of range: {value}")
             elif not isinstance(value, str):
                 raise ValueError(f"worker field {key!r} must be a string")
             values[name] = value

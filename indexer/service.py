@@ -348,7 +348,10 @@ def build_app(registry: IndexerRegistry, peers: PeerList | None = None, policy: 
         metrics.observe(path, "POST", status, seconds)
 
     routes = indexer_routes(registry, peers, metrics)
-    routes += [Route("/health", health, methods=["GET"]), Route("/metrics", metrics_route, methods=["GET"])]
+    from indexer.openapi import build_document
+    from kvroute_common.openapi import openapi_route
+
+    routes += [Route("/health", health, methods=["GET"]), Route("/metrics", metrics_route, methods=["GET"]), openapi_route(build_document())]
     app = json_service(routes, lifespan=lifespan)
     app.state.registry = registry
     app.state.peers = peers

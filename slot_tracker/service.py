@@ -305,7 +305,10 @@ def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, s
             if replica_sync is not None:
                 await replica_sync.stop()
 
-    app = json_service(tracker_routes(registry, replica_sync), lifespan=lifespan)
+    from kvroute_common.openapi import openapi_route
+    from slot_tracker.openapi import build_document
+
+    app = json_service(tracker_routes(registry, replica_sync) + [openapi_route(build_document())], lifespan=lifespan)
     app.router.redirect_slashes = False  # the reference answers 404 for /register/, not a redirect
     return FastJsonRoutes(protect(app, policy, drain), hot_routes(registry), BODY_LIMIT, policy=policy)
 
