@@ -1,0 +1,192 @@
+"""Fault injection through real processes (loopback only, every wait bounded).
+
+- a ZMQ proxy that drops KV-event batches between a mocker and the standalone indexer: the gaps are
+  replayed from the mocker's replay socket and the index ends equal to the mocker's cache;
+- a mocker killed and restarted on the same ports (its event sequence starts again at 0) while the
+  indexer keeps its registration: the old blocks go, the new ones are learnt;
+- the standalone indexer killed and restarted with ``--peers`` while traffic flows: its index ends
+  identical to the peer's ``/dump`` (and to the mocker's cache);
+- a worker that never answers behind the frontend's ``--request-timeout``: its requests get 504,
+  the other worker keeps serving, nothing stays booked;
+- the standalone slot tracker (a replica-sync peer of the frontend) killed and restarted under
+  load: the frontend keeps serving, the restarted tracker follows the frontend's bookings again and
+  ends with every load at 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import httpx
+import zmq
+from support import free_port, free_port_block, free_ports, service, wait_until
+from test_mocker_events import BS, INSTANCE, MODEL, complete, indexer_blocks, mocker_blocks, prompt_text
+
+from bench.leak import index_blocks
+
+
+def mocker_args(port: int, pub: int, rep: int, *extra: str) -> list[str]:
+    return ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--num-gpu-blocks", "256",
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{rep}",
+            "--speedup-ratio", "10", "--seed", "1", *extra]
+
+
+@contextlib.contextmanager
+def mocker(port: int, pub: int, rep: int, *extra: str) -> Iterator[dict]:
+    with service(mocker_args(port, pub, rep, *extra), ready_url=f"http://127.0.0.1:{port}/health", timeout=60) as proc:
+        yield {"url": f"http://127.0.0.1:{port}", "pub": pub, "replay": rep, "proc": proc}
+
+
+@contextlib.contextmanager
+def indexer(port: int, *extra: str) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    with service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), *extra], ready_url=f"{url}/health", timeout=60,
+                 env={"KVROUTE_INDEXER_RECOVERY_DELAY": "0.2"}):
+        yield url
+
+
+def register(indexer_url: str, endpoint: str, replay: int) -> None:
+    r = httpx.post(indexer_url + "/register", json={"instance_id": INSTANCE, "endpoint": endpoint, "model_name": MODEL,
+                                                    "block_size": BS, "dp_rank": 0, "replay_endpoint": f"tcp://127.0.0.1:{replay}"})
+    assert r.status_code == 201, r.text
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a metric family's samples in ``url``/metrics."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def equal_to_cache(indexer_url: str, m: dict) -> bool:
+    want = mocker_blocks(m, 0)
+    return bool(want) and indexer_blocks(indexer_url, 0) == want
+
+
+def kill(proc) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+class DroppingProxy:
+    """SUB from the engine, PUB to the indexer, dropping every ``every``-th batch (a lossy link)."""
+
+    def __init__(self, upstream: str, port: int, every: int = 3) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(upstream)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{port}")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.every = every
+        self.seen = self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sub.poll(100):
+                continue
+            frames = self.sub.recv_multipart()
+            self.seen += 1
+            if self.seen % self.every == 0:
+                self.dropped += 1
+                continue
+            self.pub.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sub.close(linger=0)
+        self.pub.close(linger=0)
+        self.ctx.term()
+
+
+def test_dropped_batches_are_replayed_and_the_index_matches_the_cache():
+    port, ix_port, proxy_port = free_ports(3)
+    pub, rep = free_port_block(1), free_port_block(1)
+    with mocker(port, pub, rep) as m, indexer(ix_port) as ix:
+        proxy = DroppingProxy(f"tcp://127.0.0.1:{pub}", proxy_port)
+        try:
+            register(ix, proxy.endpoint, rep)  # live events through the lossy proxy, replays straight from the engine
+            for i in range(30):
+                complete(m, prompt_text(40 + i), 0)
+                if i % 10 == 9:  # some requests evict: the cache has 256 blocks
+                    wait_until(lambda: proxy.seen > 0, timeout=30, what="the proxy forwarding")
+            wait_until(lambda: proxy.dropped >= 3, timeout=30, what="batches dropped")
+            complete(m, prompt_text(20), 0)  # a batch after the last drop reveals any trailing gap
+            wait_until(lambda: equal_to_cache(ix, m), timeout=30, what="index equal to the mocker's cache")
+            assert metric(ix, "kvroute_kv_event_gaps_total") >= 1 and metric(ix, "kvroute_kv_event_replays_total") >= 1
+        finally:
+            proxy.close()
+
+
+def test_engine_restart_resets_its_blocks_and_the_index_relearns():
+    port, ix_port = free_ports(2)
+    pub, rep = free_port_block(1), free_port_block(1)
+    with indexer(ix_port) as ix:
+        with mocker(port, pub, rep) as m:
+            register(ix, f"tcp://127.0.0.1:{pub}", rep)
+            for i in range(20):
+                complete(m, prompt_text(60 + i), 0)
+            wait_until(lambda: equal_to_cache(ix, m), timeout=30, what="index equal to the first engine's cache")
+            old = indexer_blocks(ix, 0)
+            kill(m["proc"])  # no clean-up: the cache is gone with the process
+        with mocker(port, pub, rep) as m:  # same ports; the indexer keeps its registration and watermark
+            n = iter(range(1000))
+
+            def relearnt() -> bool:
+                # the restart shows at the first batch the re-connected subscriber receives (ZMQ
+                # reconnects with back-off): keep a slow trickle of requests until then
+                if equal_to_cache(ix, m):
+                    return True
+                complete(m, prompt_text(30 + next(n)), 0)
+                return False
+
+            wait_until(relearnt, timeout=60, interval=0.5, what="index equal to the new engine's cache")
+            assert not (indexer_blocks(ix, 0) & old)
+            assert metric(ix, "kvroute_kv_event_engine_restarts_total") == 1
+
+
+def test_indexer_restarted_with_peers_under_traffic_ends_identical_to_the_peer():
+    port, a_port, b_port = free_ports(3)
+    pub, rep = free_port_block(1), free_port_block(1)
+    stop = threading.Event()
+
+    def traffic(m: dict) -> int:
+        n = 0
+        while not stop.is_set() and n < 400:  # bounded even if the test fails before setting stop
+            complete(m, prompt_text(30 + n % 40), 0)
+            n += 1
+        return n
+
+    with mocker(port, pub, rep) as m, indexer(a_port) as a, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            with indexer(b_port, "--peers", a) as b:
+                for ix in (a, b):
+                    register(ix, f"tcp://127.0.0.1:{pub}", rep)
+                complete(m, prompt_text(50), 0)
+                wait_until(lambda: equal_to_cache(a, m) and equal_to_cache(b, m), timeout=30, what="both indexers follow")
+                sent = pool.submit(traffic, m)
+                applied = metric(a, "kvroute_kv_event_batches_applied_total")
+                wait_until(lambda: metric(a, "kvroute_kv_event_batches_applied_total") >= applied + 5, timeout=30, what="traffic flowing")
+            # B is gone while the engine keeps publishing; it comes back on the same port and recovers from A
+            with indexer(b_port, "--peers", a) as b:
+                assert index_blocks(httpx.get(b + "/dump", timeout=30).json()), "B recovered nothing from its peer"
+                register(b, f"tcp://127.0.0.1:{pub}", rep)
+                stop.set()
+                assert sent.result(timeout=120) > 0
+                complete(m, prompt_text(25), 0)
+                wait_until(lambda: equal_to_cache(a, m) and equal_to_cache(b, m), timeout=60, what="both equal to the cache")
+                assert index_blocks(httpx.get(b + "/dump", timeout=30).json()) == index_blocks(httpx.get(a + "/dump", timeout=30).json())
+        finally:
+            stop.set()
