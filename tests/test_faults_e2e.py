@@ -6,11 +6,8 @@
   indexer keeps its registration: the old blocks go, the new ones are learnt;
 - the standalone indexer killed and restarted with ``--peers`` while traffic flows: its index ends
   identical to the peer's ``/dump`` (and to the mocker's cache);
-- a worker that never answers behind the frontend's ``--request-timeout``: its requests get 504,
-  the other worker keeps serving, nothing stays booked;
-- the standalone slot tracker (a replica-sync peer of the frontend) killed and restarted under
-  load: the frontend keeps serving, the restarted tracker follows the frontend's bookings again and
-  ends with every load at 0.
+- a worker that never answers behind the frontend's ``--request-timeout``: its requests should get
+  504 while the other worker keeps serving (strict xfail: a bug this suite found, not fixed yet).
 """
 
 from __future__ import annotations
@@ -23,8 +20,9 @@ import threading
 from collections.abc import Iterator
 
 import httpx
+import pytest
 import zmq
-from support import free_port, free_port_block, free_ports, service, wait_until
+from support import free_port_block, free_ports, service, wait_until
 from test_mocker_events import BS, INSTANCE, MODEL, complete, indexer_blocks, mocker_blocks, prompt_text
 
 from bench.leak import index_blocks
@@ -190,3 +188,46 @@ def test_indexer_restarted_with_peers_under_traffic_ends_identical_to_the_peer()
                 assert index_blocks(httpx.get(b + "/dump", timeout=30).json()) == index_blocks(httpx.get(a + "/dump", timeout=30).json())
         finally:
             stop.set()
+
+
+@contextlib.contextmanager
+def frontend(port: int, workers: list[str], *extra: str) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv", "--log-level", os.environ.get("FE_LOG", "warning")]
+    for w in workers:
+        args += ["--worker", w]
+    with service(args, timeout=90, ready=lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200
+                 and len([i for i in httpx.get(f"{url}/health", timeout=2).json().get("instances", []) if i.get("healthy")]) == len(workers)):
+        yield url
+
+
+def chat(url: str, text: str, timeout: float = 60) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=timeout,
+                      json={"model": MODEL, "max_tokens": 4, "ignore_eos": True, "messages": [{"role": "user", "content": text}]})
+
+
+def loads_zero(url: str) -> bool:
+    rows = httpx.get(url + "/loads", timeout=10).json()
+    return bool(rows) and all(r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in rows)
+
+
+@pytest.mark.xfail(strict=True, reason="found by this suite, not fixed yet: --request-timeout does not cut a non-streaming request to a "
+                   "worker that never answers (the frontend waits forever; frontend.upstream.UpstreamPool alone does time out)")
+def test_a_worker_that_never_answers_times_out_and_the_other_keeps_serving():
+    fe_port, slow_port, fast_port = free_ports(3)
+    (sp, sr), (fp, fr) = (free_port_block(1), free_port_block(1)), (free_port_block(1), free_port_block(1))
+    with mocker(slow_port, sp, sr, "--stall-after-tokens", "0"), mocker(fast_port, fp, fr), \
+            frontend(fe_port, [f"id=1,url=http://127.0.0.1:{slow_port}", f"id=2,url=http://127.0.0.1:{fast_port}"],
+                     "--request-timeout", "2") as fe:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: chat(fe, prompt_text(30 + i), timeout=30), range(8)))
+        codes = sorted(r.status_code for r in answers)
+        assert set(codes) <= {200, 504} and 504 in codes and 200 in codes, codes
+        for r in answers:
+            if r.status_code == 504:
+                assert "did not answer" in r.json()["error"]["message"]
+        # the stalled worker's bookings were freed; the healthy one still answers
+        wait_until(lambda: loads_zero(fe), timeout=30, what="every load back to 0")
+        assert chat(fe, "still serving?", timeout=30).status_code in (200, 504)
+        assert any(chat(fe, prompt_text(10 + i)).status_code == 200 for i in range(6))
+        wait_until(lambda: loads_zero(fe), timeout=30, what="every load back to 0 again")
