@@ -183,7 +183,7 @@ def plot(samples: list[Sample], warmup: float, path: str) -> None:
     for ax in (a, b):
         ax.axvline(warmup / 60, color="#8d99ae", linestyle="--", linewidth=1)
         ax.set_xlabel("minutes")
-    a.set_ylim(bottom=0)
+    a.set_ylim(0, max(s.rss_mib for s in samples) * 1.25)  # from 0: growth is read against the whole RSS
     b.set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(path)
