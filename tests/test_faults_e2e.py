@@ -6,6 +6,7 @@
   indexer keeps its registration: the old blocks go, the new ones are learnt;
 - the standalone indexer killed and restarted with ``--peers`` while traffic flows: its index ends
   identical to the peer's ``/dump`` (and to the mocker's cache);
+- a client that leaves while still sending its body: a counted cancellation (499), not a logged 500;
 - a worker that never answers behind the frontend's ``--request-timeout``: its requests should get
   504 while the other worker keeps serving (strict xfail: a bug this suite found, not fixed yet).
 """
@@ -231,3 +232,24 @@ def test_a_worker_that_never_answers_times_out_and_the_other_keeps_serving():
         assert chat(fe, "still serving?", timeout=30).status_code in (200, 504)
         assert any(chat(fe, prompt_text(10 + i)).status_code == 200 for i in range(6))
         wait_until(lambda: loads_zero(fe), timeout=30, what="every load back to 0 again")
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_cancellation_not_an_error(tmp_path):
+    import socket
+
+    fe_port, m_port = free_ports(2)
+    pub, rep = free_port_block(1), free_port_block(1)
+    log = tmp_path / "frontend.log"
+    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fe_port), "--router-mode", "kv",
+            "--worker", f"id=1,url=http://127.0.0.1:{m_port}"]
+    fe = f"http://127.0.0.1:{fe_port}"
+    with mocker(m_port, pub, rep), service(args, ready=lambda: chat(fe, "ready?", timeout=5).status_code == 200, timeout=90, log_path=str(log)):
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", fe_port), timeout=10) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: 1000\r\n\r\n{\"model\": ")  # then the client goes away mid-body
+        wait_until(lambda: metric(fe, "dynamo_frontend_disconnected_clients") >= 3, timeout=30, what="3 disconnects counted")
+        assert chat(fe, "still serving?").status_code == 200
+        assert metric(fe, "dynamo_frontend_inflight_requests") == 0 and metric(fe, "dynamo_frontend_queued_requests") == 0
+    text = log.read_text()
+    assert "request failed" not in text and "ClientDisconnect" not in text, text[-2000:]
