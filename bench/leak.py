@@ -55,6 +55,7 @@ class Faults:
         self.down: set[int] = set()
         self.injected = 0
         self.skipped = 0
+        self.port_retries = 0
         self.tasks: set[asyncio.Task[None]] = set()
 
     def inject(self) -> None:
@@ -73,8 +74,16 @@ class Faults:
         try:
             # on this (the main) thread: the child's parent-death signal fires when the thread that
             # spawned it ends, and the executor's threads end with asyncio.run
-            self.cluster.restart_mocker(w)
-            await asyncio.to_thread(_wait_http, f"{w.url}/health", 90.0, w)
+            for attempt in range(5):
+                self.cluster.restart_mocker(w)
+                try:
+                    await asyncio.to_thread(_wait_http, f"{w.url}/health", 90.0, w)
+                    break
+                except RuntimeError:  # a port still held (another process, or a TCP self-connect of a
+                    if attempt == 4:  # client retrying the dead port): start it again a little later
+                        raise
+                    self.port_retries += 1
+                    await asyncio.sleep(1.0)
         finally:
             self.down.discard(w.worker_id)
 
@@ -251,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                                    if line.startswith("dynamo_frontend_model_migration_total{"))
         cluster.check_alive()
     report = {"args": vars(args), "outcomes": dict(sorted(outcomes.items())), "faults_injected": faults.injected,
-              "faults_skipped_all_restarting": faults.skipped, "load_seconds": round(load_s, 1), **result,
+              "faults_skipped_all_restarting": faults.skipped, "restart_port_retries": faults.port_retries, "load_seconds": round(load_s, 1), **result,
               "loadavg": os.getloadavg()}
     with open(os.path.join(args.out, "leak.json"), "w") as f:
         json.dump(report, f, indent=1)
