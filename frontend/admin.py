@@ -121,6 +121,12 @@ class AdminRoutes:
             body["workers_file"] = {"path": st.file_watcher.path, "last_error": st.file_watcher.last_error}
         return json_response(body)
 
+    async def kv_dump(self, request: Request) -> Response:
+        """The embedded index in the standalone indexer's ``/dump`` shape (``{}`` without KV events):
+        lets tests and the leak benchmark compare it with the engines' caches."""
+        events = self.state.events
+        return json_response(events.dump() if events is not None else {})
+
     async def workers_add(self, request: Request) -> Response:
         body = await read_json(request, dict)
         try:

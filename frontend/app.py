@@ -39,6 +39,7 @@ def build_app(state: FrontendState) -> Starlette:
         route("/admin/workers", ad.workers_add, ["POST"]),
         route("/admin/workers/{worker_id}", ad.workers_remove, ["DELETE"]),
         route("/admin/route", oa.explain, ["POST"]),
+        route("/admin/kv_dump", ad.kv_dump, ["GET"]),
     ]
     routes += _tracker_routes(state)
     routes.append(openapi_route(build_document()))

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from kvroute_common.http import ApiError, json_response, read_json
@@ -286,6 +286,15 @@ class OpenAIRoutes:
                 mm.queued.dec()
                 mm.finished("error", "cancelled")
             raise
+        except ClientDisconnect:
+            # the client went away while still sending its body: a cancellation, not a server error
+            state.metrics.disconnected.inc()
+            if mm is not None and not ctx.recorded:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", "cancelled")
+            return Response(b"", status_code=499)
         except Exception as exc:  # a bug or an unexpected library error: still an OpenAI-shaped 500
             log.exception("request failed")
             if mm is not None and not ctx.recorded:

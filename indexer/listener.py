@@ -6,6 +6,13 @@ jump, is a gap; the missing batches are requested over a DEALER from the engine'
 (``[b"", start_seq]``), applied in order, stale ones skipped; a batch that fails to decode is
 dropped whole and does not move the watermark.
 
+Engine restarts: a live batch whose seq is at or below the last seq seen *on the live socket* can
+only come from a new publisher on the same endpoint (one PUB never goes backwards; batches a replay
+already covered are above it), so the engine restarted with an empty cache. The listener then drops
+that rank's blocks, forgets the watermark and treats the batch as the first ever (seq > 0: replay
+from 0 from the new engine). The 1.6.1 reference skips such batches as stale, which leaves the old
+engine's blocks credited until the new sequence passes the old watermark (what-users-ask §1).
+
 Unlike the 1.6.1 reference, whose replay receive has no timeout (a silent ROUTER wedges that
 listener forever), a replay that gets no answer within ``replay_timeout`` is abandoned: the
 listener records ``last_error`` and keeps applying live batches.
@@ -65,10 +72,11 @@ def validate_endpoint(endpoint: str) -> None:
 class SequenceState:
     """The watermark of one (instance, dp_rank) stream; outlives a listener (see registry)."""
 
-    __slots__ = ("last_seq",)
+    __slots__ = ("last_seq", "last_live")
 
     def __init__(self) -> None:
         self.last_seq: int | None = None
+        self.last_live: int | None = None  # the last seq received on the live socket (restart detection)
 
 
 class Listener:
@@ -102,6 +110,7 @@ class Listener:
         self.events_received = 0  # events in applied batches
         self.gaps = 0  # sequence jumps detected (each starts a replay when an endpoint is configured)
         self.batches_missed = 0  # batches the jumps skipped over
+        self.restarts = 0  # engine restarts detected (the live sequence went backwards)
         self.last_event_wall: float | None = None  # time.time() of the last applied batch
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
@@ -145,6 +154,7 @@ class Listener:
             "batches_missed": self.batches_missed,
             "replays": self.replays,
             "replay_timeouts": self.replay_timeouts,
+            "engine_restarts": self.restarts,
             "last_seq": self.seq.last_seq,
             "last_event_timestamp": last,
             "last_event_age_seconds": None if last is None else max(0.0, time.time() - last),
@@ -227,6 +237,7 @@ class Listener:
         if last is None or len(seq_bytes) != 8 or int.from_bytes(seq_bytes, "big") != last + 1:
             return False
         self._apply(last + 1, frames[2])
+        self.seq.last_live = last + 1
         return True
 
     async def _on_message(self, frames: list[bytes]) -> None:
@@ -240,7 +251,13 @@ class Listener:
         seq = int.from_bytes(seq_bytes, "big")
         last = self.seq.last_seq
         if last is not None and seq <= last:
-            return  # stale
+            live = self.seq.last_live
+            if live is None or seq > live:
+                self.seq.last_live = seq
+                return  # stale: a replay already applied it
+            self._engine_restarted(seq, live)
+            last = None
+        self.seq.last_live = seq
         expected = 0 if last is None else last + 1
         if seq > expected:
             self.gaps += 1
@@ -250,6 +267,13 @@ class Listener:
             if last is not None and seq <= last:
                 return  # the replay already covered it
         self._apply(seq, payload)
+
+    def _engine_restarted(self, seq: int, live: int) -> None:
+        """The live sequence went back (``live`` -> ``seq``): a new engine with an empty cache."""
+        self.restarts += 1
+        log.warning("KV event sequence of %s went back from %d to %d: engine restarted, dropping its blocks", self.endpoint, live, seq)
+        self.applier.reset_rank()
+        self.seq.last_seq = None
 
     def _apply(self, seq: int, payload: bytes) -> bool:
         try:

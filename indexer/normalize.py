@@ -77,6 +77,11 @@ class EventApplier:
                 self._forget_rank(dp)
                 self._count("cleared", "ok")
 
+    def reset_rank(self) -> None:
+        """The engine behind this listener restarted: its rank's blocks are gone, in every tier."""
+        self.index.apply_cleared(self.instance_id, self.dp_rank)
+        self._forget_rank(self.dp_rank)
+
     # -- filters
 
     def _group_kept(self, dp: int, group_idx: int | None, kind: str | None, learn: bool) -> bool:

@@ -248,6 +248,7 @@ class IndexerRegistry:
             "batches_missed": CounterMetricFamily("kvroute_kv_event_batches_missed", "Batches skipped over by sequence gaps", labels=labels),
             "replays": CounterMetricFamily("kvroute_kv_event_replays", "Replays requested from the engine's replay endpoint", labels=labels),
             "replay_timeouts": CounterMetricFamily("kvroute_kv_event_replay_timeouts", "Replays abandoned without an answer", labels=labels),
+            "engine_restarts": CounterMetricFamily("kvroute_kv_event_engine_restarts", "Engine restarts detected (the live sequence went back)", labels=labels),
             "blocks_rejected_block_size": CounterMetricFamily(
                 "kvroute_kv_event_blocks_rejected_block_size", "Stored blocks dropped: the engine's block size is not the router's", labels=labels),
         }

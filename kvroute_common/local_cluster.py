@@ -190,6 +190,19 @@ class Cluster:
         self.frontend_url = f"http://127.0.0.1:{port}"
         return self.frontend_url
 
+    def restart_mocker(self, worker: Worker, sig: int = signal.SIGKILL) -> None:
+        """Fault injection: kill ``worker``'s process (SIGKILL: no clean-up, its cache is lost) and
+        start a new one with the same flags, so on the same HTTP and ZMQ ports; returns at once
+        (wait with ``wait_workers_ready``). Call it from the main thread: the child's parent-death
+        signal fires when the spawning thread ends."""
+        old = worker.child
+        _signal_group(old.proc, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            old.proc.wait(timeout=10.0)
+        if old in self._children:
+            self._children.remove(old)
+        worker.child = self._spawn(old.name, list(old.proc.args)[1:])  # type: ignore[arg-type]
+
     # -- readiness --------------------------------------------------------------------------------
     def wait_workers_ready(self, timeout: float = 90.0) -> None:
         for w in self.workers:

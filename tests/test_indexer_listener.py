@@ -218,11 +218,40 @@ def test_gap_is_replayed_from_the_router_in_order() -> None:
         assert engine.replay_requests == [1]
         assert index.find_matches(local(1, 2, 3)) == {(1, 0): 3}
         assert listener.replays == 1 and listener.last_error is None
-        # Stale: a batch at or below the watermark is skipped.
-        engine.publish(2, batch(AllBlocksCleared()))
-        engine.publish(4, batch(stored([4], parent=3, blocks=[4])))
-        await until(lambda: listener.seq.last_seq == 4, what="seq 4")
-        assert index.find_matches(local(1, 2, 3, 4)) == {(1, 0): 4}
+        # Stale: a live batch a replay already applied is skipped.
+        engine.publish(4, batch(stored([4], parent=3, blocks=[4])), live=False)
+        engine.publish(6, batch(stored([6], parent=5, blocks=[6])), live=False)  # buffered, its live copy comes late
+        engine.publish(5, batch(stored([5], parent=4, blocks=[5])))  # gap [4, 5): the replay sends 4, 5 and 6
+        await until(lambda: listener.seq.last_seq == 6, what="seq 6")
+        engine.pub.send_multipart([b"topic", seq_frame(6), batch(AllBlocksCleared())])  # the late live copy of seq 6
+        engine.publish(7, batch(stored([7], parent=6, blocks=[7])))
+        await until(lambda: listener.seq.last_seq == 7, what="seq 7")
+        assert index.find_matches(local(1, 2, 3, 4, 5, 6, 7)) == {(1, 0): 7}
+        assert listener.restarts == 0
+
+    _scenario(body)
+
+
+def test_engine_restart_resets_the_rank_and_relearns() -> None:
+    """A restarted engine's sequence starts again at 0: its old blocks go, its new ones are learnt."""
+
+    async def body(engine: Engine, reg, listener, index: KvIndex) -> None:
+        for seq in range(1, 6):
+            engine.publish(seq, batch(stored([seq])))
+        await until(lambda: listener.seq.last_seq == 5, what="seq 5")
+        # the new engine: seq 0 was published before the subscriber reconnected, seq 1 is seen live
+        engine.buffer.clear()
+        engine.publish(0, batch(stored([40])), live=False)
+        engine.publish(1, batch(stored([41])))
+        await until(lambda: listener.restarts == 1 and listener.seq.last_seq == 1, what="restart handled")
+        assert engine.replay_requests[-1] == 0  # relearnt from the new engine's replay buffer
+        for old in (999, 1, 5):
+            assert index.find_matches(local(old)) == {}, old
+        assert index.find_matches(local(40)) == {(1, 0): 1} and index.find_matches(local(41)) == {(1, 0): 1}
+        assert listener.health()["engine_restarts"] == 1
+        engine.publish(2, batch(stored([42])))  # and it goes on in order
+        await until(lambda: listener.seq.last_seq == 2, what="seq 2")
+        assert index.find_matches(local(42)) == {(1, 0): 1}
 
     _scenario(body)
 

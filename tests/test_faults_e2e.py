@@ -1,0 +1,255 @@
+"""Fault injection through real processes (loopback only, every wait bounded).
+
+- a ZMQ proxy that drops KV-event batches between a mocker and the standalone indexer: the gaps are
+  replayed from the mocker's replay socket and the index ends equal to the mocker's cache;
+- a mocker killed and restarted on the same ports (its event sequence starts again at 0) while the
+  indexer keeps its registration: the old blocks go, the new ones are learnt;
+- the standalone indexer killed and restarted with ``--peers`` while traffic flows: its index ends
+  identical to the peer's ``/dump`` (and to the mocker's cache);
+- a client that leaves while still sending its body: a counted cancellation (499), not a logged 500;
+- a worker that never answers behind the frontend's ``--request-timeout``: its requests should get
+  504 while the other worker keeps serving (strict xfail: a bug this suite found, not fixed yet).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import zmq
+from support import free_port_block, free_ports, service, wait_until
+from test_mocker_events import BS, INSTANCE, MODEL, complete, indexer_blocks, mocker_blocks, prompt_text
+
+from bench.leak import index_blocks
+
+
+def mocker_args(port: int, pub: int, rep: int, *extra: str) -> list[str]:
+    return ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--num-gpu-blocks", "256",
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{rep}",
+            "--speedup-ratio", "10", "--seed", "1", *extra]
+
+
+@contextlib.contextmanager
+def mocker(port: int, pub: int, rep: int, *extra: str) -> Iterator[dict]:
+    with service(mocker_args(port, pub, rep, *extra), ready_url=f"http://127.0.0.1:{port}/health", timeout=60) as proc:
+        yield {"url": f"http://127.0.0.1:{port}", "pub": pub, "replay": rep, "proc": proc}
+
+
+@contextlib.contextmanager
+def indexer(port: int, *extra: str) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    with service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), *extra], ready_url=f"{url}/health", timeout=60,
+                 env={"KVROUTE_INDEXER_RECOVERY_DELAY": "0.2"}):
+        yield url
+
+
+def register(indexer_url: str, endpoint: str, replay: int) -> None:
+    r = httpx.post(indexer_url + "/register", json={"instance_id": INSTANCE, "endpoint": endpoint, "model_name": MODEL,
+                                                    "block_size": BS, "dp_rank": 0, "replay_endpoint": f"tcp://127.0.0.1:{replay}"})
+    assert r.status_code == 201, r.text
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a metric family's samples in ``url``/metrics."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def equal_to_cache(indexer_url: str, m: dict) -> bool:
+    want = mocker_blocks(m, 0)
+    return bool(want) and indexer_blocks(indexer_url, 0) == want
+
+
+def kill(proc) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+class DroppingProxy:
+    """SUB from the engine, PUB to the indexer, dropping every ``every``-th batch (a lossy link)."""
+
+    def __init__(self, upstream: str, port: int, every: int = 3) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(upstream)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{port}")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.every = every
+        self.seen = self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sub.poll(100):
+                continue
+            frames = self.sub.recv_multipart()
+            self.seen += 1
+            if self.seen % self.every == 0:
+                self.dropped += 1
+                continue
+            self.pub.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sub.close(linger=0)
+        self.pub.close(linger=0)
+        self.ctx.term()
+
+
+def test_dropped_batches_are_replayed_and_the_index_matches_the_cache():
+    port, ix_port, proxy_port = free_ports(3)
+    pub, rep = free_port_block(1), free_port_block(1)
+    with mocker(port, pub, rep) as m, indexer(ix_port) as ix:
+        proxy = DroppingProxy(f"tcp://127.0.0.1:{pub}", proxy_port)
+        try:
+            register(ix, proxy.endpoint, rep)  # live events through the lossy proxy, replays straight from the engine
+            for i in range(30):
+                complete(m, prompt_text(40 + i), 0)
+                if i % 10 == 9:  # some requests evict: the cache has 256 blocks
+                    wait_until(lambda: proxy.seen > 0, timeout=30, what="the proxy forwarding")
+            wait_until(lambda: proxy.dropped >= 3, timeout=30, what="batches dropped")
+            complete(m, prompt_text(20), 0)  # a batch after the last drop reveals any trailing gap
+            wait_until(lambda: equal_to_cache(ix, m), timeout=30, what="index equal to the mocker's cache")
+            assert metric(ix, "kvroute_kv_event_gaps_total") >= 1 and metric(ix, "kvroute_kv_event_replays_total") >= 1
+        finally:
+            proxy.close()
+
+
+def test_engine_restart_resets_its_blocks_and_the_index_relearns():
+    port, ix_port = free_ports(2)
+    pub, rep = free_port_block(1), free_port_block(1)
+    with indexer(ix_port) as ix:
+        with mocker(port, pub, rep) as m:
+            register(ix, f"tcp://127.0.0.1:{pub}", rep)
+            for i in range(20):
+                complete(m, prompt_text(60 + i), 0)
+            wait_until(lambda: equal_to_cache(ix, m), timeout=30, what="index equal to the first engine's cache")
+            old = indexer_blocks(ix, 0)
+            kill(m["proc"])  # no clean-up: the cache is gone with the process
+        with mocker(port, pub, rep) as m:  # same ports; the indexer keeps its registration and watermark
+            n = iter(range(1000))
+
+            def relearnt() -> bool:
+                # the restart shows at the first batch the re-connected subscriber receives (ZMQ
+                # reconnects with back-off): keep a slow trickle of requests until then
+                if equal_to_cache(ix, m):
+                    return True
+                complete(m, prompt_text(30 + next(n)), 0)
+                return False
+
+            wait_until(relearnt, timeout=60, interval=0.5, what="index equal to the new engine's cache")
+            assert not (indexer_blocks(ix, 0) & old)
+            assert metric(ix, "kvroute_kv_event_engine_restarts_total") == 1
+
+
+def test_indexer_restarted_with_peers_under_traffic_ends_identical_to_the_peer():
+    port, a_port, b_port = free_ports(3)
+    pub, rep = free_port_block(1), free_port_block(1)
+    stop = threading.Event()
+
+    def traffic(m: dict) -> int:
+        n = 0
+        while not stop.is_set() and n < 400:  # bounded even if the test fails before setting stop
+            complete(m, prompt_text(30 + n % 40), 0)
+            n += 1
+        return n
+
+    with mocker(port, pub, rep) as m, indexer(a_port) as a, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            with indexer(b_port, "--peers", a) as b:
+                for ix in (a, b):
+                    register(ix, f"tcp://127.0.0.1:{pub}", rep)
+                complete(m, prompt_text(50), 0)
+                wait_until(lambda: equal_to_cache(a, m) and equal_to_cache(b, m), timeout=30, what="both indexers follow")
+                sent = pool.submit(traffic, m)
+                applied = metric(a, "kvroute_kv_event_batches_applied_total")
+                wait_until(lambda: metric(a, "kvroute_kv_event_batches_applied_total") >= applied + 5, timeout=30, what="traffic flowing")
+            # B is gone while the engine keeps publishing; it comes back on the same port and recovers from A
+            with indexer(b_port, "--peers", a) as b:
+                assert index_blocks(httpx.get(b + "/dump", timeout=30).json()), "B recovered nothing from its peer"
+                register(b, f"tcp://127.0.0.1:{pub}", rep)
+                stop.set()
+                assert sent.result(timeout=120) > 0
+                complete(m, prompt_text(25), 0)
+                wait_until(lambda: equal_to_cache(a, m) and equal_to_cache(b, m), timeout=60, what="both equal to the cache")
+                assert index_blocks(httpx.get(b + "/dump", timeout=30).json()) == index_blocks(httpx.get(a + "/dump", timeout=30).json())
+        finally:
+            stop.set()
+
+
+@contextlib.contextmanager
+def frontend(port: int, workers: list[str], *extra: str) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv", "--log-level", os.environ.get("FE_LOG", "warning")]
+    for w in workers:
+        args += ["--worker", w]
+    with service(args, timeout=90, ready=lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200
+                 and len([i for i in httpx.get(f"{url}/health", timeout=2).json().get("instances", []) if i.get("healthy")]) == len(workers)):
+        yield url
+
+
+def chat(url: str, text: str, timeout: float = 60) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=timeout,
+                      json={"model": MODEL, "max_tokens": 4, "ignore_eos": True, "messages": [{"role": "user", "content": text}]})
+
+
+def loads_zero(url: str) -> bool:
+    rows = httpx.get(url + "/loads", timeout=10).json()
+    return bool(rows) and all(r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in rows)
+
+
+@pytest.mark.xfail(strict=True, reason="found by this suite, not fixed yet: --request-timeout does not cut a non-streaming request to a "
+                   "worker that never answers (the frontend waits forever; frontend.upstream.UpstreamPool alone does time out)")
+def test_a_worker_that_never_answers_times_out_and_the_other_keeps_serving():
+    fe_port, slow_port, fast_port = free_ports(3)
+    (sp, sr), (fp, fr) = (free_port_block(1), free_port_block(1)), (free_port_block(1), free_port_block(1))
+    with mocker(slow_port, sp, sr, "--stall-after-tokens", "0"), mocker(fast_port, fp, fr), \
+            frontend(fe_port, [f"id=1,url=http://127.0.0.1:{slow_port}", f"id=2,url=http://127.0.0.1:{fast_port}"],
+                     "--request-timeout", "2") as fe:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda i: chat(fe, prompt_text(30 + i), timeout=30), range(8)))
+        codes = sorted(r.status_code for r in answers)
+        assert set(codes) <= {200, 504} and 504 in codes and 200 in codes, codes
+        for r in answers:
+            if r.status_code == 504:
+                assert "did not answer" in r.json()["error"]["message"]
+        # the stalled worker's bookings were freed; the healthy one still answers
+        wait_until(lambda: loads_zero(fe), timeout=30, what="every load back to 0")
+        assert chat(fe, "still serving?", timeout=30).status_code in (200, 504)
+        assert any(chat(fe, prompt_text(10 + i)).status_code == 200 for i in range(6))
+        wait_until(lambda: loads_zero(fe), timeout=30, what="every load back to 0 again")
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_cancellation_not_an_error(tmp_path):
+    import socket
+
+    fe_port, m_port = free_ports(2)
+    pub, rep = free_port_block(1), free_port_block(1)
+    log = tmp_path / "frontend.log"
+    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fe_port), "--router-mode", "kv",
+            "--worker", f"id=1,url=http://127.0.0.1:{m_port}"]
+    fe = f"http://127.0.0.1:{fe_port}"
+    with mocker(m_port, pub, rep), service(args, ready=lambda: chat(fe, "ready?", timeout=5).status_code == 200, timeout=90, log_path=str(log)):
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", fe_port), timeout=10) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: 1000\r\n\r\n{\"model\": ")  # then the client goes away mid-body
+        wait_until(lambda: metric(fe, "dynamo_frontend_disconnected_clients") >= 3, timeout=30, what="3 disconnects counted")
+        assert chat(fe, "still serving?").status_code == 200
+        assert metric(fe, "dynamo_frontend_inflight_requests") == 0 and metric(fe, "dynamo_frontend_queued_requests") == 0
+    text = log.read_text()
+    assert "request failed" not in text and "ClientDisconnect" not in text, text[-2000:]
