@@ -470,18 +470,21 @@ def response_nvext(
     worker_id: int | None,
     dp_rank: int | None,
     timing: RequestTiming | None = None,
+    prefill: tuple[int, int] | None = None,
 ) -> dict | None:
     """The response's ``nvext`` object, or None when nothing requested is available.
 
-    ``worker_id`` (aggregated serving: the same worker is prefill and decode worker) when the
-    request asked for it; ``timing`` only when asked for AND passed: pass it only with the piece
-    that carries the ``finish_reason`` (non-streaming body, or the final stream chunk).
+    ``worker_id`` (aggregated serving: the same worker is prefill and decode worker; disaggregated:
+    ``prefill`` = the prefill worker's (id, rank)) when the request asked for it; ``timing`` only
+    when asked for AND passed: pass it only with the piece that carries the ``finish_reason``
+    (non-streaming body, or the final stream chunk).
     """
     out: dict | None = None
     if hints.want_worker_id and worker_id is not None:
-        info: dict[str, int] = {"prefill_worker_id": worker_id}
-        if dp_rank is not None:
-            info["prefill_dp_rank"] = dp_rank
+        pw, pr = prefill if prefill is not None else (worker_id, dp_rank)
+        info: dict[str, int] = {"prefill_worker_id": pw}
+        if pr is not None:
+            info["prefill_dp_rank"] = pr
         info["decode_worker_id"] = worker_id
         if dp_rank is not None:
             info["decode_dp_rank"] = dp_rank

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from kvroute_common.http import ApiError, json_response, read_json
 from kvroute_common.openai_api import read_openai_body
 
+from . import disagg as _disagg
 from .errors import OpenAIError, model_not_found, openai_error_response
 from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
@@ -128,7 +129,7 @@ class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
     __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
-                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned", "kind", "path")
+                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned", "kind", "path", "prefill")
 
     def __init__(self) -> None:
         self.kind = "chat"  # chat | completions | responses | embeddings (see _KINDS)
@@ -139,6 +140,7 @@ class RequestContext:
         self.migrations = 0  # times this request moved to another worker (--migration-limit)
         self.failed_workers: set[int] | None = None  # workers it failed on: not chosen again for it
         self.pinned = False
+        self.prefill: Any = None  # disagg.PrefillResult once a prefill worker computed the prompt
         self.receive: Any = None
         self.hints: Any = None
         self.timing: Any = None
@@ -187,6 +189,8 @@ class OpenAIRoutes:
                 raise OpenAIError(400, "'model' is required", "model")
             entry = state.models.get(model)
             if entry is None:
+                if model in state.prefill_models:
+                    raise OpenAIError(503, f"model {model} has prefill workers but no decode worker")
                 raise model_not_found(model)
             stream = body.get("stream", False)
             if stream is None:
@@ -265,6 +269,8 @@ class OpenAIRoutes:
                         return Response(b"", status_code=499)
                     except QueueRejected as exc:
                         return self._rejected(ctx, exc)
+                if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(state, model, hints):  # OpenAI generation only
+                    ctx.prefill = await _disagg.run_prefill(state, ctx)
                 return await self._dispatch(ctx, pinned_worker, pinned_rank)
             except BaseException:
                 if ctx.session is not None:
@@ -313,15 +319,17 @@ class OpenAIRoutes:
         entry = ctx.entry
         ctx.pinned = pinned_worker is not None
         attempts = 0
+        # a prompt prefilled on a prefill worker is routed load-only (frontend/disagg.py)
+        router = state.router if ctx.prefill is None else state.disagg_decode_router
         while True:
             attempts += 1
-            decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
-                                          ctx.hints.cache_salt if ctx.hints is not None else None,
-                                          record=wants_routing(ctx.hints), exclude=ctx.failed_workers,
-                                          use_overlap=ctx.kind != "embeddings")
+            decision = router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
+                                    ctx.hints.cache_salt if ctx.hints is not None else None,
+                                    record=wants_routing(ctx.hints), exclude=ctx.failed_workers,
+                                    use_overlap=ctx.kind != "embeddings")
             request_id = state.next_request_id()
             try:
-                state.router.book(entry, request_id, decision)
+                router.book(entry, request_id, decision)
             except Exception as exc:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
@@ -331,7 +339,7 @@ class OpenAIRoutes:
             if state.config.router_track_output_blocks:
                 lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
             _record_routed(state, ctx.mm, decision)
-            if ctx.timing is not None:
+            if ctx.timing is not None and ctx.prefill is None:
                 from .hints import kv_hit_rate
 
                 ctx.timing.dispatched = time.monotonic()
@@ -524,7 +532,11 @@ class OpenAIRoutes:
             d = state.router.route(entry, tokens, explain=True)
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
-        return json_response(routing_record(state.config, entry, d))
+        out = routing_record(state.config, entry, d)
+        prefill = _disagg.explain_prefill(state, entry.name, tokens)
+        if prefill is not None:
+            out["prefill"] = prefill  # the prefill router's decision (the decode side above is then load-only)
+        return json_response(out)
 
     def _may_migrate(self, ctx: RequestContext) -> bool:
         """--migration-limit: budget left, not pinned, one choice."""
@@ -689,11 +701,14 @@ class ResponseRewriter:
                 timing.first_token = now
             timing.finished = now
         d = self.lease.decision
-        out = response_nvext(h, d.worker.id, d.dp_rank, timing)
+        p = self.ctx.prefill
+        out = response_nvext(h, d.worker.id, d.dp_rank, timing, None if p is None else (p.worker_id, p.dp_rank))
         if self.routing:  # the decision this request actually got (the last attempt's)
             if out is None:
                 out = {}
             out["routing"] = routing_record(self.routes.state.config, self.ctx.entry, d)
+            if p is not None and p.record is not None:  # disaggregated: the prefill router's decision too
+                out["routing"]["prefill"] = p.record
         return out
 
     def unary(self, data: bytes) -> bytes:
