@@ -9,7 +9,7 @@ import sys
 
 from kvroute_common.drain import add_drain_arg
 from kvroute_common.security import add_security_args
-from router.config import RouterConfig, add_router_args
+from router.config import JETSTREAM_FLAGS, RouterConfig, add_router_args
 
 log = logging.getLogger("frontend")
 
@@ -109,8 +109,13 @@ def make_state(ns: argparse.Namespace):
     for dest, flag in _NOT_YET.items():
         if getattr(config, dest, None) not in (None, False):
             log.warning("%s is accepted but not implemented yet in this frontend: it has no effect", flag)
-    if config.router_event_threads and config.router_event_threads > 1:
-        log.info("--router-event-threads %s: KV events are applied on the event loop; the value is ignored", config.router_event_threads)
+    for dest, why in JETSTREAM_FLAGS.items():
+        if getattr(config, dest) != getattr(RouterConfig(), dest):
+            log.warning("%s", why)
+    if config.router_event_threads > 1:
+        log.warning("--router-event-threads %s has no effect: KV events are decoded and applied on the asyncio loop in one "
+                    "thread (Python's GIL would serialise index updates from a thread pool); TTL and pruning stay on",
+                    config.router_event_threads)
     if config.router_mode != "kv" and not config.router_kv_events:
         log.info("--no-router-kv-events only matters with --router-mode kv")
     if ns.tokenizer_offload_chars is not None and ns.tokenizer_offload_chars < 0:

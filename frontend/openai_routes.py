@@ -129,7 +129,7 @@ class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
     __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
-                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned", "kind", "path", "prefill")
+                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned", "kind", "path", "prefill", "soft_target")
 
     def __init__(self) -> None:
         self.kind = "chat"  # chat | completions | responses | embeddings (see _KINDS)
@@ -141,6 +141,7 @@ class RequestContext:
         self.failed_workers: set[int] | None = None  # workers it failed on: not chosen again for it
         self.pinned = False
         self.prefill: Any = None  # disagg.PrefillResult once a prefill worker computed the prompt
+        self.soft_target: tuple[int, int | None] | None = None  # soft session affinity: preferred (worker, rank)
         self.receive: Any = None
         self.hints: Any = None
         self.timing: Any = None
@@ -249,7 +250,10 @@ class OpenAIRoutes:
                 except Exception as exc:  # router.session.SessionError
                     raise OpenAIError(getattr(exc, "status", 400), getattr(exc, "message", str(exc))) from None
                 target = ctx.session.target
-                if target is not None:  # a live binding beats headers and nvext
+                if target is not None and state.config.router_session_affinity_mode == "soft":
+                    ctx.soft_target = target  # a preference (also over headers and nvext), not a pin
+                    pinned_worker = pinned_rank = None
+                elif target is not None:  # a live binding beats headers and nvext
                     pinned_worker, pinned_rank = target
             try:
                 if state.admission is not None and hints is not None:
@@ -323,10 +327,19 @@ class OpenAIRoutes:
         router = state.router if ctx.prefill is None else state.disagg_decode_router
         while True:
             attempts += 1
-            decision = router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
-                                    ctx.hints.cache_salt if ctx.hints is not None else None,
-                                    record=wants_routing(ctx.hints), exclude=ctx.failed_workers,
-                                    use_overlap=ctx.kind != "embeddings")
+            salt = ctx.hints.cache_salt if ctx.hints is not None else None
+            record = wants_routing(ctx.hints)
+            decision = None
+            if ctx.soft_target is not None and attempts == 1:
+                try:  # soft affinity: the bound worker if it can take the request now
+                    decision = router.route(entry, ctx.tokens, ctx.soft_target[0], ctx.soft_target[1], salt,
+                                            record=record, exclude=ctx.failed_workers,
+                                            use_overlap=ctx.kind != "embeddings")
+                except OpenAIError:
+                    decision = None  # gone, unhealthy or busy: route freely, the session follows
+            if decision is None:
+                decision = router.route(entry, ctx.tokens, pinned_worker, pinned_rank, salt, record=record, exclude=ctx.failed_workers,
+                                            use_overlap=ctx.kind != "embeddings")
             request_id = state.next_request_id()
             try:
                 router.book(entry, request_id, decision)
@@ -433,7 +446,7 @@ class OpenAIRoutes:
                 session.release()
             return _upstream_error(lease, upstream.status, data)
         if session is not None:
-            session.bind(decision.worker.id, decision.dp_rank)
+            session.bind(decision.worker.id, decision.dp_rank, rebind=ctx.soft_target is not None)
             lease.hooks.append(_SessionHook(session))
         rewriter = ResponseRewriter(self, ctx, lease) if ctx.rewrite else None
         if stream:
