@@ -104,10 +104,14 @@ def prefill_body(body: dict) -> bytes:
     return orjson.dumps(out)
 
 
-def decode_body(body: dict, params: dict[str, Any]) -> bytes:
-    """The decode request: the client's request with the prefill worker's transfer parameters."""
+def decode_body(body: dict, params: dict[str, Any], stream_usage: bool = False) -> bytes:
+    """The decode request: the client's request with the prefill worker's transfer parameters
+    (``stream_usage``: also ask for the stream's usage event, which the frontend reads and strips)."""
     out = dict(body)
     out["kv_transfer_params"] = params
+    if stream_usage and out.get("stream"):
+        opts = out.get("stream_options")
+        out["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
     return orjson.dumps(out)
 
 
@@ -207,7 +211,8 @@ async def run_prefill(state: "FrontendState", ctx: Any) -> PrefillResult | None:
     g = state.worker_gauges(worker.id, rank, PREFILL_WORKER_TYPE)
     g[0].set(seconds)
     g[1].set(decision.isl)
-    ctx.out_body = decode_body(ctx.body, params)
+    ctx.out_body = decode_body(ctx.body, params, getattr(ctx, "strip_usage", False))
+    ctx.body = {**ctx.body, "kv_transfer_params": params}  # bodies re-derived from it (unary-as-stream) keep them
     record = routing_record(state.prefill_router.config, pool, decision) if wants_routing(hints) else None
     return PrefillResult(worker.id, rank, decision.isl, decision.overlap_blocks, decision.cached_tokens, params, seconds, record)
 

@@ -36,7 +36,7 @@ _perf = time.perf_counter
 
 try:  # extension modules (owned by the extensions engineer)
     from .admission import ClientDisconnected, QueueRejected
-    from .hints import RequestTiming, engine_priority, parse_request_hints
+    from .hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
 except ImportError:  # pragma: no cover
     class ClientDisconnected(Exception):  # type: ignore[no-redef]
         pass
@@ -151,7 +151,7 @@ class RequestContext:
     def rewrite(self) -> bool:
         """Whether the response must be looked into (response nvext, speculative prefill)."""
         h = self.hints
-        return h is not None and (h.want_worker_id or h.want_timing or h.speculative_prefill or wants_routing(h))
+        return h is not None and (h.want_worker_id or h.want_timing or h.want_stop_reason or h.speculative_prefill or wants_routing(h))
 
 
 class OpenAIRoutes:
@@ -215,9 +215,12 @@ class OpenAIRoutes:
                 had_nvext = "nvext" in body
                 try:
                     hints = parse_request_hints(body, request.headers, nvext_enabled=state.nvext_enabled)
+                    check_supported(hints, chat, stream)
                 except ApiError as exc:
                     raise OpenAIError(exc.status, exc.message) from None
                 modified = had_nvext
+                if apply_to_body(hints, body):
+                    modified = True
                 if hints.priority is not None and engine_priority is not None:
                     p = engine_priority(hints)
                     if p is not None:
@@ -386,6 +389,12 @@ class OpenAIRoutes:
         worker = decision.worker
         path = ctx.path
         headers = upstream_headers(decision.dp_rank, lease.request_id)
+        hints = ctx.hints
+        client_id = hints.request_id if hints is not None else None
+        if hints is not None and (client_id or hints.metadata):
+            from .hints import worker_headers
+
+            headers = worker_headers(headers, hints)
         stream = ctx.stream
         session = ctx.session
         # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
@@ -451,9 +460,14 @@ class OpenAIRoutes:
         rewriter = ResponseRewriter(self, ctx, lease) if ctx.rewrite else None
         if stream:
             migrator = _Migrator(self, ctx) if self._may_migrate(ctx) else None
-            return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
-                               self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage),
-                               state.config.stream_idle_timeout, migrator)
+            resp_headers = _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())]
+            if client_id:
+                resp_headers.append((b"x-dynamo-request-id", client_id.encode()))
+            proxy = StreamProxy(upstream, lease, resp_headers, self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage),
+                                state.config.stream_idle_timeout, migrator)
+            if hints is not None and hints.annotations:
+                proxy.preamble = self._annotations(ctx)
+            return proxy
         if as_stream:
             return await self._reassemble(ctx, lease, upstream, rewriter, watch)
         data = upstream.content
@@ -468,7 +482,22 @@ class OpenAIRoutes:
         lease.release()
         if rewriter is not None:
             rewriter.finished(lease)
-        return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank)
+        return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank, client_id)
+
+    def _annotations(self, ctx: RequestContext) -> bytes:
+        """nvext.annotations as SSE events ahead of the stream (formatted prompt, prompt token ids)."""
+        from .hints import annotation_events
+
+        text = None
+        if "formatted_prompt" in ctx.hints.annotations:
+            from kvroute_common.tokenizer import chat_template_kwargs, render_chat_prompt
+
+            if ctx.chat:
+                text = render_chat_prompt(ctx.entry.tokenizer, ctx.body["messages"], **chat_template_kwargs(ctx.body))
+            else:
+                prompt = ctx.body.get("prompt")
+                text = prompt if isinstance(prompt, str) else ctx.entry.tokenizer.decode(ctx.tokens)
+        return annotation_events(ctx.hints, text, ctx.tokens)
 
     async def _reassemble(self, ctx: RequestContext, lease: Lease, upstream: Any, rewriter: "ResponseRewriter | None", watch: Any) -> Any:
         """A non-streaming request's engine stream: first token = prefill complete, then one OpenAI body."""
@@ -528,7 +557,7 @@ class OpenAIRoutes:
         lease.release()
         if rewriter is not None:
             rewriter.finished(lease)
-        return _PassThrough(data, b"application/json", lease.decision.dp_rank)
+        return _PassThrough(data, b"application/json", lease.decision.dp_rank, ctx.hints.request_id if ctx.hints is not None else None)
 
     async def explain(self, request: Request) -> Response:
         """``POST /admin/route``: the decision an OpenAI body would get now, with every candidate's
@@ -695,13 +724,13 @@ class ResponseRewriter:
         self._buf = b""
         h = ctx.hints
         self.routing = wants_routing(h)
-        self.want_nvext = h.want_worker_id or h.want_timing or self.routing
+        self.want_nvext = h.want_worker_id or h.want_timing or h.want_stop_reason or self.routing
         if ctx.hints.speculative_prefill and routes.state.speculative is not None:
             from .speculative import TurnTextCollector
 
             self.collector = TurnTextCollector()
 
-    def _nvext(self) -> dict | None:
+    def _nvext(self, stop_reason: Any = None) -> dict | None:
         from .hints import response_nvext
 
         h = self.ctx.hints
@@ -715,7 +744,7 @@ class ResponseRewriter:
             timing.finished = now
         d = self.lease.decision
         p = self.ctx.prefill
-        out = response_nvext(h, d.worker.id, d.dp_rank, timing, None if p is None else (p.worker_id, p.dp_rank))
+        out = response_nvext(h, d.worker.id, d.dp_rank, timing, None if p is None else (p.worker_id, p.dp_rank), stop_reason)
         if self.routing:  # the decision this request actually got (the last attempt's)
             if out is None:
                 out = {}
@@ -727,12 +756,12 @@ class ResponseRewriter:
     def unary(self, data: bytes) -> bytes:
         if self.collector is not None:
             self.collector.feed_json(data)
-        ext = self._nvext()
-        if ext is None:
-            return data
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
+            return data
+        ext = self._nvext(_stop_reason(obj))
+        if ext is None:
             return data
         if isinstance(obj, dict):
             obj["nvext"] = ext
@@ -767,7 +796,7 @@ class ResponseRewriter:
                 except orjson.JSONDecodeError:
                     obj = None
                 if isinstance(obj, dict) and any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or []):
-                    ext = self._nvext()
+                    ext = self._nvext(_stop_reason(obj))
                     if ext is not None:
                         obj["nvext"] = ext
                         ev = b"data: " + orjson.dumps(obj)
@@ -810,6 +839,15 @@ _KINDS = {"chat": ("chat_completions", "/v1/chat/completions"), "completions": (
           "responses": ("responses", "/v1/responses"), "embeddings": ("embeddings", "/v1/embeddings")}
 
 
+def _stop_reason(obj: Any) -> Any:
+    """The engine's ``stop_reason`` of the finished choice (vLLM: the stop string or token id), if any."""
+    if isinstance(obj, dict):
+        for c in obj.get("choices") or ():
+            if isinstance(c, dict) and c.get("finish_reason") is not None:
+                return c.get("stop_reason")
+    return None
+
+
 class _watch_disconnect:
     """Cancels the current task when the client disconnects (one extra task, only for unary requests)."""
 
@@ -836,15 +874,17 @@ class _watch_disconnect:
 class _PassThrough:
     """A worker's complete JSON answer, sent as is (cheaper than building a starlette Response)."""
 
-    __slots__ = ("body", "content_type", "rank")
+    __slots__ = ("body", "content_type", "rank", "request_id")
 
-    def __init__(self, body: bytes, content_type: bytes, rank: int) -> None:
-        self.body, self.content_type, self.rank = body, content_type, rank
+    def __init__(self, body: bytes, content_type: bytes, rank: int, request_id: str | None = None) -> None:
+        self.body, self.content_type, self.rank, self.request_id = body, content_type, rank, request_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", self.content_type), (b"content-length", str(len(self.body)).encode()),
-            (b"x-data-parallel-rank", str(self.rank).encode())]})
+        headers = [(b"content-type", self.content_type), (b"content-length", str(len(self.body)).encode()),
+                   (b"x-data-parallel-rank", str(self.rank).encode())]
+        if self.request_id:
+            headers.append((b"x-dynamo-request-id", self.request_id.encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": self.body})
 
 
