@@ -263,7 +263,8 @@ class OpenAIRoutes:
                     if ctx.timing is not None:
                         ctx.timing.router_queue_depth = state.admission.depth(model)
                     try:
-                        await state.admission.wait(model, hints, new_tokens=len(tokens), receive=request.receive)
+                        await state.admission.wait(model, hints, new_tokens=len(tokens), receive=request.receive,
+                                                   cached_tokens=lambda: state.router.best_cached_tokens(entry, tokens, hints.cache_salt))
                     except ClientDisconnected:
                         mm.inflight.dec()
                         mm.active.dec()

@@ -175,6 +175,20 @@ class FrontendState:
         mbt = GaugeMetricFamily("dynamo_frontend_model_max_num_batched_tokens", "Max batched tokens of the model's workers", labels=["model"])
         bsz = GaugeMetricFamily("dynamo_frontend_model_kv_cache_block_size", "KV block size of the model", labels=["model"])
         depth = GaugeMetricFamily("dynamo_frontend_router_queue_pending_requests", "Requests held in the router queue", labels=["model", "worker_type", "policy_class"])
+        q_labels = ["model", "worker_type", "policy_class"]
+        pending_isl = GaugeMetricFamily("dynamo_frontend_router_queue_pending_isl_tokens", "Prompt tokens of the requests held in the router queue", labels=q_labels)
+        pending_cached = GaugeMetricFamily("dynamo_frontend_router_queue_pending_cached_tokens",
+                                           "Cached prompt tokens (best eligible worker, when queued) of the requests held in the router queue", labels=q_labels)
+        seqs = GaugeMetricFamily("dynamo_frontend_model_max_num_seqs", "Max concurrent sequences per worker of the model", labels=["model"])
+        ctx_len = GaugeMetricFamily("dynamo_frontend_model_context_length", "Max context length of the model's workers", labels=["model"])
+        mismatch = GaugeMetricFamily("dynamo_component_router_kv_event_source_mismatch_workers",
+                                     "Healthy workers the router expects KV events from that have no kv_events_endpoint",
+                                     labels=["model", "worker_type", "target_namespace", "target_component", "target_endpoint"])
+        kv_events_mode = self.config.router_mode == "kv" and self.config.router_kv_events and self.config.uses_indexer
+        for entry in list(self.prefill_models.values()):
+            if kv_events_mode:
+                mismatch.add_metric([entry.name, PREFILL_WORKER_TYPE, "dynamo", "prefill", "generate"],
+                                    sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint))
         for entry in list(self.prefill_models.values()):
             tracker = entry.tracker
             for w in entry.workers.values():
@@ -199,8 +213,28 @@ class FrontendState:
                 mbt.add_metric([entry.name], maxbt)
             bsz.add_metric([entry.name], entry.block_size)
             depth.add_metric([entry.name, WORKER_TYPE, "default"], self.admission.depth(entry.name) if self.admission else 0)
+            isl, cached = self.admission.pending_tokens(entry.name) if self.admission else (0, 0)
+            pending_isl.add_metric([entry.name, WORKER_TYPE, "default"], isl)
+            pending_cached.add_metric([entry.name, WORKER_TYPE, "default"], cached)
+            ms = [w.max_num_seqs for w in entry.workers.values() if w.max_num_seqs]
+            if ms:
+                seqs.add_metric([entry.name], max(ms))
+            cl = [w.max_model_len for w in entry.workers.values() if w.max_model_len]
+            if cl:
+                ctx_len.add_metric([entry.name], min(cl))  # what every worker accepts
+            if kv_events_mode:
+                mismatch.add_metric([entry.name, WORKER_TYPE, "dynamo", "backend", "generate"],
+                                    sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint))
         health = self.events.health_metrics() if self.events is not None else []  # KV-event health per worker rank
-        return [decode, prefill, registered, ready, blocks, mbt, bsz, depth, *health]
+        out = [decode, prefill, registered, ready, blocks, mbt, bsz, depth, pending_isl, pending_cached, seqs, ctx_len, mismatch, *health]
+        events = self.events
+        if events is not None:  # the embedded indexer's KV-event outcomes (as the standalone indexer exports them)
+            applied = GaugeMetricFamily("dynamo_kvrouter_kv_cache_events_applied", "KV events processed by type and outcome",
+                                        labels=["event_type", "status"])
+            for (event_type, status), n in sorted(events.event_counters.items()):
+                applied.add_metric([event_type, status], n)
+            out.append(applied)
+        return out
 
     # ---- worker attachment ------------------------------------------------------------------------
     def _events_registry(self):

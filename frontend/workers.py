@@ -202,6 +202,7 @@ class Worker:
     capacity: Any = None  # frontend.capacity.EngineCapacity: what the engine exposed, and from where
     capacity_warned: bool = False
     warnings: list[str] = field(default_factory=list)  # configuration problems found at attach time
+    max_num_seqs: int | None = None  # when the engine exposes it (model_max_num_seqs gauge)
     healthy: bool = False
     discovered: bool = False
     failures: int = 0  # consecutive failed health checks while healthy
@@ -378,6 +379,7 @@ class WorkerPool:
         if cap.unknown and not worker.capacity_warned:
             worker.capacity_warned = True
             log.warning(unknown_capacity_message(worker.id, cap))
+        worker.max_num_seqs = cap.get("max_num_seqs")
         worker.discovered = True
 
     def mark_failed(self, worker: Worker, error: str, unreachable: bool = True) -> None:
