@@ -572,13 +572,15 @@ class OpenAIRoutes:
         chat = "messages" in body
         try:
             tokens = await tokenize_request(state, entry, body, chat)
-            d = state.router.route(entry, tokens, explain=True)
+            prefill = _disagg.explain_prefill(state, entry.name, tokens)
+            # with a prefill pool the decode side is routed load-only (unless it falls back to decode-only)
+            router = state.router if prefill is None or "error" in prefill else state.disagg_decode_router
+            d = router.route(entry, tokens, explain=True)
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
-        out = routing_record(state.config, entry, d)
-        prefill = _disagg.explain_prefill(state, entry.name, tokens)
+        out = routing_record(router.config, entry, d)
         if prefill is not None:
-            out["prefill"] = prefill  # the prefill router's decision (the decode side above is then load-only)
+            out["prefill"] = prefill  # the prefill router's decision
         return json_response(out)
 
     def _may_migrate(self, ctx: RequestContext) -> bool:
@@ -749,7 +751,8 @@ class ResponseRewriter:
         if self.routing:  # the decision this request actually got (the last attempt's)
             if out is None:
                 out = {}
-            out["routing"] = routing_record(self.routes.state.config, self.ctx.entry, d)
+            st = self.routes.state
+            out["routing"] = routing_record(st.config if p is None else st.disagg_decode_router.config, self.ctx.entry, d)
             if p is not None and p.record is not None:  # disaggregated: the prefill router's decision too
                 out["routing"]["prefill"] = p.record
         return out

@@ -209,3 +209,14 @@ def test_fallback_to_decode_only():
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert fe.metric("kvroute_disagg_prefill_requests_total", outcome="no_prefill_worker") == 1
         wait_until(fe.idle, WAIT, what="loads back to zero")
+
+
+def test_routing_record_shows_both_decisions(cluster):
+    fe, prefills, d = cluster
+    comp, info = _chat(fe, prompt(uuid.uuid4().hex), nvext={"extra_fields": ["worker_id", "routing"]}, max_tokens=2)
+    rec = comp.model_extra["nvext"]["routing"]
+    assert rec["worker_id"] == 3 and rec["overlap_score_weight"] == 0.0  # decode: load only
+    assert rec["prefill"]["worker_id"] == info["prefill_worker_id"] in (1, 2)
+    assert {c["worker_id"] for c in rec["prefill"]["candidates"]} == {1, 2}  # the prefill pool's candidates
+    ex = fe.http.post("/admin/route", json={"model": MODEL, "messages": prompt("x")}).json()
+    assert ex["overlap_score_weight"] == 0.0 and {c["worker_id"] for c in ex["candidates"]} == {3} and {c["worker_id"] for c in ex["prefill"]["candidates"]} == {1, 2}
