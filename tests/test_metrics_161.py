@@ -57,16 +57,14 @@ def _metric(text: str, name: str, **labels: str) -> float | None:
 
 def test_frontend_exports_the_161_names():
     with contextlib.ExitStack() as stack:
-        port, ev, rp = free_ports(3)
+        port, ev, rp, port2, fport = free_ports(5)  # one pick: no port handed out twice
         murl = f"http://127.0.0.1:{port}"
         stack.enter_context(service(["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "77",
                                      "--max-model-len", "4096", "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}",
                                      "--replay-endpoint", f"tcp://127.0.0.1:{rp}"], ready_url=murl + "/health", timeout=90))
-        port2 = free_ports(1)[0]
         murl2 = f"http://127.0.0.1:{port2}"
         stack.enter_context(service(["-m", "mocker", "--host", "127.0.0.1", "--port", str(port2), "--no-kv-events", "--max-num-seqs", "64",
                                      "--max-model-len", "2048"], ready_url=murl2 + "/health", timeout=90))
-        (fport,) = free_ports(1)
         url = f"http://127.0.0.1:{fport}"
         stack.enter_context(service(["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), "--router-mode", "kv",
                                      "--router-queue-threshold", "4", "--health-check-interval", "0.5",
