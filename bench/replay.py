@@ -305,10 +305,12 @@ class ModeSpec:
     label: str
     router_mode: str
     frontend_args: tuple[str, ...] = ()
+    prefill_workers: int = 0  # disaggregated: this many of the workers are prefill-role, the rest decode-role
 
     @classmethod
     def parse_variant(cls, text: str) -> ModeSpec:
-        """``LABEL=MODE[,FLAG...]``, e.g. ``kv-w4=kv,--router-kv-overlap-score-weight=4``."""
+        """``LABEL=MODE[,FLAG...][,prefill=N]``, e.g. ``kv-w4=kv,--router-kv-overlap-score-weight=4`` or
+        ``kv-disagg=kv,prefill=2`` (2 prefill + the rest decode workers)."""
         label, sep, rest = text.partition("=")
         parts = [p.strip() for p in rest.split(",") if p.strip()]
         if not sep or not label.strip() or not parts:
@@ -316,7 +318,12 @@ class ModeSpec:
         mode = parts[0].replace("-", "_")
         if mode not in MODES:
             raise ValueError(f"variant {text!r}: unknown router mode {parts[0]!r} (choose from {', '.join(MODES)})")
-        return cls(label.strip(), mode, tuple(parts[1:]))
+        prefill = [p for p in parts[1:] if p.startswith("prefill=")]
+        flags = tuple(p for p in parts[1:] if not p.startswith("prefill="))
+        n = int(prefill[-1].split("=", 1)[1]) if prefill else 0
+        if n < 0:
+            raise ValueError(f"variant {text!r}: prefill=N needs N >= 0")
+        return cls(label.strip(), mode, flags, n)
 
 
 def replay_mode(trace: Trace, mode: str | ModeSpec, opts: RunOptions, progress=print) -> dict:
@@ -326,7 +333,10 @@ def replay_mode(trace: Trace, mode: str | ModeSpec, opts: RunOptions, progress=p
     t_start = time.perf_counter()
     log_dir = os.path.join(opts.log_dir, f"{trace.name}-{spec.label}") if opts.log_dir else None
     frontend_args = (*opts.frontend_args, *spec.frontend_args)
-    cluster = start_cluster(opts.workers, mocker, router_mode=spec.router_mode, frontend_args=frontend_args, log_dir=log_dir)
+    if spec.prefill_workers and not 0 < spec.prefill_workers < opts.workers:
+        raise RuntimeError(f"{spec.label}: prefill={spec.prefill_workers} needs at least one decode worker of {opts.workers}")
+    cluster = start_cluster(opts.workers, mocker, router_mode=spec.router_mode, frontend_args=frontend_args, log_dir=log_dir,
+                            prefill_workers=spec.prefill_workers)
     try:
         if progress:
             progress(f"[{spec.label}] {opts.workers} cold workers + frontend ready in {time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})")
@@ -343,6 +353,8 @@ def replay_mode(trace: Trace, mode: str | ModeSpec, opts: RunOptions, progress=p
     summary["mode"] = spec.label
     summary["router_mode"] = spec.router_mode
     summary["frontend_args"] = list(frontend_args)
+    if spec.prefill_workers:
+        summary["prefill_workers"] = spec.prefill_workers
     summary["cache"] = cache_delta(before, after)
     summary["hit_rate"] = summary["cache"]["hit_rate"] if summary["cache"] else None
     return summary
@@ -465,6 +477,9 @@ def markdown_report(report: dict) -> str:
     for m in report["modes"]:
         if m.get("frontend_args"):
             lines.append(f"- `{m['mode']}` = router mode {m['router_mode']} with `{' '.join(m['frontend_args'])}`")
+        if m.get("prefill_workers"):
+            lines.append(f"- `{m['mode']}` = disaggregated: {m['prefill_workers']} prefill-role workers (prefill router) and the rest "
+                         "decode-role; the hit rate counts only local prefix hits (transferred prompts are not hits)")
     lines += [f"- {v}" for v in report.get("verdict", [])]
     return "\n".join(lines) + "\n"
 

@@ -95,11 +95,13 @@ def any_rank_free(ranks: "list[tuple[float, int | None]]", threshold: float) -> 
 
 
 class _Waiter:
-    __slots__ = ("fut", "hints")
+    __slots__ = ("fut", "hints", "isl", "cached")
 
-    def __init__(self, fut: asyncio.Future, hints: "RequestHints") -> None:
+    def __init__(self, fut: asyncio.Future, hints: "RequestHints", isl: int = 0, cached: int = 0) -> None:
         self.fut = fut
         self.hints = hints
+        self.isl = isl  # prompt tokens, for the pending-ISL gauge
+        self.cached = cached  # best eligible worker's cached prompt tokens when queued
 
 
 class AdmissionQueue:
@@ -147,7 +149,8 @@ class AdmissionQueue:
 
     # --- request path ----------------------------------------------------------------------------
 
-    async def wait(self, model: str, hints: "RequestHints", *, new_tokens: int = 0, receive: Receive | None = None) -> float:
+    async def wait(self, model: str, hints: "RequestHints", *, new_tokens: int = 0, receive: Receive | None = None,
+                   cached_tokens: "Callable[[], int] | None" = None) -> float:
         """Return (seconds held) once this request may be routed.
 
         ``new_tokens``: uncached prompt tokens on the best eligible worker (WSPT's weight).
@@ -177,7 +180,7 @@ class AdmissionQueue:
         fut = loop.create_future()
         start = self._clock()
         entry = q.push(
-            _Waiter(fut, hints),
+            _Waiter(fut, hints, new_tokens, cached_tokens() if cached_tokens is not None else 0),
             start - self._t0,
             strict_priority=hints.queue_tier,
             priority_jump=hints.priority_jump,
@@ -232,6 +235,17 @@ class AdmissionQueue:
         """Requests currently held for ``model`` (the /metrics queue-depth gauge)."""
         q = self._queues.get(model)
         return len(q) if q is not None else 0
+
+    def pending_tokens(self, model: str) -> tuple[int, int]:
+        """(prompt tokens, cached prompt tokens) of the requests held for ``model`` (scrape-time gauges)."""
+        q = self._queues.get(model)
+        if not q:
+            return 0, 0
+        isl = cached = 0
+        for w in q.items_in_order():
+            isl += w.isl
+            cached += w.cached
+        return isl, cached
 
     def depths(self) -> dict[str, int]:
         return {m: len(q) for m, q in self._queues.items()}

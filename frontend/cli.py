@@ -9,7 +9,7 @@ import sys
 
 from kvroute_common.drain import add_drain_arg
 from kvroute_common.security import add_security_args
-from router.config import RouterConfig, add_router_args
+from router.config import JETSTREAM_FLAGS, RouterConfig, add_router_args
 
 log = logging.getLogger("frontend")
 
@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--worker", action="append", default=[], metavar="SPEC",
                    help="a worker: id=1,url=http://127.0.0.1:8001[,dp_size=2][,dp_start=0][,kv_events_endpoint=tcp://127.0.0.1:5557]"
                         "[,replay_endpoint=tcp://127.0.0.1:5567][,model=NAME][,model_path=DIR][,block_size=N][,num_gpu_blocks=N]"
-                        "[,max_num_batched_tokens=N] (repeatable; rank r uses the endpoints' port + r)")
+                        "[,max_num_batched_tokens=N][,role=prefill|decode|both] (repeatable; rank r uses the endpoints' port + r; "
+                        "role=prefill workers only take the prefill phase of disaggregated requests)")
     g.add_argument("--workers-file", default=os.environ.get("KVROUTE_WORKERS_FILE"), metavar="FILE",
                    help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read when it changes')
     g.add_argument("--model-path", default=os.environ.get("KVROUTE_MODEL_PATH"),
@@ -109,8 +110,13 @@ def make_state(ns: argparse.Namespace):
     for dest, flag in _NOT_YET.items():
         if getattr(config, dest, None) not in (None, False):
             log.warning("%s is accepted but not implemented yet in this frontend: it has no effect", flag)
-    if config.router_event_threads and config.router_event_threads > 1:
-        log.info("--router-event-threads %s: KV events are applied on the event loop; the value is ignored", config.router_event_threads)
+    for dest, why in JETSTREAM_FLAGS.items():
+        if getattr(config, dest) != getattr(RouterConfig(), dest):
+            log.warning("%s", why)
+    if config.router_event_threads > 1:
+        log.warning("--router-event-threads %s has no effect: KV events are decoded and applied on the asyncio loop in one "
+                    "thread (Python's GIL would serialise index updates from a thread pool); TTL and pruning stay on",
+                    config.router_event_threads)
     if not config.kv_aware and not config.router_kv_events:
         log.info("--no-router-kv-events only matters with --router-mode kv or latency")
     if ns.tokenizer_offload_chars is not None and ns.tokenizer_offload_chars < 0:

@@ -19,7 +19,9 @@ header list and an empty RequestHints (fresh each time: callers may set fields o
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -125,6 +127,13 @@ class RequestHints:
     max_thinking_tokens: int | None = None
     request_timestamp_ms: float | None = None
     extra_fields: list[str] = field(default_factory=list)
+    want_stop_reason: bool = False
+    metadata_upload: str | None = None  # nvext.metadata_upload.url
+    required_taints: list[str] | None = None  # nvext.routing_constraints
+    preferred_taints: dict[str, float] | None = None
+    # headers: x-dynamo-request-id (a valid UUID, else a fresh uuid4) and x-dynamo-meta-* (name -> value)
+    request_id: str | None = None
+    metadata: dict[str, str] | None = None
 
     @property
     def priority_jump(self) -> float:
@@ -192,7 +201,14 @@ _SESSION_HEADERS = frozenset(
     [H_SESSION, H_PARENT_SESSION, H_SESSION_FINAL]
     + [h for group in AGENT_SESSION_HEADERS for h in group[:3] if h is not None]
 )
-KNOWN_HEADERS = _ROUTING_HEADERS | _SESSION_HEADERS
+H_REQUEST_ID = "x-dynamo-request-id"
+# request metadata headers: x-dynamo-meta-<key> (prefix overridable with DYN_METADATA_HEADER)
+META_PREFIX = (os.environ.get("DYN_METADATA_HEADER") or "x-dynamo-meta-").lower()
+_META_PREFIX_B = META_PREFIX.encode("latin-1")
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_BYTES = 64 * 1024
+
+KNOWN_HEADERS = _ROUTING_HEADERS | _SESSION_HEADERS | {H_REQUEST_ID}
 _KNOWN_HEADERS_B = frozenset(h.encode() for h in KNOWN_HEADERS)
 
 _TRUE = frozenset(("1", "true", "yes", "on", "t", "y"))
@@ -207,7 +223,7 @@ def _collect_headers(headers: Any) -> dict[str, str]:
     raw = getattr(headers, "raw", None)
     if raw is not None:  # starlette Headers / MutableHeaders: list of (lowercase bytes, bytes)
         for name, value in raw:
-            if name in _KNOWN_HEADERS_B:
+            if name in _KNOWN_HEADERS_B or name.startswith(_META_PREFIX_B):
                 key = name.decode("latin-1")
                 if key not in found:
                     found[key] = value.decode("latin-1")
@@ -217,7 +233,7 @@ def _collect_headers(headers: Any) -> dict[str, str]:
         if isinstance(name, bytes):
             name = name.decode("latin-1")
         key = name.lower()
-        if key in KNOWN_HEADERS and key not in found:
+        if (key in KNOWN_HEADERS or key.startswith(META_PREFIX)) and key not in found:
             found[key] = value.decode("latin-1") if isinstance(value, bytes) else str(value)
     return found
 
@@ -261,6 +277,14 @@ def _header_value(found: dict[str, str], name: str | None) -> str | None:
         return None
     value = value.strip()
     return value or None
+
+
+def _request_id(text: str) -> str:
+    """x-dynamo-request-id: the value if it parses as a UUID (canonical form), else a fresh UUID v4."""
+    try:
+        return str(uuid.UUID(text.strip()))
+    except ValueError:
+        return str(uuid.uuid4())
 
 
 def _parse_bool(text: str | None) -> bool | None:
@@ -355,6 +379,13 @@ def parse_request_hints(body: dict, headers: Any, *, nvext_enabled: bool = True)
             hints.extra_fields = ext.extra_fields
             hints.want_worker_id = "worker_id" in ext.extra_fields
             hints.want_timing = "timing" in ext.extra_fields
+            hints.want_stop_reason = "stop_reason" in ext.extra_fields
+        if ext.metadata_upload is not None:
+            hints.metadata_upload = ext.metadata_upload.url
+        rc = ext.routing_constraints
+        if rc is not None:
+            hints.required_taints = list(rc.required_taints) or None
+            hints.preferred_taints = dict(rc.preferred_taints) or None
         if ext.annotations and any(a.startswith("query_instance_id:") for a in ext.annotations):
             hints.want_worker_id = True
         ah = ext.agent_hints
@@ -389,11 +420,100 @@ def parse_request_hints(body: dict, headers: Any, *, nvext_enabled: bool = True)
             tenant = found.get(H_TENANT)
             if tenant:
                 hints.cache_salt = tenant
+        if H_REQUEST_ID in found:
+            hints.request_id = _request_id(found[H_REQUEST_ID])
+        meta = {k[len(META_PREFIX):]: v for k, v in found.items() if k.startswith(META_PREFIX) and len(k) > len(META_PREFIX)}
+        if meta:
+            if len(meta) > MAX_METADATA_ENTRIES:
+                raise ApiError(400, f"too many {META_PREFIX}* headers: {len(meta)} (at most {MAX_METADATA_ENTRIES})")
+            size = sum(len(k) + len(v) for k, v in meta.items())
+            if size > MAX_METADATA_BYTES:
+                raise ApiError(400, f"{META_PREFIX}* headers carry {size} bytes (at most {MAX_METADATA_BYTES})")
+            hints.metadata = meta
         sid, parent, final = session_from_headers(found)
         hints.session_id = sid
         hints.parent_session_id = parent
         hints.session_final = final
     return hints
+
+
+# ---------------------------------------------------------------------------------------------
+# Fields the frontend honours (on the request body) or refuses (400): none is silently ignored
+# ---------------------------------------------------------------------------------------------
+
+# extra_fields items the document lists that the engines behind kvroute cannot produce over the
+# OpenAI API (other unknown items are ignored, as the reference does)
+UNSUPPORTED_EXTRA_FIELDS = {
+    "routed_experts": "the engines' OpenAI API reports no expert routing",
+    "engine_data": "the engines' OpenAI API returns no engine data",
+    "completion_token_ids": "the engines' OpenAI API returns text, not output token ids",
+    "prompt_logprobs": "use the engine's own prompt_logprobs request field",
+}
+SUPPORTED_ANNOTATIONS = ("formatted_prompt", "token_ids")
+
+
+def check_supported(hints: RequestHints, chat: bool, stream: bool) -> None:
+    """Raise ApiError(400) for nvext fields this frontend cannot honour for this request."""
+    def refuse(message: str) -> None:
+        raise ApiError(400, f"unsupported nvext: {message}")
+
+    if hints.use_raw_prompt and chat:
+        refuse("use_raw_prompt applies to /v1/completions (whose prompts are never templated); on /v1/chat/completions "
+               "the engine renders its chat template, send the raw text to /v1/completions instead")
+    if hints.max_thinking_tokens is not None:
+        refuse("max_thinking_tokens: the engines' OpenAI API takes no thinking budget")
+    if hints.metadata_upload is not None:
+        refuse("metadata_upload: no out-of-band metadata upload in kvroute")
+    if hints.preferred_taints:
+        refuse("routing_constraints.preferred_taints: workers carry no taints in kvroute")
+    if hints.required_taints:
+        refuse("routing_constraints.required_taints: workers carry no taints in kvroute")
+    for item in hints.extra_fields:
+        why = UNSUPPORTED_EXTRA_FIELDS.get(item)
+        if why is not None:
+            refuse(f"extra_fields {item!r}: {why}")
+    for a in hints.annotations or ():
+        if a.startswith("query_instance_id:"):
+            refuse("annotation query_instance_id: kvroute routes and dispatches in one step; POST /admin/route "
+                   "answers the decision for a body without sending it")
+        if a not in SUPPORTED_ANNOTATIONS:
+            refuse(f"unknown annotation {a!r} (supported: {', '.join(SUPPORTED_ANNOTATIONS)})")
+        if not stream:
+            refuse(f"annotation {a!r} is sent as a server-sent event: it needs stream=true")
+
+
+def worker_headers(headers: list[tuple[str, str]], hints: RequestHints) -> list[tuple[str, str]]:
+    """The client's x-dynamo-request-id becomes the worker request's ``x-request-id`` (vLLM's request id
+    header); x-dynamo-meta-* headers are passed on to the worker unchanged."""
+    if hints.request_id:
+        headers = [(k, v) for k, v in headers if k != "x-request-id"] + [("x-request-id", hints.request_id)]
+    if hints.metadata:
+        headers = headers + [(META_PREFIX + k, v) for k, v in hints.metadata.items()]
+    return headers
+
+
+def apply_to_body(hints: RequestHints, body: dict) -> bool:
+    """Body changes the hints ask for; True when the body changed (greed_sampling = greedy decoding)."""
+    if hints.greed_sampling:
+        body["temperature"] = 0.0
+        body.pop("top_p", None)
+        body.pop("top_k", None)
+        return True
+    return False
+
+
+def annotation_events(hints: RequestHints, formatted_prompt: str | None, token_ids: list[int]) -> bytes:
+    """The requested annotations as SSE events sent before the first chunk: ``event: <name>`` with the
+    JSON value as a comment line, the way the reference's SSE encoder writes annotated events."""
+    import orjson
+
+    out = []
+    for a in hints.annotations or ():
+        if a == "formatted_prompt":
+            out.append(b"event: formatted_prompt\n:" + orjson.dumps(formatted_prompt) + b"\n\n")
+        elif a == "token_ids":
+            out.append(b"event: token_ids\n:" + orjson.dumps(token_ids) + b"\n\n")
+    return b"".join(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,18 +590,22 @@ def response_nvext(
     worker_id: int | None,
     dp_rank: int | None,
     timing: RequestTiming | None = None,
+    prefill: tuple[int, int] | None = None,
+    stop_reason: Any = None,
 ) -> dict | None:
     """The response's ``nvext`` object, or None when nothing requested is available.
 
-    ``worker_id`` (aggregated serving: the same worker is prefill and decode worker) when the
-    request asked for it; ``timing`` only when asked for AND passed: pass it only with the piece
-    that carries the ``finish_reason`` (non-streaming body, or the final stream chunk).
+    ``worker_id`` (aggregated serving: the same worker is prefill and decode worker; disaggregated:
+    ``prefill`` = the prefill worker's (id, rank)) when the request asked for it; ``timing`` only
+    when asked for AND passed: pass it only with the piece that carries the ``finish_reason``
+    (non-streaming body, or the final stream chunk).
     """
     out: dict | None = None
     if hints.want_worker_id and worker_id is not None:
-        info: dict[str, int] = {"prefill_worker_id": worker_id}
-        if dp_rank is not None:
-            info["prefill_dp_rank"] = dp_rank
+        pw, pr = prefill if prefill is not None else (worker_id, dp_rank)
+        info: dict[str, int] = {"prefill_worker_id": pw}
+        if pr is not None:
+            info["prefill_dp_rank"] = pr
         info["decode_worker_id"] = worker_id
         if dp_rank is not None:
             info["decode_dp_rank"] = dp_rank
@@ -490,4 +614,8 @@ def response_nvext(
         if out is None:
             out = {}
         out["timing"] = timing.as_dict()
+    if hints.want_stop_reason and stop_reason is not None:
+        if out is None:
+            out = {}
+        out["stop_reason"] = stop_reason
     return out

@@ -57,6 +57,7 @@ HASHING_MS_BUCKETS = [0.001 * 2**k for k in range(15)]
 OVERHEAD_MS_BUCKETS = [round(0.01 * 3**k, 6) for k in range(17)]
 
 WORKER_TYPE = "decode"
+PREFILL_WORKER_TYPE = "prefill"  # disaggregated serving: the prefill pool's worker_type label
 
 
 class FrontendMetrics:
@@ -110,6 +111,10 @@ class FrontendMetrics:
         self.oh_find_matches = Histogram(f"{op}_indexer_find_matches_ms", "Indexer lookup time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r).labels(self.router_id)
         self.oh_scheduling = Histogram(f"{op}_scheduling_ms", "Load lookup, cost and choice time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r).labels(self.router_id)
         self.oh_total = Histogram(f"{op}_total_ms", "Whole routing decision time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r).labels(self.router_id)
+        # disaggregated serving (frontend/disagg.py): how each request's prefill phase went;
+        # outcome = remote (prefilled on a prefill worker) | no_prefill_worker | prefill_failed
+        self.disagg_prefill = Counter("kvroute_disagg_prefill_requests", "Requests of models with a prefill pool, by prefill outcome",
+                                      ("model", "outcome"), registry=r)
         self._per_model: dict[tuple[str, str, str], Any] = {}
 
     def model_children(self, model: str, endpoint: str, request_type: str) -> "ModelMetrics":

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from kvroute_common.http import ApiError, json_response, read_json
 from kvroute_common.openai_api import read_openai_body
 
+from . import disagg as _disagg
 from .errors import OpenAIError, model_not_found, openai_error_response
 from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
@@ -35,7 +36,7 @@ _perf = time.perf_counter
 
 try:  # extension modules (owned by the extensions engineer)
     from .admission import ClientDisconnected, QueueRejected
-    from .hints import RequestTiming, engine_priority, parse_request_hints
+    from .hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
 except ImportError:  # pragma: no cover
     class ClientDisconnected(Exception):  # type: ignore[no-redef]
         pass
@@ -128,7 +129,7 @@ class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
     __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
-                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned", "kind", "path")
+                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned", "kind", "path", "prefill", "soft_target")
 
     def __init__(self) -> None:
         self.kind = "chat"  # chat | completions | responses | embeddings (see _KINDS)
@@ -139,6 +140,8 @@ class RequestContext:
         self.migrations = 0  # times this request moved to another worker (--migration-limit)
         self.failed_workers: set[int] | None = None  # workers it failed on: not chosen again for it
         self.pinned = False
+        self.prefill: Any = None  # disagg.PrefillResult once a prefill worker computed the prompt
+        self.soft_target: tuple[int, int | None] | None = None  # soft session affinity: preferred (worker, rank)
         self.receive: Any = None
         self.hints: Any = None
         self.timing: Any = None
@@ -148,7 +151,7 @@ class RequestContext:
     def rewrite(self) -> bool:
         """Whether the response must be looked into (response nvext, speculative prefill)."""
         h = self.hints
-        return h is not None and (h.want_worker_id or h.want_timing or h.speculative_prefill or wants_routing(h))
+        return h is not None and (h.want_worker_id or h.want_timing or h.want_stop_reason or h.speculative_prefill or wants_routing(h))
 
 
 class OpenAIRoutes:
@@ -187,6 +190,8 @@ class OpenAIRoutes:
                 raise OpenAIError(400, "'model' is required", "model")
             entry = state.models.get(model)
             if entry is None:
+                if model in state.prefill_models:
+                    raise OpenAIError(503, f"model {model} has prefill workers but no decode worker")
                 raise model_not_found(model)
             stream = body.get("stream", False)
             if stream is None:
@@ -210,9 +215,12 @@ class OpenAIRoutes:
                 had_nvext = "nvext" in body
                 try:
                     hints = parse_request_hints(body, request.headers, nvext_enabled=state.nvext_enabled)
+                    check_supported(hints, chat, stream)
                 except ApiError as exc:
                     raise OpenAIError(exc.status, exc.message) from None
                 modified = had_nvext
+                if apply_to_body(hints, body):
+                    modified = True
                 if hints.priority is not None and engine_priority is not None:
                     p = engine_priority(hints)
                     if p is not None:
@@ -245,14 +253,18 @@ class OpenAIRoutes:
                 except Exception as exc:  # router.session.SessionError
                     raise OpenAIError(getattr(exc, "status", 400), getattr(exc, "message", str(exc))) from None
                 target = ctx.session.target
-                if target is not None:  # a live binding beats headers and nvext
+                if target is not None and state.config.router_session_affinity_mode == "soft":
+                    ctx.soft_target = target  # a preference (also over headers and nvext), not a pin
+                    pinned_worker = pinned_rank = None
+                elif target is not None:  # a live binding beats headers and nvext
                     pinned_worker, pinned_rank = target
             try:
                 if state.admission is not None and hints is not None:
                     if ctx.timing is not None:
                         ctx.timing.router_queue_depth = state.admission.depth(model)
                     try:
-                        await state.admission.wait(model, hints, new_tokens=len(tokens), receive=request.receive)
+                        await state.admission.wait(model, hints, new_tokens=len(tokens), receive=request.receive,
+                                                   cached_tokens=lambda: state.router.best_cached_tokens(entry, tokens, hints.cache_salt))
                     except ClientDisconnected:
                         mm.inflight.dec()
                         mm.active.dec()
@@ -265,6 +277,8 @@ class OpenAIRoutes:
                         return Response(b"", status_code=499)
                     except QueueRejected as exc:
                         return self._rejected(ctx, exc)
+                if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(state, model, hints):  # OpenAI generation only
+                    ctx.prefill = await _disagg.run_prefill(state, ctx)
                 return await self._dispatch(ctx, pinned_worker, pinned_rank)
             except BaseException:
                 if ctx.session is not None:
@@ -322,15 +336,26 @@ class OpenAIRoutes:
         entry = ctx.entry
         ctx.pinned = pinned_worker is not None
         attempts = 0
+        # a prompt prefilled on a prefill worker is routed load-only (frontend/disagg.py)
+        router = state.router if ctx.prefill is None else state.disagg_decode_router
         while True:
             attempts += 1
-            decision = state.router.route(entry, ctx.tokens, pinned_worker, pinned_rank,
-                                          ctx.hints.cache_salt if ctx.hints is not None else None,
-                                          record=wants_routing(ctx.hints), exclude=ctx.failed_workers,
-                                          use_overlap=ctx.kind != "embeddings")
+            salt = ctx.hints.cache_salt if ctx.hints is not None else None
+            record = wants_routing(ctx.hints)
+            decision = None
+            if ctx.soft_target is not None and attempts == 1:
+                try:  # soft affinity: the bound worker if it can take the request now
+                    decision = router.route(entry, ctx.tokens, ctx.soft_target[0], ctx.soft_target[1], salt,
+                                            record=record, exclude=ctx.failed_workers,
+                                            use_overlap=ctx.kind != "embeddings")
+                except OpenAIError:
+                    decision = None  # gone, unhealthy or busy: route freely, the session follows
+            if decision is None:
+                decision = router.route(entry, ctx.tokens, pinned_worker, pinned_rank, salt, record=record, exclude=ctx.failed_workers,
+                                            use_overlap=ctx.kind != "embeddings")
             request_id = state.next_request_id()
             try:
-                state.router.book(entry, request_id, decision)
+                router.book(entry, request_id, decision)
             except Exception as exc:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
@@ -340,7 +365,7 @@ class OpenAIRoutes:
             if state.config.router_track_output_blocks:
                 lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
             _record_routed(state, ctx.mm, decision)
-            if ctx.timing is not None:
+            if ctx.timing is not None and ctx.prefill is None:
                 from .hints import kv_hit_rate
 
                 ctx.timing.dispatched = time.monotonic()
@@ -374,6 +399,12 @@ class OpenAIRoutes:
         worker = decision.worker
         path = ctx.path
         headers = upstream_headers(decision.dp_rank, lease.request_id)
+        hints = ctx.hints
+        client_id = hints.request_id if hints is not None else None
+        if hints is not None and (client_id or hints.metadata):
+            from .hints import worker_headers
+
+            headers = worker_headers(headers, hints)
         stream = ctx.stream
         session = ctx.session
         # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
@@ -434,14 +465,19 @@ class OpenAIRoutes:
                 session.release()
             return _upstream_error(lease, upstream.status, data)
         if session is not None:
-            session.bind(decision.worker.id, decision.dp_rank)
+            session.bind(decision.worker.id, decision.dp_rank, rebind=ctx.soft_target is not None)
             lease.hooks.append(_SessionHook(session))
         rewriter = ResponseRewriter(self, ctx, lease) if ctx.rewrite else None
         if stream:
             migrator = _Migrator(self, ctx) if self._may_migrate(ctx) else None
-            return StreamProxy(upstream, lease, _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())],
-                               self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage),
-                               state.config.stream_idle_timeout, migrator)
+            resp_headers = _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())]
+            if client_id:
+                resp_headers.append((b"x-dynamo-request-id", client_id.encode()))
+            proxy = StreamProxy(upstream, lease, resp_headers, self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage),
+                                state.config.stream_idle_timeout, migrator)
+            if hints is not None and hints.annotations:
+                proxy.preamble = self._annotations(ctx)
+            return proxy
         if as_stream:
             return await self._reassemble(ctx, lease, upstream, rewriter, watch)
         data = upstream.content
@@ -456,7 +492,22 @@ class OpenAIRoutes:
         lease.release()
         if rewriter is not None:
             rewriter.finished(lease)
-        return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank)
+        return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank, client_id)
+
+    def _annotations(self, ctx: RequestContext) -> bytes:
+        """nvext.annotations as SSE events ahead of the stream (formatted prompt, prompt token ids)."""
+        from .hints import annotation_events
+
+        text = None
+        if "formatted_prompt" in ctx.hints.annotations:
+            from kvroute_common.tokenizer import chat_template_kwargs, render_chat_prompt
+
+            if ctx.chat:
+                text = render_chat_prompt(ctx.entry.tokenizer, ctx.body["messages"], **chat_template_kwargs(ctx.body))
+            else:
+                prompt = ctx.body.get("prompt")
+                text = prompt if isinstance(prompt, str) else ctx.entry.tokenizer.decode(ctx.tokens)
+        return annotation_events(ctx.hints, text, ctx.tokens)
 
     async def _reassemble(self, ctx: RequestContext, lease: Lease, upstream: Any, rewriter: "ResponseRewriter | None", watch: Any) -> Any:
         """A non-streaming request's engine stream: first token = prefill complete, then one OpenAI body."""
@@ -516,7 +567,7 @@ class OpenAIRoutes:
         lease.release()
         if rewriter is not None:
             rewriter.finished(lease)
-        return _PassThrough(data, b"application/json", lease.decision.dp_rank)
+        return _PassThrough(data, b"application/json", lease.decision.dp_rank, ctx.hints.request_id if ctx.hints is not None else None)
 
     async def explain(self, request: Request) -> Response:
         """``POST /admin/route``: the decision an OpenAI body would get now, with every candidate's
@@ -530,13 +581,18 @@ class OpenAIRoutes:
         chat = "messages" in body
         try:
             tokens = await tokenize_request(state, entry, body, chat)
-            d = state.router.route(entry, tokens, explain=True)
+            prefill = _disagg.explain_prefill(state, entry.name, tokens)
+            # with a prefill pool the decode side is routed load-only (unless it falls back to decode-only)
+            router = state.router if prefill is None or "error" in prefill else state.disagg_decode_router
+            d = router.route(entry, tokens, explain=True)
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
-        record = routing_record(state.config, entry, d)
+        out = routing_record(router.config, entry, d)
         if state.config.router_mode == "latency":  # costs are estimated TTFTs (ms); what each rank's estimate has learned
-            record["latency_models"] = state.router.latency_models(entry).snapshot()
-        return json_response(record)
+            out["latency_models"] = state.router.latency_models(entry).snapshot()
+        if prefill is not None:
+            out["prefill"] = prefill  # the prefill router's decision
+        return json_response(out)
 
     def _may_migrate(self, ctx: RequestContext) -> bool:
         """--migration-limit: budget left, not pinned, one choice."""
@@ -682,13 +738,13 @@ class ResponseRewriter:
         self._buf = b""
         h = ctx.hints
         self.routing = wants_routing(h)
-        self.want_nvext = h.want_worker_id or h.want_timing or self.routing
+        self.want_nvext = h.want_worker_id or h.want_timing or h.want_stop_reason or self.routing
         if ctx.hints.speculative_prefill and routes.state.speculative is not None:
             from .speculative import TurnTextCollector
 
             self.collector = TurnTextCollector()
 
-    def _nvext(self) -> dict | None:
+    def _nvext(self, stop_reason: Any = None) -> dict | None:
         from .hints import response_nvext
 
         h = self.ctx.hints
@@ -701,22 +757,26 @@ class ResponseRewriter:
                 timing.first_token = now
             timing.finished = now
         d = self.lease.decision
-        out = response_nvext(h, d.worker.id, d.dp_rank, timing)
+        p = self.ctx.prefill
+        out = response_nvext(h, d.worker.id, d.dp_rank, timing, None if p is None else (p.worker_id, p.dp_rank), stop_reason)
         if self.routing:  # the decision this request actually got (the last attempt's)
             if out is None:
                 out = {}
-            out["routing"] = routing_record(self.routes.state.config, self.ctx.entry, d)
+            st = self.routes.state
+            out["routing"] = routing_record(st.config if p is None else st.disagg_decode_router.config, self.ctx.entry, d)
+            if p is not None and p.record is not None:  # disaggregated: the prefill router's decision too
+                out["routing"]["prefill"] = p.record
         return out
 
     def unary(self, data: bytes) -> bytes:
         if self.collector is not None:
             self.collector.feed_json(data)
-        ext = self._nvext()
-        if ext is None:
-            return data
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
+            return data
+        ext = self._nvext(_stop_reason(obj))
+        if ext is None:
             return data
         if isinstance(obj, dict):
             obj["nvext"] = ext
@@ -751,7 +811,7 @@ class ResponseRewriter:
                 except orjson.JSONDecodeError:
                     obj = None
                 if isinstance(obj, dict) and any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or []):
-                    ext = self._nvext()
+                    ext = self._nvext(_stop_reason(obj))
                     if ext is not None:
                         obj["nvext"] = ext
                         ev = b"data: " + orjson.dumps(obj)
@@ -794,6 +854,15 @@ _KINDS = {"chat": ("chat_completions", "/v1/chat/completions"), "completions": (
           "responses": ("responses", "/v1/responses"), "embeddings": ("embeddings", "/v1/embeddings")}
 
 
+def _stop_reason(obj: Any) -> Any:
+    """The engine's ``stop_reason`` of the finished choice (vLLM: the stop string or token id), if any."""
+    if isinstance(obj, dict):
+        for c in obj.get("choices") or ():
+            if isinstance(c, dict) and c.get("finish_reason") is not None:
+                return c.get("stop_reason")
+    return None
+
+
 class _watch_disconnect:
     """Cancels the current task when the client disconnects (one extra task, only for unary requests)."""
 
@@ -820,15 +889,17 @@ class _watch_disconnect:
 class _PassThrough:
     """A worker's complete JSON answer, sent as is (cheaper than building a starlette Response)."""
 
-    __slots__ = ("body", "content_type", "rank")
+    __slots__ = ("body", "content_type", "rank", "request_id")
 
-    def __init__(self, body: bytes, content_type: bytes, rank: int) -> None:
-        self.body, self.content_type, self.rank = body, content_type, rank
+    def __init__(self, body: bytes, content_type: bytes, rank: int, request_id: str | None = None) -> None:
+        self.body, self.content_type, self.rank, self.request_id = body, content_type, rank, request_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", self.content_type), (b"content-length", str(len(self.body)).encode()),
-            (b"x-data-parallel-rank", str(self.rank).encode())]})
+        headers = [(b"content-type", self.content_type), (b"content-length", str(len(self.body)).encode()),
+                   (b"x-data-parallel-rank", str(self.rank).encode())]
+        if self.request_id:
+            headers.append((b"x-dynamo-request-id", self.request_id.encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": self.body})
 
 

@@ -193,7 +193,7 @@ def count_completion_tokens(body: bytes) -> int:
 class StreamProxy:
     """ASGI response that relays a worker's SSE stream chunk by chunk and always releases the lease."""
 
-    __slots__ = ("upstream", "lease", "headers", "on_failure", "rewriter", "tap", "idle_timeout", "migrator")
+    __slots__ = ("upstream", "lease", "headers", "on_failure", "rewriter", "tap", "idle_timeout", "migrator", "preamble")
 
     def __init__(self, upstream: UpstreamResponse, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any, rewriter: Any = None,
                  tap: Any = None, idle_timeout: float | None = None, migrator: Any = None) -> None:
@@ -207,10 +207,13 @@ class StreamProxy:
         # --migration-limit: ``tracker`` (migration.SseTracker) and ``async resume(lease, exc) ->
         # (upstream, lease) | None`` that continues the request on another worker
         self.migrator = migrator
+        self.preamble = b""  # SSE events sent before the worker's stream (nvext.annotations)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            if self.preamble:
+                await send({"type": "http.response.body", "body": self.preamble, "more_body": True})
             pump = asyncio.ensure_future(self._pump(send))
             watch = asyncio.ensure_future(_wait_disconnect(receive))
             try:

@@ -189,6 +189,14 @@ class Router:
         return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost,
                         costs if ((explain or record) and kv) else None, available, t4)
 
+    def best_cached_tokens(self, entry: "ModelEntry", tokens: list[int], cache_salt: str | None = None) -> int:
+        """Most prompt tokens any worker of the model holds now (the queue's pending-cached gauge)."""
+        index = entry.index if self.config.router_mode == "kv" else None
+        if index is None or not tokens:
+            return 0
+        overlaps = index.find_matches(local_block_hashes(tokens, entry.block_size, None, cache_salt))
+        return max(overlaps.values(), default=0) * entry.block_size
+
     # ------------------------------------------------------------------------------------------
     def _candidates(
         self, entry: "ModelEntry", pinned_worker: int | None, pinned_rank: int | None

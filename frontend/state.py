@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from router.config import RouterConfig
 
 from .busy import BusyThresholds
-from .metrics import WORKER_TYPE, CallbackCollector, FrontendMetrics
+from .metrics import PREFILL_WORKER_TYPE, WORKER_TYPE, CallbackCollector, FrontendMetrics
 from .models import TENANT, ModelEntry
 from .parity import ParityMonitor
 from .routing import Router
@@ -63,14 +63,22 @@ class FrontendState:
         self.slots = slot_registry
         self.events = None  # IndexerRegistry, created on first use inside the loop
         self.models: dict[str, ModelEntry] = {}
+        # disaggregated serving: per model, the prefill-role workers (frontend/disagg.py routes them)
+        self.prefill_models: dict[str, ModelEntry] = {}
         self.thresholds: dict[str, BusyThresholds] = {}
         self.router = Router(config, self.metrics)
+        from .disagg import decode_router_config, prefill_router_config
+
+        # the guide's prefill router (active-block tracking off) and the load-only decode routing
+        # of a request whose prompt was prefilled elsewhere
+        self.prefill_router = Router(prefill_router_config(config), self.metrics)
+        self.disagg_decode_router = Router(decode_router_config(config), self.metrics)
         self.pool = WorkerPool(self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout)
         self.file_watcher: WorkersFileWatcher | None = None
         self.replica_sync = None
         self._ids = itertools.count(1)
         self._id_prefix = f"kvr-{self.metrics.router_id[:8]}-"
-        self._worker_gauges: dict[tuple[int, int], tuple] = {}
+        self._worker_gauges: dict[tuple[int, int, str], tuple] = {}
         self.shutting_down = False
         self.admission = None
         self.sessions = None
@@ -148,12 +156,12 @@ class FrontendState:
     def next_request_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids)}"
 
-    def worker_gauges(self, worker_id: int, dp_rank: int) -> tuple:
-        g = self._worker_gauges.get((worker_id, dp_rank))
+    def worker_gauges(self, worker_id: int, dp_rank: int, worker_type: str = WORKER_TYPE) -> tuple:
+        g = self._worker_gauges.get((worker_id, dp_rank, worker_type))
         if g is None:
-            labels = (str(worker_id), str(dp_rank), WORKER_TYPE)
+            labels = (str(worker_id), str(dp_rank), worker_type)
             m = self.metrics
-            g = self._worker_gauges[(worker_id, dp_rank)] = (
+            g = self._worker_gauges[(worker_id, dp_rank, worker_type)] = (
                 m.worker_last_ttft.labels(*labels), m.worker_last_isl.labels(*labels), m.worker_last_itl.labels(*labels))
         return g
 
@@ -167,6 +175,28 @@ class FrontendState:
         mbt = GaugeMetricFamily("dynamo_frontend_model_max_num_batched_tokens", "Max batched tokens of the model's workers", labels=["model"])
         bsz = GaugeMetricFamily("dynamo_frontend_model_kv_cache_block_size", "KV block size of the model", labels=["model"])
         depth = GaugeMetricFamily("dynamo_frontend_router_queue_pending_requests", "Requests held in the router queue", labels=["model", "worker_type", "policy_class"])
+        q_labels = ["model", "worker_type", "policy_class"]
+        pending_isl = GaugeMetricFamily("dynamo_frontend_router_queue_pending_isl_tokens", "Prompt tokens of the requests held in the router queue", labels=q_labels)
+        pending_cached = GaugeMetricFamily("dynamo_frontend_router_queue_pending_cached_tokens",
+                                           "Cached prompt tokens (best eligible worker, when queued) of the requests held in the router queue", labels=q_labels)
+        seqs = GaugeMetricFamily("dynamo_frontend_model_max_num_seqs", "Max concurrent sequences per worker of the model", labels=["model"])
+        ctx_len = GaugeMetricFamily("dynamo_frontend_model_context_length", "Max context length of the model's workers", labels=["model"])
+        mismatch = GaugeMetricFamily("dynamo_component_router_kv_event_source_mismatch_workers",
+                                     "Healthy workers the router expects KV events from that have no kv_events_endpoint",
+                                     labels=["model", "worker_type", "target_namespace", "target_component", "target_endpoint"])
+        kv_events_mode = self.config.kv_aware and self.config.router_kv_events and self.config.uses_indexer
+        for entry in list(self.prefill_models.values()):
+            if kv_events_mode:
+                mismatch.add_metric([entry.name, PREFILL_WORKER_TYPE, "dynamo", "prefill", "generate"],
+                                    sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint))
+        for entry in list(self.prefill_models.values()):
+            tracker = entry.tracker
+            for w in entry.workers.values():
+                for r in w.spec.ranks:
+                    labels = [str(w.id), str(r), PREFILL_WORKER_TYPE]
+                    decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
+                    prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
+                    registered.add_metric(labels, 1 if w.healthy else 0)
         for entry in list(self.models.values()):
             tracker = entry.tracker
             for w in entry.workers.values():
@@ -183,8 +213,28 @@ class FrontendState:
                 mbt.add_metric([entry.name], maxbt)
             bsz.add_metric([entry.name], entry.block_size)
             depth.add_metric([entry.name, WORKER_TYPE, "default"], self.admission.depth(entry.name) if self.admission else 0)
+            isl, cached = self.admission.pending_tokens(entry.name) if self.admission else (0, 0)
+            pending_isl.add_metric([entry.name, WORKER_TYPE, "default"], isl)
+            pending_cached.add_metric([entry.name, WORKER_TYPE, "default"], cached)
+            ms = [w.max_num_seqs for w in entry.workers.values() if w.max_num_seqs]
+            if ms:
+                seqs.add_metric([entry.name], max(ms))
+            cl = [w.max_model_len for w in entry.workers.values() if w.max_model_len]
+            if cl:
+                ctx_len.add_metric([entry.name], min(cl))  # what every worker accepts
+            if kv_events_mode:
+                mismatch.add_metric([entry.name, WORKER_TYPE, "dynamo", "backend", "generate"],
+                                    sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint))
         health = self.events.health_metrics() if self.events is not None else []  # KV-event health per worker rank
-        return [decode, prefill, registered, ready, blocks, mbt, bsz, depth, *health]
+        out = [decode, prefill, registered, ready, blocks, mbt, bsz, depth, pending_isl, pending_cached, seqs, ctx_len, mismatch, *health]
+        events = self.events
+        if events is not None:  # the embedded indexer's KV-event outcomes (as the standalone indexer exports them)
+            applied = GaugeMetricFamily("dynamo_kvrouter_kv_cache_events_applied", "KV events processed by type and outcome",
+                                        labels=["event_type", "status"])
+            for (event_type, status), n in sorted(events.event_counters.items()):
+                applied.add_metric([event_type, status], n)
+            out.append(applied)
+        return out
 
     # ---- worker attachment ------------------------------------------------------------------------
     def _events_registry(self):
@@ -206,7 +256,7 @@ class FrontendState:
         """kv mode hashes the router's tokens: with the built-in tokenizer they match only the
         mocker's (which uses the same one); any other engine caches different tokens, so overlaps
         stay 0 and kv routing silently degrades into load balancing. Say so, once per worker."""
-        if self.config.router_mode != "kv" or self._tokenizer_path(model, worker) is not None:
+        if not self.config.kv_aware or self._tokenizer_path(model, worker) is not None:
             return
         engine = worker.capacity.engine if worker.capacity is not None else "unknown"
         if engine == "mocker":
@@ -239,8 +289,13 @@ class FrontendState:
             self._detach_model(worker, model)
         worker.attached_models = []
 
+    def model_table(self, worker: Worker) -> dict[str, ModelEntry]:
+        """Where a worker's models live: prefill-role workers form the prefill pools."""
+        return self.prefill_models if worker.spec.is_prefill else self.models
+
     def _detach_model(self, worker: Worker, model: str) -> None:
-        entry = self.models.get(model)
+        table = self.model_table(worker)
+        entry = table.get(model)
         if entry is None:
             return
         entry.workers.pop(worker.id, None)
@@ -251,7 +306,7 @@ class FrontendState:
         if entry.approx is not None:
             entry.approx.remove_worker(worker.id)
         if not entry.workers:  # the model's last worker: the model is gone (404)
-            del self.models[model]
+            del table[model]
 
     def _attach(self, worker: Worker) -> None:
         cfg = self.config
@@ -259,8 +314,9 @@ class FrontendState:
         for model in [m for m in worker.attached_models if m not in worker.models]:  # it stopped serving these
             self._detach_model(worker, model)
         worker.attached_models = [m for m in worker.attached_models if m in worker.models]
+        table = self.model_table(worker)
         for model in worker.models:
-            entry = self.models.get(model)
+            entry = table.get(model)
             bs = cfg.kv_cache_block_size or worker.block_size or DEFAULT_BLOCK_SIZE
             if cfg.kv_cache_block_size and worker.block_size and worker.block_size != cfg.kv_cache_block_size:
                 log.warning("worker %s reports block size %s but --kv-cache-block-size is %s: prefix matches will be wrong",
@@ -281,7 +337,7 @@ class FrontendState:
                 if thresholds is None:
                     thresholds = self.thresholds[model] = BusyThresholds(
                         cfg.active_decode_blocks_threshold, cfg.active_prefill_tokens_threshold, cfg.active_prefill_tokens_threshold_frac)
-                entry = self.models[model] = ModelEntry(model, bs, tokenizer, self.slots, self._events_registry(), approx, thresholds)
+                entry = table[model] = ModelEntry(model, bs, tokenizer, self.slots, self._events_registry(), approx, thresholds)
             elif worker.block_size and cfg.kv_cache_block_size is None and worker.block_size != entry.block_size:
                 worker.last_error = f"block size {worker.block_size} differs from model {model}'s {entry.block_size}"
                 log.error("worker %s not attached to %s: %s", worker.id, model, worker.last_error)
@@ -295,7 +351,7 @@ class FrontendState:
             self._start_events(worker, entry)
             attached.append(model)
         for model in worker.attached_models:
-            if model not in attached and model in self.models:
+            if model not in attached and model in table:
                 attached.append(model)
         worker.attached_models = attached
 
@@ -344,7 +400,7 @@ class FrontendState:
 
             self._unregistering[worker.id] = self._spawn(unregister())
         for model in worker.attached_models:
-            entry = self.models.get(model)
+            entry = self.model_table(worker).get(model)
             if entry is not None and entry.approx is not None:
                 entry.approx.remove_worker(worker.id)
 

@@ -30,7 +30,9 @@ from .upstream import UpstreamPool
 log = logging.getLogger("frontend.workers")
 
 _INT_FIELDS = {"id", "dp_size", "dp_start", "block_size", "num_gpu_blocks", "max_num_batched_tokens"}
-_STR_FIELDS = {"url", "kv_events_endpoint", "replay_endpoint", "model", "model_path"}
+_STR_FIELDS = {"url", "kv_events_endpoint", "replay_endpoint", "model", "model_path", "role"}
+# disaggregated serving: which phase a worker serves (names.md: role=prefill|decode|both)
+WORKER_ROLES = ("prefill", "decode", "both")
 _ALIASES = {"worker_id": "id", "instance_id": "id", "base_url": "url", "data_parallel_size": "dp_size",
             "data_parallel_start_rank": "dp_start", "kv_cache_block_size": "block_size", "endpoint": "kv_events_endpoint",
             "total_kv_blocks": "num_gpu_blocks"}
@@ -51,6 +53,7 @@ class WorkerSpec:
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     max_num_batched_tokens: int | None = None
+    role: str = "both"  # prefill workers only take the prefill phase of disaggregated requests
 
     @classmethod
     def from_mapping(cls, raw: dict[str, Any]) -> "WorkerSpec":
@@ -96,7 +99,17 @@ class WorkerSpec:
         for name in ("block_size", "num_gpu_blocks", "max_num_batched_tokens"):
             if name in values and values[name] <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if "role" in values:
+            role = values["role"].strip().lower()
+            if role not in WORKER_ROLES:
+                raise ValueError(f"worker role must be one of prefill, decode, both, got {values['role']!r}")
+            values["role"] = role
         return cls(**values)
+
+    @property
+    def is_prefill(self) -> bool:
+        """A prefill-only worker: never a decode (or aggregated) target."""
+        return self.role == "prefill"
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -191,6 +204,7 @@ class Worker:
     capacity: Any = None  # frontend.capacity.EngineCapacity: what the engine exposed, and from where
     capacity_warned: bool = False
     warnings: list[str] = field(default_factory=list)  # configuration problems found at attach time
+    max_num_seqs: int | None = None  # when the engine exposes it (model_max_num_seqs gauge)
     healthy: bool = False
     discovered: bool = False
     failures: int = 0  # consecutive failed health checks while healthy
@@ -367,6 +381,7 @@ class WorkerPool:
         if cap.unknown and not worker.capacity_warned:
             worker.capacity_warned = True
             log.warning(unknown_capacity_message(worker.id, cap))
+        worker.max_num_seqs = cap.get("max_num_seqs")
         worker.discovered = True
 
     def mark_failed(self, worker: Worker, error: str, unreachable: bool = True) -> None:

@@ -78,6 +78,7 @@ class Worker:
     kv_events_endpoint: str | None
     replay_endpoint: str | None
     child: Child
+    role: str = "both"  # disaggregated serving: prefill | decode | both
 
     @property
     def metrics_url(self) -> str:
@@ -90,6 +91,8 @@ class Worker:
             parts.append(f"kv_events_endpoint={self.kv_events_endpoint}")
         if self.replay_endpoint:
             parts.append(f"replay_endpoint={self.replay_endpoint}")
+        if self.role != "both":
+            parts.append(f"role={self.role}")
         return ",".join(parts)
 
 
@@ -144,7 +147,7 @@ class Cluster:
         self._children.append(child)
         return child
 
-    def start_mocker(self, opts: MockerOptions, worker_id: int | None = None, port: int | None = None) -> Worker:
+    def start_mocker(self, opts: MockerOptions, worker_id: int | None = None, port: int | None = None, role: str = "both") -> Worker:
         worker_id = worker_id if worker_id is not None else len(self.workers) + 1
         port = port or self._port()
         args = [
@@ -165,8 +168,10 @@ class Cluster:
         if opts.model_path:
             args += ["--model-path", opts.model_path]
         args += list(opts.extra_args)
+        if role != "both":
+            args += ["--role", role]
         child = self._spawn(f"mocker-{worker_id}", args)
-        worker = Worker(worker_id, f"http://127.0.0.1:{port}", opts.dp_size, kv_ep, replay_ep, child)
+        worker = Worker(worker_id, f"http://127.0.0.1:{port}", opts.dp_size, kv_ep, replay_ep, child, role)
         self.workers.append(worker)
         return worker
 
@@ -181,7 +186,8 @@ class Cluster:
         port = port or self._port()
         args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", router_mode]
         for w in self.workers:
-            spec = w.frontend_spec() if kv_events else f"id={w.worker_id},url={w.url},dp_size={w.dp_size}"
+            spec = w.frontend_spec() if kv_events else f"id={w.worker_id},url={w.url},dp_size={w.dp_size}" + (
+                f",role={w.role}" if w.role != "both" else "")
             args += ["--worker", spec]
         if model_path:
             args += ["--model-path", model_path]
@@ -274,8 +280,12 @@ def start_cluster(
     log_dir: str | None = None,
     timeout: float = 120.0,
     attempts: int = 3,
+    prefill_workers: int = 0,
 ) -> Cluster:
     """N mockers + a frontend, all ready to serve; stops whatever started if start-up fails.
+
+    ``prefill_workers`` > 0: disaggregated serving, the first that many mockers are prefill-role
+    workers and the others decode-role (``role=`` in the frontend's worker specs).
 
     Ports are picked free just before the children bind them, so on a busy machine another process
     can take one in between: a start-up that fails is retried on fresh ports (``attempts`` times).
@@ -283,8 +293,9 @@ def start_cluster(
     for attempt in range(1, attempts + 1):
         cluster = Cluster(log_dir=log_dir)
         try:
-            for _ in range(n_workers):
-                cluster.start_mocker(opts)
+            for i in range(n_workers):
+                role = "both" if not prefill_workers else ("prefill" if i < prefill_workers else "decode")
+                cluster.start_mocker(opts, role=role)
             cluster.wait_workers_ready(timeout)
             cluster.start_frontend(router_mode, port=frontend_port, extra_args=frontend_args, model_path=opts.model_path, kv_events=opts.kv_events)
             cluster.wait_frontend_ready(opts.model_name, timeout)

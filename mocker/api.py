@@ -98,6 +98,8 @@ class Mocker:
         self._zmq: zmq.asyncio.Context | None = None
         self._piece_cache: dict[int, str] = {}
         self.tokenize = TokenizeOffload()  # long prompts on a thread, like the frontend
+        # disaggregated serving: this engine's id in the transfer params it hands out (vLLM: engine_id)
+        self.engine_id = uuid.uuid4().hex
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -182,7 +184,40 @@ class Params:
     """Validated generation parameters of one request."""
 
     __slots__ = ("max_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "priority", "seed",
-                 "stream", "include_usage")
+                 "stream", "include_usage", "remote_decode", "remote_tokens")
+
+
+def _transfer(m: Mocker, body: dict, p: Params, prompt_len: int) -> None:
+    """vLLM's ``kv_transfer_params`` (NIXL connector fields) for disaggregated serving.
+
+    ``do_remote_decode``: compute the prompt here and answer with the params a decode engine needs
+    (``--role prefill|both``). ``do_remote_prefill``: the prompt's KV comes from the engine named in
+    ``remote_engine_id`` (``remote_block_ids``): register those blocks without computing them
+    (``--role decode|both``). Absent or all-false: an ordinary request.
+    """
+    p.remote_decode = False
+    p.remote_tokens = 0
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise OpenAIError(400, "kv_transfer_params must be an object", "kv_transfer_params")
+    role = m.cfg.role
+    if params.get("do_remote_decode"):
+        if role == "decode":
+            raise OpenAIError(400, "this engine is a decode worker (--role decode): it cannot prefill for a remote decode",
+                              "kv_transfer_params")
+        p.remote_decode = True
+    elif params.get("do_remote_prefill"):
+        if role == "prefill":
+            raise OpenAIError(400, "this engine is a prefill worker (--role prefill): it cannot decode a remotely "
+                                   "prefilled request", "kv_transfer_params")
+        ids = params.get("remote_block_ids")
+        if not isinstance(ids, list) or any(type(i) is not int for i in ids):
+            raise OpenAIError(400, "kv_transfer_params.remote_block_ids must be a list of integers", "kv_transfer_params")
+        if not isinstance(params.get("remote_engine_id"), str) or not params["remote_engine_id"]:
+            raise OpenAIError(400, "kv_transfer_params.remote_engine_id must be a non-empty string", "kv_transfer_params")
+        p.remote_tokens = min(prompt_len, len(ids) * m.cfg.block_size)
 
 
 def _params(m: Mocker, body: dict, prompt_len: int, chat: bool) -> Params:
@@ -230,6 +265,7 @@ def _params(m: Mocker, body: dict, prompt_len: int, chat: bool) -> Params:
     if opts is not None and not isinstance(opts, dict):
         raise OpenAIError(400, "stream_options must be an object", "stream_options")
     p.include_usage = bool(opts and opts.get("include_usage"))
+    _transfer(m, body, p, prompt_len)
     return p
 
 
@@ -292,10 +328,18 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
     p = _params(m, body, len(prompt), chat)
     queue: asyncio.Queue[tuple[int | None, str | None]] = asyncio.Queue()
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    held_blocks: list[int] = []
+
+    def sink(token: int | None, reason: str | None) -> None:
+        if reason is not None and p.remote_decode and not held_blocks:
+            held_blocks.extend(b.id for b in seq.blocks)  # what a decode engine would pull (before release)
+        queue.put_nowait((token, reason))
+
     seq = Sequence(
-        rid, prompt, p.max_tokens, lambda t, r: queue.put_nowait((t, r)), sequence_rng(m.token_seed, p.seed, prompt),
+        rid, prompt, p.max_tokens, sink, sequence_rng(m.token_seed, p.seed, prompt),
         min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids, priority=p.priority,
     )
+    seq.remote_tokens = p.remote_tokens
     engine = m.ranks[rank]
     engine.submit(seq)
     created = int(time.time())
@@ -361,8 +405,12 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
             choice = {"index": 0, "text": tracker.text, "logprobs": None, "finish_reason": finish,
                       "stop_reason": tracker.stop_reason}
             obj = "text_completion"
-        return json_response({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-                              "usage": usage()})
+        out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage()}
+        if p.remote_decode:  # vLLM's NIXL connector: what the decode engine needs to pull this prompt's KV
+            out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                         "remote_block_ids": held_blocks, "remote_engine_id": m.engine_id,
+                                         "remote_host": m.cfg.host, "remote_port": m.cfg.port, "tp_size": 1}
+        return json_response(out)
 
     obj = "chat.completion.chunk" if chat else "text_completion"
     dumps = orjson.dumps
@@ -602,7 +650,9 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         s = m.schedulers[rank]
         return json_response({"dp_rank": rank, "block_size": cfg.block_size, "num_gpu_blocks": cfg.num_gpu_blocks,
                               "num_free": s.kv.num_free, "blocks": s.kv.snapshot(),
-                              "events_published": m.publishers[rank].next_seq if m.publishers else 0})
+                              "events_published": m.publishers[rank].next_seq if m.publishers else 0,
+                              "computed_prompt_tokens": s.stats.computed_prompt_tokens,
+                              "remote_kv_tokens": s.stats.remote_kv_tokens, "role": cfg.role})
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

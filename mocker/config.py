@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from kvroute_common.tokenizer import DEFAULT_MODEL_NAME
 
 
+ROLES = ("prefill", "decode", "both")
+
+
 @dataclass
 class MockerConfig:
     host: str = "127.0.0.1"
@@ -30,6 +33,7 @@ class MockerConfig:
     timeout_keep_alive: float = 5.0
     stall_after_tokens: int | None = None
     server_info: bool = True
+    role: str = "both"  # disaggregated serving: prefill | decode | both
 
     def validate(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -40,6 +44,8 @@ class MockerConfig:
             raise ValueError("--stall-after-tokens must be >= 0")
         if self.speedup_ratio < 0:
             raise ValueError("--speedup-ratio must be >= 0 (0 = no simulated delay)")
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be a TCP port")
 
@@ -82,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-server-info", dest="server_info", action="store_false",
                    help="do not serve GET /server_info (like vLLM without VLLM_SERVER_DEV_MODE=1: the scheduler "
                         "budget, max_num_batched_tokens, is then exposed nowhere)")
+    p.add_argument("--role", default=d.role, choices=ROLES,
+                   help="disaggregated serving (vLLM NIXL kv_transfer_params): prefill = computes prompts for remote "
+                        "decode and answers with transfer params; decode = takes transferred prompt blocks without "
+                        "computing them; both = either (default)")
     return p
 
 

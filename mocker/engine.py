@@ -53,7 +53,7 @@ class Sequence:
         "request_id", "tokens", "prompt_len", "num_output", "max_tokens", "min_tokens", "ignore_eos",
         "stop_token_ids", "priority", "arrival_index", "arrival_time", "sink", "rng", "natural_len",
         "blocks", "seq_hashes", "local_hashes", "num_computed", "num_cached_blocks", "num_cached_tokens",
-        "status", "first_token_time", "num_preemptions", "scheduled_once",
+        "status", "first_token_time", "num_preemptions", "scheduled_once", "remote_tokens",
     )
 
     def __init__(
@@ -93,6 +93,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.scheduled_once = False
+        # disaggregated decode: leading prompt tokens whose KV a prefill engine computed and this
+        # engine receives by transfer (vLLM NIXL do_remote_prefill); never recomputed at admission
+        self.remote_tokens = 0
 
     def update_hashes(self, block_size: int) -> None:
         """Extend the block hashes to every full block of the known tokens."""
@@ -127,6 +130,8 @@ class RankStats:
     generation_tokens: int = 0  # vllm:generation_tokens
     preemptions: int = 0  # vllm:num_preemptions
     steps: int = 0
+    computed_prompt_tokens: int = 0  # prompt tokens this rank actually prefilled (not cached, not transferred)
+    remote_kv_tokens: int = 0  # prompt tokens whose KV arrived from a prefill engine (disaggregated decode)
 
 
 class RankScheduler:
@@ -302,7 +307,11 @@ class RankScheduler:
         total = len(seq.tokens)
         # at least the last token is always computed (it produces the next token's logits)
         hits = kv.longest_prefix(seq.seq_hashes, (total - 1) // bs)
-        computed = len(hits) * bs
+        local = len(hits) * bs
+        remote = 0
+        if seq.remote_tokens and not seq.scheduled_once:  # KV transferred in: registered, not computed
+            remote = max(0, min(seq.remote_tokens, total - 1) - local)
+        computed = local + remote
         num_new = min(total - computed, budget)
         need = self._blocks_for(computed + num_new) - len(hits)
         if need > kv.num_free - kv.num_evictable_in(hits):
@@ -317,7 +326,8 @@ class RankScheduler:
             seq.num_cached_tokens = computed
             seq.scheduled_once = True
         self.stats.prefix_cache_queries += total
-        self.stats.prefix_cache_hits += computed
+        self.stats.prefix_cache_hits += local
+        self.stats.remote_kv_tokens += remote
         seq.status = RUNNING
         self.running.append(seq)
         self._cache_full_blocks(seq, computed + num_new)
@@ -346,6 +356,8 @@ class RankScheduler:
         for seq, num_new in step.items:
             if seq.status != RUNNING:
                 continue  # aborted or preempted since it was scheduled
+            if seq.num_computed < seq.prompt_len:
+                self.stats.computed_prompt_tokens += min(num_new, seq.prompt_len - seq.num_computed)
             seq.num_computed += num_new
             if seq.num_computed < len(seq.tokens):
                 continue  # prefill chunk, more to compute

@@ -15,6 +15,7 @@ from typing import Any
 ROUTER_MODES = ("kv", "latency", "round_robin", "random")
 KV_AWARE_MODES = ("kv", "latency")  # modes that read the block index
 QUEUE_POLICIES = ("fcfs", "lcfs", "wspt")
+SESSION_AFFINITY_MODES = ("hard", "soft")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -112,6 +113,20 @@ def _window(value: str) -> float:
     return v
 
 
+def _affinity_mode(value: str) -> str:
+    v = value.strip().lower()
+    if v not in SESSION_AFFINITY_MODES:
+        raise argparse.ArgumentTypeError(f"invalid session affinity mode {value!r} (choose from hard, soft)")
+    return v
+
+
+def _positive_int(value: str) -> int:
+    v = int(value)
+    if v < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return v
+
+
 def _session_ttl(value: str) -> float | None:
     v = _optional_float(value)
     if v is not None and not 1 <= v <= 31_536_000:
@@ -142,6 +157,7 @@ class RouterConfig:
     active_prefill_tokens_threshold: int | None = None
     active_prefill_tokens_threshold_frac: float | None = None
     router_session_affinity_ttl_secs: float | None = None
+    router_session_affinity_mode: str = "hard"  # hard = the bound worker or nothing; soft = a preference
     router_replica_sync: bool = False
     router_min_initial_workers: int = 0
     migration_limit: int = 0
@@ -150,6 +166,10 @@ class RouterConfig:
     stream_idle_timeout: float | None = None
     router_latency_prefill_tokens_per_s: float = 20000.0
     router_latency_window: float = 100.0
+    # JetStream mode (deprecated in the guide): accepted, no effect here (see JETSTREAM_FLAGS)
+    router_durable_kv_events: bool = False
+    router_reset_states: bool = False
+    router_snapshot_threshold: int = 1_000_000
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -176,7 +196,7 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
      "kv | latency (lowest estimated TTFT, learned per worker) | round_robin (round-robin) | random"),
     ("--router-temperature", "router_temperature", ("DYN_ROUTER_TEMPERATURE",), float, 0.0,
      "softmax temperature over min-max normalised costs; 0 = lowest cost, random among ties"),
-    ("--kv-cache-block-size", "kv_cache_block_size", ("DYN_KV_CACHE_BLOCK_SIZE",), _optional_int, None,
+    ("--kv-cache-block-size", "kv_cache_block_size", ("DYN_KV_CACHE_BLOCK_SIZE", "DYN_ROUTER_BLOCK_SIZE"), _optional_int, None,
      "router block size in tokens (must match the engines'); default: the workers' block size"),
     ("--router-kv-events", "router_kv_events", ("DYN_ROUTER_USE_KV_EVENTS", "DYN_ROUTER_KV_EVENTS"), bool, True,
      "learn cached blocks from the workers' ZMQ KV events; --no-router-kv-events = approximate mode"),
@@ -189,8 +209,8 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
      "approximate mode: prune when the predicted index holds more blocks than this"),
     ("--router-prune-target-ratio", "router_prune_target_ratio", ("DYN_ROUTER_PRUNE_TARGET_RATIO",), float, 0.8,
      "approximate mode: prune down to this fraction of --router-max-tree-size"),
-    ("--router-event-threads", "router_event_threads", ("DYN_ROUTER_EVENT_THREADS",), int, 1,
-     "kvroute: KV events are decoded and applied on the event loop; values > 1 are accepted and ignored"),
+    ("--router-event-threads", "router_event_threads", ("DYN_ROUTER_EVENT_THREADS",), _positive_int, 1,
+     "accepted (>= 1), no effect: KV events are decoded and applied on the asyncio loop in one thread (see README)"),
     ("--router-track-active-blocks", "router_track_active_blocks", ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",), bool, True,
      "count in-flight prompt blocks per worker as decode load"),
     ("--router-track-output-blocks", "router_track_output_blocks", ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS",), bool, False,
@@ -213,6 +233,9 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
     ("--router-session-affinity-ttl-secs", "router_session_affinity_ttl_secs",
      ("DYN_ROUTER_SESSION_AFFINITY_TTL_SECS",), _session_ttl, None,
      "bind X-Dynamo-Session-ID sessions to a worker for this idle TTL (unset = off)"),
+    ("--router-session-affinity-mode", "router_session_affinity_mode", ("DYN_ROUTER_SESSION_AFFINITY_MODE",), _affinity_mode, "hard",
+     "hard = a bound session goes to its worker or fails (503/529); soft = the binding is a preference: "
+     "when that worker cannot take the request it is routed freely and the session rebinds"),
     ("--router-replica-sync", "router_replica_sync", ("DYN_ROUTER_REPLICA_SYNC",), bool, False,
      "share active load with other frontend replicas"),
     ("--router-min-initial-workers", "router_min_initial_workers", ("DYN_ROUTER_MIN_INITIAL_WORKERS",), int, 0,
@@ -229,7 +252,23 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
      _prefill_speed, 20000.0, "latency mode: prior prefill speed of a worker rank until its own TTFTs are learned"),
     ("--router-latency-window", "router_latency_window", ("DYN_ROUTER_LATENCY_WINDOW",), _window, 100.0,
      "latency mode: observed TTFTs per rank the learned speed mostly rests on (exponential forgetting)"),
+    ("--router-durable-kv-events", "router_durable_kv_events", ("DYN_ROUTER_DURABLE_KV_EVENTS",), bool, False,
+     "JetStream mode (deprecated in the guide): accepted, no effect: no NATS here; KV events come over ZMQ with gap replay"),
+    ("--router-reset-states", "router_reset_states", ("DYN_ROUTER_RESET_STATES",), bool, False,
+     "JetStream mode only: accepted, no effect (no JetStream stream or object store to purge)"),
+    ("--router-snapshot-threshold", "router_snapshot_threshold", ("DYN_ROUTER_SNAPSHOT_THRESHOLD",), _positive_int, 1_000_000,
+     "JetStream mode only: accepted, no effect (no JetStream stream to snapshot)"),
 ]
+
+# flags that need NATS JetStream, which kvroute does not run: dest -> why they have no effect
+JETSTREAM_FLAGS: dict[str, str] = {
+    "router_durable_kv_events": "--router-durable-kv-events selects NATS JetStream for KV events; kvroute takes KV events "
+                                "over ZMQ from the workers (gap replay rebuilds state), so it has no effect",
+    "router_reset_states": "--router-reset-states purges the JetStream stream and object store; kvroute runs neither, "
+                           "so it has no effect (restarting the frontend already starts from the workers' state)",
+    "router_snapshot_threshold": "--router-snapshot-threshold sizes JetStream radix-tree snapshots; kvroute runs no "
+                                 "JetStream, so it has no effect",
+}
 
 
 def _env_default(envs: tuple[str, ...], conv: Any, default: Any, environ: dict[str, str]) -> Any:
@@ -258,6 +297,9 @@ def add_router_args(parser: argparse.ArgumentParser, environ: dict[str, str] | N
     # the reference's legacy spellings
     group.add_argument("--kv-overlap-score-weight", dest="router_kv_overlap_score_weight", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     group.add_argument("--router-ttl", dest="router_ttl_secs", type=_positive_float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    # the standalone router's name for the block size (router guide, disaggregated serving)
+    group.add_argument("--router-block-size", dest="kv_cache_block_size", type=_optional_int, default=argparse.SUPPRESS,
+                       help="same as --kv-cache-block-size (the standalone router's name) [env DYN_ROUTER_BLOCK_SIZE]")
 
 
 def router_flag_table() -> list[tuple[str, str, str, str]]:

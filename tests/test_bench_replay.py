@@ -113,3 +113,23 @@ def test_mooncake_replay_runs_from_a_clean_copy_without_shared(tmp_path):
     report = json.loads((out / "mooncake_synthetic.json").read_text())
     assert report["trace"]["requests"] == 12
     check_mode(report["modes"][0], 12)
+
+
+def test_disaggregated_row(tmp_path):
+    from bench.replay import ModeSpec
+
+    assert ModeSpec.parse_variant("kv-disagg=kv,prefill=1,--router-kv-overlap-score-weight=2") == ModeSpec(
+        "kv-disagg", "kv", ("--router-kv-overlap-score-weight=2",), 1)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench", "replay", "--trace", "synthetic", "--modes", "kv", "--workers", "2",
+           "--variant", "kv-disagg=kv,prefill=1", "--num-gpu-blocks", "256", "--speedup-ratio", "10", "--max-duration", "60",
+           "--out-dir", str(out), *TINY_SYNTHETIC]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (js,) = [p for p in os.listdir(out) if p.endswith(".json")]
+    report = json.loads((out / js).read_text())
+    rows = {m["mode"]: m for m in report["modes"]}
+    disagg = rows["kv-disagg"]
+    assert disagg["prefill_workers"] == 1 and disagg["completed"] == disagg["requests"] > 0, disagg
+    assert 0 < disagg["ttft_ms"]["p50"] <= disagg["e2e_ms"]["p50"]
+    assert "disaggregated" in (out / js.replace(".json", ".md")).read_text()
