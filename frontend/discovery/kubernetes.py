@@ -163,6 +163,7 @@ class EndpointSliceWatch:
         self.slices: dict[str, dict[str, Any]] = {}
         self.resource_version: str | None = None
         self.relists = 0
+        self.expired = 0  # watches ended by 410 Gone
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._watch: Any = None
@@ -191,12 +192,12 @@ class EndpointSliceWatch:
         self._watch = w = watch.Watch()
         stream = w.stream(self.api.list_namespaced_endpoint_slice, self.namespace, label_selector=self.selector,
                           resource_version=self.resource_version, allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout,
-                          deserialize=False, _request_timeout=(5, self.watch_timeout + 30))
-        for event in stream:
+                          _request_timeout=(5, self.watch_timeout + 30))
+        for event in stream:  # an ERROR event (410 Gone) is raised by the client as ApiException
             if self._stop.is_set():
                 return
             kind = event.get("type")
-            obj = event.get("object") or {}
+            obj = event.get("raw_object") or {}  # the JSON as sent: the same shape the list gives
             meta = obj.get("metadata") or {}
             if meta.get("resourceVersion"):
                 self.resource_version = meta["resourceVersion"]
@@ -228,6 +229,7 @@ class EndpointSliceWatch:
             except ApiException as exc:
                 self.last_error = f"{exc.status} {exc.reason}"
                 if exc.status == 410:
+                    self.expired += 1
                     log.info("watch of %s expired (410 Gone): relisting", self.selector)
                     delay = BACKOFF_MIN
                 else:
@@ -337,7 +339,7 @@ class KubernetesDiscovery(DiscoveryBackend):
         out: dict[str, Any] = {"backend": self.name, "namespace": self.namespace, "selector": self.selector}
         if self.workers is not None:
             out["watch"] = {"slices": len(self.workers.slices), "resource_version": self.workers.resource_version,
-                            "relists": self.workers.relists, "last_error": self.workers.last_error}
+                            "relists": self.workers.relists, "expired": self.workers.expired, "last_error": self.workers.last_error}
         if self.peers is not None:
             out["peer_selector"] = self.peer_selector
         return out
