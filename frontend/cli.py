@@ -142,6 +142,8 @@ def make_state(ns: argparse.Namespace):
     replica_endpoint = replica_advertise(ns.replica_sync_bind, ns.replica_sync_advertise) if state.replica_sync is not None else None
     try:
         state.discovery = build_backends(ns, specs, replica_endpoint)
+        for backend in state.discovery:
+            backend.prepare()
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     for backend in state.discovery:

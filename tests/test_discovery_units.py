@@ -37,6 +37,11 @@ def test_backend_selection_and_errors(monkeypatch) -> None:
                           (["--discovery", "etcd", "--discovery-lease-ttl", "1"], ">= 2 seconds")):
         with pytest.raises(ValueError, match=message):
             build_backends(build_parser().parse_args(argv), [], None)
+    monkeypatch.setenv("KUBECONFIG", "/nonexistent/kubeconfig")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    (_, k8s) = build_backends(build_parser().parse_args(["--discovery", "kubernetes"]), [], None)
+    with pytest.raises(ValueError, match="cannot load cluster credentials"):
+        k8s.prepare()
     monkeypatch.setenv("DYN_DISCOVERY_BACKEND", "zookeeper")
     with pytest.raises(ValueError, match="must be one of"):
         build_backends(build_parser().parse_args([]), [], None)

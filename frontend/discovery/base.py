@@ -75,6 +75,10 @@ class DiscoveryBackend(abc.ABC):
     name: str = "?"
     source: str = "?"
 
+    def prepare(self) -> None:
+        """Checks before the server starts (credentials, config); ValueError with a message for the CLI."""
+        return None
+
     @abc.abstractmethod
     async def start(self, target: DiscoveryTarget) -> None: ...
 

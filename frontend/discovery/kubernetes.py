@@ -256,11 +256,18 @@ class KubernetesDiscovery(DiscoveryBackend):
         self.workers: EndpointSliceWatch | None = None
         self.peers: EndpointSliceWatch | None = None
         self._pods: dict[str, dict[str, Any]] = {}  # pod name -> pod JSON (annotations), refreshed when its uid changes
+        self._api_client: Any = None
+
+    def prepare(self) -> None:
+        try:
+            self._api_client = load_api_client()
+        except Exception as exc:  # no service account, no kubeconfig
+            raise ValueError(f"--discovery kubernetes: cannot load cluster credentials: {exc}") from None
 
     async def start(self, target: DiscoveryTarget) -> None:
         from kubernetes import client
 
-        api_client = await asyncio.to_thread(load_api_client)
+        api_client = self._api_client if self._api_client is not None else await asyncio.to_thread(load_api_client)
         self._core = client.CoreV1Api(api_client)
         loop = asyncio.get_running_loop()
 
