@@ -117,6 +117,8 @@ class AdminRoutes:
                 row["hash_parity"] = parity
             rows.append(row)
         body: dict[str, Any] = {"workers": rows}
+        if st.discovery:
+            body["discovery"] = [b.status() for b in st.discovery]
         if st.file_watcher is not None:
             body["workers_file"] = {"path": st.file_watcher.path, "last_error": st.file_watcher.last_error}
         return json_response(body)

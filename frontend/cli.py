@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_drain_arg(g)
     add_security_args(p)  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/access.py)
     add_router_args(p)
+    from .discovery import add_discovery_args
+
+    add_discovery_args(p)
     return p
 
 
@@ -103,7 +106,8 @@ def _processes(value: str) -> int:
 
 def make_state(ns: argparse.Namespace):
     from .state import FrontendState
-    from .workers import WorkersFileWatcher, parse_worker_arg
+    from .discovery import build_backends, replica_advertise
+    from .workers import parse_worker_arg
 
     check_model_path(ns.model_path)
     config = RouterConfig.from_args(ns)
@@ -134,14 +138,23 @@ def make_state(ns: argparse.Namespace):
         # the --workers N siblings: private endpoints, so events may travel in batches (cheaper per request)
         batch = child_index() is not None
         state.replica_sync = ReplicaSync(state.slots, ns.replica_sync_bind, ns.replica_sync_advertise, peers, batch=batch)
+    specs = []
     for text in ns.worker:
         try:
-            spec = parse_worker_arg(text)
+            specs.append(parse_worker_arg(text))
         except ValueError as exc:
             raise SystemExit(f"--worker {text!r}: {exc}") from None
-        state.pool.add(spec, "cli")
-    if ns.workers_file:
-        state.file_watcher = WorkersFileWatcher(ns.workers_file, state.apply_workers_file)
+    # peers through discovery: the endpoint this replica advertises to the others
+    replica_endpoint = replica_advertise(ns.replica_sync_bind, ns.replica_sync_advertise) if state.replica_sync is not None else None
+    try:
+        state.discovery = build_backends(ns, specs, replica_endpoint)
+        for backend in state.discovery:
+            backend.prepare()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    for backend in state.discovery:
+        if getattr(backend, "watcher", None) is not None:  # the file backend: GET /admin/workers shows its state
+            state.file_watcher = backend.watcher
     return state
 
 
@@ -151,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo
 
         return demo.main(argv[1:]) or 0
+    if argv and argv[0] == "register":
+        from .discovery import register
+
+        return register.main(argv[1:]) or 0
     ns = build_parser().parse_args(argv)
     from .supervisor import ENV_REUSE_PORT, child_index, reuse_port_socket, supervise
 

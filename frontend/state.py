@@ -75,6 +75,7 @@ class FrontendState:
         self.disagg_decode_router = Router(decode_router_config(config), self.metrics)
         self.pool = WorkerPool(self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout)
         self.file_watcher: WorkersFileWatcher | None = None
+        self.discovery: list = []  # frontend.discovery backends, started with the state
         self.replica_sync = None
         self._ids = itertools.count(1)
         self._id_prefix = f"kvr-{self.metrics.router_id[:8]}-"
@@ -404,19 +405,11 @@ class FrontendState:
             if entry is not None and entry.approx is not None:
                 entry.approx.remove_worker(worker.id)
 
-    def apply_workers_file(self, specs: list[WorkerSpec], models: dict[str, dict[str, Any]]) -> None:
-        for name, conf in models.items():
-            if isinstance(conf, dict) and conf.get("model_path"):
-                self.model_paths[name] = str(conf["model_path"])
-        self.pool.sync_source("file", specs)
-
     # ---- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         if self.replica_sync is not None:
             await self.replica_sync.start()
-        if self.file_watcher is not None:
-            self.file_watcher.load_now()
-            self.file_watcher.start()
+        await self._start_discovery()
         for w in list(self.pool.workers.values()):
             self.pool._spawn(self.pool.probe(w))
         need = self.config.router_min_initial_workers
@@ -430,10 +423,18 @@ class FrontendState:
         if self.sessions is not None:
             self._spawn(self._session_reaper())
 
+    async def _start_discovery(self) -> None:
+        """Start the discovery backends: they all write to this frontend's worker pool."""
+        from .discovery import DiscoveryTarget
+
+        target = DiscoveryTarget(self.pool, self.model_paths, self.replica_sync)
+        for backend in self.discovery:
+            await backend.start(target)
+
     async def stop(self) -> None:
         self.shutting_down = True
-        if self.file_watcher is not None:
-            self.file_watcher.stop()
+        for backend in self.discovery:
+            await backend.stop()
         for t in list(self._bg):
             t.cancel()
         if self.admission is not None:
