@@ -48,6 +48,8 @@ class EngineCapacity:
     """What one worker told us (``None`` = not exposed), with where each value came from."""
 
     engine: str = "unknown"  # mocker | vllm | sglang | unknown
+    # SGLang's --schedule-low-priority-values-first as its /get_server_info reports it (None = not told)
+    low_priority_first: bool | None = None
     values: dict[str, int] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -154,6 +156,9 @@ def apply_sglang_server_info(cap: EngineCapacity, info: Any) -> None:
     cap.set("max_num_batched_tokens", chunk, src)
     cap.set("max_num_seqs", pick("max_running_requests"), src)
     cap.set("max_model_len", pick("context_length"), src)
+    low_first = info.get("schedule_low_priority_values_first")
+    if isinstance(low_first, bool):
+        cap.low_priority_first = low_first
     if "max_total_num_tokens" in info or "page_size" in info or inner:
         cap.engine = "sglang" if cap.engine in ("unknown", "sglang") else cap.engine
 

@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--worker", action="append", default=[], metavar="SPEC",
                    help="a worker: id=1,url=http://127.0.0.1:8001[,dp_size=2][,dp_start=0][,kv_events_endpoint=tcp://127.0.0.1:5557]"
                         "[,replay_endpoint=tcp://127.0.0.1:5567][,model=NAME][,model_path=DIR][,block_size=N][,num_gpu_blocks=N]"
-                        "[,max_num_batched_tokens=N][,role=prefill|decode|both] (repeatable; rank r uses the endpoints' port + r; "
-                        "role=prefill workers only take the prefill phase of disaggregated requests)")
+                        "[,max_num_batched_tokens=N][,role=prefill|decode|both][,engine=vllm|sglang] (repeatable; rank r uses the "
+                        "endpoints' port + r; role=prefill workers only take the prefill phase of disaggregated requests; "
+                        "engine overrides the detected engine, which sets the sign of the forwarded priority)")
     g.add_argument("--workers-file", default=os.environ.get("KVROUTE_WORKERS_FILE"), metavar="FILE",
                    help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read when it changes')
     g.add_argument("--model-path", default=os.environ.get("KVROUTE_MODEL_PATH"),

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from .engine_polarity import for_worker as _priority_for_worker
 from .errors import OpenAIError
 from .metrics import PREFILL_WORKER_TYPE
 from .proxy import upstream_headers
@@ -181,7 +182,8 @@ async def run_prefill(state: "FrontendState", ctx: Any) -> PrefillResult | None:
     error: str | None = None
     params: Any = None
     try:
-        upstream = await worker.upstream.request("POST", path, prefill_body(ctx.body), upstream_headers(rank, request_id), False)
+        body = _priority_for_worker(prefill_body(ctx.body), hints, worker)  # the prefill engine's priority sign
+        upstream = await worker.upstream.request("POST", path, body, upstream_headers(rank, request_id), False)
         if upstream.status != 200:
             error = f"prefill worker {worker.id} answered {upstream.status}: {upstream.content[:200]!r}"
         else:

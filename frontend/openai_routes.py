@@ -20,6 +20,7 @@ from kvroute_common.http import ApiError, json_response, read_json
 from kvroute_common.openai_api import read_openai_body
 
 from . import disagg as _disagg
+from .engine_polarity import for_worker as _priority_for_worker
 from .errors import OpenAIError, model_not_found, openai_error_response
 from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
@@ -410,6 +411,7 @@ class OpenAIRoutes:
         # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
         as_stream = not stream and ctx.kind in ("chat", "completions") and convertible(ctx.body)
         body = streaming_body(ctx.body) if as_stream else ctx.out_body
+        body = _priority_for_worker(body, hints, worker)  # the chosen engine's priority sign
         watch = None
         upstream = None
         if not stream and ctx.receive is not None:
@@ -653,7 +655,8 @@ class OpenAIRoutes:
             _record_routed(state, ctx.mm, decision)
             worker = decision.worker
             try:
-                upstream = await worker.upstream.request("POST", path, raw, upstream_headers(decision.dp_rank, request_id), True)
+                upstream = await worker.upstream.request("POST", path, _priority_for_worker(raw, ctx.hints, worker),
+                                                         upstream_headers(decision.dp_rank, request_id), True)
             except asyncio.CancelledError:
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()

@@ -30,9 +30,11 @@ from .upstream import UpstreamPool
 log = logging.getLogger("frontend.workers")
 
 _INT_FIELDS = {"id", "dp_size", "dp_start", "block_size", "num_gpu_blocks", "max_num_batched_tokens"}
-_STR_FIELDS = {"url", "kv_events_endpoint", "replay_endpoint", "model", "model_path", "role"}
+_STR_FIELDS = {"url", "kv_events_endpoint", "replay_endpoint", "model", "model_path", "role", "engine"}
 # disaggregated serving: which phase a worker serves (names.md: role=prefill|decode|both)
 WORKER_ROLES = ("prefill", "decode", "both")
+# engine=vllm|sglang overrides the detected engine kind (it decides the sign of the engine's priority)
+WORKER_ENGINES = ("vllm", "sglang")
 _ALIASES = {"worker_id": "id", "instance_id": "id", "base_url": "url", "data_parallel_size": "dp_size",
             "data_parallel_start_rank": "dp_start", "kv_cache_block_size": "block_size", "endpoint": "kv_events_endpoint",
             "total_kv_blocks": "num_gpu_blocks"}
@@ -54,6 +56,7 @@ class WorkerSpec:
     num_gpu_blocks: int | None = None
     max_num_batched_tokens: int | None = None
     role: str = "both"  # prefill workers only take the prefill phase of disaggregated requests
+    engine: str | None = None  # vllm | sglang: overrides detection (frontend.engine_polarity)
 
     @classmethod
     def from_mapping(cls, raw: dict[str, Any]) -> "WorkerSpec":
@@ -104,6 +107,11 @@ class WorkerSpec:
             if role not in WORKER_ROLES:
                 raise ValueError(f"worker role must be one of prefill, decode, both, got {values['role']!r}")
             values["role"] = role
+        if "engine" in values:
+            engine = values["engine"].strip().lower()
+            if engine not in WORKER_ENGINES:
+                raise ValueError(f"worker engine must be one of vllm, sglang, got {values['engine']!r}")
+            values["engine"] = engine
         return cls(**values)
 
     @property
@@ -227,7 +235,8 @@ class Worker:
             "num_gpu_blocks": self.num_gpu_blocks,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
-            "engine": self.capacity.engine if self.capacity is not None else None,
+            "engine": self.spec.engine or (self.capacity.engine if self.capacity is not None else None),
+            "engine_detected": self.capacity.engine if self.capacity is not None else None,
             "capacity_sources": dict(self.capacity.sources) if self.capacity is not None else {},
             # capacity values the engine does not expose (thresholds use the reference's stand-ins)
             "capacity_unknown": self.capacity.unknown if self.capacity is not None else None,

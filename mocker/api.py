@@ -13,6 +13,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,7 +45,7 @@ from mocker.engine import (
 )
 from mocker.events import KvEventPublisher
 from mocker.kv_cache import KvCache
-from mocker.metrics import MockerMetrics
+from mocker.metrics import MockerMetrics, render_sglang
 from mocker.perf_model import PerfModel
 
 log = logging.getLogger("mocker.api")
@@ -100,6 +101,9 @@ class Mocker:
         self.tokenize = TokenizeOffload()  # long prompts on a thread, like the frontend
         # disaggregated serving: this engine's id in the transfer params it hands out (vLLM: engine_id)
         self.engine_id = uuid.uuid4().hex
+        # the ``priority`` field of recent generation requests as received (None = absent), for tests
+        # that check what the frontend sent (e.g. its per-engine sign); bounded
+        self.received_priorities: deque[int | None] = deque(maxlen=256)
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -258,7 +262,9 @@ def _params(m: Mocker, body: dict, prompt_len: int, chat: bool) -> Params:
     if not isinstance(ids, list) or any(type(t) is not int for t in ids):
         raise OpenAIError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
     p.stop_token_ids = frozenset(ids)
-    p.priority = _opt_int(body, "priority") or 0
+    raw_priority = _opt_int(body, "priority")
+    m.received_priorities.append(raw_priority)
+    p.priority = raw_priority or 0
     p.seed = _opt_int(body, "seed")
     p.stream = _opt_bool(body, "stream")
     opts = body.get("stream_options")
@@ -592,7 +598,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
 
     async def models(request: Request) -> Response:
         return json_response({"object": "list", "data": [{
-            "id": cfg.served_model_name, "object": "model", "created": m.started, "owned_by": "vllm",
+            "id": cfg.served_model_name, "object": "model", "created": m.started, "owned_by": cfg.impersonate,
             "root": cfg.model_path or cfg.served_model_name, "parent": None, "max_model_len": cfg.max_model_len,
             "permission": [],
         }]})
@@ -615,7 +621,19 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         return Response(status_code=200)
 
     async def metrics(request: Request) -> Response:
-        return Response(m.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = render_sglang(cfg, m.schedulers) if cfg.impersonate == "sglang" else m.metrics.render()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def get_server_info(request: Request) -> Response:
+        """SGLang's ``GET /get_server_info`` (``--impersonate sglang``): its server args at the top
+        level and the scheduler's state under ``internal_states``."""
+        return json_response({
+            "model_path": cfg.model_path or cfg.served_model_name, "served_model_name": cfg.served_model_name,
+            "page_size": cfg.block_size, "chunked_prefill_size": cfg.max_num_batched_tokens,
+            "max_running_requests": cfg.max_num_seqs, "context_length": cfg.max_model_len, "dp_size": cfg.data_parallel_size,
+            "schedule_policy": "fcfs", "schedule_low_priority_values_first": False, "version": "mocker",
+            "internal_states": [{"max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size, "page_size": cfg.block_size}],
+        })
 
     async def server_info(request: Request) -> Response:
         """vLLM's dev-mode ``/server_info``: the engine config (the only place vLLM exposes its
@@ -654,6 +672,10 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
                               "computed_prompt_tokens": s.stats.computed_prompt_tokens,
                               "remote_kv_tokens": s.stats.remote_kv_tokens, "role": cfg.role})
 
+    async def priorities(request: Request) -> Response:
+        """Mocker-only: the ``priority`` field of the most recent generation requests, oldest first."""
+        return json_response({"priorities": list(m.received_priorities)})
+
     @asynccontextmanager
     async def lifespan(app: Starlette):
         await m.start()
@@ -673,8 +695,11 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/reset_prefix_cache", handler(reset_prefix_cache), methods=["POST"]),
         Route("/mocker/kv_blocks", handler(kv_blocks), methods=["GET"]),
+        Route("/mocker/priorities", handler(priorities), methods=["GET"]),
     ]
-    if cfg.server_info:
+    if cfg.impersonate == "sglang":
+        routes.append(Route("/get_server_info", handler(get_server_info), methods=["GET"]))
+    elif cfg.server_info:
         routes.append(Route("/server_info", handler(server_info), methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.mocker = m

@@ -9,6 +9,8 @@ from kvroute_common.tokenizer import DEFAULT_MODEL_NAME
 
 
 ROLES = ("prefill", "decode", "both")
+# which engine's discovery surface the mocker shows (its scheduler stays vLLM-like either way)
+IMPERSONATE = ("vllm", "sglang")
 
 
 @dataclass
@@ -34,6 +36,7 @@ class MockerConfig:
     stall_after_tokens: int | None = None
     server_info: bool = True
     role: str = "both"  # disaggregated serving: prefill | decode | both
+    impersonate: str = "vllm"  # vllm | sglang: what /metrics, /v1/models and the server-info endpoint look like
 
     def validate(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -46,6 +49,8 @@ class MockerConfig:
             raise ValueError("--speedup-ratio must be >= 0 (0 = no simulated delay)")
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}")
+        if self.impersonate not in IMPERSONATE:
+            raise ValueError(f"--impersonate must be one of {', '.join(IMPERSONATE)}")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be a TCP port")
 
@@ -92,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="disaggregated serving (vLLM NIXL kv_transfer_params): prefill = computes prompts for remote "
                         "decode and answers with transfer params; decode = takes transferred prompt blocks without "
                         "computing them; both = either (default)")
+    p.add_argument("--impersonate", default=d.impersonate, choices=IMPERSONATE,
+                   help="which engine the mocker looks like to discovery: vllm (default: vllm:* metrics plus "
+                        "kvroute_mocker_info, /server_info) or sglang (sglang:* metrics, owned_by sglang, SGLang's "
+                        "GET /get_server_info); the engine inside stays the same")
     return p
 
 

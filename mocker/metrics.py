@@ -90,3 +90,20 @@ class MockerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def render_sglang(cfg: MockerConfig, schedulers: Seq[RankScheduler]) -> bytes:
+    """``/metrics`` as SGLang names its scheduler gauges (``--impersonate sglang``): no vLLM or
+    mocker names, so the frontend detects an SGLang engine exactly as it would a real one."""
+    name = cfg.served_model_name
+    lines = []
+    for metric, help_text, value in (
+        ("sglang:num_running_reqs", "The number of running requests.", lambda s: s.num_running),
+        ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", lambda s: s.num_waiting),
+        ("sglang:token_usage", "The token usage.", lambda s: s.kv.usage),
+    ):
+        lines.append(f"# HELP {metric} {help_text}")
+        lines.append(f"# TYPE {metric} gauge")
+        for rank, s in enumerate(schedulers):
+            lines.append(f'{metric}{{model_name="{name}",dp_rank="{rank}"}} {float(value(s))}')
+    return ("\n".join(lines) + "\n").encode()
