@@ -32,6 +32,7 @@ DEFAULT_QUEUE_CAPACITY = 100_000
 # frontend CPU at 2 processes without this. 2 ms is far below any request's life (best effort anyway).
 PUBLISH_COALESCE_SECS = 0.002
 MAX_BATCH = 256  # events per message with batch=True
+MAX_WARNED_TOPOLOGIES = 1024  # distinct unknown (model, tenant, block size, worker, rank, reason) keys logged, then silent
 _MARK_PREFILL = "MarkPrefillCompleted"
 _FREE = "Free"
 _U64 = (1 << 64) - 1
@@ -143,6 +144,7 @@ class ReplicaSync:
         self._sub: zmq.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.stats = {"published": 0, "dropped_full": 0, "received": 0, "applied": 0, "ignored_own": 0, "dropped": 0}
+        self._warned: set[tuple[str, str, int, int, int, str]] = set()
 
     # ----- lifecycle -----
 
@@ -339,6 +341,7 @@ class ReplicaSync:
         tracker = self.registry.get(env.model_name, env.routing_group)
         if tracker is None or tracker.block_size != env.block_size or not tracker.has_slot(ev.worker.worker_id, ev.worker.dp_rank):
             self.stats["dropped"] += 1
+            self._warn_unknown(env, tracker)
             return False
         try:
             data = ev.data
@@ -359,3 +362,21 @@ class ReplicaSync:
             return False
         self.stats["applied"] += 1
         return True
+
+    def _warn_unknown(self, env: Envelope, tracker: Any) -> None:
+        """Say once per topology why a peer's events are dropped: a replica (a standalone tracker
+        following a frontend, say) that was never given the same registrations shows no load at all,
+        and nothing else would tell its operator why."""
+        ev = env.event
+        if tracker is None:
+            why = "that model and tenant are not registered here"
+        elif tracker.block_size != env.block_size:
+            why = f"the block size registered here is {tracker.block_size}"
+        else:
+            why = "that worker rank is not registered here"
+        key = (env.model_name, env.routing_group, env.block_size, ev.worker.worker_id, ev.worker.dp_rank, why)
+        if key in self._warned or len(self._warned) >= MAX_WARNED_TOPOLOGIES:
+            return
+        self._warned.add(key)
+        log.warning("replica sync: dropping peer events for model %r tenant %r block size %d worker %d rank %d: %s "
+                    "(replica traffic never creates workers: register the same workers on every replica)", *key)

@@ -61,6 +61,23 @@ def test_apply_rules_own_events_unknown_topology_and_never_creating_workers():
     assert s2.apply(decode_event(REFERENCE_ADD.replace(b"\xa1m", b"\xa1n"))) is False  # unknown model
 
 
+
+def test_dropped_peer_events_are_logged_once_per_unknown_topology(caplog):
+    """A replica never given the workers (a standalone tracker following a frontend without
+    /register) shows no load at all: the drop is logged once per topology, with the reason."""
+    reg = SlotRegistry()
+    sync = ReplicaSync(reg, "tcp://127.0.0.1:1")
+    caplog.set_level("WARNING", logger="slot_tracker.replica_sync")
+    env = decode_event(REFERENCE_ADD)
+    assert sync.apply(env) is False and sync.apply(env) is False and sync.apply(decode_event(REFERENCE_FREE)) is False
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "model 'm'" in msgs[0] and "worker 7 rank 1" in msgs[0] and "not registered here" in msgs[0]
+    reg.register(7, "m", "default", 32, 0, 2)  # registered now, with another block size: a second, different warning
+    assert sync.apply(env) is False
+    assert len(caplog.records) == 2 and "block size registered here is 32" in caplog.records[1].getMessage()
+    assert sync.stats["dropped"] == 4
+
+
 def test_bounded_queue_drops_instead_of_blocking():
     async def run() -> dict:
         reg = SlotRegistry()
