@@ -65,7 +65,9 @@ def test_frontend_help_accepts_every_flag_of_the_table():
                "--active-decode-blocks-threshold": "0.5", "--router-session-affinity-ttl-secs": "30",
                "--router-prune-target-ratio": "0.5", "--router-ttl-secs": "5", "--router-temperature": "0.5",
                "--router-kv-overlap-score-weight": "2", "--router-queue-threshold": "1.5",
-               "--active-prefill-tokens-threshold-frac": "1.5"}
+               "--active-prefill-tokens-threshold-frac": "1.5", "--router-latency-prefill-tokens-per-s": "20000",
+               "--router-latency-window": "50", "--discovery": "static", "--discovery-selector": "kvroute.io/role=worker",
+               "--etcd-endpoints": "http://127.0.0.1:2379", "--discovery-prefix": "/kvroute/"}
     for flag, env in readme_flags().items():
         assert re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", out.stdout, re.M), f"{flag} not in --help"
         action = parser._option_string_actions[flag]
