@@ -40,6 +40,20 @@ def normalize_prefix(prefix: str) -> str:
     return prefix if prefix.endswith("/") else prefix + "/"
 
 
+def _start_once(task: "asyncio.Task | None", run: Any) -> asyncio.Task:
+    """The background loop of a registration or a watch: started once, however often asked."""
+    return task if task is not None else asyncio.get_running_loop().create_task(run())
+
+
+async def _cancel(task: "asyncio.Task | None") -> None:
+    """Stop a background loop and wait until it has stopped (returns the new, empty task slot)."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    return None
+
+
 class EtcdRegistration:
     """Keep one key alive under a lease: grant, put, refresh every TTL/3; re-register when lost.
 
@@ -85,16 +99,11 @@ class EtcdRegistration:
                 delay = next_backoff(delay)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.run())
+        self._task = _start_once(self._task, self.run)
 
     async def stop(self) -> None:
         """Leave at once (revoke the lease) instead of waiting for it to expire."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self._task = await _cancel(self._task)
         if self.lease:
             with contextlib.suppress(EtcdError):
                 await self.client.revoke(self.lease)
@@ -141,15 +150,10 @@ class PrefixWatch:
             delay = next_backoff(delay)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.run())
+        self._task = _start_once(self._task, self.run)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        self._task = await _cancel(self._task)
 
 
 def parse_worker_entries(items: dict[str, bytes], prefix: str) -> list[WorkerSpec]:
