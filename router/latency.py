@@ -47,6 +47,7 @@ from router.selection import CandidateLoad, WorkerCost, WorkerRank
 _W_SCALE = 1000.0
 DECODE_TOKENS_PER_BLOCK = 1.0
 RECOMPUTE_WEIGHT = 1.0
+SAME_SPEED_RATIO = 1.5  # learned speeds closer than this are treated as equal (see scoring_models)
 MIN_TOKENS_PER_S = 100.0
 MAX_TOKENS_PER_S = 1e8
 MAX_BASE_S = 10.0
@@ -178,6 +179,27 @@ class LatencyModels:
         return {f"{w}:{r}": m.as_dict() for (w, r), m in sorted(self._ranks.items())}
 
 
+def scoring_models(models: LatencyModels, keys: list[WorkerRank], ref_tokens: float) -> list[RankLatency]:
+    """The model each candidate is scored with: its own where its learned speed really differs from the
+    candidates' median, else the median rank's.
+
+    Per-rank fits are biased by load, and the bias feeds itself: the slot tracker counts a request's
+    whole prompt as queued prefill until its first token, though chunked prefill has already computed
+    part of it, so a busy rank's observations overstate the work ahead and its fit makes it look
+    faster, which sends it more work (offline, one rank took half of all requests and the p90 TTFT
+    rose 1.3x). Only a difference larger than ``SAME_SPEED_RATIO`` at this request's size (a slower
+    GPU, a throttled or overloaded engine) is trusted; within the band every rank is scored alike,
+    and ranks scored alike are ranked by their work and reuse alone.
+    """
+    own = [models.get(k) for k in keys]
+    if len(own) < 2:
+        return own
+    est = [m.predict(ref_tokens, 0.0) for m in own]
+    median = sorted(range(len(own)), key=est.__getitem__)[(len(own) - 1) // 2]
+    mid, mid_est = own[median], est[median]
+    return [m if e > mid_est * SAME_SPEED_RATIO or e * SAME_SPEED_RATIO < mid_est else mid for m, e in zip(own, est)]
+
+
 def score_latency(
     loads: Iterable[CandidateLoad],
     overlaps: Mapping[WorkerRank, int],
@@ -193,9 +215,10 @@ def score_latency(
     ``decode_blocks`` the decode pressure, ``cost`` the estimate in ms.
     """
     out: list[WorkerCost] = []
-    get = models.get
+    loads = list(loads)
+    scoring = scoring_models(models, [(load.worker_id, load.dp_rank) for load in loads], max(isl_tokens, block_size))
     best = max(overlaps.values(), default=0) if recompute_weight else 0
-    for load in loads:
+    for load, model in zip(loads, scoring):
         key = (load.worker_id, load.dp_rank)
         overlap = overlaps.get(key, 0)
         new_tokens = isl_tokens - overlap * block_size
@@ -204,7 +227,6 @@ def score_latency(
         work = (load.active_prefill_tokens + new_tokens) if track_prefill_tokens else new_tokens
         decode = load.potential_decode_blocks
         decode_blocks = float(0 if decode is None else decode)
-        model = get(key)
         est_ms = model.predict(work, decode_blocks) * 1e3
         if best > overlap:  # blocks cached elsewhere that this rank would compute again
             est_ms += recompute_weight * min(best - overlap, isl_tokens // block_size) * block_size * model.s_per_token * 1e3

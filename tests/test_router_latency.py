@@ -6,7 +6,7 @@ import random
 import pytest
 
 from router.config import RouterConfig, add_router_args
-from router.latency import LatencyModels, LatencyPrior, RankLatency, formula, score_latency
+from router.latency import SAME_SPEED_RATIO, LatencyModels, LatencyPrior, RankLatency, formula, score_latency, scoring_models
 from router.selection import CandidateLoad, choose
 
 
@@ -121,6 +121,26 @@ def test_a_slow_rank_is_avoided_once_learned() -> None:
     models.forget_worker(1)
     assert models.peek((1, 0)) is None and models.peek((2, 0)) is not None
     assert set(models.snapshot()) == {"2:0"}
+
+
+def test_speeds_within_the_band_are_scored_alike() -> None:
+    """A busy rank's fit looks faster (its queued prompts were partly computed already); believing it
+    would send it still more work. Within the band the rank with less work wins."""
+    models = LatencyModels(LatencyPrior(), block_size=16)
+    _fit(models.get((1, 0)), base=0.02, s_tok=1 / 20000)
+    _fit(models.get((2, 0)), base=0.02, s_tok=1 / 26000)  # 1.3x: inside the band
+    _fit(models.get((3, 0)), base=0.02, s_tok=1 / 21000)
+    loads = [CandidateLoad(1, 0, 1000, 0, 1), CandidateLoad(2, 0, 1200, 0, 1), CandidateLoad(3, 0, 1100, 0, 1)]
+    assert choose(score_latency(loads, {}, 1024, 16, models)).worker_id == 1
+    scored = scoring_models(models, [(1, 0), (2, 0), (3, 0)], 1024)
+    assert scored[0] is scored[1] is scored[2] is models.get((3, 0))  # the median rank's model for all
+    # outside the band the learned speed counts: a rank 3x slower is scored with its own model
+    _fit(models.get((2, 0)), base=0.02, s_tok=3 / 20000, n=800)
+    assert models.get((2, 0)).tokens_per_s < 20000 / SAME_SPEED_RATIO
+    scored = scoring_models(models, [(1, 0), (2, 0), (3, 0)], 1024)
+    assert scored[1] is models.get((2, 0)) and scored[0] is scored[2]
+    loads = [CandidateLoad(1, 0, 3000, 0, 1), CandidateLoad(2, 0, 0, 0, 0), CandidateLoad(3, 0, 3000, 0, 1)]
+    assert choose(score_latency(loads, {}, 1024, 16, models)).worker_id == 2  # idle, slow but not 3x: 1024 x 3 < 4024
 
 
 def test_latency_mode_and_flags_parse() -> None:
