@@ -6,6 +6,8 @@ Routes (``kvroute_common.security`` levels):
   own 401 body (``invalid_request_error`` / ``invalid_api_key``), which the SDKs turn into
   ``AuthenticationError``.
 - ``/health``, ``/live``, ``/metrics`` and ``GET /busy_threshold``: open (probes, scrapers).
+- ``/dashboard`` and its script and style: open (they hold no data; a browser cannot send a header
+  when it opens a page); ``/dashboard/data`` is an admin route, the page asks for the token.
 - everything else: the admin token when ``--admin-token`` is set: ``/admin/*``,
   ``POST /busy_threshold``, the slot-tracker routes (``/register``, ``/add``, ``/free``,
   ``/register_peer``...; reads such as ``/loads`` too, they expose the routing state), unknown paths.
@@ -29,7 +31,7 @@ from .errors import openai_error_body
 
 log = logging.getLogger("frontend")
 
-_OPEN_PATHS = frozenset(("/health", "/live", "/metrics"))
+_OPEN_PATHS = frozenset(("/health", "/live", "/metrics", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"))
 HEALTH_DRAINING = orjson.dumps({"status": "shutting_down", "message": "Service is shutting down"})
 _DRAINING_V1 = openai_error_body(503, "The server is shutting down; retry the request (another replica will take it)")
 

@@ -13,6 +13,7 @@ from kvroute_common.http import exception_handlers, route
 from kvroute_common.openapi import openapi_route
 
 from .admin import AdminRoutes, _tracker_routes
+from .dashboard import DashboardRoutes
 from .errors import openai_exception_handlers
 from .openai_routes import OpenAIRoutes
 from .openapi import build_document
@@ -23,6 +24,7 @@ def build_app(state: FrontendState) -> Starlette:
     oa = OpenAIRoutes(state)
     state._init_speculative(oa)
     ad = AdminRoutes(state)
+    dash = DashboardRoutes(state)
     routes: list[BaseRoute] = [
         Route("/v1/chat/completions", oa.chat_completions, methods=["POST"]),
         Route("/v1/completions", oa.completions, methods=["POST"]),
@@ -40,6 +42,9 @@ def build_app(state: FrontendState) -> Starlette:
         route("/admin/workers/{worker_id}", ad.workers_remove, ["DELETE"]),
         route("/admin/route", oa.explain, ["POST"]),
         route("/admin/kv_dump", ad.kv_dump, ["GET"]),
+        Route("/dashboard", dash.page, methods=["GET"]),
+        route("/dashboard/data", dash.data, ["GET"]),
+        route("/dashboard/{name}", dash.asset, ["GET"]),
     ]
     routes += _tracker_routes(state)
     routes.append(openapi_route(build_document()))

@@ -28,6 +28,11 @@ class HitRateDecomposition:
         self.delivered = Counter("kvroute_router_delivered_cached_tokens", "Engine-reported cached prompt tokens", m, registry=registry)
         self.requests = Counter("kvroute_router_decomposed_requests", "Requests counted in the hit-rate decomposition", m, registry=registry)
         self._children: dict[str, tuple[Any, ...]] = {}
+        self._totals = [0, 0, 0, 0, 0]  # prompt, available, captured, delivered, requests over all models
+
+    def totals(self) -> dict[str, int]:
+        """Token sums over all models since start (the dashboard's decomposition series)."""
+        return dict(zip(("prompt", "available", "captured", "delivered", "requests"), self._totals))
 
     def observe(self, model: str, isl: int, available: int, captured: int, delivered: int) -> None:
         """One request's tokens: ``available >= captured`` by construction; delivered is the engine's."""
@@ -40,3 +45,9 @@ class HitRateDecomposition:
         c[2].inc(captured)
         c[3].inc(delivered)
         c[4].inc()
+        t = self._totals
+        t[0] += isl
+        t[1] += available
+        t[2] += captured
+        t[3] += delivered
+        t[4] += 1

@@ -63,7 +63,7 @@ reply = client.chat.completions.create(model="{model}", messages=[{{"role": "use
 print(reply.choices[0].message.content)
 EOF
 
-  Metrics: {url}/metrics    Press Ctrl-C to stop.
+  Dashboard: {url}/dashboard    Metrics: {url}/metrics    Press Ctrl-C to stop.
 """
 
 

@@ -275,6 +275,14 @@ def frontend_paths() -> dict[str, Any]:
             "parameters": [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}],
             "responses": {"200": oa.status_ok("removed"), **oa.errors({400: "not an integer id", 404: "no such worker"})},
         }},
+        "/dashboard": {"get": {"summary": "the live dashboard page (HTML; polls /dashboard/data)",
+                               "responses": {"200": {"description": "page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+        "/dashboard/data": {"get": oa.get(
+            "the dashboard's snapshot: per-rank loads, blocks indexed, health and busy state; decisions by mode; "
+            "hit-rate decomposition and its time series; recent decisions with their cost terms",
+            {200: oa.json_ok("snapshot", {"type": "object", "required": ["seq", "time", "ranks", "decisions", "decomposition", "history", "recent"]})},
+            {400: "seq is not an integer", 404: "that snapshot is no longer kept"},
+            parameters=[oa.query_param("seq", "a snapshot served earlier (the last 16 are kept)")])},
         "/admin/route": {"post": oa.json_post(
             "the decision an OpenAI body would get now, with every candidate's cost terms (nothing booked or sent)",
             {"anyOf": [oa.ref("ChatCompletionRequest"), oa.ref("CompletionRequest")]},

@@ -21,6 +21,7 @@ from router.selection import CandidateLoad, WorkerCost, choose, formula, score_c
 from .errors import OpenAIError, all_busy, no_worker
 
 if TYPE_CHECKING:
+    from .dashboard import DecisionLog
     from .models import ModelEntry
     from .workers import Worker
 
@@ -59,6 +60,8 @@ class Router:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self._rr = 0
+        self.label = config.router_mode  # the dashboard's name for this router's decisions
+        self.decisions: DecisionLog | None = None  # set by the frontend: every booked decision is logged there
         # latency mode: learned per-rank TTFT models, one set per model name (block sizes may differ)
         self._latency: dict[str, LatencyModels] = {}
         self._latency_prior = LatencyPrior(
@@ -187,7 +190,7 @@ class Router:
             metrics.oh_scheduling.observe((t4 - t3) * 1e3)
             metrics.oh_total.observe((t4 - t0) * 1e3)
         return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost,
-                        costs if ((explain or record) and kv) else None, available, t4)
+                        costs if kv else None, available, t4)
 
     def best_cached_tokens(self, entry: "ModelEntry", tokens: list[int], cache_salt: str | None = None) -> int:
         """Most prompt tokens any worker of the model holds now (the queue's pending-cached gauge)."""
@@ -249,6 +252,8 @@ class Router:
         tracker = entry.tracker
         new_isl = decision.new_isl_tokens if self.config.router_track_prefill_tokens else 0
         tracker.add(request_id, decision.worker.id, decision.dp_rank, decision.tracked_hashes, new_isl)
+        if self.decisions is not None:
+            self.decisions.record(self.label, self.config, entry, request_id, decision)
         approx = entry.approx
         if approx is not None and decision.local_hashes:
             approx.record(decision.worker.id, decision.dp_rank, decision.local_hashes, decision.seq_hashes)

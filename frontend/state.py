@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from router.config import RouterConfig
 
 from .busy import BusyThresholds
+from .dashboard import DecisionLog
 from .metrics import PREFILL_WORKER_TYPE, WORKER_TYPE, CallbackCollector, FrontendMetrics
 from .models import TENANT, ModelEntry
 from .parity import ParityMonitor
@@ -73,6 +74,9 @@ class FrontendState:
         # of a request whose prompt was prefilled elsewhere
         self.prefill_router = Router(prefill_router_config(config), self.metrics)
         self.disagg_decode_router = Router(decode_router_config(config), self.metrics)
+        self.decisions = DecisionLog()  # what the dashboard shows of the routers' choices
+        for router, label in ((self.router, config.router_mode), (self.prefill_router, "prefill"), (self.disagg_decode_router, "disagg-decode")):
+            router.decisions, router.label = self.decisions, label
         self.pool = WorkerPool(self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout)
         self.file_watcher: WorkersFileWatcher | None = None
         self.discovery: list = []  # frontend.discovery backends, started with the state

@@ -270,6 +270,10 @@ class KvIndex:
         """Number of (worker, external hash) entries: what approximate-mode pruning bounds."""
         return sum(len(m) for m in self._lookup.values())
 
+    def blocks_per_worker(self) -> dict[Worker, int]:
+        """Device-tier blocks held per (worker_id, dp_rank): what the dashboard shows as blocks indexed."""
+        return {w: len(m) for w, m in self._lookup.items() if m}
+
     def workers(self) -> set[Worker]:
         """Every (worker_id, dp_rank) holding at least one block in any tier."""
         out = {w for w, m in self._lookup.items() if m}
