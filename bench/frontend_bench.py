@@ -58,12 +58,12 @@ def bench_decision(iterations: int = 300, workers: int = 4, dp_size: int = 2, co
     from frontend.openai_routes import _tokenize
     from frontend.busy import BusyThresholds
     from frontend.models import ModelEntry
-    from frontend.routing import Router
+    from frontend.request_router import RequestRouter
     from frontend.workers import Worker, WorkerSpec
     from indexer.core import KvIndex
     from kvroute_common.tokenizer import load_tokenizer
     from router.config import RouterConfig
-    from router.hashing import block_hashes
+    from kvroute_common.hashing import block_hashes
     from slot_tracker.core import SlotRegistry
 
     rng = random.Random(seed)
@@ -102,7 +102,7 @@ def bench_decision(iterations: int = 300, workers: int = 4, dp_size: int = 2, co
         off = rng.randrange(0, len(text) - 8000)
         ids = tok(text[off : off + 4000], add_special_tokens=False)["input_ids"]
         tracker.add(f"bg-{i}", w, r, block_hashes(ids, bs)[1], len(ids) if i % 3 == 0 else 0)
-    router = Router(RouterConfig(router_mode="kv"), None, random.Random(seed))
+    router = RequestRouter(RouterConfig(router_mode="kv"), None, random.Random(seed))
 
     def body(i: int) -> dict:
         if cold:  # never-seen text for both messages

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from support import free_port, free_ports, service, wait_until  # noqa: E402
 
 from indexer.wire import BlockStored, encode_batch, seq_frame  # noqa: E402
-from router.hashing import list_to_i64, local_block_hashes, sequence_hashes  # noqa: E402
+from kvroute_common.hashing import list_to_i64, local_block_hashes, sequence_hashes  # noqa: E402
 
 BS = 16
 MODEL = "bench"

@@ -25,7 +25,7 @@ from bench.traces import Trace, oracle
 from mocker.engine import RankScheduler, Sequence
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
-from router.hashing import local_block_hashes, sequence_hashes
+from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from router.latency import LatencyModels, LatencyPrior, score_latency
 from router.selection import CandidateLoad, choose, score_candidates
 from slot_tracker.core import SlotTracker
@@ -145,7 +145,7 @@ def simulate(trace: Trace, policy: str, workers: int, blocks: int, speedup: floa
 def ttft_floor_ms(trace: Trace, block_size: int, speedup: float, p: float = 50) -> float:
     """A lower bound on any router's TTFT percentile: every request alone on an idle engine with the
     oracle's cache (all of its prefix seen before is cached): one prefill step of its uncached tokens."""
-    from router.hashing import block_hashes
+    from kvroute_common.hashing import block_hashes
 
     seen: set[int] = set()
     perf = PerfModel(speedup)

@@ -32,7 +32,7 @@ from typing import Iterator
 
 import httpx
 
-from router.hashing import list_to_i64, sequence_hashes
+from kvroute_common.hashing import list_to_i64, sequence_hashes
 
 from kvroute_common.ports import free_port
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from router.hashing import block_hashes
+from kvroute_common.hashing import block_hashes
 
 MOONCAKE_BLOCK_TOKENS = 512
 # Token ids drawn for synthetic content: inside the offline tokenizer's 16k vocabulary (and any real one), clear of the low special ids.

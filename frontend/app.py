@@ -22,7 +22,7 @@ from .state import FrontendState
 
 def build_app(state: FrontendState) -> Starlette:
     oa = OpenAIRoutes(state)
-    state._init_speculative(oa)
+    state._init_speculative(oa.send_pinned)
     ad = AdminRoutes(state)
     dash = DashboardRoutes(state)
     routes: list[BaseRoute] = [

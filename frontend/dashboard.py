@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,44 +24,16 @@ from starlette.responses import FileResponse, Response
 
 from kvroute_common.http import ApiError, json_response
 
-from .routing_record import routing_record
 from .supervisor import child_index
 
 if TYPE_CHECKING:
-    from .models import ModelEntry
-    from .routing import Decision
     from .state import FrontendState
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-RECENT_DECISIONS = 50  # kept; the page shows the newest 15
 HISTORY_POINTS = 180  # one a second at most: three minutes of series
 KEPT_SNAPSHOTS = 16  # for ?seq=N
 STATIC_FILES = {"dashboard.html": "text/html; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8",
                 "dashboard.css": "text/css; charset=utf-8"}
-
-
-class DecisionLog:
-    """The routers' recent decisions and per-mode counts: ``record`` is on the request path, so it only
-    appends a reference; the routing records are built when the dashboard asks."""
-
-    __slots__ = ("recent", "counts")
-
-    def __init__(self, maxlen: int = RECENT_DECISIONS) -> None:
-        self.recent: deque[tuple[float, str, str, Any, ModelEntry, Decision]] = deque(maxlen=maxlen)
-        self.counts: Counter[str] = Counter()
-
-    def record(self, mode: str, config: Any, entry: "ModelEntry", request_id: str, decision: "Decision") -> None:
-        self.counts[mode] += 1
-        self.recent.append((time.time(), mode, request_id, config, entry, decision))
-
-    def records(self, limit: int = 15) -> list[dict[str, Any]]:
-        """Newest first, each as the routing record plus when, which request and which router."""
-        out = []
-        for t, mode, rid, config, entry, decision in reversed(list(self.recent)[-limit:]):
-            rec = routing_record(config, entry, decision)
-            rec.update(time=round(t, 3), request_id=rid, router=mode)
-            out.append(rec)
-        return out
 
 
 class Dashboard:

@@ -26,7 +26,6 @@ original request decode-only (aggregated on a decode worker), with a warning. A 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -64,20 +63,6 @@ PREFILL_TRANSFER_PARAMS: dict[str, Any] = {
 OUTCOME_REMOTE = "remote"
 OUTCOME_NO_WORKER = "no_prefill_worker"
 OUTCOME_FAILED = "prefill_failed"
-
-
-def prefill_router_config(cfg: "RouterConfig") -> "RouterConfig":
-    """The prefill router: the frontend's settings with active-block (and output-block) tracking off."""
-    return dataclasses.replace(cfg, router_track_active_blocks=False, router_track_output_blocks=False)
-
-
-def decode_router_config(cfg: "RouterConfig") -> "RouterConfig":
-    """Decode routing of a remotely prefilled request: load only (the prompt's KV arrives by transfer,
-    so cache overlap and prefill tokens do not matter, and transferred blocks may duplicate cached ones).
-    latency mode's estimate is a prefill time, so the decode side uses kv's load term instead."""
-    return dataclasses.replace(cfg, router_mode="kv" if cfg.router_mode == "latency" else cfg.router_mode,
-                               router_kv_overlap_score_weight=0.0, router_assume_kv_reuse=False,
-                               router_track_prefill_tokens=False)
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ class ModelEntry:
         self.tokenizer = tokenizer
         self.workers: dict[int, Worker] = {}
         self.thresholds = thresholds
-        self.approx = approx  # router.approx.ApproxIndex in approximate mode, else None
+        self.approx = approx  # indexer.approx.ApproxIndex in approximate mode, else None
         self._slots = slots  # slot_tracker.core.SlotRegistry
         self._events = events  # the embedded IndexerRegistry (KV events mode) or None
 

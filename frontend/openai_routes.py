@@ -25,7 +25,8 @@ from .errors import OpenAIError, model_not_found, openai_error_response
 from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
 from .parity import UsageTap, stream_body_with_usage
-from .proxy import Lease, StreamProxy, count_completion_tokens, upstream_headers
+from .lifecycle import Lease
+from .proxy import StreamProxy, count_completion_tokens, upstream_headers
 from .routing_record import routing_record, wants_routing
 from .state import FrontendState
 from .unary_stream import UnaryAssembler, convertible, streaming_body
@@ -360,7 +361,7 @@ class OpenAIRoutes:
             except Exception as exc:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
-            lease = Lease(state, entry, request_id, decision, ctx.mm, ctx.t_start)
+            lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
             # embeddings leave no KV cache behind: no hash-parity evidence to collect
             ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
             if state.config.router_track_output_blocks:
@@ -645,7 +646,7 @@ class OpenAIRoutes:
                 log.warning("cannot migrate: booking worker %s failed: %s", decision.worker.id, exc)
                 return None, lease
             state.metrics.router_started.inc()
-            new = Lease(state, entry, request_id, decision, ctx.mm, ctx.t_start)
+            new = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
             new.inherit(lease)
             new.status, new.error_type = lease.status, lease.error_type  # until it delivers
             lease.released = True  # its booking is freed; the request now ends with ``new``

@@ -20,7 +20,7 @@ from .workers import _ALIASES, _INT_FIELDS, _STR_FIELDS
 
 _INT_STR = {"type": "string", "description": "an integer; unparsable values are ignored"}
 
-# statuses of the /v1 generation routes (frontend/openai_routes.py, frontend/routing.py); a worker's 4xx passes through
+# statuses of the /v1 generation routes (frontend/openai_routes.py, frontend/request_router.py); a worker's 4xx passes through
 _V1_ERRORS = {
     400: "invalid request: not a JSON object, no model, bad messages / prompt, bad nvext, or the engine refused a field",
     404: "model not served",

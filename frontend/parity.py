@@ -42,8 +42,8 @@ from .decomposition import HitRateDecomposition
 
 if TYPE_CHECKING:
     from .models import ModelEntry
-    from .proxy import Lease
-    from .routing import Decision
+    from .lifecycle import Lease
+    from .decision import Decision
 
 log = logging.getLogger("frontend.parity")
 

@@ -1,7 +1,7 @@
-"""Dispatch to a worker and pass its response through, owning the request's load booking.
+"""Dispatch to a worker and pass its response through, driving the request's lease.
 
-A :class:`Lease` is the booking of one routed request in the embedded slot tracker. Every exit
-path ends in ``Lease.release()`` (idempotent): normal end of stream, worker error, client
+The lease (``frontend/lifecycle.py``) is the booking of one routed request. Every exit path of a
+stream ends in ``Lease.release()`` (idempotent): normal end of stream, worker error, client
 disconnect, cancellation. The first body bytes from the worker mark prefill complete.
 
 Streaming responses are a small ASGI callable (:class:`StreamProxy`) rather than Starlette's
@@ -16,169 +16,17 @@ import asyncio
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import openai_error_body
+from .lifecycle import Lease
 from .upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
-
-if TYPE_CHECKING:
-    from .state import FrontendState
-    from .models import ModelEntry
-    from .routing import Decision
 
 log = logging.getLogger("frontend.proxy")
 _now = time.perf_counter
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _DONE = b"data: [DONE]"
-
-
-class Lease:
-    """One request's booking on its (worker, rank) plus its per-request metrics."""
-
-    __slots__ = ("state", "entry", "request_id", "decision", "mm", "t_start", "t_first", "t_last", "tokens_out",
-                 "prefilled", "released", "status", "error_type", "hooks", "_osl", "_out_blocks", "ttft_recorded", "_freed")
-
-    def __init__(self, state: "FrontendState", entry: "ModelEntry", request_id: str, decision: "Decision", mm: Any, t_start: float) -> None:
-        self.state = state
-        self.entry = entry
-        self.request_id = request_id
-        self.decision = decision
-        self.mm = mm
-        self.t_start = t_start
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.tokens_out = 0
-        self.prefilled = False
-        self.released = False
-        self.status = "success"
-        self.error_type = ""
-        self.hooks: list[Any] = []  # objects with on_tokens(lease, n) / on_release(lease) (extensions)
-        self._out_blocks: int | None = None  # output-block tracking off
-        self._osl: int | None = None
-        self.ttft_recorded = False  # the request's TTFT is in the metrics (maybe by a lease it migrated from)
-        self._freed = False  # the booking was freed in the tracker
-
-    def inherit(self, old: "Lease") -> None:
-        """Request migration: this lease continues ``old``'s request on another worker. The
-        request's metrics (TTFT, tokens so far, hooks) carry over, so they are recorded once."""
-        self.t_start = old.t_start
-        self.t_first, self.t_last = old.t_first, old.t_last
-        self.tokens_out = old.tokens_out
-        self.ttft_recorded = old.ttft_recorded
-        self.hooks, old.hooks = old.hooks, []
-
-    def track_output(self, osl: int | None) -> None:
-        """--router-track-output-blocks: add a placeholder block whenever isl + generated crosses a block."""
-        bs = self.entry.block_size
-        self._osl = osl
-        self._out_blocks = -(-self.decision.isl // bs)
-
-    def first_token(self, streamed: bool = True) -> None:
-        """The worker produced output: the prompt is no longer prefill load.
-
-        ``streamed=False`` for answers that arrive whole: their "first token" is the whole response,
-        so the latency model does not learn from it."""
-        if self.prefilled or self.released:
-            return
-        self.prefilled = True
-        if self.ttft_recorded:  # a migrated request: its first token was long ago, only the booking moves on
-            self._prefill_complete()
-            return
-        self.ttft_recorded = True
-        now = _now()
-        if streamed:
-            self.state.router.observe_first_token(self.entry, self.decision, now)
-        self.t_first = self.t_last = now
-        ttft = now - self.t_start
-        mm = self.mm
-        mm.ttft.observe(ttft)
-        mm.queued.dec()
-        self.state.metrics.router_ttft.observe(ttft)
-        g = self.state.worker_gauges(self.decision.worker.id, self.decision.dp_rank)
-        g[0].set(ttft)
-        self._prefill_complete()
-
-    def _prefill_complete(self) -> None:
-        try:
-            self.entry.tracker.prefill_complete(self.request_id)
-        except Exception as exc:  # unknown request (tracker dropped it): nothing left to complete
-            log.debug("prefill_complete(%s): %s", self.request_id, exc)
-        self.state.capacity_changed(self.entry.name)
-
-    def tokens(self, n: int) -> None:
-        """``n`` more output tokens arrived (streaming)."""
-        if n <= 0:
-            return
-        now = _now()
-        if self.tokens_out and self.t_last is not None:
-            gap = (now - self.t_last) / n
-            self.mm.itl.observe(gap)
-            self.state.metrics.router_itl.observe(gap)
-        self.t_last = now
-        self.tokens_out += n
-        self.mm.output_tokens.inc(n)
-        if self._out_blocks is not None:
-            blocks = -(-(self.decision.isl + self.tokens_out) // self.entry.block_size)
-            if blocks > self._out_blocks:
-                tracker = self.entry.tracker
-                try:
-                    for _ in range(blocks - self._out_blocks):
-                        tracker.add_output_block(self.request_id, self._osl, self.tokens_out)
-                except Exception as exc:
-                    log.debug("add_output_block(%s): %s", self.request_id, exc)
-                self._out_blocks = blocks
-        for h in self.hooks:
-            h.on_tokens(self, n)
-
-    def free_booking(self, notify: bool = True) -> None:
-        """Free the (worker, rank) booking only (idempotent); the request itself goes on (migration)."""
-        if self._freed:
-            return
-        self._freed = True
-        try:
-            self.entry.tracker.free(self.request_id)
-        except Exception as exc:
-            log.debug("free(%s): %s", self.request_id, exc)
-        if notify:
-            self.state.capacity_changed(self.entry.name)
-
-    def fail(self, status: int, error_type: str) -> None:
-        self.status = "error"
-        self.error_type = error_type
-
-    def release(self, final: bool = True) -> None:
-        """Free the booking and record the request's end. Safe to call any number of times.
-
-        ``final=False`` only frees the booking (the request is being re-routed elsewhere)."""
-        if self.released:
-            return
-        self.released = True
-        if not final:
-            self.free_booking()
-            return
-        mm = self.mm
-        if not self.ttft_recorded:
-            mm.queued.dec()
-        self.free_booking(notify=False)
-        for h in self.hooks:
-            try:
-                h.on_release(self)
-            except Exception:
-                log.exception("release hook failed")
-        now = _now()
-        mm.duration.observe(now - self.t_start)
-        mm.inflight.dec()
-        mm.active.dec()
-        mm.osl.observe(self.tokens_out)
-        mm.finished(self.status, self.error_type)
-        m = self.state.metrics
-        m.router_requests.inc()
-        m.router_osl.observe(self.tokens_out)
-        if self.tokens_out > 1 and self.t_first is not None and self.t_last is not None:
-            g = self.state.worker_gauges(self.decision.worker.id, self.decision.dp_rank)
-            g[2].set((self.t_last - self.t_first) / (self.tokens_out - 1))
-        self.state.capacity_changed(self.entry.name)
 
 
 def upstream_headers(rank: int, request_id: str) -> list[tuple[str, str]]:
@@ -246,9 +94,7 @@ class StreamProxy:
         if lease.released or lease.status == "error":
             return
         lease.status, lease.error_type = "error", "cancelled"
-        st = lease.state
-        st.metrics.disconnected.inc()
-        st.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+        lease.listener.cancelled(lease)
 
     async def _pump(self, send: Any) -> None:
         rw = self.rewriter

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .models import ModelEntry
-    from .routing import Decision
+    from .decision import Decision
 
 EXTRA_FIELD = "routing"
 

@@ -12,18 +12,19 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily
 
-from router.config import RouterConfig
+from router.config import RouterConfig, decode_router_config, prefill_router_config
 
 from .busy import BusyThresholds
-from .dashboard import DecisionLog
+from .decision_log import DecisionLog
 from .metrics import PREFILL_WORKER_TYPE, WORKER_TYPE, CallbackCollector, FrontendMetrics
 from .models import TENANT, ModelEntry
 from .parity import ParityMonitor
-from .routing import Router
+from .request_metrics import RequestMetrics
+from .request_router import RequestRouter
 from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
 
 if TYPE_CHECKING:
-    from .openai_routes import OpenAIRoutes
+    from .speculative import SendFn
 
 log = logging.getLogger("frontend")
 
@@ -67,13 +68,14 @@ class FrontendState:
         # disaggregated serving: per model, the prefill-role workers (frontend/disagg.py routes them)
         self.prefill_models: dict[str, ModelEntry] = {}
         self.thresholds: dict[str, BusyThresholds] = {}
-        self.router = Router(config, self.metrics)
-        from .disagg import decode_router_config, prefill_router_config
-
+        self.router = RequestRouter(config, self.metrics)
         # the guide's prefill router (active-block tracking off) and the load-only decode routing
         # of a request whose prompt was prefilled elsewhere
-        self.prefill_router = Router(prefill_router_config(config), self.metrics)
-        self.disagg_decode_router = Router(decode_router_config(config), self.metrics)
+        self.prefill_router = RequestRouter(prefill_router_config(config), self.metrics)
+        self.disagg_decode_router = RequestRouter(decode_router_config(config), self.metrics)
+        # the request lifecycle's listener: metrics, per-worker gauges, TTFT observations, queue wake-ups
+        self.lifecycle = RequestMetrics(self.metrics, self.router, self.capacity_changed)
+        self.worker_gauges = self.lifecycle.worker_gauges
         self.decisions = DecisionLog()  # what the dashboard shows of the routers' choices
         for router, label in ((self.router, config.router_mode), (self.prefill_router, "prefill"), (self.disagg_decode_router, "disagg-decode")):
             router.decisions, router.label = self.decisions, label
@@ -83,7 +85,6 @@ class FrontendState:
         self.replica_sync = None
         self._ids = itertools.count(1)
         self._id_prefix = f"kvr-{self.metrics.router_id[:8]}-"
-        self._worker_gauges: dict[tuple[int, int, str], tuple] = {}
         self.shutting_down = False
         self.admission = None
         self.sessions = None
@@ -112,10 +113,10 @@ class FrontendState:
 
             self.sessions = SessionTable(cfg.router_session_affinity_ttl_secs)
 
-    def _init_speculative(self, routes: "OpenAIRoutes") -> None:
+    def _init_speculative(self, send_pinned: "SendFn") -> None:
         from .speculative import SpeculativePrefiller
 
-        self.speculative = SpeculativePrefiller(routes.send_pinned, max_in_flight=4, is_busy=self._rank_busy)
+        self.speculative = SpeculativePrefiller(send_pinned, max_in_flight=4, is_busy=self._rank_busy)
 
     def _rank_busy(self, worker_id: int, dp_rank: int | None) -> bool:
         """For speculative prefill: skip warm-ups to a worker that is busy or has a backlog of prefill."""
@@ -160,15 +161,6 @@ class FrontendState:
     # ---- ids and gauges -------------------------------------------------------------------------
     def next_request_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids)}"
-
-    def worker_gauges(self, worker_id: int, dp_rank: int, worker_type: str = WORKER_TYPE) -> tuple:
-        g = self._worker_gauges.get((worker_id, dp_rank, worker_type))
-        if g is None:
-            labels = (str(worker_id), str(dp_rank), worker_type)
-            m = self.metrics
-            g = self._worker_gauges[(worker_id, dp_rank, worker_type)] = (
-                m.worker_last_ttft.labels(*labels), m.worker_last_isl.labels(*labels), m.worker_last_itl.labels(*labels))
-        return g
 
     def _collect_gauges(self):
         """Scrape-time gauges: per-worker loads from the tracker, model readiness and capacity."""
@@ -335,7 +327,7 @@ class FrontendState:
                     continue
                 approx = None
                 if cfg.kv_aware and cfg.uses_indexer and not cfg.router_kv_events:
-                    from router.approx import ApproxIndex
+                    from indexer.approx import ApproxIndex
 
                     approx = ApproxIndex(bs, cfg.router_ttl_secs, cfg.router_max_tree_size, cfg.router_prune_target_ratio)
                 thresholds = self.thresholds.get(model)

@@ -2,7 +2,7 @@
 
 The engine's own block hashes are kept only as *external* hashes (parent links, removals); the
 *local* hashes used for matching are recomputed here from the event's token ids with
-``router.hashing`` so they always agree with what the frontend computes for a prompt.
+``kvroute_common.hashing`` so they always agree with what the frontend computes for a prompt.
 
 One ``EventApplier`` per listener: the learned kv-cache groups, the cache-namespace memory and the
 block-size warning budget are per (instance, dp_rank) stream, as in the reference.
@@ -16,7 +16,7 @@ from typing import Any
 
 from indexer.core import KvIndex, tier_for_medium
 from indexer.wire import Cleared, DecodedBatch, Removed, Stored
-from router.hashing import local_block_hashes
+from kvroute_common.hashing import local_block_hashes
 
 log = logging.getLogger("indexer.normalize")
 

@@ -28,7 +28,7 @@ from kvroute_common.drain import Drain
 from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
 from kvroute_common.http import ApiError, MiB, decode_json, error_response, json_response, json_service, ok, raw_json_response, read_json
 from kvroute_common.security import AccessPolicy, service_classifier
-from router.hashing import local_block_hashes
+from kvroute_common.hashing import local_block_hashes
 
 QUERY_BODY_LIMIT = 8 * MiB
 BODY_LIMIT = 2 * MiB

@@ -28,7 +28,7 @@ import xxhash
 
 from mocker.kv_cache import Block, KvCache
 from mocker.perf_model import PerfModel
-from router.hashing import local_block_hashes, pack_tokens, sequence_hashes
+from kvroute_common.hashing import local_block_hashes, pack_tokens, sequence_hashes
 
 log = logging.getLogger("mocker.engine")
 

@@ -3,7 +3,7 @@
 * ``num_blocks`` physical blocks of ``block_size`` tokens. A block is *active* while running
   sequences reference it (``ref > 0``) and *free* otherwise.
 * Full blocks are content-addressed by the chained sequence hash of their tokens
-  (``router.hashing``), so a new sequence reuses the longest cached prefix. A freed block keeps
+  (``kvroute_common.hashing``), so a new sequence reuses the longest cached prefix. A freed block keeps
   its content until it is reallocated: free blocks form one eviction queue (front = evicted
   first). A sequence's blocks are freed tail first, so within a sequence the leaves go before
   their prefix and across sequences the least recently used goes first (vLLM's order).

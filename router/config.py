@@ -8,6 +8,7 @@ The same parser feeds ``python -m frontend`` and anything else that routes (benc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -305,3 +306,18 @@ def add_router_args(parser: argparse.ArgumentParser, environ: dict[str, str] | N
 def router_flag_table() -> list[tuple[str, str, str, str]]:
     """(flag, env, default, help) rows, for the README's flag table."""
     return [(flag, envs[0], str(default), help_text) for flag, _d, envs, _c, default, help_text in _FLAGS]
+
+
+# Disaggregated serving (frontend/disagg.py) routes each phase with a variant of the frontend's settings.
+def prefill_router_config(cfg: RouterConfig) -> RouterConfig:
+    """The prefill router: the frontend's settings with active-block (and output-block) tracking off."""
+    return dataclasses.replace(cfg, router_track_active_blocks=False, router_track_output_blocks=False)
+
+
+def decode_router_config(cfg: RouterConfig) -> RouterConfig:
+    """Decode routing of a remotely prefilled request: load only (the prompt's KV arrives by transfer,
+    so cache overlap and prefill tokens do not matter, and transferred blocks may duplicate cached ones).
+    latency mode's estimate is a prefill time, so the decode side uses kv's load term instead."""
+    return dataclasses.replace(cfg, router_mode="kv" if cfg.router_mode == "latency" else cfg.router_mode,
+                               router_kv_overlap_score_weight=0.0, router_assume_kv_reuse=False,
+                               router_track_prefill_tokens=False)

@@ -11,8 +11,8 @@ import pytest
 
 from frontend.busy import BusyThresholds, validate_update
 from frontend.workers import WorkerSpec, parse_cache_config_info, parse_worker_arg, parse_workers_document
-from router.approx import ApproxIndex
-from router.hashing import block_hashes
+from indexer.approx import ApproxIndex
+from kvroute_common.hashing import block_hashes
 
 
 class Clock:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.hashing import (
+from kvroute_common.hashing import (
     hash_seed,
     list_to_i64,
     list_to_u64,

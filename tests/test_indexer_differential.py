@@ -25,7 +25,7 @@ import zmq
 from support import free_port, free_ports, reference_installed, service, wait_until
 
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, encode_batch_legacy, seq_frame
-from router.hashing import list_to_i64, local_block_hashes, sequence_hashes
+from kvroute_common.hashing import list_to_i64, local_block_hashes, sequence_hashes
 
 pytestmark = pytest.mark.skipif(not reference_installed(), reason="reference dynamo (ai-dynamo-runtime) not installed")
 

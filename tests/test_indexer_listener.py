@@ -21,7 +21,7 @@ from indexer.listener import ACTIVE, validate_endpoint
 from indexer.normalize import EventApplier
 from indexer.registry import IndexerRegistry
 from indexer.wire import REPLAY_END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_batch, seq_frame
-from router.hashing import local_block_hashes
+from kvroute_common.hashing import local_block_hashes
 
 BS = 4
 MODEL = "m"

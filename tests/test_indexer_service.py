@@ -12,7 +12,7 @@ import zmq
 from support import free_port, free_ports, service, wait_until
 
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, seq_frame
-from router.hashing import list_to_i64, local_block_hashes
+from kvroute_common.hashing import list_to_i64, local_block_hashes
 
 BS = 4
 FAST_RECOVERY = {"KVROUTE_INDEXER_RECOVERY_DELAY": "0.2"}

@@ -10,7 +10,7 @@ from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_bat
 from mocker.engine import FINISH_LENGTH, FINISH_STOP, RankScheduler, Sequence, sequence_rng
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
-from router.hashing import block_hashes
+from kvroute_common.hashing import block_hashes
 
 BS = 4
 EOS = 3

@@ -14,7 +14,7 @@ bodies must match, except for these deliberate differences, each named where it 
   verified examples). With real chained sequence hashes a hash identifies its whole prefix and both
   agree; 1.6.1's insertion takes a shortcut that only shows with hand-made non-chained hashes
   (``[1,2,3]`` + ``[1,4,3]`` -> 3 there, 5 here). The random run therefore sends chained hashes
-  (made with router.hashing), and ``test_non_chained_hashes_named_difference`` pins the difference.
+  (made with kvroute_common.hashing), and ``test_non_chained_hashes_named_difference`` pins the difference.
 * Error texts may differ (ours say ``tenant_id=`` and use msgspec's wording for shape errors);
   /potential_loads order is unspecified, so rows are sorted before comparing.
 """
@@ -31,7 +31,7 @@ import httpx
 import pytest
 from support import free_ports, reference_installed, service
 
-from router.hashing import list_to_i64, sequence_hashes
+from kvroute_common.hashing import list_to_i64, sequence_hashes
 
 pytestmark = pytest.mark.skipif(not reference_installed(), reason="reference `dynamo` (ai-dynamo-runtime 1.6.1) not importable")
 

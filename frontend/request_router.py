@@ -10,49 +10,27 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from router.hashing import local_block_hashes, sequence_hashes
+from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from router.latency import LatencyModels, LatencyPrior, score_latency
 from router.latency import formula as latency_formula
 from router.selection import CandidateLoad, WorkerCost, choose, formula, score_candidates
 
+from .decision import Decision
 from .errors import OpenAIError, all_busy, no_worker
 
 if TYPE_CHECKING:
-    from .dashboard import DecisionLog
+    from .decision_log import DecisionLog
     from .models import ModelEntry
     from .workers import Worker
 
-log = logging.getLogger("frontend.routing")
+log = logging.getLogger("frontend.request_router")
 _perf = time.perf_counter
 
 
 
-@dataclass(slots=True)
-class Decision:
-    """Where a request goes and what was booked for it."""
-
-    worker: "Worker"
-    dp_rank: int
-    isl: int
-    overlap_blocks: int
-    new_isl_tokens: int
-    tracked_hashes: list[int]
-    local_hashes: list[int]
-    seq_hashes: list[int]
-    cost: WorkerCost | None = None
-    costs: list[WorkerCost] | None = None  # every candidate's terms (explain / record only)
-    available_blocks: int = 0  # best overlap among the eligible candidates (hit-rate decomposition)
-    t_routed: float = 0.0  # perf_counter at the decision (latency mode: TTFT observations start here)
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.isl - self.new_isl_tokens
-
-
-class Router:
+class RequestRouter:
     """Chooses a (worker, rank) per request according to ``--router-mode``."""
 
     def __init__(self, config: Any, metrics: Any = None, rng: random.Random | None = None) -> None:

@@ -1,0 +1,91 @@
+"""The package layout the design promises: no import cycle inside ``frontend/`` (counting imports made
+only for type checking too: a cycle there is still a knot a reader goes round), and the indexer does
+not depend on the routing core (``router/`` may use the indexer, not the other way round).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+from support import REPO_ROOT
+
+
+def _modules(package: str) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(os.path.join(REPO_ROOT, package)):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                rel = os.path.relpath(path, REPO_ROOT)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(name: str, path: str) -> set[str]:
+    """Absolute names of every module ``name`` imports, wherever the import stands (TYPE_CHECKING,
+    inside functions)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    base = name.split(".") if path.endswith("__init__.py") else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_inside_frontend() -> None:
+    mods = _modules("frontend")
+    graph = {m: {t for t in _imports(m, p) if t in mods and t != m} for m, p in mods.items()}
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_indexer_does_not_import_the_routing_core() -> None:
+    offenders = {m: sorted(t for t in _imports(m, p) if t == "router" or t.startswith("router."))
+                 for m, p in _modules("indexer").items()}
+    assert {m: v for m, v in offenders.items() if v} == {}
