@@ -1,6 +1,6 @@
 """The router queue gate (``--router-queue-threshold``): hold requests while every rank is busy.
 
-Reference §3 and the router guide: a request is *held* (not rejected) while every eligible
+As the reference router and its guide do it: a request is *held* (not rejected) while every eligible
 (worker, DP rank) has more in-flight prefill tokens than ``threshold x max_num_batched_tokens``;
 held requests are released in policy order (:mod:`router.queue`) when capacity frees up, so each
 is routed with fresh load numbers at the moment it is actually sent.
@@ -26,7 +26,7 @@ Release discipline (why no slot is lost or handed out twice):
   cancelled after it was released passes its turn on to the next waiter.
 - Besides ``notify``, a periodic re-check (``recheck_interval``) covers capacity that appears
   without a prefill/free event (a worker added, a threshold changed).
-- A newcomer that finds capacity is admitted directly even if others are held (seed 004:
+- A newcomer that finds capacity is admitted directly even if others are held (the router guide on
   strict_priority "does not prevent an eligible new arrival from being admitted directly while
   other requests are parked"; held requests get freed capacity first because every free drains
   the queue before any later arrival runs).
@@ -44,7 +44,7 @@ from router.queue import PendingQueue, QueuePolicy
 if TYPE_CHECKING:
     from frontend.hints import RequestHints
 
-# max_num_batched_tokens assumed for a worker that does not report one (reference §3.1: effectively
+# max_num_batched_tokens assumed for a worker that does not report one (the reference's choice: effectively
 # never busy).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
 

@@ -1,6 +1,6 @@
 """Busy thresholds: exclude a worker from routing while all its DP ranks are overloaded.
 
-A rank is overloaded when any configured check fires (reference §2.3):
+A rank is overloaded when any configured check fires (the reference router's busy checks):
 prefill tokens in flight > ``active_prefill_tokens_threshold``; prefill tokens in flight >
 ``floor(frac * max_num_batched_tokens)``; decode blocks in flight > ``threshold * total KV blocks``.
 The loads are the frontend's own accounting (the embedded slot tracker). Thresholds are per model

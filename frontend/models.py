@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .busy import BusyThresholds
+from kvroute_common.constants import DEFAULT_TENANT as TENANT
 
 if TYPE_CHECKING:
     from .workers import Worker
 
-TENANT = "default"
 
 
 class ModelEntry:

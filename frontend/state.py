@@ -21,7 +21,7 @@ from .models import TENANT, ModelEntry
 from .parity import ParityMonitor
 from .request_metrics import RequestMetrics
 from .request_router import RequestRouter
-from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
+from .workers import Worker, WorkerPool, WorkersFileWatcher
 
 if TYPE_CHECKING:
     from .speculative import SendFn
