@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .busy import BusyThresholds
 from kvroute_common.constants import DEFAULT_TENANT as TENANT
 
+from .busy import BusyThresholds
+
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from indexer.approx import ApproxIndex
+    from indexer.core import KvIndex
+    from indexer.registry import IndexerRegistry
+    from slot_tracker.core import SlotRegistry, SlotTracker
+
     from .workers import Worker
-
-
 
 class ModelEntry:
     """One served model. Exists while at least one registered worker serves it."""
 
     __slots__ = ("name", "block_size", "tokenizer", "workers", "thresholds", "approx", "_slots", "_events")
 
-    def __init__(self, name: str, block_size: int, tokenizer: Any, slots: Any, events: Any, approx: Any, thresholds: BusyThresholds) -> None:
+    def __init__(self, name: str, block_size: int, tokenizer: "PreTrainedTokenizerBase", slots: "SlotRegistry",
+                 events: "IndexerRegistry | None", approx: "ApproxIndex | None", thresholds: BusyThresholds) -> None:
         self.name = name
         self.block_size = block_size
         self.tokenizer = tokenizer
@@ -28,13 +35,13 @@ class ModelEntry:
         self._events = events  # the embedded IndexerRegistry (KV events mode) or None
 
     @property
-    def tracker(self) -> Any:
+    def tracker(self) -> "SlotTracker | _EmptyTracker":
         """This model's slot tracker (the registry owns it; an external /unregister may drop it)."""
         t = self._slots.get(self.name, TENANT)
         return _EMPTY_TRACKER if t is None else t
 
     @property
-    def index(self) -> Any:
+    def index(self) -> "ApproxIndex | KvIndex | None":
         """Where overlaps come from: the predicted index, the event-fed index, or None."""
         if self.approx is not None:
             return self.approx

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from router.latency import LatencyModels, LatencyPrior, score_latency
@@ -21,7 +21,10 @@ from .decision import Decision
 from .errors import OpenAIError, all_busy, no_worker
 
 if TYPE_CHECKING:
+    from router.config import RouterConfig
+
     from .decision_log import DecisionLog
+    from .metrics import FrontendMetrics
     from .models import ModelEntry
     from .workers import Worker
 
@@ -33,7 +36,7 @@ _perf = time.perf_counter
 class RequestRouter:
     """Chooses a (worker, rank) per request according to ``--router-mode``."""
 
-    def __init__(self, config: Any, metrics: Any = None, rng: random.Random | None = None) -> None:
+    def __init__(self, config: "RouterConfig", metrics: "FrontendMetrics | None" = None, rng: random.Random | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.rng = rng or random.Random()
