@@ -1,12 +1,14 @@
-"""Per-model routing state: block size, tokenizer, embedded tracker and index, busy thresholds."""
+"""Per-model routing state: block size, tokenizer, embedded tracker and index, busy thresholds (the
+thresholds are data here; the checks that use them are ``frontend/eligibility.py``)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvroute_common.constants import DEFAULT_TENANT as TENANT
 
-from .busy import BusyThresholds
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -17,6 +19,46 @@ if TYPE_CHECKING:
     from slot_tracker.core import SlotRegistry, SlotTracker
 
     from .workers import Worker
+
+@dataclass(slots=True)
+class BusyThresholds:
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return (
+            self.active_decode_blocks_threshold is not None
+            or self.active_prefill_tokens_threshold is not None
+            or self.active_prefill_tokens_threshold_frac is not None
+        )
+
+    def to_dict(self, model: str) -> dict:
+        """The router guide's /busy_threshold shape; the 1.6.1 ``_frac`` field only once it is set
+        (the guide's examples show the two fields, the 1.6.1 binary adds the third)."""
+        out = {
+            "model": model,
+            "active_decode_blocks_threshold": self.active_decode_blocks_threshold,
+            "active_prefill_tokens_threshold": self.active_prefill_tokens_threshold,
+        }
+        if self.active_prefill_tokens_threshold_frac is not None:
+            out["active_prefill_tokens_threshold_frac"] = self.active_prefill_tokens_threshold_frac
+        return out
+
+
+def validate_update(decode: object, prefill: object, frac: object) -> None:
+    """ValueError with the reason when a /busy_threshold update is out of range."""
+    if decode is not None:
+        if not isinstance(decode, (int, float)) or isinstance(decode, bool) or not math.isfinite(decode) or not 0.0 <= decode <= 1.0:
+            raise ValueError("active_decode_blocks_threshold must be between 0.0 and 1.0")
+    if prefill is not None:
+        if not isinstance(prefill, int) or isinstance(prefill, bool) or prefill < 0:
+            raise ValueError("active_prefill_tokens_threshold must be a non-negative integer")
+    if frac is not None:
+        if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not math.isfinite(frac) or frac < 0:
+            raise ValueError("active_prefill_tokens_threshold_frac must be a non-negative finite number")
+
 
 class ModelEntry:
     """One served model. Exists while at least one registered worker serves it."""
