@@ -421,9 +421,7 @@ class OpenAIRoutes:
             if watch is None or not watch.gone:
                 raise
             asyncio.current_task().uncancel()
-            lease.status, lease.error_type = "error", "cancelled"
-            state.metrics.disconnected.inc()
-            state.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+            lease.client_gone()
             lease.release()
             if session is not None:
                 session.release()
@@ -534,9 +532,7 @@ class OpenAIRoutes:
                 lease.release()
                 raise
             asyncio.current_task().uncancel()
-            lease.status, lease.error_type = "error", "cancelled"
-            state.metrics.disconnected.inc()
-            state.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+            lease.client_gone()
             lease.release()
             return Response(b"", status_code=499)
         except UpstreamError as exc:

@@ -158,22 +158,16 @@ class FrontendState:
             if kv_events_mode:
                 mismatch.add_metric([entry.name, PREFILL_WORKER_TYPE, "dynamo", "prefill", "generate"],
                                     sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint))
-        for entry in list(self.prefill_models.values()):
-            tracker = entry.tracker
-            for w in entry.workers.values():
-                for r in w.spec.ranks:
-                    labels = [str(w.id), str(r), PREFILL_WORKER_TYPE]
-                    decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
-                    prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
-                    registered.add_metric(labels, 1 if w.healthy else 0)
+        for entries, worker_type in ((self.prefill_models, PREFILL_WORKER_TYPE), (self.models, WORKER_TYPE)):
+            for entry in list(entries.values()):
+                tracker = entry.tracker
+                for w in entry.workers.values():
+                    for r in w.spec.ranks:
+                        labels = [str(w.id), str(r), worker_type]
+                        decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
+                        prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
+                        registered.add_metric(labels, 1 if w.healthy else 0)
         for entry in list(self.models.values()):
-            tracker = entry.tracker
-            for w in entry.workers.values():
-                for r in w.spec.ranks:
-                    labels = [str(w.id), str(r), WORKER_TYPE]
-                    decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
-                    prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
-                    registered.add_metric(labels, 1 if w.healthy else 0)
             ready.add_metric([entry.name], 1 if entry.ready else 0)
             total, maxbt = entry.capacity()
             if total is not None:
