@@ -56,7 +56,7 @@ class _Events:
 def bench_decision(iterations: int = 300, workers: int = 4, dp_size: int = 2, cold: bool = False, seed: int = 0) -> dict[str, Any]:
     """p50 of the whole routing decision for an ~8k-token chat prompt over workers*dp_size ranks."""
     from frontend.openai_routes import _tokenize
-    from frontend.busy import BusyThresholds
+    from frontend.models import BusyThresholds
     from frontend.models import ModelEntry
     from frontend.request_router import RequestRouter
     from frontend.workers import Worker, WorkerSpec

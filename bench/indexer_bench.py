@@ -35,8 +35,8 @@ from contextlib import ExitStack
 import httpx
 import zmq
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from support import free_port, free_ports, service, wait_until  # noqa: E402
+from kvroute_common.ports import free_port, free_ports
+from kvroute_common.processes import service, wait_until
 
 from indexer.wire import BlockStored, encode_batch, seq_frame  # noqa: E402
 from kvroute_common.hashing import list_to_i64, local_block_hashes, sequence_hashes  # noqa: E402

@@ -391,7 +391,7 @@ def verdict(report: dict) -> list[str]:
     """Plain statements of where the cache-aware rows meet the goals and where they do not.
 
     kv rows (default and tuned): >= 90 % of the oracle and <= 0.5x round_robin's TTFT p50 (the first
-    goal). latency rows (issue 14): >= 95 % of the oracle, <= 0.45x round_robin's TTFT p50, and a
+    goal). latency rows (the goals set for latency mode): >= 95 % of the oracle, <= 0.45x round_robin's TTFT p50, and a
     lower TTFT p90 than every kv row of the same run."""
     lines = []
     rows = report["modes"]

@@ -14,7 +14,7 @@ from starlette.routing import BaseRoute
 
 from kvroute_common.http import ApiError, json_response, read_json
 
-from .busy import BusyThresholds, validate_update
+from .models import BusyThresholds, validate_update
 from .errors import openai_error_response
 from .state import FrontendState
 from .supervisor import child_index

@@ -1,6 +1,6 @@
 """The router queue gate (``--router-queue-threshold``): hold requests while every rank is busy.
 
-Reference §3 and the router guide: a request is *held* (not rejected) while every eligible
+As the reference router and its guide do it: a request is *held* (not rejected) while every eligible
 (worker, DP rank) has more in-flight prefill tokens than ``threshold x max_num_batched_tokens``;
 held requests are released in policy order (:mod:`router.queue`) when capacity frees up, so each
 is routed with fresh load numbers at the moment it is actually sent.
@@ -15,7 +15,7 @@ How the frontend uses it::
     tracker.prefill_complete(rid); admission.notify(model)     # and the same after tracker.free(rid)
 
 ``capacity_check(model, hints, threshold) -> bool`` is the frontend's: True when at least one
-eligible rank for this request is NOT busy (see :func:`rank_is_busy`), and also True when there is
+eligible rank for this request is NOT busy (``frontend.eligibility.queue_has_capacity``), and also True when there is
 no eligible rank at all (so the request falls through to the selector's 503 instead of waiting).
 
 Release discipline (why no slot is lost or handed out twice):
@@ -26,7 +26,7 @@ Release discipline (why no slot is lost or handed out twice):
   cancelled after it was released passes its turn on to the next waiter.
 - Besides ``notify``, a periodic re-check (``recheck_interval``) covers capacity that appears
   without a prefill/free event (a worker added, a threshold changed).
-- A newcomer that finds capacity is admitted directly even if others are held (seed 004:
+- A newcomer that finds capacity is admitted directly even if others are held (the router guide on
   strict_priority "does not prevent an eligible new arrival from being admitted directly while
   other requests are parked"; held requests get freed capacity first because every free drains
   the queue before any later arrival runs).
@@ -43,10 +43,6 @@ from router.queue import PendingQueue, QueuePolicy
 
 if TYPE_CHECKING:
     from frontend.hints import RequestHints
-
-# max_num_batched_tokens assumed for a worker that does not report one (reference §3.1: effectively
-# never busy).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
 
 CapacityCheck = Callable[[str, "RequestHints", float], bool]
 Receive = Callable[[], Awaitable[dict]]
@@ -74,24 +70,6 @@ async def _until_disconnect(receive: Receive) -> None:
         message = await receive()
         if message.get("type") == "http.disconnect":
             return
-
-
-def rank_is_busy(active_prefill_tokens: float, max_num_batched_tokens: int | None, threshold: float) -> bool:
-    """Busy for the router queue: in-flight prefill tokens above threshold x max_num_batched_tokens."""
-    cap = max_num_batched_tokens if max_num_batched_tokens else DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return active_prefill_tokens > threshold * cap
-
-
-def any_rank_free(ranks: "list[tuple[float, int | None]]", threshold: float) -> bool:
-    """Capacity for a request whose eligible ranks are ``[(active_prefill_tokens, max_num_batched_tokens)]``.
-
-    No eligible rank at all counts as capacity (do not hold; let routing report no worker)."""
-    if not ranks:
-        return True
-    for tokens, cap in ranks:
-        if not rank_is_busy(tokens, cap, threshold):
-            return True
-    return False
 
 
 class _Waiter:

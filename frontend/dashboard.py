@@ -24,6 +24,7 @@ from starlette.responses import FileResponse, Response
 
 from kvroute_common.http import ApiError, json_response
 
+from .eligibility import rank_overloaded
 from .supervisor import child_index
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ class Dashboard:
                 for r in w.spec.ranks:
                     prefill = tracker.active_prefill_tokens(w.id, r)
                     decode = tracker.active_decode_blocks(w.id, r)
-                    busy = thresholds.enabled and thresholds.rank_overloaded(prefill, decode, w.num_gpu_blocks, w.max_num_batched_tokens)
+                    busy = thresholds.enabled and rank_overloaded(thresholds, prefill, decode, w.num_gpu_blocks, w.max_num_batched_tokens)
                     rows.append({
                         "model": entry.name, "role": role, "worker_id": w.id, "dp_rank": r, "url": w.spec.url,
                         "healthy": w.healthy, "busy": bool(busy), "active_prefill_tokens": prefill, "active_decode_blocks": decode,

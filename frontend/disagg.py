@@ -41,8 +41,6 @@ from .routing_record import routing_record, wants_routing
 from .upstream import UpstreamConnectError, UpstreamError
 
 if TYPE_CHECKING:
-    from router.config import RouterConfig
-
     from .models import ModelEntry
     from .state import FrontendState
 

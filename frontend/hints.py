@@ -1,7 +1,7 @@
 """Per-request routing hints: the ``nvext`` body extension, the routing headers and session identity.
 
 One parse per request turns the body's ``nvext`` object (removed from the body so the worker never
-sees it) and the request headers into a flat :class:`RequestHints`. Rules (seed 004, reference §4-§5):
+sees it) and the request headers into a flat :class:`RequestHints`. Rules (the router guide's nvext fields and headers, as the reference frontend applies them):
 
 - ``nvext`` is validated strictly: unknown fields (also inside ``agent_hints``) or wrong types are a
   400 ``invalid nvext: ...``.
@@ -28,18 +28,15 @@ from typing import Annotated, Any
 import msgspec
 
 from kvroute_common.http import ApiError
+from kvroute_common.constants import U32, U32_MAX, U64, U64_MAX
 
-U32_MAX = 2**32 - 1
-U64_MAX = 2**64 - 1
 I32_MIN = -(2**31)
 I32_MAX = 2**31 - 1
 
-# Longest session id the session-affinity table accepts (reference §5: 256 bytes; longer is a 400,
+# Longest session id the session-affinity table accepts (the reference's limit: 256 bytes; longer is a 400,
 # raised by router.session when affinity is on; without affinity the id is only identity).
 MAX_SESSION_ID_BYTES = 256
 
-_U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
-_U64 = Annotated[int, msgspec.Meta(ge=0)]  # upper bound checked after decoding (msgspec: int64 bounds only)
 _I32 = Annotated[int, msgspec.Meta(ge=I32_MIN, le=I32_MAX)]
 
 
@@ -50,8 +47,8 @@ _I32 = Annotated[int, msgspec.Meta(ge=I32_MIN, le=I32_MAX)]
 
 class _AgentHints(msgspec.Struct, forbid_unknown_fields=True):
     priority: _I32 | None = None
-    strict_priority: _U32 | None = None
-    osl: _U32 | None = None
+    strict_priority: U32 | None = None
+    osl: U32 | None = None
     speculative_prefill: bool | None = None
     latency_sensitivity: float | None = None
 
@@ -74,16 +71,16 @@ class _NvExt(msgspec.Struct, forbid_unknown_fields=True):
     greed_sampling: bool | None = None
     use_raw_prompt: bool | None = None
     annotations: list[str] | None = None
-    backend_instance_id: _U64 | None = None
-    token_data: list[_U32] | None = None
-    max_thinking_tokens: _U32 | None = None
+    backend_instance_id: U64 | None = None
+    token_data: list[U32] | None = None
+    max_thinking_tokens: U32 | None = None
     cache_salt: str | None = None
     extra_fields: list[str] | None = None
     metadata_upload: _MetadataUpload | None = None
-    prefill_worker_id: _U64 | None = None
-    decode_worker_id: _U64 | None = None
-    dp_rank: _U32 | None = None
-    prefill_dp_rank: _U32 | None = None
+    prefill_worker_id: U64 | None = None
+    decode_worker_id: U64 | None = None
+    dp_rank: U32 | None = None
+    prefill_dp_rank: U32 | None = None
     agent_hints: _AgentHints | None = None
     request_timestamp_ms: float | None = None
     routing_constraints: _RoutingConstraints | None = None

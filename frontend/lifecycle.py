@@ -142,6 +142,14 @@ class Lease:
         if notify:
             self.listener.capacity_changed(self.entry.name)
 
+    def client_gone(self) -> None:
+        """The client went away before the end of the response: the request ends as cancelled
+        (counted once; the caller still releases the lease)."""
+        if self.released:
+            return
+        self.status, self.error_type = "error", "cancelled"
+        self.listener.cancelled(self)
+
     def fail(self, status: int, error_type: str) -> None:
         self.status = "error"
         self.error_type = error_type

@@ -1,15 +1,63 @@
-"""Per-model routing state: block size, tokenizer, embedded tracker and index, busy thresholds."""
+"""Per-model routing state: block size, tokenizer, embedded tracker and index, busy thresholds (the
+thresholds are data here; the checks that use them are ``frontend/eligibility.py``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .busy import BusyThresholds
+from kvroute_common.constants import DEFAULT_TENANT as TENANT
+
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from indexer.approx import ApproxIndex
+    from indexer.core import KvIndex
+    from indexer.registry import IndexerRegistry
+    from slot_tracker.core import SlotRegistry, SlotTracker
+
     from .workers import Worker
 
-TENANT = "default"
+@dataclass(slots=True)
+class BusyThresholds:
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return (
+            self.active_decode_blocks_threshold is not None
+            or self.active_prefill_tokens_threshold is not None
+            or self.active_prefill_tokens_threshold_frac is not None
+        )
+
+    def to_dict(self, model: str) -> dict:
+        """The router guide's /busy_threshold shape; the 1.6.1 ``_frac`` field only once it is set
+        (the guide's examples show the two fields, the 1.6.1 binary adds the third)."""
+        out = {
+            "model": model,
+            "active_decode_blocks_threshold": self.active_decode_blocks_threshold,
+            "active_prefill_tokens_threshold": self.active_prefill_tokens_threshold,
+        }
+        if self.active_prefill_tokens_threshold_frac is not None:
+            out["active_prefill_tokens_threshold_frac"] = self.active_prefill_tokens_threshold_frac
+        return out
+
+
+def validate_update(decode: object, prefill: object, frac: object) -> None:
+    """ValueError with the reason when a /busy_threshold update is out of range."""
+    if decode is not None:
+        if not isinstance(decode, (int, float)) or isinstance(decode, bool) or not math.isfinite(decode) or not 0.0 <= decode <= 1.0:
+            raise ValueError("active_decode_blocks_threshold must be between 0.0 and 1.0")
+    if prefill is not None:
+        if not isinstance(prefill, int) or isinstance(prefill, bool) or prefill < 0:
+            raise ValueError("active_prefill_tokens_threshold must be a non-negative integer")
+    if frac is not None:
+        if not isinstance(frac, (int, float)) or isinstance(frac, bool) or not math.isfinite(frac) or frac < 0:
+            raise ValueError("active_prefill_tokens_threshold_frac must be a non-negative finite number")
 
 
 class ModelEntry:
@@ -17,7 +65,8 @@ class ModelEntry:
 
     __slots__ = ("name", "block_size", "tokenizer", "workers", "thresholds", "approx", "_slots", "_events")
 
-    def __init__(self, name: str, block_size: int, tokenizer: Any, slots: Any, events: Any, approx: Any, thresholds: BusyThresholds) -> None:
+    def __init__(self, name: str, block_size: int, tokenizer: "PreTrainedTokenizerBase", slots: "SlotRegistry",
+                 events: "IndexerRegistry | None", approx: "ApproxIndex | None", thresholds: BusyThresholds) -> None:
         self.name = name
         self.block_size = block_size
         self.tokenizer = tokenizer
@@ -28,13 +77,13 @@ class ModelEntry:
         self._events = events  # the embedded IndexerRegistry (KV events mode) or None
 
     @property
-    def tracker(self) -> Any:
+    def tracker(self) -> "SlotTracker | _EmptyTracker":
         """This model's slot tracker (the registry owns it; an external /unregister may drop it)."""
         t = self._slots.get(self.name, TENANT)
         return _EMPTY_TRACKER if t is None else t
 
     @property
-    def index(self) -> Any:
+    def index(self) -> "ApproxIndex | KvIndex | None":
         """Where overlaps come from: the predicted index, the event-fed index, or None."""
         if self.approx is not None:
             return self.approx

@@ -10,21 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import Receive
 
 from kvroute_common.http import ApiError, json_response, read_json
 from kvroute_common.openai_api import read_openai_body
 
 from . import disagg as _disagg
 from .engine_polarity import for_worker as _priority_for_worker
+from .admission import ClientDisconnected, QueueRejected
 from .errors import OpenAIError, model_not_found, openai_error_response
+from .hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
 from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
-from .parity import UsageTap, stream_body_with_usage
+from .parity import RequestProbe, UsageTap, stream_body_with_usage
 from .lifecycle import Lease
 from .proxy import StreamProxy, count_completion_tokens, upstream_headers
 from .routing_record import routing_record, wants_routing
@@ -33,22 +36,14 @@ from .unary_stream import UnaryAssembler, convertible, streaming_body
 from .validation import check_context_length, validate_messages, validate_sampling
 from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 
+if TYPE_CHECKING:
+    from router.session import SessionLease
+
+    from .hints import RequestHints
+    from .metrics import ModelMetrics
+
 log = logging.getLogger("frontend")
 _perf = time.perf_counter
-
-try:  # extension modules (owned by the extensions engineer)
-    from .admission import ClientDisconnected, QueueRejected
-    from .hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
-except ImportError:  # pragma: no cover
-    class ClientDisconnected(Exception):  # type: ignore[no-redef]
-        pass
-
-    class QueueRejected(Exception):  # type: ignore[no-redef]
-        reason = message = ""
-
-    RequestTiming = None  # type: ignore[assignment]
-    parse_request_hints = None  # type: ignore[assignment]
-    engine_priority = None  # type: ignore[assignment]
 
 BODY_LIMIT = 45 * 1024 * 1024  # DYN_HTTP_BODY_LIMIT_MB default
 # Retry-After of a backpressure 529: the queue drains as prefills complete (well under a second on
@@ -137,17 +132,19 @@ class RequestContext:
         self.kind = "chat"  # chat | completions | responses | embeddings (see _KINDS)
         self.path = "/v1/chat/completions"
         self.recorded = False  # a lease has recorded the request's end in the metrics
-        self.probe: Any = None  # parity.RequestProbe of the current attempt
+        self.probe: RequestProbe | None = None  # the parity evidence of the current attempt
         self.strip_usage = False  # the engine was asked for stream usage the client did not want
         self.migrations = 0  # times this request moved to another worker (--migration-limit)
         self.failed_workers: set[int] | None = None  # workers it failed on: not chosen again for it
         self.pinned = False
-        self.prefill: Any = None  # disagg.PrefillResult once a prefill worker computed the prompt
+        self.prefill: _disagg.PrefillResult | None = None  # once a prefill worker computed the prompt
         self.soft_target: tuple[int, int | None] | None = None  # soft session affinity: preferred (worker, rank)
-        self.receive: Any = None
-        self.hints: Any = None
-        self.timing: Any = None
-        self.session: Any = None
+        self.receive: Receive | None = None
+        self.hints: RequestHints | None = None
+        self.timing: RequestTiming | None = None
+        self.session: SessionLease | None = None
+        self.entry: ModelEntry
+        self.mm: ModelMetrics
 
     @property
     def rewrite(self) -> bool:
@@ -424,9 +421,7 @@ class OpenAIRoutes:
             if watch is None or not watch.gone:
                 raise
             asyncio.current_task().uncancel()
-            lease.status, lease.error_type = "error", "cancelled"
-            state.metrics.disconnected.inc()
-            state.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+            lease.client_gone()
             lease.release()
             if session is not None:
                 session.release()
@@ -537,9 +532,7 @@ class OpenAIRoutes:
                 lease.release()
                 raise
             asyncio.current_task().uncancel()
-            lease.status, lease.error_type = "error", "cancelled"
-            state.metrics.disconnected.inc()
-            state.metrics.cancellations.labels(lease.mm.model, lease.mm.endpoint, lease.mm.request_type).inc()
+            lease.client_gone()
             lease.release()
             return Response(b"", status_code=499)
         except UpstreamError as exc:

@@ -93,8 +93,7 @@ class StreamProxy:
         lease = self.lease
         if lease.released or lease.status == "error":
             return
-        lease.status, lease.error_type = "error", "cancelled"
-        lease.listener.cancelled(lease)
+        lease.client_gone()
 
     async def _pump(self, send: Any) -> None:
         rw = self.rewriter

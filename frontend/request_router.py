@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from router.latency import LatencyModels, LatencyPrior, score_latency
@@ -18,12 +18,15 @@ from router.latency import formula as latency_formula
 from router.selection import CandidateLoad, WorkerCost, choose, formula, score_candidates
 
 from .decision import Decision
+from .eligibility import candidates as eligible_candidates
 from .errors import OpenAIError, all_busy, no_worker
 
 if TYPE_CHECKING:
+    from router.config import RouterConfig
+
     from .decision_log import DecisionLog
+    from .metrics import FrontendMetrics
     from .models import ModelEntry
-    from .workers import Worker
 
 log = logging.getLogger("frontend.request_router")
 _perf = time.perf_counter
@@ -33,7 +36,7 @@ _perf = time.perf_counter
 class RequestRouter:
     """Chooses a (worker, rank) per request according to ``--router-mode``."""
 
-    def __init__(self, config: Any, metrics: Any = None, rng: random.Random | None = None) -> None:
+    def __init__(self, config: "RouterConfig", metrics: "FrontendMetrics | None" = None, rng: random.Random | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.rng = rng or random.Random()
@@ -107,7 +110,7 @@ class RequestRouter:
         overlaps = index.find_matches(local) if (index is not None and local) else {}
         t3 = _perf()
 
-        candidates, busy_excluded = self._candidates(entry, pinned_worker, pinned_rank)
+        candidates, busy_excluded = eligible_candidates(entry, pinned_worker, pinned_rank)
         if exclude:
             candidates = [c for c in candidates if c[0].id not in exclude]
         if not candidates:
@@ -177,52 +180,6 @@ class RequestRouter:
             return 0
         overlaps = index.find_matches(local_block_hashes(tokens, entry.block_size, None, cache_salt))
         return max(overlaps.values(), default=0) * entry.block_size
-
-    # ------------------------------------------------------------------------------------------
-    def _candidates(
-        self, entry: "ModelEntry", pinned_worker: int | None, pinned_rank: int | None
-    ) -> tuple[list[tuple["Worker", int]], bool]:
-        """Healthy (worker, rank) pairs not excluded as busy; the flag says whether busy excluded any."""
-        out: list[tuple[Worker, int]] = []
-        busy = False
-        thresholds = entry.thresholds
-        check = thresholds.enabled
-        tracker = entry.tracker
-        if pinned_worker is not None:
-            w = entry.workers.get(pinned_worker)
-            if w is None:
-                raise OpenAIError(400 if pinned_worker not in entry.known_worker_ids() else 503,
-                                  f"Pinned worker {pinned_worker} is not serving model {entry.name}")
-            if not w.healthy:
-                raise OpenAIError(503, f"Pinned worker {pinned_worker} is unavailable")
-            pool = [w]
-        else:
-            pool = [w for w in entry.workers.values() if w.healthy]
-        rank_fits = False
-        for w in pool:
-            ranks = w.spec.ranks
-            if pinned_rank is not None:
-                if pinned_rank not in ranks:
-                    if pinned_worker is not None:
-                        raise OpenAIError(400, f"dp_rank {pinned_rank} is out of range for worker {w.id}")
-                    continue  # a rank-only pin: workers without that rank are not candidates
-                ranks = range(pinned_rank, pinned_rank + 1)
-            rank_fits = True
-            if check:
-                total = w.num_gpu_blocks
-                mbt = w.max_num_batched_tokens
-                # a worker is busy only when ALL its ranks are overloaded
-                if all(
-                    thresholds.rank_overloaded(tracker.active_prefill_tokens(w.id, r), tracker.active_decode_blocks(w.id, r), total, mbt)
-                    for r in w.spec.ranks
-                ):
-                    busy = True
-                    continue
-            for r in ranks:
-                out.append((w, r))
-        if pinned_rank is not None and pool and not rank_fits:
-            raise OpenAIError(400, f"dp_rank {pinned_rank} is out of range for every worker of model {entry.name}")
-        return out, busy
 
     # ------------------------------------------------------------------------------------------
     def book(self, entry: "ModelEntry", request_id: str, decision: Decision) -> None:

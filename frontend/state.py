@@ -14,16 +14,17 @@ from prometheus_client.core import GaugeMetricFamily
 
 from router.config import RouterConfig, decode_router_config, prefill_router_config
 
-from .busy import BusyThresholds
+from .eligibility import queue_has_capacity, warmup_target_busy
 from .decision_log import DecisionLog
 from .metrics import PREFILL_WORKER_TYPE, WORKER_TYPE, CallbackCollector, FrontendMetrics
-from .models import TENANT, ModelEntry
+from .models import TENANT, BusyThresholds, ModelEntry
 from .parity import ParityMonitor
 from .request_metrics import RequestMetrics
 from .request_router import RequestRouter
-from .workers import Worker, WorkerPool, WorkerSpec, WorkersFileWatcher
+from .workers import Worker, WorkerPool, WorkersFileWatcher
 
 if TYPE_CHECKING:
+    from .hints import RequestHints
     from .speculative import SendFn
 
 log = logging.getLogger("frontend")
@@ -119,39 +120,10 @@ class FrontendState:
         self.speculative = SpeculativePrefiller(send_pinned, max_in_flight=4, is_busy=self._rank_busy)
 
     def _rank_busy(self, worker_id: int, dp_rank: int | None) -> bool:
-        """For speculative prefill: skip warm-ups to a worker that is busy or has a backlog of prefill."""
-        for entry in self.models.values():
-            w = entry.workers.get(worker_id)
-            if w is None:
-                continue
-            if not w.healthy:
-                return True
-            t = entry.tracker
-            ranks = [dp_rank] if dp_rank is not None else list(w.spec.ranks)
-            th = entry.thresholds
-            for r in ranks:
-                prefill = t.active_prefill_tokens(worker_id, r)
-                if th.enabled and th.rank_overloaded(prefill, t.active_decode_blocks(worker_id, r), w.num_gpu_blocks, w.max_num_batched_tokens):
-                    return True
-                if w.max_num_batched_tokens and prefill > w.max_num_batched_tokens:
-                    return True
-        return False
+        return warmup_target_busy(self.models, worker_id, dp_rank)
 
-    def _queue_capacity(self, model: str, hints: Any, threshold: float) -> bool:
-        from .admission import any_rank_free
-
-        entry = self.models.get(model)
-        if entry is None:
-            return True
-        tracker = entry.tracker
-        pinned = hints.pinned_worker_id if hints is not None else None
-        prank = hints.pinned_dp_rank if hints is not None else None
-        ranks = [
-            (tracker.active_prefill_tokens(w.id, r), w.max_num_batched_tokens)
-            for w in entry.workers.values() if w.healthy and (pinned is None or w.id == pinned)
-            for r in w.spec.ranks if pinned is None or prank is None or r == prank
-        ]
-        return any_rank_free(ranks, threshold)
+    def _queue_capacity(self, model: str, hints: "RequestHints | None", threshold: float) -> bool:
+        return queue_has_capacity(self.models.get(model), hints, threshold)
 
     def capacity_changed(self, model: str) -> None:
         adm = self.admission
@@ -186,22 +158,16 @@ class FrontendState:
             if kv_events_mode:
                 mismatch.add_metric([entry.name, PREFILL_WORKER_TYPE, "dynamo", "prefill", "generate"],
                                     sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint))
-        for entry in list(self.prefill_models.values()):
-            tracker = entry.tracker
-            for w in entry.workers.values():
-                for r in w.spec.ranks:
-                    labels = [str(w.id), str(r), PREFILL_WORKER_TYPE]
-                    decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
-                    prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
-                    registered.add_metric(labels, 1 if w.healthy else 0)
+        for entries, worker_type in ((self.prefill_models, PREFILL_WORKER_TYPE), (self.models, WORKER_TYPE)):
+            for entry in list(entries.values()):
+                tracker = entry.tracker
+                for w in entry.workers.values():
+                    for r in w.spec.ranks:
+                        labels = [str(w.id), str(r), worker_type]
+                        decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
+                        prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
+                        registered.add_metric(labels, 1 if w.healthy else 0)
         for entry in list(self.models.values()):
-            tracker = entry.tracker
-            for w in entry.workers.values():
-                for r in w.spec.ranks:
-                    labels = [str(w.id), str(r), WORKER_TYPE]
-                    decode.add_metric(labels, tracker.active_decode_blocks(w.id, r))
-                    prefill.add_metric(labels, tracker.active_prefill_tokens(w.id, r))
-                    registered.add_metric(labels, 1 if w.healthy else 0)
             ready.add_metric([entry.name], 1 if entry.ready else 0)
             total, maxbt = entry.capacity()
             if total is not None:

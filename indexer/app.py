@@ -1,6 +1,6 @@
 """Standalone indexer process: CLI, start-up sequence (workers, P2P recovery, start-up gate), HTTP.
 
-Start-up follows the reference (§3.8): register ``--workers`` (their listeners connect at once but
+Start-up follows the reference indexer: register ``--workers`` (their listeners connect at once but
 wait behind the ready gate), wait a moment past ZMQ's slow-joiner window, restore the first
 reachable peer's /dump, wait for ``DYN_ROUTER_MIN_INITIAL_WORKERS`` workers, open the gate (the
 listeners drain what they buffered), then bind the HTTP port: uvicorn through

@@ -17,7 +17,7 @@ Device tier
     block can make blocks the engine still caches reachable again); a run nobody fully covers
     forgets its children and a run nobody holds leaves the tree.
 
-    One deliberate difference (reference §3.5 quirk): the reference only knows the external hash
+    One deliberate difference from the reference's radix tree: the reference only knows the external hash
     of a position's *first* inserter, so a worker whose engine names a shared block differently
     (vLLM without a shared PYTHONHASHSEED) cannot use its own hash as a parent or remove it, and
     its chain stops growing past the shared prefix. We also index each worker's own external hash
@@ -29,7 +29,7 @@ Lower tiers (host_pinned, disk, external)
     Per tier, an edge map ``(parent_ext | None, local) -> _TierEdge(child_ext, owners)``; an existing
     edge with a different child hash wins. Removal drops the worker from that one edge only; deeper
     edges remain but are unreachable until the link is stored again. A query continues each
-    worker's device prefix through host, then disk, then external (reference §3.6).
+    worker's device prefix through host, then disk, then external (the reference's tier order).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from collections import deque
 from itertools import repeat
 from collections.abc import Iterable, Sequence
 from typing import Any
+from kvroute_common.constants import U64_MAX
 
 Worker = tuple[int, int]
 """(worker_id, dp_rank)."""
@@ -725,13 +726,12 @@ def _router_event(w: Worker, tier: str, event_id: int, parent_hash: int | None, 
     }
 
 
-_U64 = (1 << 64) - 1
 
 
 def _u64(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{what} must be an integer")
-    return value & _U64
+    return value & U64_MAX
 
 
 def apply_router_event(index: KvIndex, ev: dict[str, Any]) -> int:

@@ -1,7 +1,7 @@
 """One asyncio ZMQ SUB listener per registered (instance_id, dp_rank), with gap replay.
 
 Live messages are ``[topic, seq (8 bytes BE), payload]``. The listener keeps a watermark (last
-applied seq) and follows the reference's rules (§2.8): a first batch with seq > 0, or any later
+applied seq) and follows the reference's sequence rules: a first batch with seq > 0, or any later
 jump, is a gap; the missing batches are requested over a DEALER from the engine's replay ROUTER
 (``[b"", start_seq]``), applied in order, stale ones skipped; a batch that fails to decode is
 dropped whole and does not move the watermark.
@@ -11,7 +11,7 @@ only come from a new publisher on the same endpoint (one PUB never goes backward
 already covered are above it), so the engine restarted with an empty cache. The listener then drops
 that rank's blocks, forgets the watermark and treats the batch as the first ever (seq > 0: replay
 from 0 from the new engine). The 1.6.1 reference skips such batches as stale, which leaves the old
-engine's blocks credited until the new sequence passes the old watermark (what-users-ask §1).
+engine's blocks credited until the new sequence passes the old watermark (a restarted engine that publishes past the old watermark before we reconnect looks like an ordinary gap).
 
 Unlike the 1.6.1 reference, whose replay receive has no timeout (a silent ROUTER wedges that
 listener forever), a replay that gets no answer within ``replay_timeout`` is abandoned: the

@@ -88,7 +88,7 @@ _RESPONSE_SCHEMAS: dict[str, Any] = {
     },
 }
 
-# the document's examples (seed 003)
+# examples in the shapes Dynamo's indexer documentation uses
 EXAMPLES: dict[str, Any] = {
     "register": {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5557", "model_name": "llama-3-8b", "block_size": 16},
     "unregister": {"instance_id": 1, "model_name": "llama-3-8b"},

@@ -3,7 +3,7 @@
 Shared by the standalone service (``python -m indexer``) and the frontend, which embeds it. All
 methods run on one asyncio loop (register starts a listener task on the running loop).
 
-Rules follow the reference (§3.1, §3.4, §5.1): the first registration of a partition fixes its
+Rules follow the reference indexer's registry: the first registration of a partition fixes its
 block size; an instance lives in one partition; unregistering without a tenant removes the whole
 instance (every DP rank, every tier); the partition disappears with its last instance.
 Sequence watermarks survive unregister/register (the document: a re-registered worker replays
@@ -24,20 +24,16 @@ import zmq.asyncio
 from indexer.core import KvIndex, apply_router_event
 from indexer.listener import ACTIVE, FAILED, PAUSED, PENDING, Listener, SequenceState, validate_endpoint
 from indexer.normalize import EventApplier
+from kvroute_common.errors import ServiceError
+from kvroute_common.constants import DEFAULT_TENANT
 
 log = logging.getLogger("indexer.registry")
 
-DEFAULT_TENANT = "default"
 _STATUS_PRIORITY = (FAILED, PENDING, ACTIVE, PAUSED)
 
 
-class RegistryError(Exception):
+class RegistryError(ServiceError):
     """A refused registry operation: ``status`` is the HTTP status the services answer with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass
@@ -280,7 +276,7 @@ class IndexerRegistry:
     # -- dump / restore
 
     def dump(self) -> dict[str, Any]:
-        """Every partition as ``{"model:tenant": {"block_size": n, "events": [...]}}`` (§3.7)."""
+        """Every partition as ``{"model:tenant": {"block_size": n, "events": [...]}}`` (the reference's ``/dump`` shape)."""
         return {
             f"{p.model_name}:{p.tenant_id}": {"block_size": p.block_size, "events": p.index.dump_events()}
             for p in self.partitions.values()

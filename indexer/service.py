@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import orjson
@@ -29,16 +29,13 @@ from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
 from kvroute_common.http import ApiError, MiB, decode_json, error_response, json_response, json_service, ok, raw_json_response, read_json
 from kvroute_common.security import AccessPolicy, service_classifier
 from kvroute_common.hashing import local_block_hashes
+from kvroute_common.constants import I64, U32, U64, U64_MAX
 
 QUERY_BODY_LIMIT = 8 * MiB
 BODY_LIMIT = 2 * MiB
 ACCESS = service_classifier(["/query", "/query_by_hash"])
 """Who may call what with tokens set: reads (GET, the queries) need an API key, writes the admin token."""
 
-U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec ints stop at 2**64-1
-U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
-I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-_U64_MASK = (1 << 64) - 1
 
 
 class RegisterRequest(msgspec.Struct, forbid_unknown_fields=False):
@@ -134,7 +131,7 @@ def answer_query_by_hash(registry: IndexerRegistry, req: QueryByHashRequest) -> 
             "cache_salt is not accepted by /query_by_hash; block_hashes must already include the intended cache salt",
         )
     part = registry.partition(req.model_name, tenant_of(req.tenant_id, req.routing_group))
-    local = [h & _U64_MASK for h in req.block_hashes]
+    local = [h & U64_MAX for h in req.block_hashes]
     return orjson.dumps(overlap_payload(part.index, local))
 
 
@@ -309,16 +306,10 @@ def hot_routes(registry: IndexerRegistry) -> dict[str, JsonHandler]:
     """
 
     def query(body: bytes) -> tuple[int, bytes]:
-        try:
-            return 200, answer_query(registry, decode_json(body, QueryRequest))
-        except RegistryError as exc:
-            raise ApiError(exc.status, exc.message) from None
+        return 200, answer_query(registry, decode_json(body, QueryRequest))
 
     def query_by_hash(body: bytes) -> tuple[int, bytes]:
-        try:
-            return 200, answer_query_by_hash(registry, decode_json(body, QueryByHashRequest))
-        except RegistryError as exc:
-            raise ApiError(exc.status, exc.message) from None
+        return 200, answer_query_by_hash(registry, decode_json(body, QueryByHashRequest))
 
     return {"/query": query, "/query_by_hash": query_by_hash}
 

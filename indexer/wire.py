@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
+from kvroute_common.constants import U64_MAX
 
-U64_MASK = (1 << 64) - 1
 U32_MAX = (1 << 32) - 1
 
 REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -240,7 +240,7 @@ def _decode_tokens(raw: bytes | msgspec.Raw) -> tuple[list[int], bool]:
 
 
 def _u64s(values: list[int]) -> list[int]:
-    return [v & U64_MASK for v in values]
+    return [v & U64_MAX for v in values]
 
 
 def _normalised(ev: Any, tokens: list[int], eagle: bool) -> Stored | Removed | Cleared | None:
@@ -248,14 +248,14 @@ def _normalised(ev: Any, tokens: list[int], eagle: bool) -> Stored | Removed | C
     if t is _StoredMapTyped or t is _StoredMap:
         mm = None
         if ev.block_mm_infos:
-            mm = [[o.mm_hash & U64_MASK for o in info.mm_objects] if info else None for info in ev.block_mm_infos]
+            mm = [[o.mm_hash & U64_MAX for o in info.mm_objects] if info else None for info in ev.block_mm_infos]
         parent = ev.parent_block_hash
         hashes = ev.block_hashes
         if hashes and min(hashes) < 0:
             hashes = _u64s(hashes)
         return Stored(
             hashes,
-            None if parent is None else parent & U64_MASK,
+            None if parent is None else parent & U64_MAX,
             tokens,
             ev.block_size,
             ev.medium,
@@ -317,7 +317,7 @@ def _from_array(raw: msgspec.Raw) -> Stored | Removed | Cleared | None:
         if parent is not None:
             if not isinstance(parent, int) or isinstance(parent, bool):
                 raise WireError("parent_block_hash must be an integer")
-            parent &= U64_MASK
+            parent &= U64_MAX
         tokens, eagle = _decode_tokens(_encoder.encode(values[3]))
         block_size = values[4]
         if not isinstance(block_size, int) or isinstance(block_size, bool):

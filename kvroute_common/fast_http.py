@@ -37,7 +37,8 @@ from typing import Any
 
 import orjson
 
-from kvroute_common.http import DEFAULT_BODY_LIMIT, ApiError, is_json_content_type
+from kvroute_common.errors import ServiceError
+from kvroute_common.http import DEFAULT_BODY_LIMIT, is_json_content_type
 from kvroute_common.drain import Drain, DrainingServer, DrainMiddleware
 from kvroute_common.security import AccessPolicy, AuthMiddleware
 
@@ -96,7 +97,7 @@ class FastJsonRoutes:
         """The handler's answer, an ApiError turned into its ``{"error": ...}`` body."""
         try:
             return handler(body)
-        except ApiError as exc:
+        except ServiceError as exc:  # ApiError and the cores' refusals alike
             return exc.status, orjson.dumps({"error": exc.message})
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]) -> None:

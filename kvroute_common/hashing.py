@@ -1,6 +1,6 @@
 """Block hashing shared by the frontend, the indexer, the slot tracker and the mocker.
 
-The layout is the reference router's (see docs/architecture.md and the reference notes §1):
+The layout is the reference router's (see docs/architecture.md):
 
 * a prompt is cut into *full* blocks of ``block_size`` tokens (a partial tail is never hashed);
 * each block's **local hash** is XXH3-64 over its tokens packed as u32 little-endian, with a seed
@@ -19,11 +19,9 @@ from array import array
 from collections.abc import Sequence
 
 import xxhash
+from kvroute_common.constants import U64_MAX
 
 BASE_SEED = 1337
-U64_MASK = (1 << 64) - 1
-I64_MIN = -(1 << 63)
-I64_MAX = (1 << 63) - 1
 U32_MAX = (1 << 32) - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -39,9 +37,9 @@ def hash_seed(lora_name: str | None = None, cache_salt: str | None = None) -> in
     """Seed for local block hashes; empty strings count as absent (as in the reference)."""
     seed = BASE_SEED
     if lora_name:
-        seed = (seed + _xxh3(lora_name.encode("utf-8"), 0)) & U64_MASK
+        seed = (seed + _xxh3(lora_name.encode("utf-8"), 0)) & U64_MAX
     if cache_salt:
-        seed = (seed + _xxh3(cache_salt.encode("utf-8"), 1)) & U64_MASK
+        seed = (seed + _xxh3(cache_salt.encode("utf-8"), 1)) & U64_MAX
     return seed
 
 
@@ -99,7 +97,7 @@ def local_block_hashes(
         chunk = view[b * step : b * step + width]
         objs = mm_hashes[b] if b < len(mm_hashes) else None
         if objs:
-            extra = b"".join(_pack_u64(h & U64_MASK) for h in sorted(h & U64_MASK for h in objs))
+            extra = b"".join(_pack_u64(h & U64_MAX) for h in sorted(h & U64_MAX for h in objs))
             out.append(_xxh3(bytes(chunk) + extra, seed))
         else:
             out.append(_xxh3(chunk, seed))
@@ -136,7 +134,7 @@ def to_i64(u: int) -> int:
 
 def to_u64(i: int) -> int:
     """signed i64 (or any int that fits 64 bits) -> u64."""
-    return i & U64_MASK
+    return i & U64_MAX
 
 
 def list_to_i64(values: Sequence[int]) -> list[int]:
@@ -144,4 +142,4 @@ def list_to_i64(values: Sequence[int]) -> list[int]:
 
 
 def list_to_u64(values: Sequence[int]) -> list[int]:
-    return [v & U64_MASK for v in values]
+    return [v & U64_MAX for v in values]

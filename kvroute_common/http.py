@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+from kvroute_common.errors import ServiceError
 
 T = TypeVar("T")
 
@@ -30,13 +31,8 @@ _OK_BODY = b'{"status":"ok"}'
 _JSON = "application/json"
 
 
-class ApiError(Exception):
+class ApiError(ServiceError):
     """An error a handler reports to its client as ``{"error": message}`` with ``status``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def json_response(payload: Any, status: int = 200) -> Response:
@@ -155,7 +151,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
+    assert isinstance(exc, ServiceError)
     return error_response(exc.status, exc.message)
 
 
@@ -165,7 +161,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def exception_handlers() -> dict[Any, Any]:
     """Starlette exception handlers that keep every framework error in the JSON shape."""
-    return {404: _not_found, HTTPException: _http_exception, ApiError: _api_error, Exception: _internal_error}
+    return {404: _not_found, HTTPException: _http_exception, ServiceError: _api_error, Exception: _internal_error}
 
 
 def json_service(routes: list[BaseRoute], **kwargs: Any) -> Starlette:

@@ -34,7 +34,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 @dataclass(slots=True)
 class MockerOptions:
-    """Flags of ``python -m mocker`` the benchmarks vary (see issue 4 for their meaning)."""
+    """Flags of ``python -m mocker`` the benchmarks vary (``python -m mocker --help`` says what each does)."""
 
     block_size: int = 16
     num_gpu_blocks: int = 4096

@@ -11,16 +11,15 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
+from kvroute_common.errors import ServiceError
 from kvroute_common.http import ApiError, read_body
 
 
-class OpenAIError(Exception):
+class OpenAIError(ServiceError):
     """A failure reported to an OpenAI client with ``status``, ``message`` and the offending ``param``."""
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(status, message)
         self.param = param
 
 

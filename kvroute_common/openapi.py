@@ -22,10 +22,10 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from kvroute_common.constants import U64_MAX
 
 OPENAPI_PATH = "/openapi.json"
 OPENAPI_VERSION = "3.1.0"
-U64_MAX = (1 << 64) - 1
 _REF = "#/components/schemas/{name}"
 
 JSON = "application/json"

@@ -1,6 +1,6 @@
 """The router queue's ordering: which held request is released next (pure, no I/O, no clock).
 
-Reference §3.3 (higher key pops first):
+The reference router's queue keys (higher key pops first):
 
     FCFS (default)  (strict_priority, jump - arrival)
     LCFS            (strict_priority, jump + arrival)

@@ -1,6 +1,6 @@
 """Session affinity: bind a session id to the (worker, DP rank) its first request ran on.
 
-Pure and synchronous (one asyncio loop uses it); the clock is injectable. Reference §5:
+Pure and synchronous (one asyncio loop uses it); the clock is injectable. As the reference frontend's session affinity:
 
 - Off unless ``--router-session-affinity-ttl-secs`` is set (the frontend simply has no table).
 - The first successfully dispatched request of a session binds it; later requests of the session
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from kvroute_common.errors import ServiceError
 
 DEFAULT_MAX_SESSIONS = 65_536
 DEFAULT_MAX_ID_BYTES = 256
@@ -33,13 +34,8 @@ MIN_TTL_SECS = 1.0
 MAX_TTL_SECS = 31_536_000.0
 
 
-class SessionError(Exception):
+class SessionError(ServiceError):
     """A session request that cannot be served: ``status`` 400 (bad id) or 529 (table full)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class _Session:

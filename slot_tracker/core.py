@@ -2,7 +2,7 @@
 
 A *slot* is one ``(worker_id, dp_rank)``. Per slot we keep the active requests, the prefill tokens
 still pending, and the set of distinct prompt-path *prefix positions* its requests occupy: that set's
-size is the slot's ``active_decode_blocks`` (reference notes §4.3). Positions are path prefixes, not
+size is the slot's ``active_decode_blocks`` (as the reference tracker counts them). Positions are path prefixes, not
 hashes: r1 ``[7,7,8]`` occupies three positions although it has two distinct hashes, and ``[4,5]``
 rooted at the start is a different position from ``4,5`` reached through ``1,2``.
 
@@ -14,7 +14,7 @@ ancestors), a slot's longest matched prefix ``D`` is the depth at which its bit 
 Children are keyed by the u64 hash *and* by its signed-i64 alias, so the HTTP layer's i64 values
 and the frontend's u64 values both look up without a conversion pass.
 
-Output blocks (reference notes §4.7, the frontend's ``--router-track-output-blocks``) are kept
+Output blocks (the frontend's ``--router-track-output-blocks``; the reference keeps them only in its frontend) are kept
 outside the trie: each request may carry unshared output blocks and an OSL decay weight; only
 slots that have such requests pay for the fractional sum.
 """
@@ -26,15 +26,15 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
+from kvroute_common.errors import ServiceError
+from kvroute_common.constants import I64_MAX, U32_MAX, U64_MAX
 
 DEFAULT_EXPIRY_SECS = 300.0
 MAX_DP_SIZE = 4096  # the reference refuses larger ranges (400), which also bounds slots per worker
 EXPIRY_ENV = "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS"
-U32_MAX = (1 << 32) - 1
-U64_MAX = (1 << 64) - 1
+
 
 _MASK = U64_MAX  # hashes may arrive as u64 or as their signed-i64 JSON form: both key the same node
-_I64_MAX = (1 << 63) - 1
 _TWO64 = 1 << 64
 
 
@@ -51,13 +51,8 @@ def expiry_from_env(default: float = DEFAULT_EXPIRY_SECS) -> float:
     return default
 
 
-class SlotTrackerError(Exception):
+class SlotTrackerError(ServiceError):
     """A refused operation; ``status`` is the HTTP status the service answers with."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class PotentialLoad(NamedTuple):
@@ -230,7 +225,7 @@ class SlotTracker:
             node = kids.get(h)
             if node is None:
                 node = kids[h] = _Node(parent, h)
-                if h > _I64_MAX:
+                if h > I64_MAX:
                     kids[h - _TWO64] = node  # the signed-i64 alias
             node.refs += 1
             held = slot_nodes.get(node, 0)
@@ -294,7 +289,7 @@ class SlotTracker:
                 kids = node.parent.kids  # type: ignore[union-attr]
                 h = node.hash
                 del kids[h]
-                if h > _I64_MAX:
+                if h > I64_MAX:
                     del kids[h - _TWO64]
 
     def expire_stale(self, now: float, expiry_secs: float) -> list[str]:
@@ -309,7 +304,7 @@ class SlotTracker:
             self._release(self._requests[rid])
         return expired
 
-    # ----- output blocks (frontend only; reference notes §4.7) -----
+    # ----- output blocks (frontend only: the standalone service never adds them) -----
 
     def add_output_block(self, request_id: str, expected_output_tokens: int | None = None, generated_tokens: int = 0) -> bool:
         """Count one more (unshared) output block for the request and refresh its OSL decay.

@@ -15,7 +15,7 @@ from slot_tracker.service import AddBody, PeerBody, PotentialLoadsBody, Register
 
 _U64 = {"type": "integer", "minimum": 0, "maximum": oa.U64_MAX}
 
-# the document's examples (seed 002)
+# examples in the shapes Dynamo's slot-tracker documentation uses
 _EXAMPLE_MODEL = {"model_name": "llama-3-8b", "tenant_id": "default"}
 EXAMPLES: dict[str, Any] = {
     "register": {"worker_id": 7, **_EXAMPLE_MODEL, "block_size": 16, "dp_start": 0, "dp_size": 2},

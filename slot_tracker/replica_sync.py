@@ -6,7 +6,7 @@ process picks a random non-zero 64-bit id and ignores events carrying it. A repl
 event only to a worker rank it already has registered (same model, tenant and block size):
 replica traffic never creates workers.
 
-Wire format = the 1.6.1 reference's (reference notes §4.6), so replicas interoperate with it:
+Wire format = the 1.6.1 reference's replica-sync envelope, so replicas interoperate with it:
 two frames ``[b"dynamo.slot-tracker.v1", msgpack map]``; the tenant travels as ``routing_group``.
 """
 

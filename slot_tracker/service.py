@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -27,7 +27,8 @@ from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
 from kvroute_common.http import ApiError, MiB, decode_json, json_response, json_service, ok, raw_json_response, read_body, read_json, route
 from kvroute_common.http import _is_json_content_type as is_json_content_type
 from kvroute_common.security import AccessPolicy, service_classifier
-from slot_tracker.core import U32_MAX, U64_MAX, SlotRegistry, SlotTrackerError
+from slot_tracker.core import U64_MAX, SlotRegistry, SlotTrackerError
+from kvroute_common.constants import DEFAULT_TENANT, I64, U32, U64  # U64: upper bound checked in _u64
 
 if TYPE_CHECKING:
     from slot_tracker.replica_sync import ReplicaSync
@@ -35,11 +36,7 @@ if TYPE_CHECKING:
 BODY_LIMIT = 2 * MiB
 ACCESS = service_classifier(["/potential_loads"])
 """Who may call what with tokens set: reads (GET, /potential_loads) need an API key, writes the admin token."""
-DEFAULT_TENANT = "default"
 
-U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
-U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgspec cannot bound above int64: checked in _u64
-I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 _UNSET = msgspec.UNSET
 OptStr = str | msgspec.UnsetType  # absent allowed, null refused (422) as in the reference
 

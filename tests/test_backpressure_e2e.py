@@ -1,4 +1,4 @@
-"""Router queue backpressure end to end (issue 13, part A): ``--router-queue-max`` and
+"""Router queue backpressure end to end : ``--router-queue-max`` and
 ``--router-queue-timeout-secs`` answer 529 + Retry-After instead of holding requests unboundedly.
 
 The rank is made busy without timing: the mocker runs one sequence at a time (``--max-num-seqs

@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from frontend.admission import DEFAULT_MAX_NUM_BATCHED_TOKENS, AdmissionQueue, any_rank_free, rank_is_busy
+from frontend.admission import AdmissionQueue
+from frontend.eligibility import DEFAULT_MAX_NUM_BATCHED_TOKENS, any_rank_free, rank_is_busy
 from frontend.hints import RequestHints
 
 MODEL = "m"

@@ -9,7 +9,8 @@ import socket
 
 import pytest
 
-from frontend.busy import BusyThresholds, validate_update
+from frontend.eligibility import rank_overloaded
+from frontend.models import BusyThresholds, validate_update
 from frontend.workers import WorkerSpec, parse_cache_config_info, parse_worker_arg, parse_workers_document
 from indexer.approx import ApproxIndex
 from kvroute_common.hashing import block_hashes
@@ -109,12 +110,12 @@ def test_cache_config_info_parsing() -> None:
 
 def test_busy_rules() -> None:
     t = BusyThresholds(active_prefill_tokens_threshold=100)
-    assert t.rank_overloaded(101, 0, None, None) and not t.rank_overloaded(100, 0, None, None)
+    assert rank_overloaded(t, 101, 0, None, None) and not rank_overloaded(t, 100, 0, None, None)
     t = BusyThresholds(active_prefill_tokens_threshold_frac=0.5)
-    assert t.rank_overloaded(51, 0, None, 100) and not t.rank_overloaded(50, 0, None, 100)
+    assert rank_overloaded(t, 51, 0, None, 100) and not rank_overloaded(t, 50, 0, None, 100)
     t = BusyThresholds(active_decode_blocks_threshold=0.5)
-    assert t.rank_overloaded(0, 11, 20, None) and not t.rank_overloaded(0, 10, 20, None)
-    assert not t.rank_overloaded(0, 10**6, None, None)  # capacity unknown: never busy on blocks
+    assert rank_overloaded(t, 0, 11, 20, None) and not rank_overloaded(t, 0, 10, 20, None)
+    assert not rank_overloaded(t, 0, 10**6, None, None)  # capacity unknown: never busy on blocks
     assert not BusyThresholds().enabled
     with pytest.raises(ValueError):
         validate_update(1.5, None, None)

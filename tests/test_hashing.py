@@ -1,4 +1,4 @@
-"""Golden tests: the worked examples of the reference notes (confirmed on the 1.6.1 binaries)."""
+"""Golden tests: worked examples of the block-hash layout, confirmed on the 1.6.1 binaries."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""KvIndex (indexer/core.py): the verified examples of the reference notes (§3) and our own rules."""
+"""KvIndex (indexer/core.py): examples verified on the 1.6.1 radix tree and our own rules."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_stored_chain_matches_leading_blocks_only() -> None:
 
 
 def test_removal_cuts_the_path_below_and_restore_does_not_revive_same_run() -> None:
-    """Reference §3.3: remove 12 -> 1 block; re-store 12 under 11 -> 2 (13 not revived)."""
+    """As the reference: remove 12 -> 1 block; re-store 12 under 11 -> 2 (13 not revived)."""
     ix = KvIndex(BS)
     ix.apply_stored(1, 0, None, blocks(11, 12, 13))
     assert ix.apply_removed(1, 0, [12]) == 1
@@ -102,7 +102,7 @@ def test_cleared_and_worker_removal_cover_all_tiers_and_ranks() -> None:
 
 
 def test_lower_tier_breakdown_examples() -> None:
-    """Reference §3.6: device [10], host [11, 12] chained on it, disk [13] -> 1 / 3 / 4 blocks."""
+    """Tiers as the reference orders them: device [10], host [11, 12] chained on it, disk [13] -> 1 / 3 / 4 blocks."""
     ix = KvIndex(BS)
     ix.apply_stored(1, 0, None, blocks(10))
     ix.apply_stored(1, 0, 10, blocks(11, 12), HOST_PINNED)
@@ -141,7 +141,7 @@ def test_lower_tier_existing_edge_wins() -> None:
 
 
 def test_divergent_external_hashes_still_extend_their_own_chain() -> None:
-    """Our answer to the reference's first-inserter quirk (§3.5): B uses its own hashes."""
+    """Our answer to the reference's first-inserter quirk (it keeps only the first inserter's external hash of a position): B uses its own hashes."""
     ix = KvIndex(BS)
     ix.apply_stored(1, 0, None, [(11, 101), (12, 102)])
     ix.apply_stored(2, 0, None, [(21, 101), (22, 102)])  # same tokens, B's engine names them 21, 22

@@ -7,7 +7,7 @@ mediums (device, host, disk, external, and an unknown one that both drop), LoRA-
 parents the worker does not hold, removals of unknown blocks, AllBlocksCleared.
 
 External hashes are content-derived (as in a fleet whose engines share PYTHONHASHSEED), so the
-reference's first-inserter quirk (§3.5), which we deliberately do not copy, never shows here.
+reference's first-inserter quirk (only the first inserter's external hash of a position is known), which we deliberately do not copy, never shows here.
 The reference runs with --threads 1 (its single-threaded radix tree), which we reproduce; its
 default multi-thread tree differs from it on some removal / re-store sequences (REFERENCE_THREADS).
 Streams publish one after the other (each waits for its round marker) so both services apply one

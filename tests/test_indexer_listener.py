@@ -331,7 +331,7 @@ def test_first_batch_after_start_replays_from_zero_and_unregister_keeps_the_wate
 
 
 def test_health_counts_events_gaps_replays_block_size_rejections_and_last_event_time() -> None:
-    """KV-event health (issue 12): one listener's counters, its registry view and the Prometheus
+    """KV-event health: one listener's counters, its registry view and the Prometheus
     families both services export (the standalone indexer's /metrics renders them too)."""
     from indexer.service import Metrics
 

@@ -23,7 +23,7 @@ _salt = itertools.count(1)
 
 
 # -- vLLM 0.33's event structs as vllm/distributed/kv_events.py of the 0.33 wheel declares them
-# (field list per the reference notes; module level: msgspec's tag=True uses the qualified class name)
+# (vLLM's field list; module level: msgspec's tag=True uses the qualified class name)
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]

@@ -1,4 +1,4 @@
-"""Every remaining nvext field and header of seed 004 (and the reference notes §4): honoured (the worker
+"""Every remaining nvext field and header of the router guide (and the reference frontend's behaviour): honoured (the worker
 sees the effect, the client the response fields) or refused with an OpenAI-style 400; none ignored.
 
 The worker is a small in-process OpenAI-style server that records the body and headers it receives;

@@ -1,4 +1,4 @@
-"""Request migration and the stream idle timeout, through real processes (issue 13, part A).
+"""Request migration and the stream idle timeout, through real processes (resilience).
 
 Real mockers and a real frontend on loopback. Faults are real: a mocker process is SIGKILLed in the
 middle of a response, or started with ``--stall-after-tokens`` so it goes silent mid-stream. Kills

@@ -1,4 +1,4 @@
-"""In-process pieces of issue 13 part A: queue bounds (frontend/admission.py), the migration
+"""In-process pieces of request resilience: queue bounds (frontend/admission.py), the migration
 continuation and SSE rewriting (frontend/migration.py), the upstream idle timeout and the flags."""
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def test_invalid_values_are_rejected() -> None:
         _parse(["--active-decode-blocks-threshold", "1.5"], {})
     with pytest.raises(SystemExit):
         _parse([], {"DYN_ROUTER_TEMPERATURE": "warm"})
-    # the router guide: "Must be > 0" (the reference notes' 0 = "hold on any prefill" is not allowed)
+    # the router guide: "Must be > 0" (0, "hold on any prefill", is refused)
     with pytest.raises(SystemExit):
         _parse(["--router-queue-threshold", "0"], {})
     assert _parse(["--router-queue-threshold", "0.5"], {}).router_queue_threshold == 0.5

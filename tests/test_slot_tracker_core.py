@@ -1,4 +1,4 @@
-"""Slot tracker core: the reference notes' verified tables (§4.3, §4.4) and lifecycle rules (§4.2, §4.5)."""
+"""Slot tracker core: tables verified on the 1.6.1 binaries (decode blocks as distinct prompt-path prefixes, prefill tokens per slot) and the lifecycle rules."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def one_slot_tracker(clock=None):
 
 
 def test_active_decode_blocks_count_distinct_path_prefixes_43():
-    """§4.3 verified: r1 [1,2,3] + r2 [1,2,4,5] => 5; + r3 [7,7,8] => 8; + r4 [4,5] => 10; free r2 => 8."""
+    """Decode blocks (verified on 1.6.1): r1 [1,2,3] + r2 [1,2,4,5] => 5; + r3 [7,7,8] => 8; + r4 [4,5] => 10; free r2 => 8."""
     _, t = one_slot_tracker()
     t.add("r1", 1, 0, [1, 2, 3])
     t.add("r2", 1, 0, [1, 2, 4, 5])
@@ -53,7 +53,7 @@ def test_active_decode_blocks_count_distinct_path_prefixes_43():
     ],
 )
 def test_potential_decode_blocks_table_44(query, d, expected):
-    """§4.4 verified table: slot with r1 [1,2,3] isl 40 and r2 [1,2,4,5] isl 10 (50 tokens / 5 blocks)."""
+    """Prefill tokens (verified on 1.6.1): slot with r1 [1,2,3] isl 40 and r2 [1,2,4,5] isl 10 (50 tokens / 5 blocks)."""
     reg, t = one_slot_tracker()
     t.add("r1", 1, 0, [1, 2, 3], 40)
     t.add("r2", 1, 0, [1, 2, 4, 5], 10)

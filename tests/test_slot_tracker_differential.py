@@ -10,7 +10,7 @@ bodies must match, except for these deliberate differences, each named where it 
   in 1.6.1 (404 there); ours serves them (409 ``replica sync is disabled`` / ``[]`` without sync).
 * DOC-JSON-ERRORS: a repeated query parameter is 400 in both, but 1.6.1 answers text/plain; the
   document says every error is ``{"error": ...}``, so ours is JSON.
-* DOC-PATH-PREFIX: active decode blocks are distinct prompt-path prefixes (reference notes §4.3,
+* DOC-PATH-PREFIX: active decode blocks are distinct prompt-path prefixes (as the 1.6.1 binaries count them,
   verified examples). With real chained sequence hashes a hash identifies its whole prefix and both
   agree; 1.6.1's insertion takes a shortcut that only shows with hand-made non-chained hashes
   (``[1,2,3]`` + ``[1,4,3]`` -> 3 there, 5 here). The random run therefore sends chained hashes
@@ -378,7 +378,7 @@ def test_random_operations_agree_with_the_reference(servers, seed):
 def test_non_chained_hashes_named_difference(servers):
     """DOC-PATH-PREFIX, pinned: with hand-made hashes where a later hash repeats at the same depth
     under a different prefix, 1.6.1 books the second prompt onto the first one's path; ours counts
-    distinct path prefixes as the reference notes' verified examples (§4.3) require."""
+    distinct path prefixes, as the 1.6.1 binaries count them."""
     ours_url, ref_url = servers
     results = {}
     for name, url, tenant_key in (("ours", ours_url, "tenant_id"), ("reference", ref_url, "routing_group")):

@@ -1,0 +1,111 @@
+"""Running our services as real child processes and waiting on conditions with a deadline: shared by
+the tests and the benchmarks (which must not import the test tree).
+
+Nothing here sleeps to synchronise: callers poll a condition until a deadline (``wait_until``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import httpx
+
+T = TypeVar("T")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the condition may not be checkable yet (server starting)
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+        time.sleep(interval)
+
+
+def http_ready(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        return httpx.get(url, timeout=1.0).status_code < 500
+
+    return check
+
+
+@contextlib.contextmanager
+def service(
+    args: Sequence[str],
+    ready_url: str | None = None,
+    timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+    ready: Callable[[], object] | None = None,
+    log_path: str | None = None,
+) -> Iterator[subprocess.Popen]:
+    """Run ``python <args>`` as a real process until the block ends; wait for ``ready_url``.
+
+    Output goes to a temporary log (or ``log_path``, for tests that read it) that is printed if
+    start-up fails, so a failing test says why.
+    """
+    full_env = dict(os.environ)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    if env:
+        full_env.update(env)
+    log = open(log_path or (os.devnull if os.environ.get("KVROUTE_TEST_QUIET") else _log_path(args)), "w+b")
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        check = ready or (http_ready(ready_url) if ready_url else None)
+        if check is not None:
+            try:
+                wait_until(lambda: proc.poll() is not None or check(), timeout=timeout, what=f"{' '.join(args)} to start")
+            except TimeoutError:
+                raise RuntimeError(f"{' '.join(args)} did not become ready:\n{_tail(log)}") from None
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(args)} exited with {proc.returncode}:\n{_tail(log)}")
+        yield proc
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL if it does not go."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout)
+
+
+def _log_path(args: Sequence[str]) -> str:
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="kvroute-test-", suffix=".log")
+    os.close(fd)
+    return path
+
+
+def _tail(log, n: int = 4000) -> str:
+    try:
+        log.flush()
+        log.seek(0)
+        data = log.read()
+        return data[-n:].decode("utf-8", "replace")
+    except Exception:
+        return "<no log>"
