@@ -1,14 +1,24 @@
 """Frontend past one core: req/s and CPU per request of ``python -m frontend --workers N``.
 
-    python -m bench.frontend_scale                      # N = 1 then 2, wrk, 2 instant mockers, ~1 min
+    python -m bench.frontend_scale                       # N = 1 then 2, nginx upstream, wrk, ~1 min
+    python -m bench.frontend_scale --upstream mocker     # the simulated engines instead (they use a core)
     python -m bench.frontend_scale --processes 1,2,1,2 --duration 20
 
-For each N: a kv-mode frontend with ``--workers N`` (N = 1 is the plain single process) in front of
-mockers with ``--speedup-ratio 0`` (no simulated time), loaded by ``wrk`` (C, keep-alive, one
-connection per slot: the kernel's SO_REUSEPORT spreads connections over the processes) with short
-non-streaming chat requests (``max_tokens: 1``). Measured: req/s at the client, frontend CPU (utime +
-stime of every frontend process and the supervisor, from ``/proc``) per request, and the mockers' and
-wrk's CPU per request separately, so the frontend's own cost is not mixed with its upstream's.
+For each N: a kv-mode frontend with ``--workers N`` (N = 1 is the plain single process) loaded by
+``wrk`` (C, keep-alive, one connection per slot: the kernel's SO_REUSEPORT spreads connections over
+the processes) with short non-streaming chat requests (``max_tokens: 1``).
+
+The upstream is what decides whether a second frontend process can show anything on a 2-core
+machine: the Python mockers cost about as much CPU per request as the frontend, so with them one
+frontend process already leaves no core free. ``--upstream nginx`` (default; Debian's nginx) answers
+the engine routes with a canned vLLM-shaped stream (role, one token, finish, usage) at a few
+microseconds of CPU per request, so the frontend's own cost decides the throughput; it publishes no
+KV events, so the frontend runs with ``--no-router-kv-events`` (the approximate index). Routing
+quality at 1 vs 2 processes is measured separately with real KV events (``python -m bench replay
+--frontend-arg=--workers=2``, docs/benchmarks.md).
+
+Measured: req/s at the client, frontend CPU (utime + stime of every frontend process and the
+supervisor, from ``/proc``) per request, and the upstream's and wrk's CPU per request separately.
 ``frontend_cores`` = frontend CPU seconds / wall seconds: how many cores the frontend actually got.
 Figures: docs/benchmarks.md. Nothing here asserts: benchmarks measure.
 """
@@ -16,9 +26,12 @@ Figures: docs/benchmarks.md. Nothing here asserts: benchmarks measure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,33 +95,125 @@ def _wrk(url: str, body: bytes, duration: float, connections: int, threads: int)
     return rps, {"latency": lat, "raw_tail": out.strip().splitlines()[-1]}, int(errors.group(1)) if errors else 0
 
 
+_CANNED_STREAM = "".join(f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in (
+    {"id": "cmpl-canned", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+    {"id": "cmpl-canned", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+     "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}]},
+    {"id": "cmpl-canned", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+     "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+    {"id": "cmpl-canned", "object": "chat.completion.chunk", "created": 0, "model": MODEL, "choices": [],
+     "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 0}}},
+)) + "data: [DONE]\n\n"
+
+
+def _nginx_conf(ports: list[int], tmp: str) -> str:
+    """One nginx worker process answering the engine routes on each port with canned bodies."""
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "nginx", "max_model_len": 8192}]})
+    servers = "".join(f"""
+    server {{
+        listen 127.0.0.1:{port};
+        location = /v1/chat/completions {{ default_type text/event-stream; return 200 '{_CANNED_STREAM}'; }}
+        location = /v1/models {{ default_type application/json; return 200 '{models}'; }}
+        location = /health {{ return 200; }}
+        location / {{ return 404; }}
+    }}""" for port in ports)
+    return f"""daemon off;
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    keepalive_requests 1000000;
+    client_body_buffer_size 64k;{servers}
+}}
+"""
+
+
+class _NginxUpstream:
+    """nginx as the cheapest possible engine: ``workers`` ports, one nginx worker process."""
+
+    def __init__(self, workers: int) -> None:
+        from kvroute_common.ports import free_ports
+
+        self.ports = free_ports(workers)
+        self.tmp = tempfile.mkdtemp(prefix="kvroute-nginx-")
+        conf = os.path.join(self.tmp, "nginx.conf")
+        with open(conf, "w") as f:
+            f.write(_nginx_conf(self.ports, self.tmp))
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        self.proc = subprocess.Popen([nginx, "-c", conf, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.ports[0]}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nginx did not start: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+            time.sleep(0.05)  # polling a local server's start-up; bounded by the deadline above
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *_children(self.proc.pid)]
+
+    def worker_args(self) -> list[str]:
+        return [a for i, port in enumerate(self.ports, 1) for a in ("--worker", f"id={i},url=http://127.0.0.1:{port}")]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def bench_scale(processes: int, duration: float = 15.0, connections: int = 32, threads: int = 1, n_workers: int = 2,
-                router_mode: str = "kv") -> dict[str, Any]:
-    from kvroute_common.local_cluster import MockerOptions, start_cluster
+                router_mode: str = "kv", upstream: str = "nginx") -> dict[str, Any]:
+    from kvroute_common.local_cluster import Cluster, MockerOptions, start_cluster
 
     body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Write a haiku about routers."}]}).encode()
     args = ["--log-level", "warning", "--workers", str(processes)]
-    with start_cluster(n_workers, MockerOptions(speedup_ratio=0.0), router_mode=router_mode, frontend_args=args) as cluster:
+    with contextlib.ExitStack() as stack:
+        if upstream == "nginx":
+            ng = _NginxUpstream(n_workers)
+            stack.callback(ng.close)
+            cluster = stack.enter_context(Cluster())
+            cluster.start_frontend(router_mode, extra_args=[*args, "--no-router-kv-events", *ng.worker_args()], kv_events=False)
+            cluster.wait_frontend_ready(MODEL)
+            upstream_pids = ng.pids
+        else:
+            cluster = stack.enter_context(start_cluster(n_workers, MockerOptions(speedup_ratio=0.0), router_mode=router_mode, frontend_args=args))
+            mock_pids = [w.child.proc.pid for w in cluster.workers]
+            upstream_pids = lambda: mock_pids  # noqa: E731
         top = cluster.frontend.proc.pid
         _serving_pids(cluster.frontend_url, processes)
         fe_pids = [top, *_children(top)] if processes > 1 else [top]
-        mock_pids = [w.child.proc.pid for w in cluster.workers]
         _wrk(cluster.frontend_url, body, 3.0, connections, threads)  # warm-up: connections, tokenizer, caches
         r0 = os.times()
-        fe0, mk0 = sum(map(_cpu_seconds, fe_pids)), sum(map(_cpu_seconds, mock_pids))
+        up_pids = upstream_pids()
+        fe0, mk0 = sum(map(_cpu_seconds, fe_pids)), sum(map(_cpu_seconds, up_pids))
         t0 = time.perf_counter()
         rps, lat, errors = _wrk(cluster.frontend_url, body, duration, connections, threads)
         wall = time.perf_counter() - t0
         fe = sum(map(_cpu_seconds, fe_pids)) - fe0
-        mk = sum(map(_cpu_seconds, mock_pids)) - mk0
+        mk = sum(map(_cpu_seconds, up_pids)) - mk0
         r1 = os.times()
         gen = (r1.children_user - r0.children_user) + (r1.children_system - r0.children_system)
         n = rps * duration
         per_proc = {pid: round(_cpu_seconds(pid), 2) for pid in fe_pids}
-    return {"bench": "scale", "processes": processes, "router_mode": router_mode, "connections": connections,
+    return {"bench": "scale", "processes": processes, "upstream": upstream, "router_mode": router_mode, "connections": connections,
             "duration_s": duration, "rps": round(rps, 1), "non_2xx": errors, "latency": lat["latency"],
             "frontend_cpu_ms_per_request": round(fe * 1e3 / n, 3), "frontend_cores": round(fe / wall, 2),
-            "mocker_cpu_ms_per_request": round(mk * 1e3 / n, 3), "wrk_cpu_ms_per_request": round(gen * 1e3 / n, 3),
+            "upstream_cpu_ms_per_request": round(mk * 1e3 / n, 3), "wrk_cpu_ms_per_request": round(gen * 1e3 / n, 3),
             "frontend_cpu_s_per_process_total": per_proc, "loadavg_1m": round(os.getloadavg()[0], 1)}
 
 
@@ -120,17 +225,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="wrk threads [1]")
     p.add_argument("--mockers", type=int, default=2)
     p.add_argument("--router-mode", default="kv")
+    p.add_argument("--upstream", choices=("nginx", "mocker"), default="nginx",
+                   help="what answers the engine routes: nginx with canned streams (default) or simulated engines")
     ns = p.parse_args(argv)
     rows = []
     for n in [int(x) for x in ns.processes.split(",") if x.strip()]:
-        row = bench_scale(n, ns.duration, ns.connections, ns.threads, ns.mockers, ns.router_mode)
+        row = bench_scale(n, ns.duration, ns.connections, ns.threads, ns.mockers, ns.router_mode, ns.upstream)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    base = next((r["rps"] for r in rows if r["processes"] == 1), None)
-    if base:
-        for r in rows:
-            if r["processes"] > 1:
-                print(json.dumps({"processes": r["processes"], "rps_vs_1_process": round(r["rps"] / base, 2)}), flush=True)
+    # each multi-process run against the nearest single-process run before it (runs alternate so that a
+    # drifting machine, e.g. a VM whose host gets busy, moves both sides of a pair together)
+    ratios: dict[int, list[float]] = {}
+    last_single = None
+    for r in rows:
+        if r["processes"] == 1:
+            last_single = r["rps"]
+        elif last_single:
+            ratios.setdefault(r["processes"], []).append(round(r["rps"] / last_single, 2))
+    for n, rs in sorted(ratios.items()):
+        print(json.dumps({"processes": n, "rps_vs_1_process_pairs": rs, "median": statistics.median(rs)}), flush=True)
     return 0
 
 
