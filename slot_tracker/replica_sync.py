@@ -1,6 +1,6 @@
 """Replica sync: slot trackers share lifecycle events (add / prefill complete / free) over ZMQ PUB/SUB.
 
-Best effort by design (document "Replica Synchronization"): a bounded queue drops new events when
+Best effort by design (as Dynamo's slot-tracker documentation describes replica synchronization): a bounded queue drops new events when
 full instead of blocking HTTP handlers; there is no acknowledgement, replay or snapshot. Each
 process picks a random non-zero 64-bit id and ignores events carrying it. A replica applies an
 event only to a worker rank it already has registered (same model, tenant and block size):
@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvroute_common.constants import U64_MAX
 from slot_tracker.core import LifecycleEvent, SlotRegistry, SlotTrackerError
 
 log = logging.getLogger("slot_tracker.replica_sync")
@@ -35,7 +36,6 @@ MAX_BATCH = 256  # events per message with batch=True
 MAX_WARNED_TOPOLOGIES = 1024  # distinct unknown (model, tenant, block size, worker, rank, reason) keys logged, then silent
 _MARK_PREFILL = "MarkPrefillCompleted"
 _FREE = "Free"
-_U64 = (1 << 64) - 1
 
 
 class WorkerRank(msgspec.Struct):
@@ -82,7 +82,7 @@ def encode_event(ev: LifecycleEvent, router_id: int) -> bytes:
     """The msgpack payload (second frame) for one local lifecycle event."""
     if ev.kind == "add":
         hint = PrefillLoadHint(ev.new_isl_tokens) if ev.new_isl_tokens > 0 else None
-        hashes = [h & _U64 for h in ev.sequence_hashes]  # the wire carries u64 (HTTP hands the core i64)
+        hashes = [h & U64_MAX for h in ev.sequence_hashes]  # the wire carries u64 (HTTP hands the core i64)
         data: AddData | str = AddData(AddRequest(hashes, ev.new_isl_tokens > 0, None, hint))
     elif ev.kind == "prefill_complete":
         data = _MARK_PREFILL
