@@ -76,6 +76,16 @@ class Envelope(msgspec.Struct):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
+_batch_decoder = msgspec.msgpack.Decoder(list[Envelope])
+
+
+def _array_header(n: int) -> bytes:
+    """msgpack array header for ``n`` elements (a batch frame is this + the events' encodings)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
 
 
 def encode_event(ev: LifecycleEvent, router_id: int) -> bytes:
@@ -136,7 +146,10 @@ class ReplicaSync:
         self.router_id = secrets.randbits(64) or 1  # ephemeral identity, never configured
         self._initial_peers = [p for p in (peers or []) if p]
         self._peers: set[str] = set()
-        self._queue: asyncio.Queue[LifecycleEvent] = asyncio.Queue(maxsize=queue_capacity)
+        # events since the last flush; one flush per PUBLISH_COALESCE_SECS window sends them all
+        self._pending: list[LifecycleEvent] = []
+        self._queue_capacity = queue_capacity
+        self._flush_handle: asyncio.TimerHandle | None = None
         # plain (non-asyncio) sockets: sends never block (NOBLOCK, dropped when full) and receives are
         # drained in bursts on one wake-up of the SUB socket's FD, instead of a future per message
         self._ctx: zmq.Context | None = None
@@ -163,11 +176,15 @@ class ReplicaSync:
             self.add_peer(peer)
         self.registry.observer = self._on_local_event
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._publish_loop()), loop.create_task(self._receive_loop())]
+        self._loop = loop
+        self._tasks = [loop.create_task(self._receive_loop())]
 
     async def stop(self) -> None:
         if self.registry.observer == self._on_local_event:
             self.registry.observer = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -233,58 +250,51 @@ class ReplicaSync:
     # ----- outgoing -----
 
     def _on_local_event(self, ev: LifecycleEvent) -> None:
-        """Called synchronously by the core after a local change: enqueue, never block."""
-        try:
-            self._queue.put_nowait(ev)
-        except asyncio.QueueFull:
+        """Called synchronously by the core after a local change: buffer it, never block. The first
+        event of a window schedules the flush, so one wake-up sends the whole burst (each ZMQ send that
+        finds libzmq's I/O thread asleep costs a syscall to wake it)."""
+        pending = self._pending
+        if len(pending) >= self._queue_capacity:
             self.stats["dropped_full"] += 1
+            return
+        pending.append(ev)
+        if self._flush_handle is None and self._pub is not None:
+            self._flush_handle = self._loop.call_later(PUBLISH_COALESCE_SECS, self._flush)
 
-    async def _publish_loop(self) -> None:
-        assert self._pub is not None
-        pub = self._pub
-        queue = self._queue
-        stats = self.stats
-        while True:
-            ev = await queue.get()
-            if queue.empty():
-                await asyncio.sleep(PUBLISH_COALESCE_SECS)
-            if self.batch:
-                self._publish_batch(pub, ev)
-                continue
-            while True:  # everything queued since the last wake-up, without yielding per event
-                try:
-                    pub.send_multipart([TOPIC, encode_event(ev, self.router_id)], flags=zmq.NOBLOCK)
-                    stats["published"] += 1
-                except zmq.Again:
-                    stats["dropped_full"] += 1
-                except Exception:  # one bad event must not stop replication
-                    log.exception("replica sync: failed to publish %s", ev.kind)
-                try:
-                    ev = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    break
-
-    def _publish_batch(self, pub: zmq.Socket, first: LifecycleEvent) -> None:
-        """Everything queued, as messages of up to MAX_BATCH events each."""
-        queue = self._queue
-        frames = [TOPIC]
-        ev: LifecycleEvent | None = first
-        while ev is not None:
+    def _flush(self) -> None:
+        self._flush_handle = None
+        events, self._pending = self._pending, []
+        if not events or self._pub is None:
+            return
+        if self.batch:
+            self._publish_batch(self._pub, events)
+            return
+        pub, stats = self._pub, self.stats
+        for ev in events:
             try:
-                frames.append(encode_event(ev, self.router_id))
+                pub.send_multipart([TOPIC, encode_event(ev, self.router_id)], flags=zmq.NOBLOCK)
+                stats["published"] += 1
+            except zmq.Again:
+                stats["dropped_full"] += 1
+            except Exception:  # one bad event must not stop replication
+                log.exception("replica sync: failed to publish %s", ev.kind)
+
+    def _publish_batch(self, pub: zmq.Socket, events: list[LifecycleEvent]) -> None:
+        """The burst as messages ``[TOPIC, msgpack array of events]`` of up to MAX_BATCH events each:
+        one frame and one decode call per message on the receiving sibling."""
+        encoded: list[bytes] = []
+        for ev in events:
+            try:
+                encoded.append(encode_event(ev, self.router_id))
             except Exception:  # one bad event must not stop replication
                 log.exception("replica sync: failed to encode %s", ev.kind)
+        for i in range(0, len(encoded), MAX_BATCH):
+            chunk = encoded[i:i + MAX_BATCH]
             try:
-                ev = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                ev = None
-            if len(frames) > MAX_BATCH or (ev is None and len(frames) > 1):
-                try:
-                    pub.send_multipart(frames, flags=zmq.NOBLOCK)
-                    self.stats["published"] += len(frames) - 1
-                except zmq.Again:
-                    self.stats["dropped_full"] += len(frames) - 1
-                frames = [TOPIC]
+                pub.send_multipart([TOPIC, _array_header(len(chunk)) + b"".join(chunk)], flags=zmq.NOBLOCK)
+                self.stats["published"] += len(chunk)
+            except zmq.Again:
+                self.stats["dropped_full"] += len(chunk)
 
     # ----- incoming -----
 
@@ -317,20 +327,26 @@ class ReplicaSync:
             loop.remove_reader(fd)
 
     def _receive(self, frames: list[bytes]) -> None:
-        """One message: [TOPIC, event] (the reference's), or [TOPIC, event, event, ...] (batch=True)."""
+        """One message: ``[TOPIC, event]`` (the reference's), ``[TOPIC, array of events]`` (our siblings,
+        batch=True), or ``[TOPIC, event, event, ...]`` (the earlier batch form, still accepted)."""
         stats = self.stats
         if len(frames) < 2 or frames[0] != TOPIC:
             stats["received"] += 1
             stats["dropped"] += 1
             return
         for payload in frames[1:] if len(frames) > 2 else (frames[1],):
-            stats["received"] += 1
             try:
-                env = decode_event(payload)
+                if payload and (0x90 <= payload[0] <= 0x9F or payload[0] in (0xDC, 0xDD)):  # a msgpack array: a batch
+                    envs = _batch_decoder.decode(payload)
+                else:
+                    envs = [_decoder.decode(payload)]
             except (msgspec.DecodeError, msgspec.ValidationError):
+                stats["received"] += 1
                 stats["dropped"] += 1
                 continue
-            self.apply(env)
+            stats["received"] += len(envs)
+            for env in envs:
+                self.apply(env)
 
     def apply(self, env: Envelope) -> bool:
         """Apply one peer event; False when it is ours or does not fit local topology (dropped)."""

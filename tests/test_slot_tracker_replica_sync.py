@@ -244,3 +244,36 @@ def test_a_batched_message_applies_every_event_in_it():
     assert reg.get("m").active_decode_blocks(7, 1) == 3
     sync._receive([b"other", REFERENCE_FREE])
     assert reg.get("m").active_decode_blocks(7, 1) == 3 and sync.stats["dropped"] == 2
+
+
+def test_siblings_send_a_burst_as_one_msgpack_array_frame():
+    """batch=True publishes [TOPIC, array of events] (one frame, one decode on the receiver), in chunks of
+    MAX_BATCH; what one sibling publishes the other applies, event for event."""
+    from slot_tracker.replica_sync import MAX_BATCH
+
+    class Capture:
+        def __init__(self) -> None:
+            self.messages: list[list[bytes]] = []
+
+        def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+            self.messages.append(frames)
+
+    src_reg, dst_reg = SlotRegistry(), SlotRegistry()
+    for reg in (src_reg, dst_reg):
+        reg.register(7, "m", "default", 16, 0, 2)
+    src = ReplicaSync(src_reg, "tcp://127.0.0.1:1", batch=True)
+    dst = ReplicaSync(dst_reg, "tcp://127.0.0.1:2", batch=True)
+    n = MAX_BATCH + 10
+    events = [LifecycleEvent("add", "m", "default", 16, f"r{i}", 7, i % 2, (1, 2, i), 16) for i in range(n)]
+    events += [LifecycleEvent("free", "m", "default", 16, f"r{i}", 7, i % 2, (), 0) for i in range(0, n, 2)]
+    pub = Capture()
+    src._publish_batch(pub, events)  # type: ignore[arg-type]
+    assert len(pub.messages) == -(-len(events) // MAX_BATCH) and all(len(m) == 2 and m[0] == TOPIC for m in pub.messages)
+    assert src.stats["published"] == len(events)
+    for frames in pub.messages:
+        dst._receive(frames)
+    assert dst.stats["applied"] == len(events) and dst.stats["received"] == len(events)
+    assert len(dst_reg.get("m")) == n // 2  # the odd-numbered requests are still in flight
+    # a corrupt batch frame is dropped whole, and the next one still applies
+    dst._receive([TOPIC, b"\x92\xc1\xc1"])
+    assert dst.stats["dropped"] == 1
