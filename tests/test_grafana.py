@@ -400,3 +400,17 @@ def _traffic(url: str, iurl: str) -> None:
     assert httpx.post(url + "/v1/chat/completions", json=too_long, timeout=60).status_code == 400
     assert httpx.post(iurl + "/query", json={}, timeout=10).status_code >= 400
     assert httpx.post(iurl + "/query", json={"model_name": MODEL, "token_ids": list(range(64))}, timeout=10).status_code < 500
+
+
+def test_monitoring_component_ships_the_dashboard() -> None:
+    """Overlays with components/monitoring carry the dashboard as a sidecar-labelled ConfigMap, byte for byte."""
+    from test_deploy_k8s import render
+
+    with open(os.path.join(GRAFANA, "kvroute.json"), encoding="utf-8") as f:
+        text = f.read()
+    for overlay in ("production", "standalone-services"):
+        maps = [o for o in render(overlay) if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvroute-grafana-dashboard"]
+        assert len(maps) == 1, overlay
+        assert maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert maps[0]["data"] == {"kvroute.json": text}
+    assert not any(o["metadata"]["name"] == "kvroute-grafana-dashboard" for o in render("dev")), "dev has no monitoring component"
