@@ -34,8 +34,8 @@ TARGET_LABELS = frozenset({"instance", "job"})
 # Grafana's interval variables stand where PromQL wants a duration
 GRAFANA_DURATIONS = re.compile(r"\$(__rate_interval|__interval|__range)\b|\$\{(__rate_interval|__interval|__range)\}")
 LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(?P<query>.+),\s*)?(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$", re.S)
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "gaugehistogram": ("_bucket", "_gsum", "_gcount"), "summary": ("", "_sum", "_count", "_created"),
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),  # the frontend disables _created
+            "gaugehistogram": ("_bucket", "_gsum", "_gcount"), "summary": ("", "_sum", "_count"),
             "gauge": ("",), "info": ("_info",), "stateset": ("",), "unknown": ("",)}
 
 

@@ -28,10 +28,16 @@ FM = F + ', model=~"$model"'
 FI = 'instance=~"$indexer"'
 
 
-def rate(metric: str, sel: str = F, by: str = "") -> str:
-    """``sum [by (labels)] (rate(metric{sel}[$__rate_interval]))``."""
+def rate(metric: str, sel: str = F, by: str = "", fn: str = "rate") -> str:
+    """``sum [by (labels)] (fn(metric{sel}[$__rate_interval]))``: per second, or per interval with fn="increase"."""
     grouping = f" by ({by})" if by else ""
-    return f"sum{grouping} (rate({metric}{{{sel}}}[{RI}]))"
+    return f"sum{grouping} ({fn}({metric}{{{sel}}}[{RI}]))"
+
+
+def agg(metric: str, sel: str = F, by: str = "", op: str = "sum") -> str:
+    """``op [by (labels)] (metric{sel})``: a gauge aggregated over the chosen series."""
+    grouping = f" by ({by})" if by else ""
+    return f"{op}{grouping} ({metric}{{{sel}}})"
 
 
 def quantile(q: float, histogram: str, sel: str = F, by: str = "") -> str:
@@ -108,7 +114,7 @@ def timeline(title: str, desc: str, targets: list[tuple[str, str]], ok: str, bad
 
 def heatmap(title: str, desc: str, histogram: str, sel: str, unit: str, w: int = 8, h: int = 8) -> Panel:
     """A heatmap of a histogram's buckets (requests per bucket per interval)."""
-    p = panel("heatmap", title, desc, [(f"sum by (le) (increase({histogram}_bucket{{{sel}}}[{RI}]))", "{{le}}")], unit, w, h,
+    p = panel("heatmap", title, desc, [(rate(histogram + "_bucket", sel, "le", "increase"), "{{le}}")], unit, w, h,
               options={"calculate": False, "yAxis": {"unit": unit}, "cellGap": 1, "color": {"mode": "scheme", "scheme": "Oranges"},
                        "tooltip": {"show": True, "yHistogram": False}})
     p["targets"][0].update(format="heatmap", range=True)
@@ -129,10 +135,10 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
     mismatched = f'{F}, result="mismatch"'
     overview = row("Overview", [
         stat("Models ready", "Models with at least one healthy worker (dynamo_frontend_model_ready).",
-             [(f"sum(dynamo_frontend_model_ready{{{FM}}})", "ready")]),
+             [(agg("dynamo_frontend_model_ready", FM), "ready")]),
         stat("Worker ranks healthy", "Worker ranks the router may pick (dynamo_component_router_worker_registered = 1) and all it knows.",
-             [(f"sum(dynamo_component_router_worker_registered{{{F}}})", "healthy"),
-              (f"count(dynamo_component_router_worker_registered{{{F}}})", "known")]),
+             [(agg("dynamo_component_router_worker_registered"), "healthy"),
+              (agg("dynamo_component_router_worker_registered", op="count"), "known")]),
         stat("Requests / s", "Finished requests per second (dynamo_frontend_requests_total).",
              [(rate("dynamo_frontend_requests_total", FM), "req/s")], unit="reqps"),
         stat("Error ratio", "Share of finished requests with status=\"error\".",
@@ -145,10 +151,10 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
              unit="percentunit"),
         stat("Hash-parity alarms", "Workers whose cached blocks never match the router's hashes (kvroute_hash_parity_mismatch). "
              "Above 0: KV routing is blind for them; the cause is in the frontend's log and /admin/workers.",
-             [(f"sum(kvroute_hash_parity_mismatch{{{F}}}) or vector(0)", "alarms")], red_at=1),
+             [(agg("kvroute_hash_parity_mismatch") + " or vector(0)", "alarms")], red_at=1),
         stat("Workers without KV events", "Healthy workers the router expects KV events from that have no kv_events_endpoint "
              "(dynamo_component_router_kv_event_source_mismatch_workers).",
-             [(f"sum(dynamo_component_router_kv_event_source_mismatch_workers{{{FM}}}) or vector(0)", "workers")], red_at=1),
+             [(agg("dynamo_component_router_kv_event_source_mismatch_workers", FM) + " or vector(0)", "workers")], red_at=1),
     ])
     requests = row("Requests and errors", [
         ts("Request rate by endpoint and type", "Finished requests per second by endpoint and unary / stream.",
@@ -157,12 +163,12 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
            "unavailable (503, no worker), validation (400), cancelled (client went away), internal (500)...",
            [(rate("dynamo_frontend_requests_total", errors, "model, error_type"), "{{model}} {{error_type}}")], unit="reqps"),
         ts("Requests in flight", "Requests the frontend holds (active) and those still waiting for their first token.",
-           [(f"sum by (model) (dynamo_frontend_active_requests{{{FM}}})", "active {{model}}"),
-            (f"sum by (model) (dynamo_frontend_queued_requests{{{FM}}})", "before first token {{model}}")]),
+           [(agg("dynamo_frontend_active_requests", FM, "model"), "active {{model}}"),
+            (agg("dynamo_frontend_queued_requests", FM, "model"), "before first token {{model}}")]),
         ts("Cancellations and disconnects", "Requests cancelled by their client, and clients that went away before the end of their "
            "response (dynamo_frontend_disconnected_clients only grows: its rate is the disconnect rate).",
            [(rate("dynamo_frontend_model_cancellation_total", FM, "endpoint, request_type"), "cancelled {{endpoint}} {{request_type}}"),
-            (f"sum(rate(dynamo_frontend_disconnected_clients{{{F}}}[{RI}]))", "disconnected")], unit="reqps"),
+            (rate("dynamo_frontend_disconnected_clients"), "disconnected")], unit="reqps"),
         ts("Token throughput", "Prompt tokens and generated tokens per second.",
            [(rate("dynamo_frontend_input_sequence_tokens_sum", FM), "prompt tokens/s"),
             (rate("dynamo_frontend_output_tokens_total", FM), "generated tokens/s")]),
@@ -213,11 +219,11 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
     ])
     queue = row("Router queue and admission", [
         ts("Queued requests", "Requests held in the router queue (--router-queue-threshold) until a worker has room.",
-           [(f"sum by (model, worker_type, policy_class) (dynamo_frontend_router_queue_pending_requests{{{FM}}})",
+           [(agg("dynamo_frontend_router_queue_pending_requests", FM, "model, worker_type, policy_class"),
              "{{model}} {{worker_type}} {{policy_class}}")]),
         ts("Queued prompt tokens", "Prompt tokens of the queued requests, and how many of them are cached on their best worker.",
-           [(f"sum by (model) (dynamo_frontend_router_queue_pending_isl_tokens{{{FM}}})", "prompt {{model}}"),
-            (f"sum by (model) (dynamo_frontend_router_queue_pending_cached_tokens{{{FM}}})", "cached {{model}}")]),
+           [(agg("dynamo_frontend_router_queue_pending_isl_tokens", FM, "model"), "prompt {{model}}"),
+            (agg("dynamo_frontend_router_queue_pending_cached_tokens", FM, "model"), "cached {{model}}")]),
         ts("Rejections and backpressure", "529 answers: every eligible worker busy (rejections) and requests the router queue refused "
            "(--router-queue-max full or --router-queue-timeout-secs expired) by reason.",
            [(rate("dynamo_frontend_model_rejection_total", FM, "model, endpoint"), "rejected {{model}} {{endpoint}}"),
@@ -230,15 +236,15 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
         ts("Active decode blocks per worker rank", "KV blocks held by running requests on each worker rank, as the router books them.",
            [(f"dynamo_frontend_worker_active_decode_blocks{{{F}}}", WORKER_RANK)]),
         ts("KV block use (router's view)", "Active decode blocks of all decode ranks over the models' total KV blocks, per replica.",
-           [(f'sum by (instance) (dynamo_frontend_worker_active_decode_blocks{{{F}, worker_type="decode"}}) / on (instance) '
-             f"sum by (instance) (dynamo_frontend_model_total_kv_blocks{{{F}}})", "{{instance}}")], unit="percentunit", min=0),
+           [(agg("dynamo_frontend_worker_active_decode_blocks", F + ', worker_type="decode"', "instance") + " / on (instance) "
+             + agg("dynamo_frontend_model_total_kv_blocks", F, "instance"), "{{instance}}")], unit="percentunit", min=0),
         timeline("Worker rank health", "Healthy: the router may pick the rank; unhealthy: known but failing its health checks.",
                  [(f"1 - dynamo_component_router_worker_registered{{{F}}}", "{{instance}} {{worker_type}} w{{router_worker_id}} r{{dp_rank}}")],
                  ok="healthy", bad="unhealthy"),
         ts("Last prompt length per worker rank", "Prompt tokens of the most recent request on each worker rank.",
            [(f"dynamo_frontend_worker_last_input_sequence_tokens{{{F}}}", WORKER_RANK)], w=6, h=6),
         stat("Model capacity", "What the workers report: total KV blocks, max batched tokens, block size, max sequences, context length.",
-             [(f"max by (model) (dynamo_frontend_model_{m}{{{FM}}})", f"{{{{model}}}} {label}") for m, label in (
+             [(agg(f"dynamo_frontend_model_{m}", FM, "model", "max"), f"{{{{model}}}} {label}") for m, label in (
                  ("total_kv_blocks", "KV blocks"), ("max_num_batched_tokens", "max batched tokens"), ("kv_cache_block_size", "block size"),
                  ("max_num_seqs", "max seqs"), ("context_length", "context length"))], w=6, h=6, graph=False),
     ])
@@ -270,21 +276,21 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
             (rate("kvroute_kv_event_batches_dropped_total", F, "worker_id, dp_rank"), "dropped batches w{{worker_id}} r{{dp_rank}}")]),
         ts("Gaps, replays and restarts", "Per interval: sequence gaps and the batches they skipped, replays requested and abandoned, "
            "engine restarts, stored blocks rejected for a block size that is not the router's.",
-           [(f"sum by (worker_id, dp_rank) (increase(kvroute_kv_event_{m}_total{{{F}}}[{RI}]))", f"{label} w{{{{worker_id}}}} r{{{{dp_rank}}}}")
+           [(rate(f"kvroute_kv_event_{m}_total", F, "worker_id, dp_rank", "increase"), f"{label} w{{{{worker_id}}}} r{{{{dp_rank}}}}")
             for m, label in (("gaps", "gaps"), ("batches_missed", "missed batches"), ("replays", "replays"),
                              ("replay_timeouts", "replay timeouts"), ("engine_restarts", "engine restarts"),
                              ("blocks_rejected_block_size", "wrong block size"))]),
         ts("Last KV event age per worker rank", "Seconds since each worker rank's last applied batch; an idle worker publishes "
            "nothing, so read it together with its load.",
-           [(f"time() - max by (worker_id, dp_rank) (kvroute_kv_event_last_timestamp_seconds{{{F}}})", "w{{worker_id}} r{{dp_rank}}")],
+           [("time() - " + agg("kvroute_kv_event_last_timestamp_seconds", F, "worker_id, dp_rank", "max"), "w{{worker_id}} r{{dp_rank}}")],
            unit="s", w=12),
         ts("Workers without a KV-event endpoint", "Healthy workers the router expects KV events from but that publish none.",
-           [(f"sum by (model, worker_type) (dynamo_component_router_kv_event_source_mismatch_workers{{{FM}}})", "{{model}} {{worker_type}}")], w=12),
+           [(agg("dynamo_component_router_kv_event_source_mismatch_workers", FM, "model, worker_type"), "{{model}} {{worker_type}}")], w=12),
     ])
     parity = row("Hash parity", [
         timeline("Hash-parity alarm per worker", "Red while the worker's cached blocks never match the router's hashes "
                  "(kvroute_hash_parity_mismatch): wrong tokenizer, block size or salt.",
-                 [(f"max by (worker) (kvroute_hash_parity_mismatch{{{F}}})", "worker {{worker}}")], ok="match", bad="mismatch"),
+                 [(agg("kvroute_hash_parity_mismatch", F, "worker", "max"), "worker {{worker}}")], ok="match", bad="mismatch"),
         ts("Parity checks by source and result", "Evidence per second: events (the prompt's blocks in the index after the request), "
            "usage (predicted vs engine-reported cached tokens), prompt_tokens (engine counted another prompt length).",
            [(rate("kvroute_hash_parity_checks_total", F, "source, result"), "{{source}} {{result}}")], w=6, h=6),
@@ -300,13 +306,13 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
            [(quantile(q, "dynamo_kvindexer_request_duration_seconds", FI, "endpoint"), f"{{{{endpoint}}}} p{int(q * 100)}")
             for q in (0.5, 0.99)], unit="s"),
         ts("Indexer state", "Model partitions, registered workers, ZMQ listeners by status, indexed (worker, block) entries.",
-           [(f"sum(dynamo_kvindexer_models{{{FI}}})", "models"), (f"sum(dynamo_kvindexer_workers{{{FI}}})", "workers"),
-            (f"sum by (status) (dynamo_kvindexer_listeners{{{FI}}})", "listeners {{status}}"),
-            (f"sum by (model, tenant_id) (dynamo_kvindexer_blocks{{{FI}}})", "blocks {{model}} {{tenant_id}}")]),
+           [(agg("dynamo_kvindexer_models", FI), "models"), (agg("dynamo_kvindexer_workers", FI), "workers"),
+            (agg("dynamo_kvindexer_listeners", FI, "status"), "listeners {{status}}"),
+            (agg("dynamo_kvindexer_blocks", FI, "model, tenant_id"), "blocks {{model}} {{tenant_id}}")]),
         ts("Indexer KV events", "Events applied by type and outcome, and sequence gaps / replays per worker rank.",
            [(rate("dynamo_kvrouter_kv_cache_events_applied", FI, "event_type, status"), "{{event_type}} {{status}}"),
-            (f"sum by (worker_id, dp_rank) (increase(kvroute_kv_event_gaps_total{{{FI}}}[{RI}]))", "gaps w{{worker_id}} r{{dp_rank}}"),
-            (f"sum by (worker_id, dp_rank) (increase(kvroute_kv_event_replays_total{{{FI}}}[{RI}]))", "replays w{{worker_id}} r{{dp_rank}}")],
+            (rate("kvroute_kv_event_gaps_total", FI, "worker_id, dp_rank", "increase"), "gaps w{{worker_id}} r{{dp_rank}}"),
+            (rate("kvroute_kv_event_replays_total", FI, "worker_id, dp_rank", "increase"), "replays w{{worker_id}} r{{dp_rank}}")],
            w=24),
     ], collapsed=True)
     return [overview, requests, latency, routing, queue, load, decomposition, events, parity, indexer]
