@@ -271,8 +271,10 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
         ts("KV events applied by type and outcome", "Events the embedded indexer processed (dynamo_kvrouter_kv_cache_events_applied "
            "counts up as a gauge; its rate is events per second).",
            [(rate("dynamo_kvrouter_kv_cache_events_applied", F, "event_type, status"), "{{event_type}} {{status}}")]),
-        ts("KV events received per worker rank", "Events in applied batches per worker rank, and batches dropped as undecodable.",
+        ts("KV events received per worker rank", "Events in applied batches per worker rank, the batches applied, and batches "
+           "dropped as undecodable.",
            [(rate("kvroute_kv_events_received_total", F, "worker_id, dp_rank"), "events w{{worker_id}} r{{dp_rank}}"),
+            (rate("kvroute_kv_event_batches_applied_total", F, "worker_id, dp_rank"), "batches w{{worker_id}} r{{dp_rank}}"),
             (rate("kvroute_kv_event_batches_dropped_total", F, "worker_id, dp_rank"), "dropped batches w{{worker_id}} r{{dp_rank}}")]),
         ts("Gaps, replays and restarts", "Per interval: sequence gaps and the batches they skipped, replays requested and abandoned, "
            "engine restarts, stored blocks rejected for a block size that is not the router's.",
