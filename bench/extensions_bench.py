@@ -57,9 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     n = args.n
 
     plain_headers = Headers(SDK_HEADERS)
-    rich_headers = Headers({**SDK_HEADERS, "x-dynamo-worker-instance-id": "3", "x-dynamo-dp-rank": "1",
-                            "x-dynamo-request-priority": "5", "x-dynamo-session-id": "session-0123456789"})
-    nvext = {"agent_hints": {"priority": 2, "osl": 256, "speculative_prefill": True}, "extra_fields": ["worker_id", "timing"]}
+    rich_headers = Headers(
+        {
+            **SDK_HEADERS,
+            "x-dynamo-worker-instance-id": "3",
+            "x-dynamo-dp-rank": "1",
+            "x-dynamo-request-priority": "5",
+            "x-dynamo-session-id": "session-0123456789",
+        }
+    )
+    nvext = {
+        "agent_hints": {"priority": 2, "osl": 256, "speculative_prefill": True},
+        "extra_fields": ["worker_id", "timing"],
+    }
 
     def plain() -> None:
         parse_request_hints({"model": "m", "messages": []}, plain_headers)

@@ -29,8 +29,12 @@ def _pct(values: list[float], p: float) -> float:
 
 
 def _summary(values_ms: list[float]) -> dict[str, float]:
-    return {"p50": round(_pct(values_ms, 50), 3), "p90": round(_pct(values_ms, 90), 3), "p99": round(_pct(values_ms, 99), 3),
-            "mean": round(statistics.fmean(values_ms), 3)}
+    return {
+        "p50": round(_pct(values_ms, 50), 3),
+        "p90": round(_pct(values_ms, 90), 3),
+        "p99": round(_pct(values_ms, 99), 3),
+        "mean": round(statistics.fmean(values_ms), 3),
+    }
 
 
 def _corpus() -> str:
@@ -53,17 +57,18 @@ class _Events:
         return self._index
 
 
-def bench_decision(iterations: int = 300, workers: int = 4, dp_size: int = 2, cold: bool = False, seed: int = 0) -> dict[str, Any]:
+def bench_decision(
+    iterations: int = 300, workers: int = 4, dp_size: int = 2, cold: bool = False, seed: int = 0
+) -> dict[str, Any]:
     """p50 of the whole routing decision for an ~8k-token chat prompt over workers*dp_size ranks."""
+    from frontend.models import BusyThresholds, ModelEntry
     from frontend.openai_routes import _tokenize
-    from frontend.models import BusyThresholds
-    from frontend.models import ModelEntry
     from frontend.request_router import RequestRouter
     from frontend.workers import Worker, WorkerSpec
     from indexer.core import KvIndex
+    from kvroute_common.hashing import block_hashes
     from kvroute_common.tokenizer import load_tokenizer
     from router.config import RouterConfig
-    from kvroute_common.hashing import block_hashes
     from slot_tracker.core import SlotRegistry
 
     rng = random.Random(seed)
@@ -74,7 +79,12 @@ def bench_decision(iterations: int = 300, workers: int = 4, dp_size: int = 2, co
     index = KvIndex(bs)
     entry = ModelEntry(MODEL, bs, tok, slots, _Events(index), None, BusyThresholds())
     for wid in range(1, workers + 1):
-        w = Worker(spec=WorkerSpec(id=wid, url=f"http://127.0.0.1:{9000 + wid}", dp_size=dp_size), source="cli", client=None, upstream=None)  # type: ignore[arg-type]
+        w = Worker(
+            spec=WorkerSpec(id=wid, url=f"http://127.0.0.1:{9000 + wid}", dp_size=dp_size),
+            source="cli",
+            client=None,
+            upstream=None,
+        )  # type: ignore[arg-type]
         w.healthy = True
         w.discovered = True
         w.num_gpu_blocks = 4096
@@ -93,7 +103,9 @@ def bench_decision(iterations: int = 300, workers: int = 4, dp_size: int = 2, co
         if n < 2:
             from kvroute_common.tokenizer import chat_prompt_token_ids
 
-            ids = chat_prompt_token_ids(tok, [{"role": "system", "content": system}, {"role": "user", "content": "warm"}])
+            ids = chat_prompt_token_ids(
+                tok, [{"role": "system", "content": system}, {"role": "user", "content": "warm"}]
+            )
             local, seq = block_hashes(ids, bs)
             index.apply_stored(w, r, None, list(zip(seq, local)))
     tracker = entry.tracker
@@ -107,10 +119,21 @@ def bench_decision(iterations: int = 300, workers: int = 4, dp_size: int = 2, co
     def body(i: int) -> dict:
         if cold:  # never-seen text for both messages
             off = rng.randrange(0, len(text) - 33000)
-            return {"model": MODEL, "messages": [{"role": "system", "content": text[off : off + 24000]},
-                                                 {"role": "user", "content": text[off + 24000 : off + 32000] + str(i)}]}
+            return {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": text[off : off + 24000]},
+                    {"role": "user", "content": text[off + 24000 : off + 32000] + str(i)},
+                ],
+            }
         off = rng.randrange(30000, len(text) - 9000)
-        return {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": text[off : off + 8000] + str(i)}]}
+        return {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": text[off : off + 8000] + str(i)},
+            ],
+        }
 
     total, tok_ms, route_ms, isls = [], [], [], []
     for i in range(iterations + 20):
@@ -127,8 +150,16 @@ def bench_decision(iterations: int = 300, workers: int = 4, dp_size: int = 2, co
             tok_ms.append((t1 - t0) * 1e3)
             route_ms.append((t2 - t1) * 1e3)
             isls.append(len(tokens))
-    return {"bench": "decision", "cold_text": cold, "ranks": len(ranks), "isl_median": int(statistics.median(isls)),
-            "index_blocks": index.size, "total_ms": _summary(total), "tokenize_ms": _summary(tok_ms), "route_and_book_ms": _summary(route_ms)}
+    return {
+        "bench": "decision",
+        "cold_text": cold,
+        "ranks": len(ranks),
+        "isl_median": int(statistics.median(isls)),
+        "index_blocks": index.size,
+        "total_ms": _summary(total),
+        "tokenize_ms": _summary(tok_ms),
+        "route_and_book_ms": _summary(route_ms),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,13 +198,19 @@ async def _hammer(url: str, body: bytes, n: int, concurrency: int, path: str = "
     return elapsed
 
 
-def bench_cpu(requests: int = 3000, concurrency: int = 16, n_workers: int = 2, router_mode: str = "kv", stream_tokens: int = 0) -> dict[str, Any]:
+def bench_cpu(
+    requests: int = 3000, concurrency: int = 16, n_workers: int = 2, router_mode: str = "kv", stream_tokens: int = 0
+) -> dict[str, Any]:
     """Frontend CPU per routed request: short chat, non-streaming, max_tokens=1, instant mockers
     (``stream_tokens`` > 0: streamed, that many tokens each)."""
     from kvroute_common.local_cluster import MockerOptions, start_cluster
 
     opts = MockerOptions(speedup_ratio=0.0)
-    req: dict[str, Any] = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Write a haiku about routers."}]}
+    req: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "Write a haiku about routers."}],
+    }
     if stream_tokens:
         req.update(stream=True, max_tokens=stream_tokens, ignore_eos=True)
     body = json.dumps(req).encode()
@@ -187,9 +224,17 @@ def bench_cpu(requests: int = 3000, concurrency: int = 16, n_workers: int = 2, r
         c1 = _cpu_seconds(w.child.proc.pid)
         direct = asyncio.run(_hammer(w.url, body, 1000, concurrency))
         mocker_cpu = (_cpu_seconds(w.child.proc.pid) - c1) / 1000
-    return {"bench": "cpu", "router_mode": router_mode, "stream_tokens": stream_tokens, "requests": requests, "concurrency": concurrency,
-            "frontend_cpu_ms_per_request": round(cpu * 1e3 / requests, 3), "throughput_rps_via_frontend": round(requests / elapsed, 1),
-            "mocker_direct_rps": round(1000 / direct, 1), "mocker_cpu_ms_per_request": round(mocker_cpu * 1e3, 3)}
+    return {
+        "bench": "cpu",
+        "router_mode": router_mode,
+        "stream_tokens": stream_tokens,
+        "requests": requests,
+        "concurrency": concurrency,
+        "frontend_cpu_ms_per_request": round(cpu * 1e3 / requests, 3),
+        "throughput_rps_via_frontend": round(requests / elapsed, 1),
+        "mocker_direct_rps": round(1000 / direct, 1),
+        "mocker_cpu_ms_per_request": round(mocker_cpu * 1e3, 3),
+    }
 
 
 def _stream_once(client: Any, url: str, body: dict) -> tuple[float, float, list[float]]:
@@ -220,11 +265,19 @@ def bench_latency(requests: int = 60, max_tokens: int = 64) -> dict[str, Any]:
     with start_cluster(1, opts, router_mode="kv", frontend_args=["--log-level", "warning"]) as cluster:
         direct_url = cluster.workers[0].url + "/v1/chat/completions"
         fe_url = cluster.frontend_url + "/v1/chat/completions"
-        results: dict[str, dict[str, list[float]]] = {"direct": {"ttft": [], "total": [], "gaps": []}, "frontend": {"ttft": [], "total": [], "gaps": []}}
+        results: dict[str, dict[str, list[float]]] = {
+            "direct": {"ttft": [], "total": [], "gaps": []},
+            "frontend": {"ttft": [], "total": [], "gaps": []},
+        }
         with httpx.Client(timeout=60.0) as client:  # one keep-alive connection per target
             for i in range(requests + 5):
-                body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": f"request {i}: tell me about caches"}]}
+                body = {
+                    "model": MODEL,
+                    "stream": True,
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"request {i}: tell me about caches"}],
+                }
                 for name, url in (("direct", direct_url), ("frontend", fe_url)):
                     ttft, total, gaps = _stream_once(client, url, body)
                     if i >= 5:
@@ -232,8 +285,12 @@ def bench_latency(requests: int = 60, max_tokens: int = 64) -> dict[str, Any]:
                         results[name]["total"].append(total * 1e3)
                         results[name]["gaps"].extend(g * 1e3 for g in gaps)
     for name, r in results.items():
-        out[name] = {"ttft_ms": _summary(r["ttft"]), "total_ms": _summary(r["total"]),
-                     "chunk_gap_ms": _summary(r["gaps"]), "gaps_over_30ms": sum(1 for g in r["gaps"] if g > 30)}
+        out[name] = {
+            "ttft_ms": _summary(r["ttft"]),
+            "total_ms": _summary(r["total"]),
+            "chunk_gap_ms": _summary(r["gaps"]),
+            "gaps_over_30ms": sum(1 for g in r["gaps"] if g > 30),
+        }
     out["added_ttft_ms_p50"] = round(out["frontend"]["ttft_ms"]["p50"] - out["direct"]["ttft_ms"]["p50"], 3)
     out["added_total_ms_p50"] = round(out["frontend"]["total_ms"]["p50"] - out["direct"]["total_ms"]["p50"], 3)
     return out
@@ -246,7 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--router-mode", default="kv")
-    p.add_argument("--stream-tokens", type=int, default=0, help="cpu: streamed requests of this many tokens (0 = unary max_tokens=1)")
+    p.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=0,
+        help="cpu: streamed requests of this many tokens (0 = unary max_tokens=1)",
+    )
     ns = p.parse_args(argv)
     import logging
 
@@ -255,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(bench_decision(ns.iterations)))
         print(json.dumps(bench_decision(ns.iterations // 3, cold=True)))
     if ns.what in ("cpu", "all"):
-        print(json.dumps(bench_cpu(ns.requests, ns.concurrency, router_mode=ns.router_mode, stream_tokens=ns.stream_tokens)))
+        print(
+            json.dumps(
+                bench_cpu(ns.requests, ns.concurrency, router_mode=ns.router_mode, stream_tokens=ns.stream_tokens)
+            )
+        )
     if ns.what in ("latency", "all"):
         print(json.dumps(bench_latency()))
     sys.stdout.flush()

@@ -80,12 +80,26 @@ def _serving_pids(url: str, want: int, timeout: float = 90.0) -> set[int]:
 def _wrk(url: str, body: bytes, duration: float, connections: int, threads: int) -> tuple[float, dict[str, Any], int]:
     """Run wrk against url; (req/s, latency summary, wrk pid's CPU is measured by the caller via /proc)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        f.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                f"wrk.body = {json.dumps(body.decode())}\n")
+        f.write(
+            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f"wrk.body = {json.dumps(body.decode())}\n"
+        )
         script = f.name
     try:
-        proc = subprocess.Popen(["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration:g}s", "--latency", "-s", script,
-                                 f"{url}/v1/chat/completions"], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                "wrk",
+                f"-t{threads}",
+                f"-c{connections}",
+                f"-d{duration:g}s",
+                "--latency",
+                "-s",
+                script,
+                f"{url}/v1/chat/completions",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         out, _ = proc.communicate(timeout=duration + 60)
     finally:
         os.unlink(script)
@@ -95,29 +109,66 @@ def _wrk(url: str, body: bytes, duration: float, connections: int, threads: int)
     return rps, {"latency": lat, "raw_tail": out.strip().splitlines()[-1]}, int(errors.group(1)) if errors else 0
 
 
-_CANNED_STREAM = "".join(f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in (
-    {"id": "cmpl-canned", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-    {"id": "cmpl-canned", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-     "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}]},
-    {"id": "cmpl-canned", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-     "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
-    {"id": "cmpl-canned", "object": "chat.completion.chunk", "created": 0, "model": MODEL, "choices": [],
-     "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 0}}},
-)) + "data: [DONE]\n\n"
+_CANNED_STREAM = (
+    "".join(
+        f"data: {json.dumps(c, separators=(',', ':'))}\n\n"
+        for c in (
+            {
+                "id": "cmpl-canned",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            },
+            {
+                "id": "cmpl-canned",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}],
+            },
+            {
+                "id": "cmpl-canned",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            },
+            {
+                "id": "cmpl-canned",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": MODEL,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 12,
+                    "completion_tokens": 1,
+                    "total_tokens": 13,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
+            },
+        )
+    )
+    + "data: [DONE]\n\n"
+)
 
 
 def _nginx_conf(ports: list[int], tmp: str) -> str:
     """One nginx worker process answering the engine routes on each port with canned bodies."""
-    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "nginx", "max_model_len": 8192}]})
-    servers = "".join(f"""
+    models = json.dumps(
+        {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "nginx", "max_model_len": 8192}]}
+    )
+    servers = "".join(
+        f"""
     server {{
         listen 127.0.0.1:{port};
         location = /v1/chat/completions {{ default_type text/event-stream; return 200 '{_CANNED_STREAM}'; }}
         location = /v1/models {{ default_type application/json; return 200 '{models}'; }}
         location = /health {{ return 200; }}
         location / {{ return 404; }}
-    }}""" for port in ports)
+    }}"""
+        for port in ports
+    )
     return f"""daemon off;
 worker_processes 1;
 pid {tmp}/nginx.pid;
@@ -148,8 +199,11 @@ class _NginxUpstream:
         with open(conf, "w") as f:
             f.write(_nginx_conf(self.ports, self.tmp))
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        self.proc = subprocess.Popen([nginx, "-c", conf, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [nginx, "-c", conf, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -158,7 +212,9 @@ class _NginxUpstream:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"nginx did not start: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+                raise RuntimeError(
+                    f"nginx did not start: {self.proc.stderr.read().decode() if self.proc.stderr else ''}"
+                )
             time.sleep(0.05)  # polling a local server's start-up; bounded by the deadline above
 
     def pids(self) -> list[int]:
@@ -176,22 +232,35 @@ class _NginxUpstream:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def bench_scale(processes: int, duration: float = 15.0, connections: int = 32, threads: int = 1, n_workers: int = 2,
-                router_mode: str = "kv", upstream: str = "nginx") -> dict[str, Any]:
+def bench_scale(
+    processes: int,
+    duration: float = 15.0,
+    connections: int = 32,
+    threads: int = 1,
+    n_workers: int = 2,
+    router_mode: str = "kv",
+    upstream: str = "nginx",
+) -> dict[str, Any]:
     from kvroute_common.local_cluster import Cluster, MockerOptions, start_cluster
 
-    body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Write a haiku about routers."}]}).encode()
+    body = json.dumps(
+        {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Write a haiku about routers."}]}
+    ).encode()
     args = ["--log-level", "warning", "--workers", str(processes)]
     with contextlib.ExitStack() as stack:
         if upstream == "nginx":
             ng = _NginxUpstream(n_workers)
             stack.callback(ng.close)
             cluster = stack.enter_context(Cluster())
-            cluster.start_frontend(router_mode, extra_args=[*args, "--no-router-kv-events", *ng.worker_args()], kv_events=False)
+            cluster.start_frontend(
+                router_mode, extra_args=[*args, "--no-router-kv-events", *ng.worker_args()], kv_events=False
+            )
             cluster.wait_frontend_ready(MODEL)
             upstream_pids = ng.pids
         else:
-            cluster = stack.enter_context(start_cluster(n_workers, MockerOptions(speedup_ratio=0.0), router_mode=router_mode, frontend_args=args))
+            cluster = stack.enter_context(
+                start_cluster(n_workers, MockerOptions(speedup_ratio=0.0), router_mode=router_mode, frontend_args=args)
+            )
             mock_pids = [w.child.proc.pid for w in cluster.workers]
             upstream_pids = lambda: mock_pids  # noqa: E731
         top = cluster.frontend.proc.pid
@@ -210,11 +279,23 @@ def bench_scale(processes: int, duration: float = 15.0, connections: int = 32, t
         gen = (r1.children_user - r0.children_user) + (r1.children_system - r0.children_system)
         n = rps * duration
         per_proc = {pid: round(_cpu_seconds(pid), 2) for pid in fe_pids}
-    return {"bench": "scale", "processes": processes, "upstream": upstream, "router_mode": router_mode, "connections": connections,
-            "duration_s": duration, "rps": round(rps, 1), "non_2xx": errors, "latency": lat["latency"],
-            "frontend_cpu_ms_per_request": round(fe * 1e3 / n, 3), "frontend_cores": round(fe / wall, 2),
-            "upstream_cpu_ms_per_request": round(mk * 1e3 / n, 3), "wrk_cpu_ms_per_request": round(gen * 1e3 / n, 3),
-            "frontend_cpu_s_per_process_total": per_proc, "loadavg_1m": round(os.getloadavg()[0], 1)}
+    return {
+        "bench": "scale",
+        "processes": processes,
+        "upstream": upstream,
+        "router_mode": router_mode,
+        "connections": connections,
+        "duration_s": duration,
+        "rps": round(rps, 1),
+        "non_2xx": errors,
+        "latency": lat["latency"],
+        "frontend_cpu_ms_per_request": round(fe * 1e3 / n, 3),
+        "frontend_cores": round(fe / wall, 2),
+        "upstream_cpu_ms_per_request": round(mk * 1e3 / n, 3),
+        "wrk_cpu_ms_per_request": round(gen * 1e3 / n, 3),
+        "frontend_cpu_s_per_process_total": per_proc,
+        "loadavg_1m": round(os.getloadavg()[0], 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,8 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="wrk threads [1]")
     p.add_argument("--mockers", type=int, default=2)
     p.add_argument("--router-mode", default="kv")
-    p.add_argument("--upstream", choices=("nginx", "mocker"), default="nginx",
-                   help="what answers the engine routes: nginx with canned streams (default) or simulated engines")
+    p.add_argument(
+        "--upstream",
+        choices=("nginx", "mocker"),
+        default="nginx",
+        help="what answers the engine routes: nginx with canned streams (default) or simulated engines",
+    )
     ns = p.parse_args(argv)
     rows = []
     for n in [int(x) for x in ns.processes.split(",") if x.strip()]:

@@ -35,11 +35,10 @@ from contextlib import ExitStack
 import httpx
 import zmq
 
-from kvroute_common.ports import free_port, free_ports
-from kvroute_common.processes import service, wait_until
-
 from indexer.wire import BlockStored, encode_batch, seq_frame  # noqa: E402
 from kvroute_common.hashing import list_to_i64, local_block_hashes, sequence_hashes  # noqa: E402
+from kvroute_common.ports import free_port, free_ports
+from kvroute_common.processes import service, wait_until
 
 BS = 16
 MODEL = "bench"
@@ -77,17 +76,20 @@ class Publisher:
         out = []
         for start in range(0, len(exts), chunk):
             parent = exts[start - 1] if start else None
-            ev = BlockStored(exts[start : start + chunk], parent, tokens[start * BS : (start + chunk) * BS], BS, None, None, None)
+            ev = BlockStored(
+                exts[start : start + chunk], parent, tokens[start * BS : (start + chunk) * BS], BS, None, None, None
+            )
             out.append(encode_batch([ev], dp))
         return out
-
 
     def store_suffix(self, tokens: list[int], start: int, chunk: int = 32, dp: int = 0) -> list[bytes]:
         """Payloads storing blocks ``start``.. of ``tokens`` below block ``start - 1`` (a cached prefix)."""
         exts = ext_hashes(tokens)
         out = []
         for s in range(start, len(exts), chunk):
-            ev = BlockStored(exts[s : s + chunk], exts[s - 1] if s else None, tokens[s * BS : (s + chunk) * BS], BS, None, None, None)
+            ev = BlockStored(
+                exts[s : s + chunk], exts[s - 1] if s else None, tokens[s * BS : (s + chunk) * BS], BS, None, None, None
+            )
             out.append(encode_batch([ev], dp))
         return out
 
@@ -105,7 +107,7 @@ def branch_tokens(system: int, cont_id: int) -> list[int]:
     return toks_for(7 * 10**6 + system, BRANCH_SYSTEM_BLOCKS) + toks_for(8 * 10**6 + cont_id, BRANCH_CONT_BLOCKS)
 
 
-def branch_payloads(pub: "Publisher", worker: int, n_conts: int, first_cont: int) -> list[bytes]:
+def branch_payloads(pub: Publisher, worker: int, n_conts: int, first_cont: int) -> list[bytes]:
     """One worker's events, as an engine publishes them: its first request on each system prompt stores
     the whole prompt (parent None: the shared blocks and its own continuation in 32-block events); every
     later request stores only its continuation, below the cached system prompt's last block."""
@@ -117,21 +119,35 @@ def branch_payloads(pub: "Publisher", worker: int, n_conts: int, first_cont: int
     return out
 
 
-def connect_publishers(ctx: zmq.Context, urls: list[str], n: int, model: str, first_instance: int) -> list["Publisher"]:
+def connect_publishers(ctx: zmq.Context, urls: list[str], n: int, model: str, first_instance: int) -> list[Publisher]:
     pubs = [Publisher(ctx, p) for p in free_ports(n)]
     for url in urls:
         for i, pub in enumerate(pubs):
-            r = httpx.post(f"{url}/register", json={"instance_id": first_instance + i, "endpoint": pub.endpoint, "model_name": model, "block_size": BS})
+            r = httpx.post(
+                f"{url}/register",
+                json={
+                    "instance_id": first_instance + i,
+                    "endpoint": pub.endpoint,
+                    "model_name": model,
+                    "block_size": BS,
+                },
+            )
             assert r.status_code == 201, r.text
     hello = toks_for(9 * 10**6 + first_instance, 1)
     for i, pub in enumerate(pubs):
-        wait_until(lambda pub=pub, i=i: [pub.send_payload(p) for p in pub.store_chain(hello)]
-                   and all(marker_seen(u, hello, first_instance + i, model) for u in urls),
-                   timeout=60, interval=0.1, what="publishers connected")
+        wait_until(
+            lambda pub=pub, i=i: (
+                [pub.send_payload(p) for p in pub.store_chain(hello)]
+                and all(marker_seen(u, hello, first_instance + i, model) for u in urls)
+            ),
+            timeout=60,
+            interval=0.1,
+            what="publishers connected",
+        )
     return pubs
 
 
-def send_interleaved(pubs: list["Publisher"], per_pub: list[list[bytes]]) -> None:
+def send_interleaved(pubs: list[Publisher], per_pub: list[list[bytes]]) -> None:
     """Round-robin over the publishers, as concurrent engines would publish."""
     longest = max(len(p) for p in per_pub)
     for j in range(longest):
@@ -150,19 +166,27 @@ def populate_branching(ctx: zmq.Context, urls: list[str], n_workers: int = 32, c
         for p in pub.store_chain(final):
             pub.send_payload(p)
     for i in range(n_workers):
-        wait_until(lambda i=i: all(marker_seen(u, final, BRANCH_FIRST_INSTANCE + i, BRANCH_MODEL) for u in urls), timeout=120, what="branching population applied")
+        wait_until(
+            lambda i=i: all(marker_seen(u, final, BRANCH_FIRST_INSTANCE + i, BRANCH_MODEL) for u in urls),
+            timeout=120,
+            what="branching population applied",
+        )
     for pub in pubs:
         pub.sock.close(linger=0)
     return branch_tokens(0, 1000 * 3 + 4)  # worker 3's 5th continuation: 4 % 4 == 0 -> system prompt 0
 
 
-def ingest_branching(ctx: zmq.Context, url: str, pid: int, n_blocks: int, instance: int, n_workers: int = 16) -> tuple[float, float, int]:
+def ingest_branching(
+    ctx: zmq.Context, url: str, pid: int, n_blocks: int, instance: int, n_workers: int = 16
+) -> tuple[float, float, int]:
     """(blocks/s, RSS KiB per million blocks, blocks): ``n_workers`` publishers, continuations of 32
     blocks extending 4 shared system prompts, sent interleaved; until every worker's marker is queryable."""
     model = f"ingest-branch-{instance}"
     base = instance * 100
     pubs = connect_publishers(ctx, [url], n_workers, model, base)
-    per_worker = max(BRANCH_SYSTEMS, (n_blocks // n_workers - BRANCH_SYSTEMS * BRANCH_SYSTEM_BLOCKS) // BRANCH_CONT_BLOCKS)
+    per_worker = max(
+        BRANCH_SYSTEMS, (n_blocks // n_workers - BRANCH_SYSTEMS * BRANCH_SYSTEM_BLOCKS) // BRANCH_CONT_BLOCKS
+    )
     per_pub = [branch_payloads(pub, i, per_worker, 10**5 * (instance % 50) + 1000 * i) for i, pub in enumerate(pubs)]
     final = toks_for(6 * 10**6 + instance, 1)
     for pub, payloads in zip(pubs, per_pub):
@@ -173,10 +197,17 @@ def ingest_branching(ctx: zmq.Context, url: str, pid: int, n_blocks: int, instan
     t0 = time.perf_counter()
     send_interleaved(pubs, per_pub)
     for i in range(n_workers):
-        wait_until(lambda i=i: marker_seen(url, final, base + i, model), timeout=600, interval=0.005, what="branching ingest marker")
+        wait_until(
+            lambda i=i: marker_seen(url, final, base + i, model),
+            timeout=600,
+            interval=0.005,
+            what="branching ingest marker",
+        )
     elapsed = time.perf_counter() - t0
     rss1 = rss_kib(pid)
-    last = branch_tokens((per_worker - 1) % BRANCH_SYSTEMS, 10**5 * (instance % 50) + 1000 * (n_workers - 1) + per_worker - 1)
+    last = branch_tokens(
+        (per_worker - 1) % BRANCH_SYSTEMS, 10**5 * (instance % 50) + 1000 * (n_workers - 1) + per_worker - 1
+    )
     got = query(url, last, model)["scores"].get(str(base + n_workers - 1), {}).get("0")
     assert got == len(last), f"branching ingest lost blocks: {got}"
     for pub in pubs:
@@ -221,7 +252,9 @@ def run_wrk(url: str, path: str, body: dict, duration: int, connections: int) ->
     try:
         out = subprocess.run(
             ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "-s", script, f"{url}{path}"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
     finally:
         os.unlink(script)
@@ -237,13 +270,21 @@ def populate(ctx: zmq.Context, urls: list[str], n_workers: int = 4, prompts_per_
     pubs = [Publisher(ctx, p) for p in free_ports(n_workers)]
     for url in urls:
         for i, pub in enumerate(pubs):
-            r = httpx.post(f"{url}/register", json={"instance_id": i + 1, "endpoint": pub.endpoint, "model_name": MODEL, "block_size": BS})
+            r = httpx.post(
+                f"{url}/register",
+                json={"instance_id": i + 1, "endpoint": pub.endpoint, "model_name": MODEL, "block_size": BS},
+            )
             assert r.status_code == 201, r.text
     marker = toks_for(10**6, 1)
     for i, pub in enumerate(pubs):
         wait_until(
-            lambda pub=pub, i=i: [pub.send_payload(p) for p in pub.store_chain(marker)] and all(marker_seen(u, marker, i + 1) for u in urls),
-            timeout=30, interval=0.1, what="publishers connected",
+            lambda pub=pub, i=i: (
+                [pub.send_payload(p) for p in pub.store_chain(marker)]
+                and all(marker_seen(u, marker, i + 1) for u in urls)
+            ),
+            timeout=30,
+            interval=0.1,
+            what="publishers connected",
         )
     hot = toks_for(1, 64, shared=16)
     for i, pub in enumerate(pubs):
@@ -268,10 +309,18 @@ def ingest(ctx: zmq.Context, url: str, pid: int, n_blocks: int, instance: int) -
     """(blocks/s, RSS KiB per million blocks, blocks) for one service alone."""
     model = f"ingest-{instance}"
     pub = Publisher(ctx, free_port())
-    r = httpx.post(f"{url}/register", json={"instance_id": instance, "endpoint": pub.endpoint, "model_name": model, "block_size": BS})
+    r = httpx.post(
+        f"{url}/register",
+        json={"instance_id": instance, "endpoint": pub.endpoint, "model_name": model, "block_size": BS},
+    )
     assert r.status_code == 201, r.text
     hello = toks_for(2 * 10**6, 1)
-    wait_until(lambda: [pub.send_payload(p) for p in pub.store_chain(hello)] and marker_seen(url, hello, instance, model), timeout=30, interval=0.1, what="ingest publisher connected")
+    wait_until(
+        lambda: [pub.send_payload(p) for p in pub.store_chain(hello)] and marker_seen(url, hello, instance, model),
+        timeout=30,
+        interval=0.1,
+        what="ingest publisher connected",
+    )
     payloads = []
     per_prompt = 128
     n_prompts = max(1, n_blocks // per_prompt)
@@ -325,9 +374,13 @@ def main() -> int:
     ap.add_argument("--ingest-blocks", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per measurement (medians reported)")
     ap.add_argument("--reference-threads", type=int, default=None, help="pass --threads to the reference")
-    ap.add_argument("--shape", choices=["default", "branching", "both"], default="both",
-                    help="default: 400 prompts with one short shared prefix (4 workers); branching: 32 workers caching "
-                         "different continuations of 4 shared system prompts (events extend shared prefixes) [both]")
+    ap.add_argument(
+        "--shape",
+        choices=["default", "branching", "both"],
+        default="both",
+        help="default: 400 prompts with one short shared prefix (4 workers); branching: 32 workers caching "
+        "different continuations of 4 shared system prompts (events extend shared prefixes) [both]",
+    )
     args = ap.parse_args()
     if not shutil.which("wrk"):
         print("wrk not found: apt-get install -y wrk", file=sys.stderr)
@@ -342,17 +395,27 @@ def main() -> int:
     results: dict[str, dict[str, float]] = {"reference": {}, "ours": {}}
     with ExitStack() as stack:
         ref = stack.enter_context(service(ref_cmd, ready_url=f"{ref_url}/health", env=env))
-        ours = stack.enter_context(service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(our_port), "--log-level", "warning"], ready_url=f"{our_url}/health", env=env))
+        ours = stack.enter_context(
+            service(
+                ["-m", "indexer", "--host", "127.0.0.1", "--port", str(our_port), "--log-level", "warning"],
+                ready_url=f"{our_url}/health",
+                env=env,
+            )
+        )
         shapes = ["default", "branching"] if args.shape == "both" else [args.shape]
         queries = []  # (metric prefix, path, body)
         for shape in shapes:
             model = MODEL if shape == "default" else BRANCH_MODEL
-            hot = populate(ctx, [ref_url, our_url]) if shape == "default" else populate_branching(ctx, [ref_url, our_url])
+            hot = (
+                populate(ctx, [ref_url, our_url]) if shape == "default" else populate_branching(ctx, [ref_url, our_url])
+            )
             local = local_block_hashes(hot, BS)
             assert query(ref_url, hot, model) == query(our_url, hot, model), f"services disagree on the {shape} query"
             assert len(local) == 64 and len(hot) == 1024
             prefix = "" if shape == "default" else "branch_"
-            queries.append((f"{prefix}query_by_hash", "/query_by_hash", {"block_hashes": list_to_i64(local), "model_name": model}))
+            queries.append(
+                (f"{prefix}query_by_hash", "/query_by_hash", {"block_hashes": list_to_i64(local), "model_name": model})
+            )
             queries.append((f"{prefix}query", "/query", {"token_ids": hot, "model_name": model}))
         # Alternate the services round by round: the machine is shared, so load drifts between runs.
         # Per CPU-second figures (work done / CPU time the service process used) are much less
@@ -368,7 +431,9 @@ def main() -> int:
                     rps = run_wrk(url, path, body, args.duration, args.connections)
                     used = cpu_seconds(pid) - c0
                     samples[name].setdefault(f"{metric}_rps", []).append(rps)
-                    samples[name].setdefault(f"{metric}_per_cpu_s", []).append(rps * args.duration / used if used else 0.0)
+                    samples[name].setdefault(f"{metric}_per_cpu_s", []).append(
+                        rps * args.duration / used if used else 0.0
+                    )
         for k in range(args.rounds):
             for shape in shapes:
                 prefix, run = ("", ingest) if shape == "default" else ("branch_", ingest_branching)
@@ -377,7 +442,9 @@ def main() -> int:
                     rate, mem, blocks = run(ctx, url, service_pid(proc), args.ingest_blocks, 100 + 2 * k + j)
                     used = cpu_seconds(service_pid(proc)) - c0
                     samples[name].setdefault(f"{prefix}ingest_blocks_per_s", []).append(rate)
-                    samples[name].setdefault(f"{prefix}ingest_blocks_per_cpu_s", []).append(blocks / used if used else 0.0)
+                    samples[name].setdefault(f"{prefix}ingest_blocks_per_cpu_s", []).append(
+                        blocks / used if used else 0.0
+                    )
                     samples[name].setdefault(f"{prefix}rss_mib_per_million_blocks", []).append(mem / 1024)
         for name in samples:
             for metric, values in samples[name].items():
@@ -386,12 +453,26 @@ def main() -> int:
     ctx.term()
     mem = kvindex_memory()
     print(f"{'metric':28} {'reference':>11} {'ours':>11} {'ours/ref':>9} {'paired':>7}")
-    for metric in [m for m in (
-        "query_by_hash_rps", "query_by_hash_per_cpu_s", "query_rps", "query_per_cpu_s",
-        "ingest_blocks_per_s", "ingest_blocks_per_cpu_s", "rss_mib_per_million_blocks",
-        "branch_query_by_hash_rps", "branch_query_by_hash_per_cpu_s", "branch_query_rps", "branch_query_per_cpu_s",
-        "branch_ingest_blocks_per_s", "branch_ingest_blocks_per_cpu_s", "branch_rss_mib_per_million_blocks",
-    ) if m in results["ours"]]:
+    for metric in [
+        m
+        for m in (
+            "query_by_hash_rps",
+            "query_by_hash_per_cpu_s",
+            "query_rps",
+            "query_per_cpu_s",
+            "ingest_blocks_per_s",
+            "ingest_blocks_per_cpu_s",
+            "rss_mib_per_million_blocks",
+            "branch_query_by_hash_rps",
+            "branch_query_by_hash_per_cpu_s",
+            "branch_query_rps",
+            "branch_query_per_cpu_s",
+            "branch_ingest_blocks_per_s",
+            "branch_ingest_blocks_per_cpu_s",
+            "branch_rss_mib_per_million_blocks",
+        )
+        if m in results["ours"]
+    ]:
         r, o = results["reference"][metric], results["ours"][metric]
         # each round measures the two services back to back: the median of those ratios cancels drift best
         paired = statistics.median(b / a for a, b in zip(samples["reference"][metric], samples["ours"][metric]) if a)

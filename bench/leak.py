@@ -112,9 +112,16 @@ async def _drive(url: str, n: int, concurrency: int, cancel: float, fault: float
 
     async def one(c: httpx.AsyncClient) -> None:
         stream = rng.random() < 0.8
-        body = {"model": MODEL, "stream": stream, "max_tokens": rng.randint(2, 24), "ignore_eos": True,
-                "messages": [{"role": "system", "content": rng.choice(systems)},
-                             {"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(10, 80)))}]}
+        body = {
+            "model": MODEL,
+            "stream": stream,
+            "max_tokens": rng.randint(2, 24),
+            "ignore_eos": True,
+            "messages": [
+                {"role": "system", "content": rng.choice(systems)},
+                {"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(10, 80)))},
+            ],
+        }
         r = rng.random()
         kind = "cancel" if r < cancel else "fault" if r < cancel + fault else "normal"
         cut_chunks = rng.randint(1, 6) if kind == "cancel" and rng.random() < 0.5 else None  # mid-stream
@@ -147,7 +154,7 @@ async def _drive(url: str, n: int, concurrency: int, cancel: float, fault: float
         if before_first_byte:
             try:
                 out[await asyncio.wait_for(run(), timeout=rng.uniform(0.0, 0.05))] += 1
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 out["cancelled_before_first_byte"] += 1
             return
         try:
@@ -216,11 +223,23 @@ def check(cluster: Any, timeout: float = 60.0) -> dict[str, Any]:
         unhealthy = [i.get("worker_id") for i in health.get("instances", []) if not i.get("healthy")]
         want = mocker_blocks(cluster.workers)
         have = index_blocks(httpx.get(f"{url}/admin/kv_dump", timeout=30).json())
-        diff = {f"{k[0]}:{k[1]}": {"missing": len(want.get(k, set()) - have.get(k, set())), "extra": len(have.get(k, set()) - want.get(k, set()))}
-                for k in set(want) | set(have) if want.get(k, set()) != have.get(k, set())}
-        result = {"loads_rows": len(loads), "loads_nonzero": busy, "gauges": gauges, "unhealthy_workers": unhealthy,
-                  "index_blocks": sum(len(v) for v in have.values()), "mocker_blocks": sum(len(v) for v in want.values()),
-                  "index_diff": diff}
+        diff = {
+            f"{k[0]}:{k[1]}": {
+                "missing": len(want.get(k, set()) - have.get(k, set())),
+                "extra": len(have.get(k, set()) - want.get(k, set())),
+            }
+            for k in set(want) | set(have)
+            if want.get(k, set()) != have.get(k, set())
+        }
+        result = {
+            "loads_rows": len(loads),
+            "loads_nonzero": busy,
+            "gauges": gauges,
+            "unhealthy_workers": unhealthy,
+            "index_blocks": sum(len(v) for v in have.values()),
+            "mocker_blocks": sum(len(v) for v in want.values()),
+            "index_diff": diff,
+        }
         ok = not busy and not any(gauges.values()) and not unhealthy and not diff and len(loads) == len(cluster.workers)
         result["ok"] = ok
         if ok or time.monotonic() >= deadline:
@@ -229,18 +248,32 @@ def check(cluster: Any, timeout: float = 60.0) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench leak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench leak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--cancel", type=float, default=0.10, help="share of requests the client abandons (default %(default)s)")
-    p.add_argument("--faults", type=float, default=0.05, help="share of requests that kill and restart a mocker (default %(default)s)")
+    p.add_argument(
+        "--cancel", type=float, default=0.10, help="share of requests the client abandons (default %(default)s)"
+    )
+    p.add_argument(
+        "--faults",
+        type=float,
+        default=0.05,
+        help="share of requests that kill and restart a mocker (default %(default)s)",
+    )
     p.add_argument("--max-down", type=int, default=1, help="mockers down at once at most (default %(default)s)")
     p.add_argument("--speedup-ratio", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="leak-out")
     args = p.parse_args(argv)
-    if args.requests <= 0 or args.concurrency <= 0 or not 0 <= args.cancel + args.faults <= 1 or not 0 < args.max_down < args.workers:
+    if (
+        args.requests <= 0
+        or args.concurrency <= 0
+        or not 0 <= args.cancel + args.faults <= 1
+        or not 0 < args.max_down < args.workers
+    ):
         p.error("need requests > 0, concurrency > 0, 0 <= cancel + faults <= 1, 0 < max-down < workers")
 
     from kvroute_common.local_cluster import MockerOptions, start_cluster
@@ -251,17 +284,31 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with start_cluster(args.workers, opts, frontend_args=fe_args, log_dir=os.path.join(args.out, "logs")) as cluster:
         faults = Faults(cluster, random.Random(args.seed + 1), args.max_down)
-        outcomes = asyncio.run(_drive(cluster.frontend_url or "", args.requests, args.concurrency, args.cancel, args.faults, args.seed, faults))
+        outcomes = asyncio.run(
+            _drive(
+                cluster.frontend_url or "", args.requests, args.concurrency, args.cancel, args.faults, args.seed, faults
+            )
+        )
         load_s = time.monotonic() - t0
         cluster.wait_workers_ready(90)
         cluster.wait_frontend_ready(MODEL, 90)
         result = check(cluster)
-        result["migrations"] = sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{cluster.frontend_url}/metrics", timeout=10).text.splitlines()
-                                   if line.startswith("dynamo_frontend_model_migration_total{"))
+        result["migrations"] = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(f"{cluster.frontend_url}/metrics", timeout=10).text.splitlines()
+            if line.startswith("dynamo_frontend_model_migration_total{")
+        )
         cluster.check_alive()
-    report = {"args": vars(args), "outcomes": dict(sorted(outcomes.items())), "faults_injected": faults.injected,
-              "faults_skipped_all_restarting": faults.skipped, "restart_port_retries": faults.port_retries, "load_seconds": round(load_s, 1), **result,
-              "loadavg": os.getloadavg()}
+    report = {
+        "args": vars(args),
+        "outcomes": dict(sorted(outcomes.items())),
+        "faults_injected": faults.injected,
+        "faults_skipped_all_restarting": faults.skipped,
+        "restart_port_retries": faults.port_retries,
+        "load_seconds": round(load_s, 1),
+        **result,
+        "loadavg": os.getloadavg(),
+    }
     with open(os.path.join(args.out, "leak.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps(report, indent=1), flush=True)

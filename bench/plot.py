@@ -70,11 +70,21 @@ def plot_summary(reports: list[dict], path: str) -> None:
         base = rr["ttft_ms"][key] if rr else None
         return (m["ttft_ms"][key] or 0.0) / base if base else 0.0
 
-    panels = [("p50", "TTFT p50 / round_robin's", 0.45), ("p90", "TTFT p90 / round_robin's", None), ("hit", "hit rate, % of the oracle", 95.0)]
+    panels = [
+        ("p50", "TTFT p50 / round_robin's", 0.45),
+        ("p90", "TTFT p90 / round_robin's", None),
+        ("hit", "hit rate, % of the oracle", 95.0),
+    ]
     for ax, (what, title, goal) in zip(axes, panels):
         for j, label in enumerate(labels):
             xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(runs))]
-            ax.bar(xs, [values(r, label, what) for r in reports], width=width, color=COLORS.get(label, VARIANT_COLOR), label=label)
+            ax.bar(
+                xs,
+                [values(r, label, what) for r in reports],
+                width=width,
+                color=COLORS.get(label, VARIANT_COLOR),
+                label=label,
+            )
         if goal is not None:
             ax.axhline(goal, color="black", linestyle="--", linewidth=1)
         ax.set_title(title, fontsize=9)

@@ -30,9 +30,20 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute_common.local_cluster import DEFAULT_MODEL, MockerOptions, start_cluster
 from bench.synthetic import SyntheticConfig, synthetic_trace
-from bench.traces import DEFAULT_TRACES_DIR, MOONCAKE_TRACES, Oracle, find_trace, Scaling, Trace, distinct_blocks, load_mooncake, oracle, pooled_lru_hits
+from bench.traces import (
+    DEFAULT_TRACES_DIR,
+    MOONCAKE_TRACES,
+    Oracle,
+    Scaling,
+    Trace,
+    distinct_blocks,
+    find_trace,
+    load_mooncake,
+    oracle,
+    pooled_lru_hits,
+)
+from kvroute_common.local_cluster import DEFAULT_MODEL, MockerOptions, start_cluster
 
 MODES = ("latency", "kv", "round_robin", "random")
 DEFAULT_MODES = ("latency", "kv", "round_robin")  # random: --modes ...,random (always the worst; it costs a run)
@@ -72,7 +83,9 @@ class RequestResult:
 
 
 # -- one request ----------------------------------------------------------------------------------
-async def send_one(client: httpx.AsyncClient, url: str, model: str, tokens: list[int], max_tokens: int, result: RequestResult) -> None:
+async def send_one(
+    client: httpx.AsyncClient, url: str, model: str, tokens: list[int], max_tokens: int, result: RequestResult
+) -> None:
     """Streamed completion with a token-id prompt; records TTFT, latency and the usage's cached tokens."""
     body = {
         "model": model,
@@ -85,7 +98,9 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, tokens: list
     }
     start = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", content=orjson.dumps(body), headers={"content-type": "application/json"}) as resp:
+        async with client.stream(
+            "POST", f"{url}/v1/completions", content=orjson.dumps(body), headers={"content-type": "application/json"}
+        ) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode("utf-8", "replace")[:300]
                 result.error = f"HTTP {resp.status_code}: {text}"
@@ -173,7 +188,11 @@ async def run_schedule(
                 aborted.set()  # nothing works: stop now instead of waiting out the time limit
 
         tasks = [asyncio.create_task(one(req, res)) for req, res in zip(trace.requests, results)]
-        reporter = asyncio.create_task(_report(lambda: done, results, len(tasks), t0, label, progress, progress_every_s)) if progress else None
+        reporter = (
+            asyncio.create_task(_report(lambda: done, results, len(tasks), t0, label, progress, progress_every_s))
+            if progress
+            else None
+        )
         all_done = asyncio.ensure_future(asyncio.wait(tasks))
         abort_wait = asyncio.ensure_future(aborted.wait())
         await asyncio.wait([all_done, abort_wait], timeout=max_duration_s, return_when=asyncio.FIRST_COMPLETED)
@@ -193,10 +212,14 @@ async def run_schedule(
         if res.e2e_s is None and res.error is None:
             res.error = f"cancelled ({why})" if res.sent else f"not sent ({why})"
     if aborted.is_set() and progress:
-        progress(f"[{label}] aborted: the first {fail_fast_errors} finished requests all failed, e.g. {next(r.error for r in results if r.error)}")
+        progress(
+            f"[{label}] aborted: the first {fail_fast_errors} finished requests all failed, e.g. {next(r.error for r in results if r.error)}"
+        )
     if progress:
         errors = sum(1 for r in results if not r.ok)
-        progress(f"[{label}] finished {len(results) - errors}/{len(results)} requests in {wall:.1f} s ({errors} failed or unsent)")
+        progress(
+            f"[{label}] finished {len(results) - errors}/{len(results)} requests in {wall:.1f} s ({errors} failed or unsent)"
+        )
     return results, wall
 
 
@@ -281,7 +304,11 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict:
         "throughput_rps": round(len(ok) / wall_s, 2) if wall_s > 0 else None,
         "output_tok_per_s": round(sum(r.output_chunks for r in ok) / wall_s, 1) if wall_s > 0 else None,
         "prompt_tok_per_s": round(sum(r.prompt_tokens for r in ok) / wall_s, 1) if wall_s > 0 else None,
-        "usage_cached_share": round(sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_tokens for r in cached)), 4) if cached else None,
+        "usage_cached_share": round(
+            sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_tokens for r in cached)), 4
+        )
+        if cached
+        else None,
     }
 
 
@@ -334,16 +361,35 @@ def replay_mode(trace: Trace, mode: str | ModeSpec, opts: RunOptions, progress=p
     log_dir = os.path.join(opts.log_dir, f"{trace.name}-{spec.label}") if opts.log_dir else None
     frontend_args = (*opts.frontend_args, *spec.frontend_args)
     if spec.prefill_workers and not 0 < spec.prefill_workers < opts.workers:
-        raise RuntimeError(f"{spec.label}: prefill={spec.prefill_workers} needs at least one decode worker of {opts.workers}")
-    cluster = start_cluster(opts.workers, mocker, router_mode=spec.router_mode, frontend_args=frontend_args, log_dir=log_dir,
-                            prefill_workers=spec.prefill_workers)
+        raise RuntimeError(
+            f"{spec.label}: prefill={spec.prefill_workers} needs at least one decode worker of {opts.workers}"
+        )
+    cluster = start_cluster(
+        opts.workers,
+        mocker,
+        router_mode=spec.router_mode,
+        frontend_args=frontend_args,
+        log_dir=log_dir,
+        prefill_workers=spec.prefill_workers,
+    )
     try:
         if progress:
-            progress(f"[{spec.label}] {opts.workers} cold workers + frontend ready in {time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})")
+            progress(
+                f"[{spec.label}] {opts.workers} cold workers + frontend ready in {time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})"
+            )
         metrics_urls = [w.metrics_url for w in cluster.workers]
         before = scrape_cache_counters(metrics_urls)
         results, wall = asyncio.run(
-            run_schedule(cluster.frontend_url, trace, opts.model, opts.max_concurrency, opts.max_duration_s, opts.request_timeout_s, spec.label, progress)
+            run_schedule(
+                cluster.frontend_url,
+                trace,
+                opts.model,
+                opts.max_concurrency,
+                opts.max_duration_s,
+                opts.request_timeout_s,
+                spec.label,
+                progress,
+            )
         )
         cluster.check_alive()
         after = scrape_cache_counters(metrics_urls)
@@ -369,15 +415,29 @@ def replay_mode_or_failure(trace: Trace, spec: ModeSpec, opts: RunOptions, progr
             progress(f"[{spec.label}] run failed: {exc}")
         n = len(trace.requests)
         row = summarize([RequestResult(r.index, r.arrival_s, error=f"run failed: {exc}") for r in trace.requests], 0.0)
-        row.update({"mode": spec.label, "router_mode": spec.router_mode, "frontend_args": list(spec.frontend_args), "cache": None, "hit_rate": None})
+        row.update(
+            {
+                "mode": spec.label,
+                "router_mode": spec.router_mode,
+                "frontend_args": list(spec.frontend_args),
+                "cache": None,
+                "hit_rate": None,
+            }
+        )
         row["requests"] = n
         return row
 
 
-def replay_url(trace: Trace, url: str, label: str, metrics_urls: Sequence[str], opts: RunOptions, progress=print) -> dict:
+def replay_url(
+    trace: Trace, url: str, label: str, metrics_urls: Sequence[str], opts: RunOptions, progress=print
+) -> dict:
     """One replay against an already running frontend (its router mode is whatever it was started with)."""
     before = scrape_cache_counters(metrics_urls)
-    results, wall = asyncio.run(run_schedule(url, trace, opts.model, opts.max_concurrency, opts.max_duration_s, opts.request_timeout_s, label, progress))
+    results, wall = asyncio.run(
+        run_schedule(
+            url, trace, opts.model, opts.max_concurrency, opts.max_duration_s, opts.request_timeout_s, label, progress
+        )
+    )
     after = scrape_cache_counters(metrics_urls)
     summary = summarize(results, wall)
     summary["mode"] = label
@@ -404,25 +464,35 @@ def verdict(report: dict) -> list[str]:
         parts = []
         if row.get("hit_rate") is not None and orc:
             share = row["hit_rate"] / orc
-            parts.append(f"hit rate {row['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} (goal >= {hit_goal:.0%}: {'met' if share >= hit_goal else 'NOT met'})")
+            parts.append(
+                f"hit rate {row['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} (goal >= {hit_goal:.0%}: {'met' if share >= hit_goal else 'NOT met'})"
+            )
         if rr and row["ttft_ms"]["p50"] and rr["ttft_ms"]["p50"]:
             ratio = row["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"]
-            parts.append(f"TTFT p50 = {ratio:.2f} x round_robin's (goal <= {ttft_goal:g}: {'met' if ratio <= ttft_goal else 'NOT met'})")
+            parts.append(
+                f"TTFT p50 = {ratio:.2f} x round_robin's (goal <= {ttft_goal:g}: {'met' if ratio <= ttft_goal else 'NOT met'})"
+            )
         if latency and kv_rows and row["ttft_ms"]["p90"]:
             p90s = {k["mode"]: k["ttft_ms"]["p90"] for k in kv_rows if k["ttft_ms"]["p90"]}
             best = min(p90s.values(), default=None)
             if best:
                 ok = row["ttft_ms"]["p90"] < best
-                parts.append(f"TTFT p90 {row['ttft_ms']['p90']:g} ms vs best kv {best:g} ms ({row['ttft_ms']['p90'] / best:.2f}x; goal < every kv weight: {'met' if ok else 'NOT met'})")
+                parts.append(
+                    f"TTFT p90 {row['ttft_ms']['p90']:g} ms vs best kv {best:g} ms ({row['ttft_ms']['p90'] / best:.2f}x; goal < every kv weight: {'met' if ok else 'NOT met'})"
+                )
         pooled = report.get("pooled_lru")
         if pooled and pooled.get("token_share") and row.get("hit_rate") is not None:
-            parts.append(f"{row['hit_rate'] / pooled['token_share']:.0%} of the pooled-LRU estimate {pooled['token_share']:.1%}")
+            parts.append(
+                f"{row['hit_rate'] / pooled['token_share']:.0%} of the pooled-LRU estimate {pooled['token_share']:.1%}"
+            )
         if parts:
             lines.append(f"{row['mode']}: " + "; ".join(parts))
     for m in rows:
         if m["completed"] < m["requests"]:
             example = next(iter(m.get("error_examples", {}).values()), "")[:160]
-            lines.append(f"{m['mode']}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: {m['errors']} (e.g. {example})")
+            lines.append(
+                f"{m['mode']}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: {m['errors']} (e.g. {example})"
+            )
     return lines
 
 
@@ -452,7 +522,9 @@ def markdown_table(report: dict) -> str:
     if pooled:
         rows.append(
             f"| pooled LRU ({pooled['capacity_blocks']} blocks = all workers' caches as one) | | | | | {fmt(pooled['token_share'], '%')} of prompt tokens "
-            f"| {pooled['token_share'] / orc['token_share']:.0%} | |" if orc["token_share"] else "| pooled LRU | | | | | n/a | | |"
+            f"| {pooled['token_share'] / orc['token_share']:.0%} | |"
+            if orc["token_share"]
+            else "| pooled LRU | | | | | n/a | | |"
         )
     rows.append(
         f"| oracle (infinite shared cache) | | | | | {fmt(orc['token_share'], '%')} of prompt tokens ({fmt(orc['block_share'], '%')} of full blocks) | 100% | |"
@@ -478,15 +550,21 @@ def markdown_report(report: dict) -> str:
         if m.get("frontend_args"):
             lines.append(f"- `{m['mode']}` = router mode {m['router_mode']} with `{' '.join(m['frontend_args'])}`")
         if m.get("prefill_workers"):
-            lines.append(f"- `{m['mode']}` = disaggregated: {m['prefill_workers']} prefill-role workers (prefill router) and the rest "
-                         "decode-role; the hit rate counts only local prefix hits (transferred prompts are not hits)")
+            lines.append(
+                f"- `{m['mode']}` = disaggregated: {m['prefill_workers']} prefill-role workers (prefill router) and the rest "
+                "decode-role; the hit rate counts only local prefix hits (transferred prompts are not hits)"
+            )
     lines += [f"- {v}" for v in report.get("verdict", [])]
     return "\n".join(lines) + "\n"
 
 
 def write_outputs(report: dict, out_dir: str, stem: str) -> dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, f"{stem}.json"), "md": os.path.join(out_dir, f"{stem}.md"), "png": os.path.join(out_dir, f"{stem}.png")}
+    paths = {
+        "json": os.path.join(out_dir, f"{stem}.json"),
+        "md": os.path.join(out_dir, f"{stem}.md"),
+        "png": os.path.join(out_dir, f"{stem}.png"),
+    }
     with open(paths["json"], "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     with open(paths["md"], "w", encoding="utf-8") as f:
@@ -509,7 +587,9 @@ def build_trace(name: str, args: argparse.Namespace) -> Trace:
     path = find_trace(name, args.traces_dir) if name in MOONCAKE_TRACES else name
     if path is None or not os.path.exists(path):
         where = os.path.join(args.traces_dir, MOONCAKE_TRACES[name]) + "[.gz]" if name in MOONCAKE_TRACES else name
-        raise SystemExit(f"trace {name!r}: no such file {where!r} (use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})")
+        raise SystemExit(
+            f"trace {name!r}: no such file {where!r} (use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})"
+        )
     stem = name if name in MOONCAKE_TRACES else os.path.basename(path).removesuffix(".gz").removesuffix(".jsonl")
     window = args.window if args.window is not None else DEFAULT_WINDOWS.get(name, DEFAULT_WINDOW)
     scaling = Scaling(
@@ -535,38 +615,85 @@ def gpu_blocks_for(trace: Trace, args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench replay", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--trace", default="synthetic", help=f"comma-separated: synthetic, {', '.join(MOONCAKE_TRACES)} or a Mooncake JSONL path")
-    p.add_argument("--traces-dir", default=DEFAULT_TRACES_DIR, help="where the Mooncake traces are (.jsonl or .jsonl.gz; default: the copies vendored in bench/data/)")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"router modes to compare (each on fresh workers), from {', '.join(MODES)}")
-    p.add_argument("--variant", action="append", default=None, metavar="LABEL=MODE[,FLAG...]",
-                   help=f"an extra row: a router mode with extra frontend flags (repeat; default: {DEFAULT_VARIANTS[0]}; 'none' for no variant)")
-    p.add_argument("--url", help="replay against this running frontend instead of starting one (one run, labelled --label)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench replay",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--trace",
+        default="synthetic",
+        help=f"comma-separated: synthetic, {', '.join(MOONCAKE_TRACES)} or a Mooncake JSONL path",
+    )
+    p.add_argument(
+        "--traces-dir",
+        default=DEFAULT_TRACES_DIR,
+        help="where the Mooncake traces are (.jsonl or .jsonl.gz; default: the copies vendored in bench/data/)",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"router modes to compare (each on fresh workers), from {', '.join(MODES)}",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        metavar="LABEL=MODE[,FLAG...]",
+        help=f"an extra row: a router mode with extra frontend flags (repeat; default: {DEFAULT_VARIANTS[0]}; 'none' for no variant)",
+    )
+    p.add_argument(
+        "--url", help="replay against this running frontend instead of starting one (one run, labelled --label)"
+    )
     p.add_argument("--label", default="external", help="mode label for --url")
-    p.add_argument("--metrics-url", action="append", default=[], help="with --url: a worker /metrics URL to read cache counters from (repeat)")
-    p.add_argument("--out-dir", default="bench/out", help="where the JSON, markdown, PNG and logs go (bench/out/ is git-ignored)")
+    p.add_argument(
+        "--metrics-url",
+        action="append",
+        default=[],
+        help="with --url: a worker /metrics URL to read cache counters from (repeat)",
+    )
+    p.add_argument(
+        "--out-dir", default="bench/out", help="where the JSON, markdown, PNG and logs go (bench/out/ is git-ignored)"
+    )
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("client")
     g.add_argument("--max-concurrency", type=int, default=64)
-    g.add_argument("--max-duration", type=float, default=240.0, help="seconds per mode before outstanding requests are cancelled")
+    g.add_argument(
+        "--max-duration", type=float, default=240.0, help="seconds per mode before outstanding requests are cancelled"
+    )
     g.add_argument("--request-timeout", type=float, default=120.0)
     g = p.add_argument_group("workers (when the benchmark starts them)")
     g.add_argument("--workers", type=int, default=4)
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-gpu-blocks", default="auto",
-                   help=f"KV blocks per worker rank; auto = {SYNTHETIC_GPU_BLOCKS} for the built-in generator, for Mooncake traces "
-                        "the scaled schedule's distinct blocks / (workers x DP), rounded up to a multiple of 1024")
+    g.add_argument(
+        "--num-gpu-blocks",
+        default="auto",
+        help=f"KV blocks per worker rank; auto = {SYNTHETIC_GPU_BLOCKS} for the built-in generator, for Mooncake traces "
+        "the scaled schedule's distinct blocks / (workers x DP), rounded up to a multiple of 1024",
+    )
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
     g.add_argument("--data-parallel-size", type=int, default=1)
-    g.add_argument("--speedup-ratio", default="0.5",
-                   help="engine speed (mocker speedup ratio); comma-separated for several load levels in one run, e.g. 0.5,0.35 "
-                        "(lower = slower engines = heavier load; outputs then named <trace>-s<ratio>, plus summary.md/.png)")
-    g.add_argument("--frontend-arg", action="append", default=[], help="extra frontend flag (repeat), e.g. --frontend-arg=--router-temperature=0.1")
+    g.add_argument(
+        "--speedup-ratio",
+        default="0.5",
+        help="engine speed (mocker speedup ratio); comma-separated for several load levels in one run, e.g. 0.5,0.35 "
+        "(lower = slower engines = heavier load; outputs then named <trace>-s<ratio>, plus summary.md/.png)",
+    )
+    g.add_argument(
+        "--frontend-arg",
+        action="append",
+        default=[],
+        help="extra frontend flag (repeat), e.g. --frontend-arg=--router-temperature=0.1",
+    )
     g = p.add_argument_group("Mooncake scaling")
     g.add_argument("--start", type=float, default=0.0, help="trace time (s) where the replayed window starts")
-    g.add_argument("--window", type=float, default=None,
-                   help=f"seconds of trace time replayed (0 = all); default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_WINDOWS.items())}, others {DEFAULT_WINDOW:g}")
+    g.add_argument(
+        "--window",
+        type=float,
+        default=None,
+        help=f"seconds of trace time replayed (0 = all); default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_WINDOWS.items())}, others {DEFAULT_WINDOW:g}",
+    )
     g.add_argument("--rate-scale", type=float, default=10.0, help="replay the window this many times faster")
     g.add_argument("--tokens-per-block", type=int, default=64, help="tokens generated per 512-token trace block")
     g.add_argument("--max-prompt-tokens", type=int, default=8192)
@@ -633,18 +760,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         orc: Oracle = oracle([r.tokens for r in trace.requests], args.block_size)
         print(f"== trace {trace.name}: {trace.summary()}")
         print(f"   scaling: {trace.scaling.get('description')}")
-        print(f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, {orc.block_share:.1%} of full blocks")
+        print(
+            f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, {orc.block_share:.1%} of full blocks"
+        )
         pooled = None
         blocks = gpu_blocks_for(trace, args)
         if not args.url:
-            print(f"   KV blocks per worker rank: {blocks} ({'given' if str(args.num_gpu_blocks) != 'auto' else 'auto'})")
+            print(
+                f"   KV blocks per worker rank: {blocks} ({'given' if str(args.num_gpu_blocks) != 'auto' else 'auto'})"
+            )
             capacity = args.workers * args.data_parallel_size * blocks
-            pooled = {"capacity_blocks": capacity, **pooled_lru_hits([r.tokens for r in trace.requests], args.block_size, capacity).as_dict()}
-            print(f"   one pooled LRU cache of all workers' {capacity} blocks would reach {pooled['token_share']:.1%} of prompt tokens")
+            pooled = {
+                "capacity_blocks": capacity,
+                **pooled_lru_hits([r.tokens for r in trace.requests], args.block_size, capacity).as_dict(),
+            }
+            print(
+                f"   one pooled LRU cache of all workers' {capacity} blocks would reach {pooled['token_share']:.1%} of prompt tokens"
+            )
         for speed in loads if not args.url else loads[:1]:
             mode_opts = replace(opts, mocker=replace(opts.mocker, num_gpu_blocks=blocks, speedup_ratio=speed))
             if len(loads) > 1:
-                print(f"-- {trace.name} at speedup ratio {speed:g} (load level {loads.index(speed) + 1} of {len(loads)}), {load_avg()}")
+                print(
+                    f"-- {trace.name} at speedup ratio {speed:g} (load level {loads.index(speed) + 1} of {len(loads)}), {load_avg()}"
+                )
             if args.url:
                 results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, mode_opts)]
                 setup = f"external frontend {args.url}"
@@ -698,7 +836,11 @@ def summary_table(reports: Sequence[dict]) -> str:
         for m in r["modes"]:
             if m["mode"] not in labels:
                 labels.append(m["mode"])
-    head = "| trace | speedup | oracle | " + " | ".join(f"{label}: of oracle, TTFT p50 / p90 ms (p50 vs rr)" for label in labels) + " |"
+    head = (
+        "| trace | speedup | oracle | "
+        + " | ".join(f"{label}: of oracle, TTFT p50 / p90 ms (p50 vs rr)" for label in labels)
+        + " |"
+    )
     rows = [head, "| " + " | ".join(["---"] * (3 + len(labels))) + " |"]
     for r in reports:
         by = {m["mode"]: m for m in r["modes"]}
@@ -713,13 +855,19 @@ def summary_table(reports: Sequence[dict]) -> str:
             share = f"{m['hit_rate'] / orc:.0%}" if m.get("hit_rate") is not None and orc else "n/a"
             ratio = f" ({m['ttft_ms']['p50'] / rr['ttft_ms']['p50']:.2f}x)" if rr and rr["ttft_ms"]["p50"] else ""
             cells.append(f"{share}, {fmt(m['ttft_ms']['p50'])} / {fmt(m['ttft_ms']['p90'])}{ratio}")
-        rows.append(f"| {r['trace']['name']} | {r.get('speedup_ratio', 'n/a')} | {orc:.1%} | " + " | ".join(cells) + " |")
+        rows.append(
+            f"| {r['trace']['name']} | {r.get('speedup_ratio', 'n/a')} | {orc:.1%} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(rows)
 
 
 def write_summary(reports: Sequence[dict], out_dir: str) -> dict[str, str]:
     """summary.md (the side-by-side table and every run's verdict) and summary.png (one panel pair per run)."""
-    paths = {"md": os.path.join(out_dir, "summary.md"), "png": os.path.join(out_dir, "summary.png"), "json": os.path.join(out_dir, "summary.json")}
+    paths = {
+        "md": os.path.join(out_dir, "summary.md"),
+        "png": os.path.join(out_dir, "summary.png"),
+        "json": os.path.join(out_dir, "summary.json"),
+    }
     lines = ["# Replay summary", "", f"Command: `{reports[0]['command']}`", "", summary_table(reports), ""]
     for r in reports:
         lines.append(f"- {r['trace']['name']} at speedup {r.get('speedup_ratio')}: " + "; ".join(r.get("verdict", [])))

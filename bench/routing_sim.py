@@ -20,12 +20,13 @@ import sys
 import time
 from collections.abc import Sequence as Seq
 
-from bench.replay import build_trace, gpu_blocks_for, parse_loads, parser as replay_parser, percentile
+from bench.replay import build_trace, gpu_blocks_for, parse_loads, percentile
+from bench.replay import parser as replay_parser
 from bench.traces import Trace, oracle
+from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from mocker.engine import RankScheduler, Sequence
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
-from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from router.latency import LatencyModels, LatencyPrior, score_latency
 from router.selection import CandidateLoad, choose, score_candidates
 from slot_tracker.core import SlotTracker
@@ -41,8 +42,17 @@ class _Clock:
         return self.now
 
 
-def simulate(trace: Trace, policy: str, workers: int, blocks: int, speedup: float, block_size: int = 16,
-             max_num_seqs: int = 64, max_batched: int = 4096, seed: int = 0) -> dict:
+def simulate(
+    trace: Trace,
+    policy: str,
+    workers: int,
+    blocks: int,
+    speedup: float,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+    max_batched: int = 4096,
+    seed: int = 0,
+) -> dict:
     """Route and run every request of ``trace``; returns TTFT percentiles (ms) and the hit rate."""
     clock = _Clock()
     rng = random.Random(seed)
@@ -71,8 +81,19 @@ def simulate(trace: Trace, policy: str, workers: int, blocks: int, speedup: floa
     def on_finished(seq: Sequence, _reason: str) -> None:
         tracker.free(seq.request_id, notify=False)
 
-    ranks = [RankScheduler(KvCache(blocks, block_size, ext_seed=w, emit_events=False), perf, max_num_seqs, max_batched, None,
-                           on_first_token=on_first, on_finished=on_finished, clock=clock) for w in range(workers)]
+    ranks = [
+        RankScheduler(
+            KvCache(blocks, block_size, ext_seed=w, emit_events=False),
+            perf,
+            max_num_seqs,
+            max_batched,
+            None,
+            on_first_token=on_first,
+            on_finished=on_finished,
+            clock=clock,
+        )
+        for w in range(workers)
+    ]
     busy_until = [None] * workers  # (end time, step) of the step in flight per rank
     events: list[tuple[float, int, int, int]] = []  # (time, kind 0=step end 1=arrival, order, index)
     for r in trace.requests:
@@ -130,16 +151,30 @@ def simulate(trace: Trace, policy: str, workers: int, blocks: int, speedup: floa
         tracker.add(rid, w, 0, seq_h, new)
         decisions[rid] = (w, work, dec)
         sent_at[rid] = t
-        ranks[w].add(Sequence(rid, list(req.tokens), req.max_tokens, lambda tok, reason: None, random.Random(idx),
-                              ignore_eos=True, arrival_time=t))
+        ranks[w].add(
+            Sequence(
+                rid,
+                list(req.tokens),
+                req.max_tokens,
+                lambda tok, reason: None,
+                random.Random(idx),
+                ignore_eos=True,
+                arrival_time=t,
+            )
+        )
         kick(w)
     queries = sum(r.stats.prefix_cache_queries for r in ranks)
     hits = sum(r.stats.prefix_cache_hits for r in ranks)
     vals = list(ttfts.values())
-    return {"policy": policy, "speedup": speedup, "completed": len(vals), "requests": len(trace.requests),
-            "hit_rate": hits / queries if queries else None,
-            "ttft_ms": {f"p{p}": round(1e3 * percentile(vals, p), 1) for p in (50, 90, 99)} if vals else None,
-            "latency_models": models.snapshot() if policy == "latency" else None}
+    return {
+        "policy": policy,
+        "speedup": speedup,
+        "completed": len(vals),
+        "requests": len(trace.requests),
+        "hit_rate": hits / queries if queries else None,
+        "ttft_ms": {f"p{p}": round(1e3 * percentile(vals, p), 1) for p in (50, 90, 99)} if vals else None,
+        "latency_models": models.snapshot() if policy == "latency" else None,
+    }
 
 
 def ttft_floor_ms(trace: Trace, block_size: int, speedup: float, p: float = 50) -> float:
@@ -162,8 +197,13 @@ def ttft_floor_ms(trace: Trace, block_size: int, speedup: float, p: float = 50) 
 
 
 def main(argv: Seq[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench routing_sim", description=__doc__.split("\n\n")[0], parents=[replay_parser()], add_help=False,
-                                conflict_handler="resolve")
+    p = argparse.ArgumentParser(
+        prog="python -m bench routing_sim",
+        description=__doc__.split("\n\n")[0],
+        parents=[replay_parser()],
+        add_help=False,
+        conflict_handler="resolve",
+    )
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
     args = p.parse_args(argv)
     for name in [t.strip() for t in args.trace.split(",") if t.strip()]:
@@ -175,17 +215,31 @@ def main(argv: Seq[str] | None = None) -> int:
             rows = []
             for pol in [x.strip() for x in args.policies.split(",") if x.strip()]:
                 t0 = time.process_time()
-                r = simulate(trace, pol, args.workers, blocks, speed, args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.seed)
+                r = simulate(
+                    trace,
+                    pol,
+                    args.workers,
+                    blocks,
+                    speed,
+                    args.block_size,
+                    args.max_num_seqs,
+                    args.max_num_batched_tokens,
+                    args.seed,
+                )
                 r["cpu_s"] = round(time.process_time() - t0, 1)
                 rows.append(r)
             rr = next((r for r in rows if r["policy"] == "round_robin"), None)
             floor = ttft_floor_ms(trace, args.block_size, speed)
-            print(f"  speedup {speed:g} floor (oracle cache, no queueing, no decode): TTFT p50 {floor} ms"
-                  + (f" = {floor / rr['ttft_ms']['p50']:.2f}x rr" if rr else ""))
+            print(
+                f"  speedup {speed:g} floor (oracle cache, no queueing, no decode): TTFT p50 {floor} ms"
+                + (f" = {floor / rr['ttft_ms']['p50']:.2f}x rr" if rr else "")
+            )
             for r in rows:
                 ratio = f"{r['ttft_ms']['p50'] / rr['ttft_ms']['p50']:.2f}x rr" if rr else ""
-                print(f"  speedup {speed:g} {r['policy']:>12}: hit {r['hit_rate']:.1%} ({r['hit_rate'] / orc:.0%} of oracle), "
-                      f"TTFT p50/p90/p99 {r['ttft_ms']['p50']}/{r['ttft_ms']['p90']}/{r['ttft_ms']['p99']} ms {ratio} [{r['cpu_s']} s]")
+                print(
+                    f"  speedup {speed:g} {r['policy']:>12}: hit {r['hit_rate']:.1%} ({r['hit_rate'] / orc:.0%} of oracle), "
+                    f"TTFT p50/p90/p99 {r['ttft_ms']['p50']}/{r['ttft_ms']['p90']}/{r['ttft_ms']['p99']} ms {ratio} [{r['cpu_s']} s]"
+                )
     return 0
 
 

@@ -27,13 +27,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import httpx
 
 from kvroute_common.hashing import list_to_i64, sequence_hashes
-
 from kvroute_common.ports import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +42,13 @@ WORKERS, RANKS, REQUESTS_PER_RANK, QUERY_BLOCKS = 3, 3, 4, 64
 
 @contextmanager
 def process(args: list[str], health_url: str) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -72,14 +77,26 @@ def workload(seed: int = 7) -> tuple[list[dict], dict]:
     query_local = [rng.getrandbits(64) for _ in range(QUERY_BLOCKS)]
     setup: list[dict] = []
     for w in range(1, WORKERS + 1):
-        setup.append({"path": "/register", "body": {"worker_id": w, "model_name": MODEL, "block_size": 16, "dp_start": 0, "dp_size": RANKS}})
+        setup.append(
+            {
+                "path": "/register",
+                "body": {"worker_id": w, "model_name": MODEL, "block_size": 16, "dp_start": 0, "dp_size": RANKS},
+            }
+        )
     n = 0
     for w in range(1, WORKERS + 1):
         for r in range(RANKS):
             for _ in range(REQUESTS_PER_RANK):
                 shared = rng.randrange(0, QUERY_BLOCKS)  # prefix shared with the query
                 local = query_local[:shared] + [rng.getrandbits(64) for _ in range(rng.randrange(8, 64))]
-                body = {"model_name": MODEL, "request_id": f"req-{n}", "worker_id": w, "dp_rank": r, "sequence_hashes": list_to_i64(sequence_hashes(local)), "new_isl_tokens": rng.randrange(16, 2048)}
+                body = {
+                    "model_name": MODEL,
+                    "request_id": f"req-{n}",
+                    "worker_id": w,
+                    "dp_rank": r,
+                    "sequence_hashes": list_to_i64(sequence_hashes(local)),
+                    "new_isl_tokens": rng.randrange(16, 2048),
+                }
                 setup.append({"path": "/add", "body": body})
                 n += 1
     query = {"model_name": MODEL, "sequence_hashes": list_to_i64(sequence_hashes(query_local)), "new_isl_tokens": 512}
@@ -112,7 +129,19 @@ def cpu_seconds(pid: int) -> float:
 def run_wrk(url: str, lua_path: str, duration: int, connections: int, threads: int, pid: int | None = None) -> dict:
     cpu0 = cpu_seconds(pid) if pid else 0.0
     out = subprocess.run(
-        ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration}s", "--latency", "-s", lua_path, f"{url}/potential_loads"],
+        [
+            "wrk",
+            "-t",
+            str(threads),
+            "-c",
+            str(connections),
+            "-d",
+            f"{duration}s",
+            "--latency",
+            "-s",
+            lua_path,
+            f"{url}/potential_loads",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -137,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="wrk threads")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per service, order alternating (best and paired ratios reported)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds per service, order alternating (best and paired ratios reported)"
+    )
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     ns = p.parse_args(argv)
@@ -155,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         import importlib.util
 
         if importlib.util.find_spec("dynamo") is None:
-            print("reference not installed: pip install ai-dynamo-runtime==1.6.1 (or pass --no-reference)", file=sys.stderr)
+            print(
+                "reference not installed: pip install ai-dynamo-runtime==1.6.1 (or pass --no-reference)",
+                file=sys.stderr,
+            )
             return 2
         services["reference"] = (["-m", "dynamo.slot_tracker", "--port", str(free_port())], "routing_group")
     results: dict[str, list[dict]] = {name: [] for name in services}
@@ -199,14 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"POST /potential_loads, {QUERY_BLOCKS} hashes, {WORKERS * RANKS} ranks x {REQUESTS_PER_RANK} active requests; wrk -t{ns.threads} -c{ns.connections} -d{ns.duration}s, best of {ns.rounds}")
+    print(
+        f"POST /potential_loads, {QUERY_BLOCKS} hashes, {WORKERS * RANKS} ranks x {REQUESTS_PER_RANK} active requests; wrk -t{ns.threads} -c{ns.connections} -d{ns.duration}s, best of {ns.rounds}"
+    )
     print(f"{'service':<10} {'req/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>11}   runs (req/s)")
     for name, s in summary.items():
         if isinstance(s, dict):
-            print(f"{name:<10} {s['rps']:>10.0f} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['cpu_us_per_req']:>11.1f}   {', '.join(f'{x:.0f}' for x in s['all_rps'])}")
+            print(
+                f"{name:<10} {s['rps']:>10.0f} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['cpu_us_per_req']:>11.1f}   {', '.join(f'{x:.0f}' for x in s['all_rps'])}"
+            )
     if "ratio_ours_over_reference" in summary:
         print(f"ratio ours/reference (best of each): {summary['ratio_ours_over_reference']:.2f}x (target >= 0.40x)")
-        print(f"paired ratios per round: {', '.join(f'{x:.2f}' for x in summary['paired_ratios'])}; median {summary['median_paired_ratio']:.2f}x")
+        print(
+            f"paired ratios per round: {', '.join(f'{x:.2f}' for x in summary['paired_ratios'])}; median {summary['median_paired_ratio']:.2f}x"
+        )
     return 0
 
 

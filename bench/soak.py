@@ -83,8 +83,9 @@ def _prompts(seed: int, n_systems: int = 16) -> tuple[list[str], list[str]]:
     return systems, words
 
 
-async def _load(url: str, duration: float, interval: float, concurrency: int, max_tokens: int, seed: int,
-                pid: int, on_sample: Any) -> list[Sample]:
+async def _load(
+    url: str, duration: float, interval: float, concurrency: int, max_tokens: int, seed: int, pid: int, on_sample: Any
+) -> list[Sample]:
     """Closed-loop streaming clients for ``duration`` seconds; one Sample per interval."""
     import httpx
 
@@ -100,8 +101,13 @@ async def _load(url: str, duration: float, interval: float, concurrency: int, ma
         nonlocal failures
         while time.monotonic() < end:
             user = " ".join(rng.choice(words) for _ in range(rng.randint(20, 120)))
-            body = {"model": MODEL, "stream": True, "max_tokens": rng.randint(4, max_tokens), "ignore_eos": True,
-                    "messages": [{"role": "system", "content": rng.choice(systems)}, {"role": "user", "content": user}]}
+            body = {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": rng.randint(4, max_tokens),
+                "ignore_eos": True,
+                "messages": [{"role": "system", "content": rng.choice(systems)}, {"role": "user", "content": user}],
+            }
             start = time.monotonic()
             try:
                 async with c.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -124,8 +130,14 @@ async def _load(url: str, duration: float, interval: float, concurrency: int, ma
             await asyncio.sleep(max(0.0, next_t - time.monotonic()))  # a clock for sampling, not synchronisation
             lat, latencies = latencies, []
             fails, failures = failures, 0
-            s = Sample(round(next_t - t0, 1), round(rss_mib(pid), 2), len(lat), fails,
-                       round(_pct(lat, 50), 2) if lat else None, round(_pct(lat, 99), 2) if lat else None)
+            s = Sample(
+                round(next_t - t0, 1),
+                round(rss_mib(pid), 2),
+                len(lat),
+                fails,
+                round(_pct(lat, 50), 2) if lat else None,
+                round(_pct(lat, 99), 2) if lat else None,
+            )
             samples.append(s)
             on_sample(s)
             next_t += interval
@@ -141,7 +153,9 @@ def judge(samples: list[Sample], warmup: float, p99_factor: float = 3.0, max_gro
     warm = [s for s in samples if s.t <= warmup]
     after = [s for s in samples if s.t > warmup]
     if not warm or len(after) < 2:
-        raise ValueError("need at least one sample in the warm-up and two after it: lengthen --duration or shorten --interval")
+        raise ValueError(
+            "need at least one sample in the warm-up and two after it: lengthen --duration or shorten --interval"
+        )
     base = warm[-1].rss_mib
     peak = max(s.rss_mib for s in after)
     growth = (peak - base) / base * 100
@@ -161,8 +175,17 @@ def judge(samples: list[Sample], warmup: float, p99_factor: float = 3.0, max_gro
     failures = sum(s.failures for s in samples)
     if failures:
         reasons.append(f"{failures} request(s) failed")
-    return Verdict(round(base, 2), round(peak, 2), round(growth, 3), round(p99_early, 2), round(p99_late, 2),
-                   requests, failures, not reasons, reasons)
+    return Verdict(
+        round(base, 2),
+        round(peak, 2),
+        round(growth, 3),
+        round(p99_early, 2),
+        round(p99_late, 2),
+        requests,
+        failures,
+        not reasons,
+        reasons,
+    )
 
 
 def plot(samples: list[Sample], warmup: float, path: str) -> None:
@@ -191,34 +214,57 @@ def plot(samples: list[Sample], warmup: float, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default %(default)s)")
     p.add_argument("--interval", type=float, default=30.0, help="seconds per sample (default %(default)s)")
-    p.add_argument("--warmup", type=float, default=None, help="seconds excluded from the verdict (default: a fifth of --duration)")
+    p.add_argument(
+        "--warmup", type=float, default=None, help="seconds excluded from the verdict (default: a fifth of --duration)"
+    )
     p.add_argument("--workers", type=int, default=2, help="mockers (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a request (default %(default)s)")
-    p.add_argument("--speedup-ratio", type=float, default=4.0, help="the mockers' --speedup-ratio (default %(default)s)")
+    p.add_argument(
+        "--speedup-ratio", type=float, default=4.0, help="the mockers' --speedup-ratio (default %(default)s)"
+    )
     p.add_argument("--p99-factor", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="soak-out", help="output directory (default %(default)s)")
     args = p.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else args.duration / 5
-    if not (args.duration > 0 and 0 < args.interval <= args.duration and 0 <= warmup < args.duration and args.concurrency > 0):
+    if not (
+        args.duration > 0
+        and 0 < args.interval <= args.duration
+        and 0 <= warmup < args.duration
+        and args.concurrency > 0
+    ):
         p.error("need duration > 0, 0 < interval <= duration, 0 <= warmup < duration, concurrency > 0")
 
     from kvroute_common.local_cluster import MockerOptions, start_cluster
 
     os.makedirs(args.out, exist_ok=True)
     opts = MockerOptions(speedup_ratio=args.speedup_ratio, num_gpu_blocks=2048)
-    with start_cluster(args.workers, opts, frontend_args=["--log-level", "warning"], log_dir=os.path.join(args.out, "logs")) as cluster:
+    with start_cluster(
+        args.workers, opts, frontend_args=["--log-level", "warning"], log_dir=os.path.join(args.out, "logs")
+    ) as cluster:
         pid = cluster.frontend.proc.pid  # type: ignore[union-attr]
 
         def show(s: Sample) -> None:
             print(json.dumps(asdict(s)), flush=True)
 
-        samples = asyncio.run(_load(cluster.frontend_url or "", args.duration, args.interval, args.concurrency,
-                                    args.max_tokens, args.seed, pid, show))
+        samples = asyncio.run(
+            _load(
+                cluster.frontend_url or "",
+                args.duration,
+                args.interval,
+                args.concurrency,
+                args.max_tokens,
+                args.seed,
+                pid,
+                show,
+            )
+        )
         cluster.check_alive()
     with open(os.path.join(args.out, "soak.csv"), "w", newline="") as f:
         w = csv.writer(f)

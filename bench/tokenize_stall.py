@@ -34,8 +34,14 @@ def _pct(values: list[float], p: float) -> float:
 def _summary(ms: list[float]) -> dict[str, float]:
     if not ms:
         return {"n": 0}
-    return {"n": len(ms), "p50": round(_pct(ms, 50), 1), "p90": round(_pct(ms, 90), 1), "p99": round(_pct(ms, 99), 1),
-            "max": round(max(ms), 1), "mean": round(statistics.fmean(ms), 1)}
+    return {
+        "n": len(ms),
+        "p50": round(_pct(ms, 50), 1),
+        "p90": round(_pct(ms, 90), 1),
+        "p99": round(_pct(ms, 99), 1),
+        "max": round(max(ms), 1),
+        "mean": round(statistics.fmean(ms), 1),
+    }
 
 
 def big_text(n_chars: int, seed: int) -> str:
@@ -78,14 +84,20 @@ async def _tiny_open_loop(client, interval: float, out: list[tuple[float, float]
 async def _run_mode(url: str, prompt_chars: int, n_big: int, rate: float, idle_secs: float) -> dict:
     import httpx
 
-    bodies = [json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": big_text(prompt_chars, k)}]}).encode()
-              for k in range(n_big)]
+    bodies = [
+        json.dumps(
+            {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": big_text(prompt_chars, k)}]}
+        ).encode()
+        for k in range(n_big)
+    ]
     samples: list[tuple[float, float]] = []  # (sent at, latency ms)
     windows: list[tuple[float, float]] = []  # huge prompt in flight: [start, end)
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as tiny, \
-            httpx.AsyncClient(base_url=url, timeout=300.0) as big:
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as tiny,
+        httpx.AsyncClient(base_url=url, timeout=300.0) as big,
+    ):
         for i in range(20):  # warm the connections and caches
             await _one_tiny(tiny, -i, [])
         sender = asyncio.create_task(_tiny_open_loop(tiny, 1.0 / rate, samples, stop))
@@ -103,13 +115,18 @@ async def _run_mode(url: str, prompt_chars: int, n_big: int, rate: float, idle_s
         await sender
     busy = [ms for t, ms in samples if any(a <= t < b for a, b in windows)]
     idle = [ms for t, ms in samples if t < windows[0][0]] if windows else [ms for _, ms in samples]
-    return {"tiny_while_big_in_flight_ms": _summary(busy), "tiny_idle_ms": _summary(idle),
-            "big_request_ms": _summary(big_ms), "big_statuses": sorted(set(statuses))}
+    return {
+        "tiny_while_big_in_flight_ms": _summary(busy),
+        "tiny_idle_ms": _summary(idle),
+        "big_request_ms": _summary(big_ms),
+        "big_statuses": sorted(set(statuses)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench tokenize_stall", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench tokenize_stall", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--prompt-mb", type=float, default=3.0, help="size of each huge prompt in MB of text [3]")
     ap.add_argument("--big", type=int, default=4, help="huge prompts per mode, sent one after another [4]")
     ap.add_argument("--rate", type=float, default=50.0, help="tiny requests per second, sent open loop [50]")

@@ -213,7 +213,9 @@ def scale_mooncake(rows: Iterable[dict], scaling: Scaling, seed: int = 0, name: 
     if requests:  # the schedule starts with the first request of the window, not with empty time
         t0 = requests[0].arrival_s
         requests = [TraceRequest(r.index, r.arrival_s - t0, r.tokens, r.max_tokens) for r in requests]
-    return Trace(name, requests, {"kind": "mooncake", "seed": seed, **asdict(scaling), "description": scaling.describe()})
+    return Trace(
+        name, requests, {"kind": "mooncake", "seed": seed, **asdict(scaling), "description": scaling.describe()}
+    )
 
 
 def load_mooncake(path: str, scaling: Scaling, seed: int = 0, name: str | None = None) -> Trace:
@@ -282,7 +284,9 @@ def distinct_blocks(prompts: Iterable[Sequence[int]], block_size: int) -> int:
     return len(seen)
 
 
-def pooled_lru_hits(prompts: Iterable[Sequence[int]], block_size: int, capacity_blocks: int, recompute_last_token: bool = True) -> Oracle:
+def pooled_lru_hits(
+    prompts: Iterable[Sequence[int]], block_size: int, capacity_blocks: int, recompute_last_token: bool = True
+) -> Oracle:
     """Prefix reuse of one LRU cache of ``capacity_blocks`` blocks (all workers' caches pooled).
 
     The infinite-cache oracle ignores capacity; on traces whose prefixes come back long after they

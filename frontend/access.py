@@ -31,7 +31,9 @@ from .errors import openai_error_body
 
 log = logging.getLogger("frontend")
 
-_OPEN_PATHS = frozenset(("/health", "/live", "/metrics", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"))
+_OPEN_PATHS = frozenset(
+    ("/health", "/live", "/metrics", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css")
+)
 HEALTH_DRAINING = orjson.dumps({"status": "shutting_down", "message": "Service is shutting down"})
 _DRAINING_V1 = openai_error_body(503, "The server is shutting down; retry the request (another replica will take it)")
 
@@ -46,10 +48,21 @@ def access_level(method: str, path: str) -> int:
 
 def refusal_body(path: str, level: int, missing: bool) -> bytes:
     if path.startswith("/v1/"):
-        message = ("You didn't provide an API key. Send it as `Authorization: Bearer <key>`." if missing
-                   else "Incorrect API key provided.")
-        return orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}})
-    return orjson.dumps({"error": "admin token required: send `Authorization: Bearer <admin token>`" if missing else "invalid admin token"})
+        message = (
+            "You didn't provide an API key. Send it as `Authorization: Bearer <key>`."
+            if missing
+            else "Incorrect API key provided."
+        )
+        return orjson.dumps(
+            {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+        )
+    return orjson.dumps(
+        {
+            "error": "admin token required: send `Authorization: Bearer <admin token>`"
+            if missing
+            else "invalid admin token"
+        }
+    )
 
 
 def _refuse_while_draining(method: str, path: str) -> bytes | None:
@@ -61,11 +74,15 @@ def guard_app(app: Any, ns: argparse.Namespace, drain: Drain | None) -> Any:
     policy = policy_from_args(ns, access_level, refusal_body)
     if policy is not None:
         if policy.api_keys and not policy.admin_tokens:
-            log.warning("--api-key is set but no --admin-token: /admin/*, POST /busy_threshold and the tracker routes are open")
+            log.warning(
+                "--api-key is set but no --admin-token: /admin/*, POST /busy_threshold and the tracker routes are open"
+            )
         log.info("access control on: %d API key(s), %d admin token(s)", len(policy.api_keys), len(policy.admin_tokens))
         app = AuthMiddleware(app, policy)
     if drain is not None:
-        app = DrainMiddleware(app, drain, health_paths=("/health",), health_body=HEALTH_DRAINING, refuse=_refuse_while_draining)
+        app = DrainMiddleware(
+            app, drain, health_paths=("/health",), health_body=HEALTH_DRAINING, refuse=_refuse_while_draining
+        )
     return app
 
 

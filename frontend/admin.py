@@ -14,8 +14,8 @@ from starlette.routing import BaseRoute
 
 from kvroute_common.http import ApiError, json_response, read_json
 
-from .models import BusyThresholds, validate_update
 from .errors import openai_error_response
+from .models import BusyThresholds, validate_update
 from .state import FrontendState
 from .supervisor import child_index
 from .workers import WorkerSpec
@@ -27,7 +27,9 @@ class AdminRoutes:
 
     async def models(self, request: Request) -> Response:
         now = int(time.time())
-        data = [{"id": name, "object": "model", "created": now, "owned_by": "kvroute"} for name in sorted(self.state.models)]
+        data = [
+            {"id": name, "object": "model", "created": now, "owned_by": "kvroute"} for name in sorted(self.state.models)
+        ]
         return json_response({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
@@ -41,20 +43,35 @@ class AdminRoutes:
         if st.shutting_down:
             return json_response({"status": "shutting_down", "message": "Service is shutting down"}, 503)
         workers = list(st.pool.workers.values())
-        instances = [{"worker_id": w.id, "url": w.spec.url, "healthy": w.healthy, "models": w.models, "dp_size": w.spec.dp_size,
-                      "last_error": w.last_error} for w in workers]
+        instances = [
+            {
+                "worker_id": w.id,
+                "url": w.spec.url,
+                "healthy": w.healthy,
+                "models": w.models,
+                "dp_size": w.spec.dp_size,
+                "last_error": w.last_error,
+            }
+            for w in workers
+        ]
         endpoints = sorted({w.spec.url for w in workers if w.healthy})
         ready = any(e.ready for e in st.models.values())
-        body = {"status": "healthy" if ready else "not_ready",
-                "message": "Service is ready" if ready else "No healthy worker yet",
-                "endpoints": endpoints, "instances": instances, "models": sorted(st.models)}
+        body = {
+            "status": "healthy" if ready else "not_ready",
+            "message": "Service is ready" if ready else "No healthy worker yet",
+            "endpoints": endpoints,
+            "instances": instances,
+            "models": sorted(st.models),
+        }
         return json_response(body, 200 if ready else 503)
 
     async def live(self, request: Request) -> Response:
         if self.state.shutting_down:
             return json_response({"status": "shutting_down", "message": "Service is shutting down"}, 503)
         # pid / process: which of the `--workers N` processes answered (frontend/supervisor.py)
-        return json_response({"status": "live", "message": "Service is live", "pid": os.getpid(), "process": child_index() or 0})
+        return json_response(
+            {"status": "live", "message": "Service is live", "pid": os.getpid(), "process": child_index() or 0}
+        )
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -76,8 +93,11 @@ class AdminRoutes:
         frac = body.get("active_prefill_tokens_threshold_frac")
         if isinstance(prefill, float) and prefill.is_integer():
             prefill = int(prefill)
-        for name, v in (("active_decode_blocks_threshold", decode), ("active_prefill_tokens_threshold", prefill),
-                        ("active_prefill_tokens_threshold_frac", frac)):
+        for name, v in (
+            ("active_decode_blocks_threshold", decode),
+            ("active_prefill_tokens_threshold", prefill),
+            ("active_prefill_tokens_threshold_frac", frac),
+        ):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ApiError(422, f"Failed to deserialize the JSON body into the target type: {name}: invalid type")
         if decode is None and prefill is None and frac is None:
@@ -111,7 +131,11 @@ class AdminRoutes:
             row = w.describe()
             ev = events.get(w.id)
             if ev is not None:  # the embedded indexer's KV-event listeners of this worker, with their health
-                row["kv_events"] = {"status": ev["status"], "listeners": ev["listeners"], "health": st.events.health(w.id)}
+                row["kv_events"] = {
+                    "status": ev["status"],
+                    "listeners": ev["listeners"],
+                    "health": st.events.health(w.id),
+                }
             parity = st.parity.describe(w.id)
             if parity is not None:
                 row["hash_parity"] = parity

@@ -75,7 +75,7 @@ async def _until_disconnect(receive: Receive) -> None:
 class _Waiter:
     __slots__ = ("fut", "hints", "isl", "cached")
 
-    def __init__(self, fut: asyncio.Future, hints: "RequestHints", isl: int = 0, cached: int = 0) -> None:
+    def __init__(self, fut: asyncio.Future, hints: RequestHints, isl: int = 0, cached: int = 0) -> None:
         self.fut = fut
         self.hints = hints
         self.isl = isl  # prompt tokens, for the pending-ISL gauge
@@ -87,7 +87,7 @@ class AdmissionQueue:
 
     def __init__(
         self,
-        policy: "QueuePolicy | str | None",
+        policy: QueuePolicy | str | None,
         threshold: float | None,
         capacity_check: CapacityCheck,
         *,
@@ -127,8 +127,15 @@ class AdmissionQueue:
 
     # --- request path ----------------------------------------------------------------------------
 
-    async def wait(self, model: str, hints: "RequestHints", *, new_tokens: int = 0, receive: Receive | None = None,
-                   cached_tokens: "Callable[[], int] | None" = None) -> float:
+    async def wait(
+        self,
+        model: str,
+        hints: RequestHints,
+        *,
+        new_tokens: int = 0,
+        receive: Receive | None = None,
+        cached_tokens: Callable[[], int] | None = None,
+    ) -> float:
         """Return (seconds held) once this request may be routed.
 
         ``new_tokens``: uncached prompt tokens on the best eligible worker (WSPT's weight).
@@ -154,7 +161,10 @@ class AdmissionQueue:
             q = self._queues[model] = PendingQueue(self.policy)
         if self.max_queued is not None and len(q) >= self.max_queued:
             self.rejected_full += 1
-            raise QueueRejected("request_limit", f"router queue for model {model} is full ({self.max_queued} requests held); retry later")
+            raise QueueRejected(
+                "request_limit",
+                f"router queue for model {model} is full ({self.max_queued} requests held); retry later",
+            )
         fut = loop.create_future()
         start = self._clock()
         entry = q.push(
@@ -181,8 +191,11 @@ class AdmissionQueue:
                     self.cancelled_while_waiting += 1
                     raise ClientDisconnected(f"client disconnected while queued for model {model}")
                 self.rejected_timeout += 1
-                raise QueueRejected("queue_timeout", f"request waited {self.queue_timeout:g} s in the router queue for model {model} "
-                                                     "without capacity; retry later")
+                raise QueueRejected(
+                    "queue_timeout",
+                    f"request waited {self.queue_timeout:g} s in the router queue for model {model} "
+                    "without capacity; retry later",
+                )
         except asyncio.CancelledError:
             if q.remove(entry):
                 self.cancelled_while_waiting += 1

@@ -57,6 +57,8 @@ def build_app(state: FrontendState) -> Starlette:
         finally:
             await state.stop()
 
-    app = Starlette(routes=routes, exception_handlers=openai_exception_handlers(exception_handlers()), lifespan=lifespan)
+    app = Starlette(
+        routes=routes, exception_handlers=openai_exception_handlers(exception_handlers()), lifespan=lifespan
+    )
     app.state.frontend = state
     return app

@@ -93,7 +93,9 @@ def engine_kind(metrics_text: str) -> str:
 
 def apply_models(cap: EngineCapacity, models_json: Any) -> None:
     data = models_json.get("data") if isinstance(models_json, dict) else None
-    lens = [m.get("max_model_len") for m in data or [] if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)]
+    lens = [
+        m.get("max_model_len") for m in data or [] if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)
+    ]
     if lens:
         cap.set("max_model_len", min(lens), "/v1/models")
     owners = {m.get("owned_by") for m in data or [] if isinstance(m, dict)}
@@ -163,7 +165,9 @@ def apply_sglang_server_info(cap: EngineCapacity, info: Any) -> None:
         cap.engine = "sglang" if cap.engine in ("unknown", "sglang") else cap.engine
 
 
-async def read_capacity(client: httpx.AsyncClient, spec_values: dict[str, int | None], models_json: Any, timeout: float) -> EngineCapacity:
+async def read_capacity(
+    client: httpx.AsyncClient, spec_values: dict[str, int | None], models_json: Any, timeout: float
+) -> EngineCapacity:
     """Everything the worker exposes, spec values first; HTTP failures just leave values unknown."""
     cap = EngineCapacity()
     for name in ALL_FIELDS:
@@ -176,7 +180,9 @@ async def read_capacity(client: httpx.AsyncClient, spec_values: dict[str, int | 
     except httpx.HTTPError:
         pass
     if cap.engine in ("vllm", "mocker", "unknown") and any(f not in cap.values for f in ALL_FIELDS):
-        await _try_json(client, "/server_info", {"config_format": "json"}, timeout, lambda j: apply_vllm_server_info(cap, j))
+        await _try_json(
+            client, "/server_info", {"config_format": "json"}, timeout, lambda j: apply_vllm_server_info(cap, j)
+        )
     if cap.engine in ("sglang", "unknown") and cap.unknown:
         await _try_json(client, "/get_server_info", None, timeout, lambda j: apply_sglang_server_info(cap, j))
     return cap
@@ -196,11 +202,15 @@ def unknown_capacity_message(worker_id: int, cap: EngineCapacity) -> str:
     missing = cap.unknown
     hints = []
     if "max_num_batched_tokens" in missing:
-        hints.append("max_num_batched_tokens: --active-prefill-tokens-threshold-frac and --router-queue-threshold use "
-                     "10000000 for it (vLLM exports it only on /server_info with VLLM_SERVER_DEV_MODE=1)")
+        hints.append(
+            "max_num_batched_tokens: --active-prefill-tokens-threshold-frac and --router-queue-threshold use "
+            "10000000 for it (vLLM exports it only on /server_info with VLLM_SERVER_DEV_MODE=1)"
+        )
     if "num_gpu_blocks" in missing:
         hints.append("num_gpu_blocks: --active-decode-blocks-threshold cannot apply")
     if "block_size" in missing:
         hints.append("block_size: the frontend uses --kv-cache-block-size or 16")
-    return (f"worker {worker_id} ({cap.engine}) does not expose {', '.join(missing)}; give them in the worker spec "
-            f"(e.g. {','.join(f'{m}=N' for m in missing)}). Meanwhile: " + "; ".join(hints))
+    return (
+        f"worker {worker_id} ({cap.engine}) does not expose {', '.join(missing)}; give them in the worker spec "
+        f"(e.g. {','.join(f'{m}=N' for m in missing)}). Meanwhile: " + "; ".join(hints)
+    )

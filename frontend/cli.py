@@ -33,35 +33,92 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvroute: KV-cache-aware OpenAI-compatible frontend in front of vLLM / SGLang / mocker workers.",
     )
     g = p.add_argument_group("frontend")
-    g.add_argument("--http-host", default=os.environ.get("DYN_HTTP_HOST", "0.0.0.0"), help="listen address [env DYN_HTTP_HOST; default 0.0.0.0]")
-    g.add_argument("--http-port", type=int, default=int(os.environ.get("DYN_HTTP_PORT", "8000")), help="listen port [env DYN_HTTP_PORT; default 8000]")
-    g.add_argument("--worker", action="append", default=[], metavar="SPEC",
-                   help="a worker: id=1,url=http://127.0.0.1:8001[,dp_size=2][,dp_start=0][,kv_events_endpoint=tcp://127.0.0.1:5557]"
-                        "[,replay_endpoint=tcp://127.0.0.1:5567][,model=NAME][,model_path=DIR][,block_size=N][,num_gpu_blocks=N]"
-                        "[,max_num_batched_tokens=N][,role=prefill|decode|both][,engine=vllm|sglang] (repeatable; rank r uses the "
-                        "endpoints' port + r; role=prefill workers only take the prefill phase of disaggregated requests; "
-                        "engine overrides the detected engine, which sets the sign of the forwarded priority)")
-    g.add_argument("--workers-file", default=os.environ.get("KVROUTE_WORKERS_FILE"), metavar="FILE",
-                   help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read when it changes')
-    g.add_argument("--model-path", default=os.environ.get("KVROUTE_MODEL_PATH"),
-                   help="local HF tokenizer directory for every model (default: the built-in offline tokenizer)")
-    g.add_argument("--tokenizer-offload-chars", type=int, default=_env_int("DYN_TOKENIZER_OFFLOAD_CHARS"), metavar="N",
-                   help="prompts longer than N characters are tokenized on a worker thread, never blocking the event loop; "
-                        "0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 16384]")
-    g.add_argument("--health-check-interval", type=float, default=2.0, help="seconds between worker health checks [default 2]")
-    g.add_argument("--request-timeout", type=float, default=None, help="seconds to wait for a worker's response (streaming: its headers) before answering 504 [default: no limit]")
-    g.add_argument("--replica-sync-bind", default=os.environ.get("KVROUTE_REPLICA_SYNC_BIND"), metavar="ENDPOINT",
-                   help="--router-replica-sync transport: ZMQ PUB endpoint to bind (e.g. tcp://*:8092); other replicas list it as a peer")
-    g.add_argument("--replica-sync-advertise", default=None, metavar="ENDPOINT", help="externally reachable form of the bind endpoint")
-    g.add_argument("--replica-sync-peers", default=os.environ.get("KVROUTE_REPLICA_SYNC_PEERS", ""), metavar="LIST",
-                   help="comma-separated PUB endpoints of the other frontend replicas (also POST /register_peer at runtime)")
-    g.add_argument("--workers", type=_processes, default=_processes(os.environ.get("DYN_FRONTEND_WORKERS", "1")), metavar="N",
-                   help="frontend processes behind the one port (SO_REUSEPORT), sharing active load through replica sync "
-                        "on private ipc:// sockets; a supervisor restarts them and forwards SIGTERM/SIGINT "
-                        "(frontend/supervisor.py) [env DYN_FRONTEND_WORKERS; default 1]")
-    g.add_argument("--log-level", default=os.environ.get("DYN_LOG", "info"), help="debug shows one cost line per candidate per decision")
+    g.add_argument(
+        "--http-host",
+        default=os.environ.get("DYN_HTTP_HOST", "0.0.0.0"),
+        help="listen address [env DYN_HTTP_HOST; default 0.0.0.0]",
+    )
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=int(os.environ.get("DYN_HTTP_PORT", "8000")),
+        help="listen port [env DYN_HTTP_PORT; default 8000]",
+    )
+    g.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a worker: id=1,url=http://127.0.0.1:8001[,dp_size=2][,dp_start=0][,kv_events_endpoint=tcp://127.0.0.1:5557]"
+        "[,replay_endpoint=tcp://127.0.0.1:5567][,model=NAME][,model_path=DIR][,block_size=N][,num_gpu_blocks=N]"
+        "[,max_num_batched_tokens=N][,role=prefill|decode|both][,engine=vllm|sglang] (repeatable; rank r uses the "
+        "endpoints' port + r; role=prefill workers only take the prefill phase of disaggregated requests; "
+        "engine overrides the detected engine, which sets the sign of the forwarded priority)",
+    )
+    g.add_argument(
+        "--workers-file",
+        default=os.environ.get("KVROUTE_WORKERS_FILE"),
+        metavar="FILE",
+        help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read when it changes',
+    )
+    g.add_argument(
+        "--model-path",
+        default=os.environ.get("KVROUTE_MODEL_PATH"),
+        help="local HF tokenizer directory for every model (default: the built-in offline tokenizer)",
+    )
+    g.add_argument(
+        "--tokenizer-offload-chars",
+        type=int,
+        default=_env_int("DYN_TOKENIZER_OFFLOAD_CHARS"),
+        metavar="N",
+        help="prompts longer than N characters are tokenized on a worker thread, never blocking the event loop; "
+        "0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 16384]",
+    )
+    g.add_argument(
+        "--health-check-interval", type=float, default=2.0, help="seconds between worker health checks [default 2]"
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for a worker's response (streaming: its headers) before answering 504 [default: no limit]",
+    )
+    g.add_argument(
+        "--replica-sync-bind",
+        default=os.environ.get("KVROUTE_REPLICA_SYNC_BIND"),
+        metavar="ENDPOINT",
+        help="--router-replica-sync transport: ZMQ PUB endpoint to bind (e.g. tcp://*:8092); other replicas list it as a peer",
+    )
+    g.add_argument(
+        "--replica-sync-advertise",
+        default=None,
+        metavar="ENDPOINT",
+        help="externally reachable form of the bind endpoint",
+    )
+    g.add_argument(
+        "--replica-sync-peers",
+        default=os.environ.get("KVROUTE_REPLICA_SYNC_PEERS", ""),
+        metavar="LIST",
+        help="comma-separated PUB endpoints of the other frontend replicas (also POST /register_peer at runtime)",
+    )
+    g.add_argument(
+        "--workers",
+        type=_processes,
+        default=_processes(os.environ.get("DYN_FRONTEND_WORKERS", "1")),
+        metavar="N",
+        help="frontend processes behind the one port (SO_REUSEPORT), sharing active load through replica sync "
+        "on private ipc:// sockets; a supervisor restarts them and forwards SIGTERM/SIGINT "
+        "(frontend/supervisor.py) [env DYN_FRONTEND_WORKERS; default 1]",
+    )
+    g.add_argument(
+        "--log-level",
+        default=os.environ.get("DYN_LOG", "info"),
+        help="debug shows one cost line per candidate per decision",
+    )
     add_drain_arg(g)
-    add_security_args(p)  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/access.py)
+    add_security_args(
+        p
+    )  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/access.py)
     add_router_args(p)
     from .discovery import add_discovery_args
 
@@ -81,7 +138,9 @@ def check_model_path(path: str | None) -> None:
     try:
         load_tokenizer(path)
     except Exception as exc:  # OSError, ValueError, PromptError from transformers / tokenizers
-        raise SystemExit(f"--model-path {path!r}: cannot load a tokenizer from it: {type(exc).__name__}: {exc}") from None
+        raise SystemExit(
+            f"--model-path {path!r}: cannot load a tokenizer from it: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def startup_line(url: str, state) -> str:
@@ -106,8 +165,8 @@ def _processes(value: str) -> int:
 
 
 def make_state(ns: argparse.Namespace):
-    from .state import FrontendState
     from .discovery import build_backends, replica_advertise
+    from .state import FrontendState
     from .workers import parse_worker_arg
 
     check_model_path(ns.model_path)
@@ -119,18 +178,27 @@ def make_state(ns: argparse.Namespace):
         if getattr(config, dest) != getattr(RouterConfig(), dest):
             log.warning("%s", why)
     if config.router_event_threads > 1:
-        log.warning("--router-event-threads %s has no effect: KV events are decoded and applied on the asyncio loop in one "
-                    "thread (Python's GIL would serialise index updates from a thread pool); TTL and pruning stay on",
-                    config.router_event_threads)
+        log.warning(
+            "--router-event-threads %s has no effect: KV events are decoded and applied on the asyncio loop in one "
+            "thread (Python's GIL would serialise index updates from a thread pool); TTL and pruning stay on",
+            config.router_event_threads,
+        )
     if not config.kv_aware and not config.router_kv_events:
         log.info("--no-router-kv-events only matters with --router-mode kv or latency")
     if ns.tokenizer_offload_chars is not None and ns.tokenizer_offload_chars < 0:
         raise SystemExit("--tokenizer-offload-chars must be >= 0 (0 = tokenize every prompt inline)")
-    state = FrontendState(config, model_path=ns.model_path, health_interval=ns.health_check_interval, request_timeout=ns.request_timeout,
-                          tokenize_offload_chars=ns.tokenizer_offload_chars)
+    state = FrontendState(
+        config,
+        model_path=ns.model_path,
+        health_interval=ns.health_check_interval,
+        request_timeout=ns.request_timeout,
+        tokenize_offload_chars=ns.tokenizer_offload_chars,
+    )
     if config.router_replica_sync or ns.replica_sync_bind:
         if not ns.replica_sync_bind:
-            raise SystemExit("--router-replica-sync needs --replica-sync-bind (replicas share active load over ZMQ, not NATS)")
+            raise SystemExit(
+                "--router-replica-sync needs --replica-sync-bind (replicas share active load over ZMQ, not NATS)"
+            )
         from slot_tracker.replica_sync import ReplicaSync
 
         peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
@@ -138,7 +206,9 @@ def make_state(ns: argparse.Namespace):
 
         # the --workers N siblings: private endpoints, so events may travel in batches (cheaper per request)
         batch = child_index() is not None
-        state.replica_sync = ReplicaSync(state.slots, ns.replica_sync_bind, ns.replica_sync_advertise, peers, batch=batch)
+        state.replica_sync = ReplicaSync(
+            state.slots, ns.replica_sync_bind, ns.replica_sync_advertise, peers, batch=batch
+        )
     specs = []
     for text in ns.worker:
         try:
@@ -146,7 +216,9 @@ def make_state(ns: argparse.Namespace):
         except ValueError as exc:
             raise SystemExit(f"--worker {text!r}: {exc}") from None
     # peers through discovery: the endpoint this replica advertises to the others
-    replica_endpoint = replica_advertise(ns.replica_sync_bind, ns.replica_sync_advertise) if state.replica_sync is not None else None
+    replica_endpoint = (
+        replica_advertise(ns.replica_sync_bind, ns.replica_sync_advertise) if state.replica_sync is not None else None
+    )
     try:
         state.discovery = build_backends(ns, specs, replica_endpoint)
         for backend in state.discovery:
@@ -177,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
     if ns.workers > 1 and index is None:  # --workers N: this process only supervises N frontends
         if ns.replica_sync_bind or ns.replica_sync_peers.strip():
-            raise SystemExit("--workers N > 1 shares load among its own processes (private replica-sync endpoints): "
-                             "drop --replica-sync-bind / --replica-sync-peers (replica sync with other hosts and --workers is not supported yet)")
+            raise SystemExit(
+                "--workers N > 1 shares load among its own processes (private replica-sync endpoints): "
+                "drop --replica-sync-bind / --replica-sync-peers (replica sync with other hosts and --workers is not supported yet)"
+            )
         return supervise(argv, ns.workers, ns.http_host, ns.http_port, ns.drain_timeout, [])
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -188,15 +262,27 @@ def main(argv: list[str] | None = None) -> int:
     tls = ssl_options(ns)
     drain = Drain(ns.drain_timeout)
     state = make_state(ns)
+    import uvicorn
+
     from .access import guard_app
     from .app import build_app
 
-    import uvicorn
-
     app = guard_app(build_app(state), ns, drain)
-    config = uvicorn.Config(app, host=ns.http_host, port=ns.http_port, log_level="warning", access_log=False,
-                            loop="uvloop", http="httptools", lifespan="on", timeout_keep_alive=75,
-                            timeout_graceful_shutdown=5, server_header=False, proxy_headers=False, **tls)
+    config = uvicorn.Config(
+        app,
+        host=ns.http_host,
+        port=ns.http_port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=5,
+        server_header=False,
+        proxy_headers=False,
+        **tls,
+    )
     scheme = "https" if tls else "http"
     scheme_host = ns.http_host if ns.http_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
 
@@ -207,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(startup_line(f"{scheme}://{scheme_host}:{ns.http_port}", state), flush=True)
 
     server = _Server(config, drain)  # SIGTERM: 503 on /health and new /v1 requests, streams finish, exit 0
-    sockets = [reuse_port_socket(ns.http_host, ns.http_port)] if os.environ.get(ENV_REUSE_PORT) else None  # --workers N child
+    sockets = (
+        [reuse_port_socket(ns.http_host, ns.http_port)] if os.environ.get(ENV_REUSE_PORT) else None
+    )  # --workers N child
     server.run(sockets=sockets)
     return 0 if server.started else 1

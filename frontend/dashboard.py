@@ -33,14 +33,17 @@ if TYPE_CHECKING:
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 HISTORY_POINTS = 180  # one a second at most: three minutes of series
 KEPT_SNAPSHOTS = 16  # for ?seq=N
-STATIC_FILES = {"dashboard.html": "text/html; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8",
-                "dashboard.css": "text/css; charset=utf-8"}
+STATIC_FILES = {
+    "dashboard.html": "text/html; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
 
 
 class Dashboard:
     """Builds the snapshots; the HTTP handlers below serve them."""
 
-    def __init__(self, state: "FrontendState", clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, state: FrontendState, clock: Callable[[], float] = time.time) -> None:
         self.state = state
         self.clock = clock
         self.seq = 0
@@ -85,8 +88,10 @@ class Dashboard:
         dt = now - last[0]
         rates = {m: round((c - last[1].get(m, 0)) / dt, 3) for m, c in counts.items()}
         prompt = decomposition["prompt"] - last[2]["prompt"]
-        shares = {k: (round((decomposition[k] - last[2][k]) / prompt, 4) if prompt > 0 else None)
-                  for k in ("available", "captured", "delivered")}
+        shares = {
+            k: (round((decomposition[k] - last[2][k]) / prompt, 4) if prompt > 0 else None)
+            for k in ("available", "captured", "delivered")
+        }
         self.history.append({"time": round(now, 3), "decisions_per_s": rates, **shares})
 
     def _ranks(self) -> list[dict[str, Any]]:
@@ -105,19 +110,31 @@ class Dashboard:
                 for r in w.spec.ranks:
                     prefill = tracker.active_prefill_tokens(w.id, r)
                     decode = tracker.active_decode_blocks(w.id, r)
-                    busy = thresholds.enabled and rank_overloaded(thresholds, prefill, decode, w.num_gpu_blocks, w.max_num_batched_tokens)
-                    rows.append({
-                        "model": entry.name, "role": role, "worker_id": w.id, "dp_rank": r, "url": w.spec.url,
-                        "healthy": w.healthy, "busy": bool(busy), "active_prefill_tokens": prefill, "active_decode_blocks": decode,
-                        "kv_blocks_indexed": blocks.get((w.id, r), 0), "kv_events": ev["status"] if ev is not None else None,
-                    })
+                    busy = thresholds.enabled and rank_overloaded(
+                        thresholds, prefill, decode, w.num_gpu_blocks, w.max_num_batched_tokens
+                    )
+                    rows.append(
+                        {
+                            "model": entry.name,
+                            "role": role,
+                            "worker_id": w.id,
+                            "dp_rank": r,
+                            "url": w.spec.url,
+                            "healthy": w.healthy,
+                            "busy": bool(busy),
+                            "active_prefill_tokens": prefill,
+                            "active_decode_blocks": decode,
+                            "kv_blocks_indexed": blocks.get((w.id, r), 0),
+                            "kv_events": ev["status"] if ev is not None else None,
+                        }
+                    )
         return rows
 
 
 class DashboardRoutes:
     """``/dashboard`` (page, script, style) and ``/dashboard/data`` (JSON; admin-protected like /admin)."""
 
-    def __init__(self, state: "FrontendState") -> None:
+    def __init__(self, state: FrontendState) -> None:
         self.dashboard = Dashboard(state)
 
     async def page(self, request: Request) -> Response:
@@ -143,4 +160,6 @@ class DashboardRoutes:
 
     @staticmethod
     def _static(name: str) -> Response:
-        return FileResponse(os.path.join(STATIC_DIR, name), media_type=STATIC_FILES[name], headers={"cache-control": "no-cache"})
+        return FileResponse(
+            os.path.join(STATIC_DIR, name), media_type=STATIC_FILES[name], headers={"cache-control": "no-cache"}
+        )

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class Decision:
     """Where a request goes and what was booked for it."""
 
-    worker: "Worker"
+    worker: Worker
     dp_rank: int
     isl: int
     overlap_blocks: int

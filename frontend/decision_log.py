@@ -28,7 +28,7 @@ class DecisionLog:
         self.recent: deque[tuple[float, str, str, Any, ModelEntry, Decision]] = deque(maxlen=maxlen)
         self.counts: Counter[str] = Counter()
 
-    def record(self, mode: str, config: Any, entry: "ModelEntry", request_id: str, decision: "Decision") -> None:
+    def record(self, mode: str, config: Any, entry: ModelEntry, request_id: str, decision: Decision) -> None:
         self.counts[mode] += 1
         self.recent.append((time.time(), mode, request_id, config, entry, decision))
 

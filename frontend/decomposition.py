@@ -22,11 +22,24 @@ class HitRateDecomposition:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         m = ("model",)
-        self.prompt = Counter("kvroute_router_prompt_tokens", "Prompt tokens of requests with engine-reported cached tokens", m, registry=registry)
-        self.available = Counter("kvroute_router_available_cached_tokens", "Best eligible predicted overlap (tokens)", m, registry=registry)
-        self.captured = Counter("kvroute_router_captured_cached_tokens", "Chosen worker's predicted overlap (tokens)", m, registry=registry)
-        self.delivered = Counter("kvroute_router_delivered_cached_tokens", "Engine-reported cached prompt tokens", m, registry=registry)
-        self.requests = Counter("kvroute_router_decomposed_requests", "Requests counted in the hit-rate decomposition", m, registry=registry)
+        self.prompt = Counter(
+            "kvroute_router_prompt_tokens",
+            "Prompt tokens of requests with engine-reported cached tokens",
+            m,
+            registry=registry,
+        )
+        self.available = Counter(
+            "kvroute_router_available_cached_tokens", "Best eligible predicted overlap (tokens)", m, registry=registry
+        )
+        self.captured = Counter(
+            "kvroute_router_captured_cached_tokens", "Chosen worker's predicted overlap (tokens)", m, registry=registry
+        )
+        self.delivered = Counter(
+            "kvroute_router_delivered_cached_tokens", "Engine-reported cached prompt tokens", m, registry=registry
+        )
+        self.requests = Counter(
+            "kvroute_router_decomposed_requests", "Requests counted in the hit-rate decomposition", m, registry=registry
+        )
         self._children: dict[str, tuple[Any, ...]] = {}
         self._totals = [0, 0, 0, 0, 0]  # prompt, available, captured, delivered, requests over all models
 
@@ -38,8 +51,13 @@ class HitRateDecomposition:
         """One request's tokens: ``available >= captured`` by construction; delivered is the engine's."""
         c = self._children.get(model)
         if c is None:
-            c = self._children[model] = (self.prompt.labels(model), self.available.labels(model), self.captured.labels(model),
-                                         self.delivered.labels(model), self.requests.labels(model))
+            c = self._children[model] = (
+                self.prompt.labels(model),
+                self.available.labels(model),
+                self.captured.labels(model),
+                self.delivered.labels(model),
+                self.requests.labels(model),
+            )
         c[0].inc(isl)
         c[1].inc(available)
         c[2].inc(captured)

@@ -31,21 +31,33 @@ def _port_free(port: int) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m frontend demo", description="kvroute demo: a KV-aware frontend with three simulated workers on 127.0.0.1.")
-    p.add_argument("--port", type=int, default=None, help=f"frontend port (default {DEFAULT_PORT}, or a free port if that is taken)")
+    p = argparse.ArgumentParser(
+        prog="python -m frontend demo",
+        description="kvroute demo: a KV-aware frontend with three simulated workers on 127.0.0.1.",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"frontend port (default {DEFAULT_PORT}, or a free port if that is taken)",
+    )
     p.add_argument("--workers", type=int, default=3, help="number of simulated workers")
     p.add_argument("--router-mode", default="kv", help="kv | round_robin | random")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, default=4096, help="KV blocks per simulated worker")
     p.add_argument("--speedup-ratio", type=float, default=1.0, help="simulated engine speed (higher = faster)")
-    p.add_argument("--model-path", default=None, help="HF tokenizer directory (default: the built-in offline tokenizer)")
+    p.add_argument(
+        "--model-path", default=None, help="HF tokenizer directory (default: the built-in offline tokenizer)"
+    )
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=120.0)
     return p
 
 
 def banner(url: str, cluster: Cluster, model: str) -> str:
-    workers = "\n".join(f"    worker {w.worker_id}: {w.url}  (KV events {w.kv_events_endpoint})" for w in cluster.workers)
+    workers = "\n".join(
+        f"    worker {w.worker_id}: {w.url}  (KV events {w.kv_events_endpoint})" for w in cluster.workers
+    )
     return f"""
 kvroute demo is ready: {url}  (router mode kv, model "{model}")
 {workers}
@@ -88,7 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    opts = MockerOptions(block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, speedup_ratio=args.speedup_ratio, model_path=args.model_path)
+    opts = MockerOptions(
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        speedup_ratio=args.speedup_ratio,
+        model_path=args.model_path,
+    )
     cluster = Cluster(log_dir=args.log_dir)
     code = 0
     try:

@@ -101,7 +101,7 @@ def decode_body(body: dict, params: dict[str, Any], stream_usage: bool = False) 
     return orjson.dumps(out)
 
 
-def prefill_pin(state: "FrontendState", model: str, hints: Any) -> tuple[int | None, int | None]:
+def prefill_pin(state: FrontendState, model: str, hints: Any) -> tuple[int | None, int | None]:
     """(worker, rank) pin of the prefill phase: ``prefill_worker_id``, else ``backend_instance_id``
     when it names a prefill worker (the reference's phase resolution)."""
     if hints is None:
@@ -114,12 +114,14 @@ def prefill_pin(state: "FrontendState", model: str, hints: Any) -> tuple[int | N
     return pin, hints.prefill_dp_rank
 
 
-def wants_prefill(state: "FrontendState", model: str, hints: Any) -> bool:
+def wants_prefill(state: FrontendState, model: str, hints: Any) -> bool:
     """Whether this request takes the disaggregated path (cheap: no prefill pool, no work)."""
-    return model in state.prefill_models or (hints is not None and (hints.prefill_worker_id is not None or hints.prefill_dp_rank is not None))
+    return model in state.prefill_models or (
+        hints is not None and (hints.prefill_worker_id is not None or hints.prefill_dp_rank is not None)
+    )
 
 
-async def run_prefill(state: "FrontendState", ctx: Any) -> PrefillResult | None:
+async def run_prefill(state: FrontendState, ctx: Any) -> PrefillResult | None:
     """Run the prefill phase of ``ctx``'s request; None = decode-only (fallback, already counted and logged).
 
     On success ``ctx.out_body`` becomes the decode request (with ``kv_transfer_params``).
@@ -132,7 +134,9 @@ async def run_prefill(state: "FrontendState", ctx: Any) -> PrefillResult | None:
     counter = state.metrics.disagg_prefill
     if pool is None:
         if pin is not None or prank is not None:
-            raise OpenAIError(400, f"model {model} has no prefill workers: prefill_worker_id / prefill_dp_rank cannot be honoured")
+            raise OpenAIError(
+                400, f"model {model} has no prefill workers: prefill_worker_id / prefill_dp_rank cannot be honoured"
+            )
         return None
     if pin is not None and pin not in pool.workers:
         raise OpenAIError(400, f"prefill worker {pin} is not a prefill worker of model {model}")
@@ -201,10 +205,12 @@ async def run_prefill(state: "FrontendState", ctx: Any) -> PrefillResult | None:
     ctx.out_body = decode_body(ctx.body, params, getattr(ctx, "strip_usage", False))
     ctx.body = {**ctx.body, "kv_transfer_params": params}  # bodies re-derived from it (unary-as-stream) keep them
     record = routing_record(state.prefill_router.config, pool, decision) if wants_routing(hints) else None
-    return PrefillResult(worker.id, rank, decision.isl, decision.overlap_blocks, decision.cached_tokens, params, seconds, record)
+    return PrefillResult(
+        worker.id, rank, decision.isl, decision.overlap_blocks, decision.cached_tokens, params, seconds, record
+    )
 
 
-def explain_prefill(state: "FrontendState", model: str, tokens: list[int]) -> dict | None:
+def explain_prefill(state: FrontendState, model: str, tokens: list[int]) -> dict | None:
     """``POST /admin/route``'s view of the prefill phase (nothing booked), or None without a prefill pool."""
     pool = state.prefill_models.get(model)
     if pool is None:

@@ -53,7 +53,9 @@ def rank_overloaded(
     return False
 
 
-def candidates(entry: "ModelEntry", pinned_worker: int | None, pinned_rank: int | None) -> tuple[list[tuple["Worker", int]], bool]:
+def candidates(
+    entry: ModelEntry, pinned_worker: int | None, pinned_rank: int | None
+) -> tuple[list[tuple[Worker, int]], bool]:
     """Healthy (worker, rank) pairs not excluded as busy; the flag says whether busy excluded any.
 
     OpenAIError 400 for a pin the model cannot satisfy, 503 for a pinned worker that is down."""
@@ -65,8 +67,10 @@ def candidates(entry: "ModelEntry", pinned_worker: int | None, pinned_rank: int 
     if pinned_worker is not None:
         w = entry.workers.get(pinned_worker)
         if w is None:
-            raise OpenAIError(400 if pinned_worker not in entry.known_worker_ids() else 503,
-                              f"Pinned worker {pinned_worker} is not serving model {entry.name}")
+            raise OpenAIError(
+                400 if pinned_worker not in entry.known_worker_ids() else 503,
+                f"Pinned worker {pinned_worker} is not serving model {entry.name}",
+            )
         if not w.healthy:
             raise OpenAIError(503, f"Pinned worker {pinned_worker} is unavailable")
         pool = [w]
@@ -87,7 +91,13 @@ def candidates(entry: "ModelEntry", pinned_worker: int | None, pinned_rank: int 
             mbt = w.max_num_batched_tokens
             # a worker is busy only when ALL its ranks are overloaded
             if all(
-                rank_overloaded(thresholds, tracker.active_prefill_tokens(w.id, r), tracker.active_decode_blocks(w.id, r), total, mbt)
+                rank_overloaded(
+                    thresholds,
+                    tracker.active_prefill_tokens(w.id, r),
+                    tracker.active_decode_blocks(w.id, r),
+                    total,
+                    mbt,
+                )
                 for r in w.spec.ranks
             ):
                 busy = True
@@ -105,7 +115,7 @@ def rank_is_busy(active_prefill_tokens: float, max_num_batched_tokens: int | Non
     return active_prefill_tokens > threshold * cap
 
 
-def any_rank_free(ranks: "list[tuple[float, int | None]]", threshold: float) -> bool:
+def any_rank_free(ranks: list[tuple[float, int | None]], threshold: float) -> bool:
     """Capacity for a request whose eligible ranks are ``[(active_prefill_tokens, max_num_batched_tokens)]``.
 
     No eligible rank at all counts as capacity (do not hold; let routing report no worker)."""
@@ -117,7 +127,7 @@ def any_rank_free(ranks: "list[tuple[float, int | None]]", threshold: float) -> 
     return False
 
 
-def queue_has_capacity(entry: "ModelEntry | None", hints: "RequestHints | None", threshold: float) -> bool:
+def queue_has_capacity(entry: ModelEntry | None, hints: RequestHints | None, threshold: float) -> bool:
     """The router queue's capacity check for one request: a free eligible rank (pins respected)."""
     if entry is None:
         return True
@@ -126,13 +136,15 @@ def queue_has_capacity(entry: "ModelEntry | None", hints: "RequestHints | None",
     prank = hints.pinned_dp_rank if hints is not None else None
     ranks = [
         (tracker.active_prefill_tokens(w.id, r), w.max_num_batched_tokens)
-        for w in entry.workers.values() if w.healthy and (pinned is None or w.id == pinned)
-        for r in w.spec.ranks if pinned is None or prank is None or r == prank
+        for w in entry.workers.values()
+        if w.healthy and (pinned is None or w.id == pinned)
+        for r in w.spec.ranks
+        if pinned is None or prank is None or r == prank
     ]
     return any_rank_free(ranks, threshold)
 
 
-def warmup_target_busy(models: Mapping[str, "ModelEntry"], worker_id: int, dp_rank: int | None) -> bool:
+def warmup_target_busy(models: Mapping[str, ModelEntry], worker_id: int, dp_rank: int | None) -> bool:
     """For speculative prefill: skip warm-ups to a worker that is down, busy or has a backlog of prefill."""
     for entry in models.values():
         w = entry.workers.get(worker_id)
@@ -145,7 +157,9 @@ def warmup_target_busy(models: Mapping[str, "ModelEntry"], worker_id: int, dp_ra
         th = entry.thresholds
         for r in ranks:
             prefill = t.active_prefill_tokens(worker_id, r)
-            if th.enabled and rank_overloaded(th, prefill, t.active_decode_blocks(worker_id, r), w.num_gpu_blocks, w.max_num_batched_tokens):
+            if th.enabled and rank_overloaded(
+                th, prefill, t.active_decode_blocks(worker_id, r), w.num_gpu_blocks, w.max_num_batched_tokens
+            ):
                 return True
             if w.max_num_batched_tokens and prefill > w.max_num_batched_tokens:
                 return True

@@ -59,4 +59,3 @@ def for_worker(body: bytes, hints: Any, worker: Any) -> bytes:
     doc = orjson.loads(body)
     doc["priority"] = value
     return orjson.dumps(doc)
-

@@ -16,14 +16,31 @@ from starlette.responses import Response
 
 from kvroute_common.openai_api import OpenAIError
 
-__all__ = ["OpenAIError", "openai_error_body", "openai_error_response", "model_not_found", "no_worker", "all_busy",
-           "openai_exception_handlers"]
+__all__ = [
+    "OpenAIError",
+    "openai_error_body",
+    "openai_error_response",
+    "model_not_found",
+    "no_worker",
+    "all_busy",
+    "openai_exception_handlers",
+]
 
 OVERLOAD_STATUS = 529
 
 # error_type label of dynamo_frontend_requests_total per status
-_ERROR_TYPES = {400: "validation", 404: "not_found", 413: "validation", 415: "validation", 422: "validation",
-                499: "cancelled", 501: "not_implemented", 503: "unavailable", 504: "response_timeout", 529: "overload"}
+_ERROR_TYPES = {
+    400: "validation",
+    404: "not_found",
+    413: "validation",
+    415: "validation",
+    422: "validation",
+    499: "cancelled",
+    501: "not_implemented",
+    503: "unavailable",
+    504: "response_timeout",
+    529: "overload",
+}
 
 
 def reason_phrase(status: int) -> str:
@@ -44,12 +61,21 @@ def error_type_label(status: int) -> str:
 def openai_error_body(status: int, message: str, param: str | None = None) -> bytes:
     kind = reason_phrase(status)
     return orjson.dumps(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}, "message": message, "type": kind, "code": status}
+        {
+            "error": {"message": message, "type": kind, "param": param, "code": status},
+            "message": message,
+            "type": kind,
+            "code": status,
+        }
     )
 
 
-def openai_error_response(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    return Response(openai_error_body(status, message, param), status_code=status, media_type="application/json", headers=headers)
+def openai_error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        openai_error_body(status, message, param), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 def model_not_found(model: str) -> OpenAIError:

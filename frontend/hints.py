@@ -27,8 +27,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvroute_common.http import ApiError
 from kvroute_common.constants import U32, U32_MAX, U64, U64_MAX
+from kvroute_common.http import ApiError
 
 I32_MIN = -(2**31)
 I32_MAX = 2**31 - 1
@@ -419,7 +419,11 @@ def parse_request_hints(body: dict, headers: Any, *, nvext_enabled: bool = True)
                 hints.cache_salt = tenant
         if H_REQUEST_ID in found:
             hints.request_id = _request_id(found[H_REQUEST_ID])
-        meta = {k[len(META_PREFIX):]: v for k, v in found.items() if k.startswith(META_PREFIX) and len(k) > len(META_PREFIX)}
+        meta = {
+            k[len(META_PREFIX) :]: v
+            for k, v in found.items()
+            if k.startswith(META_PREFIX) and len(k) > len(META_PREFIX)
+        }
         if meta:
             if len(meta) > MAX_METADATA_ENTRIES:
                 raise ApiError(400, f"too many {META_PREFIX}* headers: {len(meta)} (at most {MAX_METADATA_ENTRIES})")
@@ -451,12 +455,15 @@ SUPPORTED_ANNOTATIONS = ("formatted_prompt", "token_ids")
 
 def check_supported(hints: RequestHints, chat: bool, stream: bool) -> None:
     """Raise ApiError(400) for nvext fields this frontend cannot honour for this request."""
+
     def refuse(message: str) -> None:
         raise ApiError(400, f"unsupported nvext: {message}")
 
     if hints.use_raw_prompt and chat:
-        refuse("use_raw_prompt applies to /v1/completions (whose prompts are never templated); on /v1/chat/completions "
-               "the engine renders its chat template, send the raw text to /v1/completions instead")
+        refuse(
+            "use_raw_prompt applies to /v1/completions (whose prompts are never templated); on /v1/chat/completions "
+            "the engine renders its chat template, send the raw text to /v1/completions instead"
+        )
     if hints.max_thinking_tokens is not None:
         refuse("max_thinking_tokens: the engines' OpenAI API takes no thinking budget")
     if hints.metadata_upload is not None:
@@ -471,8 +478,10 @@ def check_supported(hints: RequestHints, chat: bool, stream: bool) -> None:
             refuse(f"extra_fields {item!r}: {why}")
     for a in hints.annotations or ():
         if a.startswith("query_instance_id:"):
-            refuse("annotation query_instance_id: kvroute routes and dispatches in one step; POST /admin/route "
-                   "answers the decision for a body without sending it")
+            refuse(
+                "annotation query_instance_id: kvroute routes and dispatches in one step; POST /admin/route "
+                "answers the decision for a body without sending it"
+            )
         if a not in SUPPORTED_ANNOTATIONS:
             refuse(f"unknown annotation {a!r} (supported: {', '.join(SUPPORTED_ANNOTATIONS)})")
         if not stream:

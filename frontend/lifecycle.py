@@ -45,11 +45,36 @@ class LifecycleListener(Protocol):
 class Lease:
     """One request's booking on its (worker, rank) plus its per-request metrics."""
 
-    __slots__ = ("listener", "entry", "request_id", "decision", "mm", "t_start", "t_first", "t_last", "tokens_out",
-                 "prefilled", "released", "status", "error_type", "hooks", "_osl", "_out_blocks", "ttft_recorded", "_freed")
+    __slots__ = (
+        "listener",
+        "entry",
+        "request_id",
+        "decision",
+        "mm",
+        "t_start",
+        "t_first",
+        "t_last",
+        "tokens_out",
+        "prefilled",
+        "released",
+        "status",
+        "error_type",
+        "hooks",
+        "_osl",
+        "_out_blocks",
+        "ttft_recorded",
+        "_freed",
+    )
 
-    def __init__(self, listener: LifecycleListener, entry: "ModelEntry", request_id: str, decision: "Decision", mm: "ModelMetrics",
-                 t_start: float) -> None:
+    def __init__(
+        self,
+        listener: LifecycleListener,
+        entry: ModelEntry,
+        request_id: str,
+        decision: Decision,
+        mm: ModelMetrics,
+        t_start: float,
+    ) -> None:
         self.listener = listener
         self.entry = entry
         self.request_id = request_id
@@ -69,7 +94,7 @@ class Lease:
         self.ttft_recorded = False  # the request's TTFT is in the metrics (maybe by a lease it migrated from)
         self._freed = False  # the booking was freed in the tracker
 
-    def inherit(self, old: "Lease") -> None:
+    def inherit(self, old: Lease) -> None:
         """Request migration: this lease continues ``old``'s request on another worker. The
         request's metrics (TTFT, tokens so far, hooks) carry over, so they are recorded once."""
         self.t_start = old.t_start

@@ -68,56 +68,144 @@ class FrontendMetrics:
         self.registry = r = CollectorRegistry(auto_describe=False)
         self.router_id = router_id or uuid.uuid4().hex[:16]
         m = ("model",)
-        self.requests_total = Counter(f"{p}_requests", "Requests handled", ("model", "endpoint", "request_type", "status", "error_type"), registry=r)
-        self.requests_started = Counter(f"{p}_requests_started", "Requests started", ("model", "endpoint", "request_type"), registry=r)
-        self.inflight = Gauge(f"{p}_inflight_requests", "Requests in flight (deprecated name of active_requests)", m, registry=r)
+        self.requests_total = Counter(
+            f"{p}_requests",
+            "Requests handled",
+            ("model", "endpoint", "request_type", "status", "error_type"),
+            registry=r,
+        )
+        self.requests_started = Counter(
+            f"{p}_requests_started", "Requests started", ("model", "endpoint", "request_type"), registry=r
+        )
+        self.inflight = Gauge(
+            f"{p}_inflight_requests", "Requests in flight (deprecated name of active_requests)", m, registry=r
+        )
         self.active = Gauge(f"{p}_active_requests", "Requests in flight", m, registry=r)
         self.queued = Gauge(f"{p}_queued_requests", "Requests waiting for their first token", m, registry=r)
-        self.disconnected = Gauge(f"{p}_disconnected_clients", "Clients that went away before the end of their response", registry=r)
-        self.duration = Histogram(f"{p}_request_duration_seconds", "Request duration", m, buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self.disconnected = Gauge(
+            f"{p}_disconnected_clients", "Clients that went away before the end of their response", registry=r
+        )
+        self.duration = Histogram(
+            f"{p}_request_duration_seconds", "Request duration", m, buckets=REQUEST_DURATION_BUCKETS, registry=r
+        )
         self.isl = Histogram(f"{p}_input_sequence_tokens", "Prompt tokens", m, buckets=ISL_BUCKETS, registry=r)
         self.osl = Histogram(f"{p}_output_sequence_tokens", "Generated tokens", m, buckets=OSL_BUCKETS, registry=r)
-        self.cached = Histogram(f"{p}_cached_tokens", "Prompt tokens predicted cached on the chosen worker", m, buckets=ISL_BUCKETS, registry=r)
-        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Inter-token latency", m, buckets=ITL_BUCKETS, registry=r)
+        self.cached = Histogram(
+            f"{p}_cached_tokens",
+            "Prompt tokens predicted cached on the chosen worker",
+            m,
+            buckets=ISL_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{p}_time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            f"{p}_inter_token_latency_seconds", "Inter-token latency", m, buckets=ITL_BUCKETS, registry=r
+        )
         self.output_tokens = Counter(f"{p}_output_tokens", "Generated tokens", m, registry=r)
-        self.tokenizer_ms = Histogram(f"{p}_tokenizer_latency_ms", "Tokenizer latency", ("operation",), buckets=TOKENIZER_MS_BUCKETS, registry=r)
-        self.rejections = Counter(f"{p}_model_rejection", "Requests rejected because every eligible worker was busy", ("model", "endpoint"), registry=r)
-        self.migrations = Counter(f"{p}_model_migration", "Requests re-dispatched to another worker after a worker failure",
-                                  ("model", "migration_type"), registry=r)
-        self.queue_backpressure = Counter(f"{p}_router_queue_backpressure", "Requests refused by the router queue (529 + Retry-After)",
-                                          ("model", "worker_type", "policy_class", "reason"), registry=r)
-        self.cancellations = Counter(f"{p}_model_cancellation", "Requests cancelled by the client", ("model", "endpoint", "request_type"), registry=r)
+        self.tokenizer_ms = Histogram(
+            f"{p}_tokenizer_latency_ms", "Tokenizer latency", ("operation",), buckets=TOKENIZER_MS_BUCKETS, registry=r
+        )
+        self.rejections = Counter(
+            f"{p}_model_rejection",
+            "Requests rejected because every eligible worker was busy",
+            ("model", "endpoint"),
+            registry=r,
+        )
+        self.migrations = Counter(
+            f"{p}_model_migration",
+            "Requests re-dispatched to another worker after a worker failure",
+            ("model", "migration_type"),
+            registry=r,
+        )
+        self.queue_backpressure = Counter(
+            f"{p}_router_queue_backpressure",
+            "Requests refused by the router queue (529 + Retry-After)",
+            ("model", "worker_type", "policy_class", "reason"),
+            registry=r,
+        )
+        self.cancellations = Counter(
+            f"{p}_model_cancellation",
+            "Requests cancelled by the client",
+            ("model", "endpoint", "request_type"),
+            registry=r,
+        )
         # worker gauges always carry the dynamo_frontend_ prefix in the reference
-        self.worker_last_ttft = Gauge("dynamo_frontend_worker_last_time_to_first_token_seconds", "Last TTFT per worker", ("worker_id", "dp_rank", "worker_type"), registry=r)
-        self.worker_last_isl = Gauge("dynamo_frontend_worker_last_input_sequence_tokens", "Last ISL per worker", ("worker_id", "dp_rank", "worker_type"), registry=r)
-        self.worker_last_itl = Gauge("dynamo_frontend_worker_last_inter_token_latency_seconds", "Last ITL per worker", ("worker_id", "dp_rank", "worker_type"), registry=r)
+        self.worker_last_ttft = Gauge(
+            "dynamo_frontend_worker_last_time_to_first_token_seconds",
+            "Last TTFT per worker",
+            ("worker_id", "dp_rank", "worker_type"),
+            registry=r,
+        )
+        self.worker_last_isl = Gauge(
+            "dynamo_frontend_worker_last_input_sequence_tokens",
+            "Last ISL per worker",
+            ("worker_id", "dp_rank", "worker_type"),
+            registry=r,
+        )
+        self.worker_last_itl = Gauge(
+            "dynamo_frontend_worker_last_inter_token_latency_seconds",
+            "Last ITL per worker",
+            ("worker_id", "dp_rank", "worker_type"),
+            registry=r,
+        )
 
         hier = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint", "router_id")
         self._hier = ("kvroute", "router", "generate", self.router_id)
         rp = "dynamo_component_router"
         self.router_started = Counter(f"{rp}_requests_started", "Requests routed", hier, registry=r).labels(*self._hier)
-        self.router_requests = Counter(f"{rp}_requests", "Routed requests completed", hier, registry=r).labels(*self._hier)
-        self.router_ttft = Histogram(f"{rp}_time_to_first_token_seconds", "TTFT seen by the router", hier, buckets=TTFT_BUCKETS, registry=r).labels(*self._hier)
-        self.router_itl = Histogram(f"{rp}_inter_token_latency_seconds", "ITL seen by the router", hier, buckets=ITL_BUCKETS, registry=r).labels(*self._hier)
-        self.router_isl = Histogram(f"{rp}_input_sequence_tokens", "Prompt tokens routed", hier, buckets=ISL_BUCKETS, registry=r).labels(*self._hier)
-        self.router_osl = Histogram(f"{rp}_output_sequence_tokens", "Output tokens routed", hier, buckets=OSL_BUCKETS, registry=r).labels(*self._hier)
-        self.router_kv_hit_rate = Histogram(f"{rp}_kv_hit_rate", "Predicted cached fraction of the prompt on the chosen worker", hier, buckets=KV_HIT_RATE_BUCKETS, registry=r).labels(*self._hier)
+        self.router_requests = Counter(f"{rp}_requests", "Routed requests completed", hier, registry=r).labels(
+            *self._hier
+        )
+        self.router_ttft = Histogram(
+            f"{rp}_time_to_first_token_seconds", "TTFT seen by the router", hier, buckets=TTFT_BUCKETS, registry=r
+        ).labels(*self._hier)
+        self.router_itl = Histogram(
+            f"{rp}_inter_token_latency_seconds", "ITL seen by the router", hier, buckets=ITL_BUCKETS, registry=r
+        ).labels(*self._hier)
+        self.router_isl = Histogram(
+            f"{rp}_input_sequence_tokens", "Prompt tokens routed", hier, buckets=ISL_BUCKETS, registry=r
+        ).labels(*self._hier)
+        self.router_osl = Histogram(
+            f"{rp}_output_sequence_tokens", "Output tokens routed", hier, buckets=OSL_BUCKETS, registry=r
+        ).labels(*self._hier)
+        self.router_kv_hit_rate = Histogram(
+            f"{rp}_kv_hit_rate",
+            "Predicted cached fraction of the prompt on the chosen worker",
+            hier,
+            buckets=KV_HIT_RATE_BUCKETS,
+            registry=r,
+        ).labels(*self._hier)
 
         rid = ("router_id",)
         op = "dynamo_router_overhead"
-        self.oh_block_hashing = Histogram(f"{op}_block_hashing_ms", "Block hashing time", rid, buckets=HASHING_MS_BUCKETS, registry=r).labels(self.router_id)
-        self.oh_seq_hashing = Histogram(f"{op}_seq_hashing_ms", "Sequence hashing time", rid, buckets=HASHING_MS_BUCKETS, registry=r).labels(self.router_id)
-        self.oh_find_matches = Histogram(f"{op}_indexer_find_matches_ms", "Indexer lookup time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r).labels(self.router_id)
-        self.oh_scheduling = Histogram(f"{op}_scheduling_ms", "Load lookup, cost and choice time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r).labels(self.router_id)
-        self.oh_total = Histogram(f"{op}_total_ms", "Whole routing decision time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r).labels(self.router_id)
+        self.oh_block_hashing = Histogram(
+            f"{op}_block_hashing_ms", "Block hashing time", rid, buckets=HASHING_MS_BUCKETS, registry=r
+        ).labels(self.router_id)
+        self.oh_seq_hashing = Histogram(
+            f"{op}_seq_hashing_ms", "Sequence hashing time", rid, buckets=HASHING_MS_BUCKETS, registry=r
+        ).labels(self.router_id)
+        self.oh_find_matches = Histogram(
+            f"{op}_indexer_find_matches_ms", "Indexer lookup time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r
+        ).labels(self.router_id)
+        self.oh_scheduling = Histogram(
+            f"{op}_scheduling_ms", "Load lookup, cost and choice time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r
+        ).labels(self.router_id)
+        self.oh_total = Histogram(
+            f"{op}_total_ms", "Whole routing decision time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r
+        ).labels(self.router_id)
         # disaggregated serving (frontend/disagg.py): how each request's prefill phase went;
         # outcome = remote (prefilled on a prefill worker) | no_prefill_worker | prefill_failed
-        self.disagg_prefill = Counter("kvroute_disagg_prefill_requests", "Requests of models with a prefill pool, by prefill outcome",
-                                      ("model", "outcome"), registry=r)
+        self.disagg_prefill = Counter(
+            "kvroute_disagg_prefill_requests",
+            "Requests of models with a prefill pool, by prefill outcome",
+            ("model", "outcome"),
+            registry=r,
+        )
         self._per_model: dict[tuple[str, str, str], Any] = {}
 
-    def model_children(self, model: str, endpoint: str, request_type: str) -> "ModelMetrics":
+    def model_children(self, model: str, endpoint: str, request_type: str) -> ModelMetrics:
         """Label-resolved children for one (model, endpoint, type): resolved once, reused per request."""
         key = (model, endpoint, request_type)
         mm = self._per_model.get(key)
@@ -133,8 +221,24 @@ class FrontendMetrics:
 
 
 class ModelMetrics:
-    __slots__ = ("parent", "model", "endpoint", "request_type", "started", "inflight", "active", "queued", "duration",
-                 "isl", "osl", "cached", "ttft", "itl", "output_tokens", "_status")
+    __slots__ = (
+        "parent",
+        "model",
+        "endpoint",
+        "request_type",
+        "started",
+        "inflight",
+        "active",
+        "queued",
+        "duration",
+        "isl",
+        "osl",
+        "cached",
+        "ttft",
+        "itl",
+        "output_tokens",
+        "_status",
+    )
 
     def __init__(self, f: FrontendMetrics, model: str, endpoint: str, request_type: str) -> None:
         self.parent = f
@@ -156,7 +260,9 @@ class ModelMetrics:
         key = (status, error_type)
         c = self._status.get(key)
         if c is None:
-            c = self._status[key] = self.parent.requests_total.labels(self.model, self.endpoint, self.request_type, status, error_type)
+            c = self._status[key] = self.parent.requests_total.labels(
+                self.model, self.endpoint, self.request_type, status, error_type
+            )
         c.inc()
 
 

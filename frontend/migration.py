@@ -46,8 +46,9 @@ def migratable(body: dict[str, Any]) -> bool:
     return n is None or n == 1
 
 
-def continuation_body(body: dict[str, Any], chat: bool, text: str, generated: int,
-                      encode: Callable[[str], list[int]] | None = None) -> dict[str, Any] | None:
+def continuation_body(
+    body: dict[str, Any], chat: bool, text: str, generated: int, encode: Callable[[str], list[int]] | None = None
+) -> dict[str, Any] | None:
     """The request that continues ``body`` after ``text`` (``generated`` tokens) was produced.
 
     ``encode`` (text -> token ids, no special tokens) extends a token-id prompt; without it such a
@@ -90,8 +91,19 @@ class SseTracker:
     the same response: same id and created, no second role chunk, usage counted over both workers.
     """
 
-    __slots__ = ("chat", "prompt_tokens", "id", "created", "text", "generated", "finished", "done", "continued",
-                 "_base_completion", "_buf")
+    __slots__ = (
+        "chat",
+        "prompt_tokens",
+        "id",
+        "created",
+        "text",
+        "generated",
+        "finished",
+        "done",
+        "continued",
+        "_base_completion",
+        "_buf",
+    )
 
     def __init__(self, chat: bool, prompt_tokens: int) -> None:
         self.chat = chat
@@ -122,7 +134,7 @@ class SseTracker:
         if end < 0:
             self._buf = buf
             return b""
-        self._buf = buf[end + 2:]
+        self._buf = buf[end + 2 :]
         whole = buf[: end + 2]
         if not self.continued:
             for ev in whole.split(b"\n\n"):

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from kvroute_common.constants import DEFAULT_TENANT as TENANT
 
-
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from slot_tracker.core import SlotRegistry, SlotTracker
 
     from .workers import Worker
+
 
 @dataclass(slots=True)
 class BusyThresholds:
@@ -50,7 +50,12 @@ class BusyThresholds:
 def validate_update(decode: object, prefill: object, frac: object) -> None:
     """ValueError with the reason when a /busy_threshold update is out of range."""
     if decode is not None:
-        if not isinstance(decode, (int, float)) or isinstance(decode, bool) or not math.isfinite(decode) or not 0.0 <= decode <= 1.0:
+        if (
+            not isinstance(decode, (int, float))
+            or isinstance(decode, bool)
+            or not math.isfinite(decode)
+            or not 0.0 <= decode <= 1.0
+        ):
             raise ValueError("active_decode_blocks_threshold must be between 0.0 and 1.0")
     if prefill is not None:
         if not isinstance(prefill, int) or isinstance(prefill, bool) or prefill < 0:
@@ -65,8 +70,16 @@ class ModelEntry:
 
     __slots__ = ("name", "block_size", "tokenizer", "workers", "thresholds", "approx", "_slots", "_events")
 
-    def __init__(self, name: str, block_size: int, tokenizer: "PreTrainedTokenizerBase", slots: "SlotRegistry",
-                 events: "IndexerRegistry | None", approx: "ApproxIndex | None", thresholds: BusyThresholds) -> None:
+    def __init__(
+        self,
+        name: str,
+        block_size: int,
+        tokenizer: PreTrainedTokenizerBase,
+        slots: SlotRegistry,
+        events: IndexerRegistry | None,
+        approx: ApproxIndex | None,
+        thresholds: BusyThresholds,
+    ) -> None:
         self.name = name
         self.block_size = block_size
         self.tokenizer = tokenizer
@@ -77,13 +90,13 @@ class ModelEntry:
         self._events = events  # the embedded IndexerRegistry (KV events mode) or None
 
     @property
-    def tracker(self) -> "SlotTracker | _EmptyTracker":
+    def tracker(self) -> SlotTracker | _EmptyTracker:
         """This model's slot tracker (the registry owns it; an external /unregister may drop it)."""
         t = self._slots.get(self.name, TENANT)
         return _EMPTY_TRACKER if t is None else t
 
     @property
-    def index(self) -> "ApproxIndex | KvIndex | None":
+    def index(self) -> ApproxIndex | KvIndex | None:
         """Where overlaps come from: the predicted index, the event-fed index, or None."""
         if self.approx is not None:
             return self.approx

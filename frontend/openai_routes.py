@@ -21,20 +21,20 @@ from kvroute_common.http import ApiError, json_response, read_json
 from kvroute_common.openai_api import read_openai_body
 
 from . import disagg as _disagg
-from .engine_polarity import for_worker as _priority_for_worker
 from .admission import ClientDisconnected, QueueRejected
+from .engine_polarity import for_worker as _priority_for_worker
 from .errors import OpenAIError, model_not_found, openai_error_response
 from .hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
+from .lifecycle import Lease
 from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
 from .parity import RequestProbe, UsageTap, stream_body_with_usage
-from .lifecycle import Lease
 from .proxy import StreamProxy, count_completion_tokens, upstream_headers
 from .routing_record import routing_record, wants_routing
 from .state import FrontendState
 from .unary_stream import UnaryAssembler, convertible, streaming_body
-from .validation import check_context_length, validate_messages, validate_sampling
 from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from .validation import check_context_length, validate_messages, validate_sampling
 
 if TYPE_CHECKING:
     from router.session import SessionLease
@@ -53,7 +53,9 @@ RETRY_AFTER_SECS = "1"
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-def _tokenize(entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, max_model_len: int | None = None) -> list[int]:
+def _tokenize(
+    entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, max_model_len: int | None = None
+) -> list[int]:
     """The engine's prompt tokens, checked against the context length as vLLM checks them.
 
     ``nogil``: running on a worker thread (kvroute_common.tokenize_offload); there the over-long
@@ -83,7 +85,9 @@ def _tokenize(entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, ma
     return tokens
 
 
-def _embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, max_model_len: int | None = None) -> list[int]:
+def _embedding_tokens(
+    entry: ModelEntry, body: dict, nogil: bool = False, max_model_len: int | None = None
+) -> list[int]:
     """All inputs' tokens, concatenated (for load accounting; embeddings are routed by load)."""
     from kvroute_common.tokenizer import PromptError, completion_prompt_token_ids
 
@@ -93,7 +97,11 @@ def _embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, max_mo
     elif isinstance(inp, list) and inp and all(isinstance(t, (str, list)) for t in inp):
         items = inp
     else:
-        raise OpenAIError(400, "'input' must be a non-empty string, list of strings, list of token ids or list of token-id lists", "input")
+        raise OpenAIError(
+            400,
+            "'input' must be a non-empty string, list of strings, list of token ids or list of token-id lists",
+            "input",
+        )
     out: list[int] = []
     try:
         for item in items:
@@ -105,7 +113,7 @@ def _embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, max_mo
     return out
 
 
-async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, kind: "str | bool") -> list[int]:
+async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, kind: str | bool) -> list[int]:
     """The request's tokens: inline for short prompts, on a worker thread above the offload threshold.
 
     ``kind``: chat | completions | responses | embeddings (a bool means chat / completions)."""
@@ -119,14 +127,39 @@ async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, 
         return await state.tokenize.run(chars, _embedding_tokens, entry, body, max_model_len=entry.max_model_len)
     if kind == "responses":
         body = responses_to_chat(body)
-    return await state.tokenize.run(chars, _tokenize, entry, body, kind != "completions", max_model_len=entry.max_model_len)
+    return await state.tokenize.run(
+        chars, _tokenize, entry, body, kind != "completions", max_model_len=entry.max_model_len
+    )
 
 
 class RequestContext:
     """What one OpenAI request carries through the pipeline."""
 
-    __slots__ = ("entry", "mm", "hints", "timing", "session", "tokens", "body", "out_body", "stream", "chat", "t_start", "endpoint", "receive",
-                 "recorded", "probe", "strip_usage", "migrations", "failed_workers", "pinned", "kind", "path", "prefill", "soft_target")
+    __slots__ = (
+        "entry",
+        "mm",
+        "hints",
+        "timing",
+        "session",
+        "tokens",
+        "body",
+        "out_body",
+        "stream",
+        "chat",
+        "t_start",
+        "endpoint",
+        "receive",
+        "recorded",
+        "probe",
+        "strip_usage",
+        "migrations",
+        "failed_workers",
+        "pinned",
+        "kind",
+        "path",
+        "prefill",
+        "soft_target",
+    )
 
     def __init__(self) -> None:
         self.kind = "chat"  # chat | completions | responses | embeddings (see _KINDS)
@@ -150,7 +183,9 @@ class RequestContext:
     def rewrite(self) -> bool:
         """Whether the response must be looked into (response nvext, speculative prefill)."""
         h = self.hints
-        return h is not None and (h.want_worker_id or h.want_timing or h.want_stop_reason or h.speculative_prefill or wants_routing(h))
+        return h is not None and (
+            h.want_worker_id or h.want_timing or h.want_stop_reason or h.speculative_prefill or wants_routing(h)
+        )
 
 
 class OpenAIRoutes:
@@ -233,7 +268,11 @@ class OpenAIRoutes:
             ctx.hints = hints
 
             t_tok = _perf()
-            tokens = hints.token_data if (hints is not None and hints.token_data) else await tokenize_request(state, entry, body, kind)
+            tokens = (
+                hints.token_data
+                if (hints is not None and hints.token_data)
+                else await tokenize_request(state, entry, body, kind)
+            )
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
             ctx.tokens = tokens
             if stream:  # the engine's usage (cached tokens) feeds the parity alarm and the decomposition
@@ -262,8 +301,13 @@ class OpenAIRoutes:
                     if ctx.timing is not None:
                         ctx.timing.router_queue_depth = state.admission.depth(model)
                     try:
-                        await state.admission.wait(model, hints, new_tokens=len(tokens), receive=request.receive,
-                                                   cached_tokens=lambda: state.router.best_cached_tokens(entry, tokens, hints.cache_salt))
+                        await state.admission.wait(
+                            model,
+                            hints,
+                            new_tokens=len(tokens),
+                            receive=request.receive,
+                            cached_tokens=lambda: state.router.best_cached_tokens(entry, tokens, hints.cache_salt),
+                        )
                     except ClientDisconnected:
                         mm.inflight.dec()
                         mm.active.dec()
@@ -276,7 +320,9 @@ class OpenAIRoutes:
                         return Response(b"", status_code=499)
                     except QueueRejected as exc:
                         return self._rejected(ctx, exc)
-                if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(state, model, hints):  # OpenAI generation only
+                if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(
+                    state, model, hints
+                ):  # OpenAI generation only
                     ctx.prefill = await _disagg.run_prefill(state, ctx)
                 return await self._dispatch(ctx, pinned_worker, pinned_rank)
             except BaseException:
@@ -344,14 +390,29 @@ class OpenAIRoutes:
             decision = None
             if ctx.soft_target is not None and attempts == 1:
                 try:  # soft affinity: the bound worker if it can take the request now
-                    decision = router.route(entry, ctx.tokens, ctx.soft_target[0], ctx.soft_target[1], salt,
-                                            record=record, exclude=ctx.failed_workers,
-                                            use_overlap=ctx.kind != "embeddings")
+                    decision = router.route(
+                        entry,
+                        ctx.tokens,
+                        ctx.soft_target[0],
+                        ctx.soft_target[1],
+                        salt,
+                        record=record,
+                        exclude=ctx.failed_workers,
+                        use_overlap=ctx.kind != "embeddings",
+                    )
                 except OpenAIError:
                     decision = None  # gone, unhealthy or busy: route freely, the session follows
             if decision is None:
-                decision = router.route(entry, ctx.tokens, pinned_worker, pinned_rank, salt, record=record, exclude=ctx.failed_workers,
-                                            use_overlap=ctx.kind != "embeddings")
+                decision = router.route(
+                    entry,
+                    ctx.tokens,
+                    pinned_worker,
+                    pinned_rank,
+                    salt,
+                    record=record,
+                    exclude=ctx.failed_workers,
+                    use_overlap=ctx.kind != "embeddings",
+                )
             request_id = state.next_request_id()
             try:
                 router.book(entry, request_id, decision)
@@ -471,8 +532,16 @@ class OpenAIRoutes:
             resp_headers = _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())]
             if client_id:
                 resp_headers.append((b"x-dynamo-request-id", client_id.encode()))
-            proxy = StreamProxy(upstream, lease, resp_headers, self._stream_failed, rewriter, UsageTap(ctx.probe, ctx.strip_usage),
-                                state.config.stream_idle_timeout, migrator)
+            proxy = StreamProxy(
+                upstream,
+                lease,
+                resp_headers,
+                self._stream_failed,
+                rewriter,
+                UsageTap(ctx.probe, ctx.strip_usage),
+                state.config.stream_idle_timeout,
+                migrator,
+            )
             if hints is not None and hints.annotations:
                 proxy.preamble = self._annotations(ctx)
             return proxy
@@ -507,7 +576,9 @@ class OpenAIRoutes:
                 text = prompt if isinstance(prompt, str) else ctx.entry.tokenizer.decode(ctx.tokens)
         return annotation_events(ctx.hints, text, ctx.tokens)
 
-    async def _reassemble(self, ctx: RequestContext, lease: Lease, upstream: Any, rewriter: "ResponseRewriter | None", watch: Any) -> Any:
+    async def _reassemble(
+        self, ctx: RequestContext, lease: Lease, upstream: Any, rewriter: ResponseRewriter | None, watch: Any
+    ) -> Any:
         """A non-streaming request's engine stream: first token = prefill complete, then one OpenAI body."""
         state = self.state
         worker = lease.decision.worker
@@ -544,7 +615,9 @@ class OpenAIRoutes:
                 return _MIGRATE
             status = 504 if silent else 502
             _lease_abort(lease, status)
-            return openai_error_response(status, f"worker {worker.id} {'went silent' if silent else 'failed'} mid-response: {exc}")
+            return openai_error_response(
+                status, f"worker {worker.id} {'went silent' if silent else 'failed'} mid-response: {exc}"
+            )
         finally:
             if watch is not None:
                 watch.stop()
@@ -552,9 +625,13 @@ class OpenAIRoutes:
         if asm.error is not None:
             code = asm.error.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
-            msg = asm.error.get("message") if isinstance(asm.error.get("message"), str) else f"worker {worker.id} failed"
+            msg = (
+                asm.error.get("message") if isinstance(asm.error.get("message"), str) else f"worker {worker.id} failed"
+            )
             _lease_abort(lease, status)
-            return openai_error_response(status if status < 500 else 500, msg if status < 500 else "Internal server error")
+            return openai_error_response(
+                status if status < 500 else 500, msg if status < 500 else "Internal server error"
+            )
         data = asm.body()
         if ctx.probe is not None:
             ctx.probe.usage_from_body(data)
@@ -563,7 +640,9 @@ class OpenAIRoutes:
         lease.release()
         if rewriter is not None:
             rewriter.finished(lease)
-        return _PassThrough(data, b"application/json", lease.decision.dp_rank, ctx.hints.request_id if ctx.hints is not None else None)
+        return _PassThrough(
+            data, b"application/json", lease.decision.dp_rank, ctx.hints.request_id if ctx.hints is not None else None
+        )
 
     async def explain(self, request: Request) -> Response:
         """``POST /admin/route``: the decision an OpenAI body would get now, with every candidate's
@@ -584,7 +663,9 @@ class OpenAIRoutes:
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
         out = routing_record(router.config, entry, d)
-        if state.config.router_mode == "latency":  # costs are estimated TTFTs (ms); what each rank's estimate has learned
+        if (
+            state.config.router_mode == "latency"
+        ):  # costs are estimated TTFTs (ms); what each rank's estimate has learned
             out["latency_models"] = state.router.latency_models(entry).snapshot()
         if prefill is not None:
             out["prefill"] = prefill  # the prefill router's decision
@@ -592,8 +673,12 @@ class OpenAIRoutes:
 
     def _may_migrate(self, ctx: RequestContext) -> bool:
         """--migration-limit: budget left, not pinned, one choice."""
-        return (ctx.migrations < self.state.config.migration_limit and not ctx.pinned and ctx.kind in ("chat", "completions")
-                and migratable(ctx.body))
+        return (
+            ctx.migrations < self.state.config.migration_limit
+            and not ctx.pinned
+            and ctx.kind in ("chat", "completions")
+            and migratable(ctx.body)
+        )
 
     def _count_migration(self, ctx: RequestContext, failed_worker: int, kind: str) -> None:
         ctx.migrations += 1
@@ -601,9 +686,15 @@ class OpenAIRoutes:
             ctx.failed_workers = set()
         ctx.failed_workers.add(failed_worker)
         self.state.metrics.migrations.labels(ctx.entry.name, kind).inc()
-        log.warning("request migrating from worker %s (%s, %d of %d)", failed_worker, kind, ctx.migrations, self.state.config.migration_limit)
+        log.warning(
+            "request migrating from worker %s (%s, %d of %d)",
+            failed_worker,
+            kind,
+            ctx.migrations,
+            self.state.config.migration_limit,
+        )
 
-    async def _continue_stream(self, ctx: RequestContext, tracker: SseTracker, lease: Lease) -> "tuple[Any, Lease]":
+    async def _continue_stream(self, ctx: RequestContext, tracker: SseTracker, lease: Lease) -> tuple[Any, Lease]:
         """A stream broke mid-way: continue it on another worker (a new routing decision and
         booking; the failed worker's booking is freed at once). Returns the new upstream response,
         or None when it cannot continue (budget spent, no worker, the new worker refused), and the
@@ -613,8 +704,13 @@ class OpenAIRoutes:
         lease.free_booking()
         from kvroute_common.tokenizer import encode_text
 
-        body = continuation_body(ctx.body, ctx.chat, tracker.generated_text(), tracker.generated,
-                                 lambda text: encode_text(entry.tokenizer, text))
+        body = continuation_body(
+            ctx.body,
+            ctx.chat,
+            tracker.generated_text(),
+            tracker.generated,
+            lambda text: encode_text(entry.tokenizer, text),
+        )
         try:
             if body is None:
                 raise OpenAIError(400, "the prompt cannot be continued")
@@ -649,8 +745,13 @@ class OpenAIRoutes:
             _record_routed(state, ctx.mm, decision)
             worker = decision.worker
             try:
-                upstream = await worker.upstream.request("POST", path, _priority_for_worker(raw, ctx.hints, worker),
-                                                         upstream_headers(decision.dp_rank, request_id), True)
+                upstream = await worker.upstream.request(
+                    "POST",
+                    path,
+                    _priority_for_worker(raw, ctx.hints, worker),
+                    upstream_headers(decision.dp_rank, request_id),
+                    True,
+                )
             except asyncio.CancelledError:
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()
@@ -667,7 +768,9 @@ class OpenAIRoutes:
                     data = b""
                 await upstream.aclose()
                 lease.free_booking()
-                log.warning("cannot migrate: worker %s answered %s: %s", worker.id, upstream.status, _error_message(data))
+                log.warning(
+                    "cannot migrate: worker %s answered %s: %s", worker.id, upstream.status, _error_message(data)
+                )
                 return None, lease
             lease.status, lease.error_type = "success", ""
             tracker.switch()
@@ -755,12 +858,16 @@ class ResponseRewriter:
             timing.finished = now
         d = self.lease.decision
         p = self.ctx.prefill
-        out = response_nvext(h, d.worker.id, d.dp_rank, timing, None if p is None else (p.worker_id, p.dp_rank), stop_reason)
+        out = response_nvext(
+            h, d.worker.id, d.dp_rank, timing, None if p is None else (p.worker_id, p.dp_rank), stop_reason
+        )
         if self.routing:  # the decision this request actually got (the last attempt's)
             if out is None:
                 out = {}
             st = self.routes.state
-            out["routing"] = routing_record(st.config if p is None else st.disagg_decode_router.config, self.ctx.entry, d)
+            out["routing"] = routing_record(
+                st.config if p is None else st.disagg_decode_router.config, self.ctx.entry, d
+            )
             if p is not None and p.record is not None:  # disaggregated: the prefill router's decision too
                 out["routing"]["prefill"] = p.record
         return out
@@ -796,7 +903,7 @@ class ResponseRewriter:
         if end < 0:
             self._buf = buf
             return b""
-        self._buf = buf[end + 2:]
+        self._buf = buf[end + 2 :]
         events = buf[: end + 2].split(b"\n\n")
         out = []
         for ev in events:
@@ -807,7 +914,9 @@ class ResponseRewriter:
                     obj = orjson.loads(ev[6:])
                 except orjson.JSONDecodeError:
                     obj = None
-                if isinstance(obj, dict) and any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or []):
+                if isinstance(obj, dict) and any(
+                    isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or []
+                ):
                     ext = self._nvext(_stop_reason(obj))
                     if ext is not None:
                         obj["nvext"] = ext
@@ -843,12 +952,17 @@ class _Migrator:
         self.ctx = ctx
         self.tracker = SseTracker(ctx.chat, len(ctx.tokens))
 
-    async def resume(self, lease: Lease, exc: BaseException) -> "tuple[Any, Lease] | None":
+    async def resume(self, lease: Lease, exc: BaseException) -> tuple[Any, Lease] | None:
         return await self.routes._continue_stream(self.ctx, self.tracker, lease)
 
+
 # kind -> (endpoint label of the metrics, engine path)
-_KINDS = {"chat": ("chat_completions", "/v1/chat/completions"), "completions": ("completions", "/v1/completions"),
-          "responses": ("responses", "/v1/responses"), "embeddings": ("embeddings", "/v1/embeddings")}
+_KINDS = {
+    "chat": ("chat_completions", "/v1/chat/completions"),
+    "completions": ("completions", "/v1/completions"),
+    "responses": ("responses", "/v1/responses"),
+    "embeddings": ("embeddings", "/v1/embeddings"),
+}
 
 
 def _stop_reason(obj: Any) -> Any:
@@ -892,8 +1006,11 @@ class _PassThrough:
         self.body, self.content_type, self.rank, self.request_id = body, content_type, rank, request_id
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        headers = [(b"content-type", self.content_type), (b"content-length", str(len(self.body)).encode()),
-                   (b"x-data-parallel-rank", str(self.rank).encode())]
+        headers = [
+            (b"content-type", self.content_type),
+            (b"content-length", str(len(self.body)).encode()),
+            (b"x-data-parallel-rank", str(self.rank).encode()),
+        ]
         if self.request_id:
             headers.append((b"x-dynamo-request-id", self.request_id.encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})

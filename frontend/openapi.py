@@ -50,17 +50,32 @@ _MESSAGE = {
     "required": ["role"],
     "properties": {
         "role": {"type": "string", "minLength": 1},
-        "content": {"anyOf": [
-            {"type": "string"},
-            {"type": "null"},
-            {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
-        ]},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "null"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                },
+            ]
+        },
     },
 }
 
-_USAGE = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-                                           "total_tokens": {"type": "integer"}}}
+_USAGE = {
+    "type": "object",
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+    },
+}
+
 
 def _worker_spec() -> dict[str, Any]:
     """``WorkerSpec.from_mapping``'s rules: known fields (and their aliases) only, integers also as
@@ -82,16 +97,26 @@ _SCHEMAS: dict[str, Any] = {
     "ChatCompletionRequest": {
         "type": "object",
         "required": ["model", "messages"],
-        "properties": {"model": {"type": "string", "minLength": 1}, "messages": {"type": "array", "minItems": 1, "items": oa.ref("ChatMessage")},
-                       "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1}, **_GENERATION},
+        "properties": {
+            "model": {"type": "string", "minLength": 1},
+            "messages": {"type": "array", "minItems": 1, "items": oa.ref("ChatMessage")},
+            "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+            **_GENERATION,
+        },
     },
     "CompletionRequest": {
         "type": "object",
         "required": ["model", "prompt"],
-        "properties": {"model": {"type": "string", "minLength": 1},
-                       "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                                            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
-                       **_GENERATION},
+        "properties": {
+            "model": {"type": "string", "minLength": 1},
+            "prompt": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                ]
+            },
+            **_GENERATION,
+        },
     },
     "ResponsesRequest": {
         "type": "object",
@@ -99,18 +124,44 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             "model": {"type": "string", "minLength": 1},
             "instructions": {"type": ["string", "null"]},
-            "input": {"anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"anyOf": [
-                    {"type": "string"},
-                    {"type": "object", "required": ["role", "content"], "properties": {
-                        "type": {"const": "message"}, "role": {"type": "string", "minLength": 1},
-                        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
-                            "type": "object", "required": ["type", "text"],
-                            "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}}]},
-                    }},
-                ]}},
-            ]},
+            "input": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {
+                                    "type": "object",
+                                    "required": ["role", "content"],
+                                    "properties": {
+                                        "type": {"const": "message"},
+                                        "role": {"type": "string", "minLength": 1},
+                                        "content": {
+                                            "anyOf": [
+                                                {"type": "string"},
+                                                {
+                                                    "type": "array",
+                                                    "items": {
+                                                        "type": "object",
+                                                        "required": ["type", "text"],
+                                                        "properties": {
+                                                            "type": {"enum": ["input_text", "output_text", "text"]},
+                                                            "text": {"type": "string"},
+                                                        },
+                                                    },
+                                                },
+                                            ]
+                                        },
+                                    },
+                                },
+                            ]
+                        },
+                    },
+                ]
+            },
             "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
             "stream": {"type": ["boolean", "null"]},
             "nvext": oa.ref("NvExt"),
@@ -119,30 +170,55 @@ _SCHEMAS: dict[str, Any] = {
     "ResponsesAnswer": {
         "type": "object",
         "required": ["id", "object", "model"],
-        "properties": {"id": {"type": "string"}, "object": {"const": "response"}, "model": {"type": "string"}, "output": {"type": "array"},
-                       "usage": {"type": "object"}, "nvext": {"type": "object"}},
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response"},
+            "model": {"type": "string"},
+            "output": {"type": "array"},
+            "usage": {"type": "object"},
+            "nvext": {"type": "object"},
+        },
     },
     "EmbeddingsRequest": {
         "type": "object",
         "required": ["model", "input"],
         "properties": {
             "model": {"type": "string", "minLength": 1},
-            "input": {"anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-                {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
-            ]},
+            "input": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                    },
+                ]
+            },
             "nvext": oa.ref("NvExt"),
         },
     },
     "Embeddings": {
         "type": "object",
         "required": ["object", "data", "model"],
-        "properties": {"object": {"const": "list"}, "model": {"type": "string"}, "usage": {"type": "object"},
-                       "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
-                           "object": {"const": "embedding"}, "index": {"type": "integer"},
-                           "embedding": {"type": "array", "items": {"type": "number"}}}}}},
+        "properties": {
+            "object": {"const": "list"},
+            "model": {"type": "string"},
+            "usage": {"type": "object"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["object", "index", "embedding"],
+                    "properties": {
+                        "object": {"const": "embedding"},
+                        "index": {"type": "integer"},
+                        "embedding": {"type": "array", "items": {"type": "number"}},
+                    },
+                },
+            },
+        },
     },
     "ChatMessage": _MESSAGE,
     "StreamEvent": {
@@ -155,72 +231,150 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices"],
         "properties": {
-            "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"}, "model": {"type": "string"},
-            "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"],
-                                                    "properties": {"index": {"type": "integer"}, "message": _MESSAGE}}},
-            "usage": _USAGE, "nvext": {"type": "object"},
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "message", "finish_reason"],
+                    "properties": {"index": {"type": "integer"}, "message": _MESSAGE},
+                },
+            },
+            "usage": _USAGE,
+            "nvext": {"type": "object"},
         },
     },
     "Completion": {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices"],
         "properties": {
-            "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"}, "model": {"type": "string"},
-            "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text", "finish_reason"],
-                                                    "properties": {"index": {"type": "integer"}, "text": {"type": "string"}}}},
-            "usage": _USAGE, "nvext": {"type": "object"},
+            "id": {"type": "string"},
+            "object": {"const": "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "text", "finish_reason"],
+                    "properties": {"index": {"type": "integer"}, "text": {"type": "string"}},
+                },
+            },
+            "usage": _USAGE,
+            "nvext": {"type": "object"},
         },
     },
     "Model": {
         "type": "object",
         "required": ["id", "object", "created", "owned_by"],
-        "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"}, "owned_by": {"type": "string"}},
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+        },
     },
     "Health": {
         "type": "object",
         "required": ["status", "message"],
-        "properties": {"status": {"enum": ["healthy", "not_ready", "shutting_down", "live"]}, "message": {"type": "string"},
-                       "endpoints": {"type": "array", "items": {"type": "string"}}, "instances": {"type": "array"},
-                       "models": {"type": "array", "items": {"type": "string"}}},
+        "properties": {
+            "status": {"enum": ["healthy", "not_ready", "shutting_down", "live"]},
+            "message": {"type": "string"},
+            "endpoints": {"type": "array", "items": {"type": "string"}},
+            "instances": {"type": "array"},
+            "models": {"type": "array", "items": {"type": "string"}},
+        },
     },
     "BusyThresholdUpdate": {
         "type": "object",
         "required": ["model"],
-        "properties": {"model": {"type": "string"},
-                       "active_decode_blocks_threshold": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
-                       "active_prefill_tokens_threshold": {"type": ["integer", "null"], "minimum": 0},
-                       "active_prefill_tokens_threshold_frac": {"type": ["number", "null"], "minimum": 0}},
+        "properties": {
+            "model": {"type": "string"},
+            "active_decode_blocks_threshold": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+            "active_prefill_tokens_threshold": {"type": ["integer", "null"], "minimum": 0},
+            "active_prefill_tokens_threshold_frac": {"type": ["number", "null"], "minimum": 0},
+        },
     },
     "BusyThreshold": {
         "type": "object",
         "required": ["model", "active_decode_blocks_threshold", "active_prefill_tokens_threshold"],
-        "properties": {"model": {"type": "string"}, "active_decode_blocks_threshold": {"type": ["number", "null"]},
-                       "active_prefill_tokens_threshold": {"type": ["integer", "null"]},
-                       "active_prefill_tokens_threshold_frac": {"type": ["number", "null"]}},
+        "properties": {
+            "model": {"type": "string"},
+            "active_decode_blocks_threshold": {"type": ["number", "null"]},
+            "active_prefill_tokens_threshold": {"type": ["integer", "null"]},
+            "active_prefill_tokens_threshold_frac": {"type": ["number", "null"]},
+        },
     },
     "WorkerSpec": _worker_spec(),
     "Worker": {
         "type": "object",
         "required": ["id", "url", "source", "healthy", "models"],
-        "properties": {"id": {"type": "integer"}, "url": {"type": "string"}, "source": {"type": "string"}, "healthy": {"type": "boolean"},
-                       "models": {"type": "array", "items": {"type": "string"}}, "last_error": {"type": ["string", "null"]}},
+        "properties": {
+            "id": {"type": "integer"},
+            "url": {"type": "string"},
+            "source": {"type": "string"},
+            "healthy": {"type": "boolean"},
+            "models": {"type": "array", "items": {"type": "string"}},
+            "last_error": {"type": ["string", "null"]},
+        },
     },
     "RouteDecision": {
         "type": "object",
-        "required": ["model", "isl", "block_size", "router_mode", "worker_id", "dp_rank", "overlap_blocks", "candidates"],
+        "required": [
+            "model",
+            "isl",
+            "block_size",
+            "router_mode",
+            "worker_id",
+            "dp_rank",
+            "overlap_blocks",
+            "candidates",
+        ],
         "properties": {
-            "model": {"type": "string"}, "isl": {"type": "integer"}, "block_size": {"type": "integer"}, "router_mode": {"type": "string"},
-            "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}, "overlap_blocks": {"type": "integer"},
+            "model": {"type": "string"},
+            "isl": {"type": "integer"},
+            "block_size": {"type": "integer"},
+            "router_mode": {"type": "string"},
+            "worker_id": {"type": "integer"},
+            "dp_rank": {"type": "integer"},
+            "overlap_blocks": {"type": "integer"},
             "candidates": {"type": "array", "items": {"type": "object", "required": ["worker_id", "dp_rank", "cost"]}},
         },
     },
 }
 
 _ROUTING_HEADERS = [
-    {"name": "x-dynamo-worker-instance-id", "in": "header", "required": False, "schema": _INT_STR, "description": "pin to this worker"},
-    {"name": "x-dynamo-dp-rank", "in": "header", "required": False, "schema": _INT_STR, "description": "pin to this DP rank"},
-    {"name": "x-dynamo-request-priority", "in": "header", "required": False, "schema": _INT_STR, "description": "queue priority jump"},
-    {"name": "x-dynamo-session-id", "in": "header", "required": False, "schema": {"type": "string"}, "description": "session identity"},
+    {
+        "name": "x-dynamo-worker-instance-id",
+        "in": "header",
+        "required": False,
+        "schema": _INT_STR,
+        "description": "pin to this worker",
+    },
+    {
+        "name": "x-dynamo-dp-rank",
+        "in": "header",
+        "required": False,
+        "schema": _INT_STR,
+        "description": "pin to this DP rank",
+    },
+    {
+        "name": "x-dynamo-request-priority",
+        "in": "header",
+        "required": False,
+        "schema": _INT_STR,
+        "description": "queue priority jump",
+    },
+    {
+        "name": "x-dynamo-session-id",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "session identity",
+    },
 ]
 
 
@@ -228,66 +382,164 @@ def _generation(summary: str, request: str, answer: str, streams: bool = True) -
     content: dict[str, Any] = {"application/json": {"schema": oa.ref(answer)}}
     if streams:
         content["text/event-stream"] = {"schema": oa.ref("StreamEvent")}
-    ok = {"description": "the answer (JSON)" + (", or its SSE stream with `stream: true`" if streams else ""), "content": content}
+    ok = {
+        "description": "the answer (JSON)" + (", or its SSE stream with `stream: true`" if streams else ""),
+        "content": content,
+    }
     responses = {"200": ok}
     responses.update(oa.errors(_V1_ERRORS, "OpenAIError"))
-    return {"summary": summary, "parameters": _ROUTING_HEADERS,
-            "requestBody": {"required": True, "content": oa.json_content(oa.ref(request))}, "responses": responses}
+    return {
+        "summary": summary,
+        "parameters": _ROUTING_HEADERS,
+        "requestBody": {"required": True, "content": oa.json_content(oa.ref(request))},
+        "responses": responses,
+    }
 
 
 def frontend_paths() -> dict[str, Any]:
     health = oa.json_ok("ready / live", oa.ref("Health"))
     not_ready = {"description": "no healthy worker yet, or shutting down", "content": oa.json_content(oa.ref("Health"))}
     return {
-        "/v1/chat/completions": {"post": _generation("chat completion, routed to the best worker", "ChatCompletionRequest", "ChatCompletion")},
-        "/v1/completions": {"post": _generation("text completion, routed to the best worker", "CompletionRequest", "Completion")},
-        "/v1/responses": {"post": _generation("OpenAI Responses request (text), tokenized like chat and routed", "ResponsesRequest",
-                                              "ResponsesAnswer")},
-        "/v1/embeddings": {"post": _generation("embeddings, routed by load", "EmbeddingsRequest", "Embeddings", streams=False)},
-        "/v1/models": {"get": oa.get("served models", {200: oa.json_ok("models", {
-            "type": "object", "required": ["object", "data"],
-            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": oa.ref("Model")}}})})},
-        "/v1/models/{model}": {"get": oa.get("one served model", {200: oa.json_ok("the model", oa.ref("Model"))},
-                                             {404: "model not served"}, "OpenAIError",
-                                             parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}])},
+        "/v1/chat/completions": {
+            "post": _generation("chat completion, routed to the best worker", "ChatCompletionRequest", "ChatCompletion")
+        },
+        "/v1/completions": {
+            "post": _generation("text completion, routed to the best worker", "CompletionRequest", "Completion")
+        },
+        "/v1/responses": {
+            "post": _generation(
+                "OpenAI Responses request (text), tokenized like chat and routed", "ResponsesRequest", "ResponsesAnswer"
+            )
+        },
+        "/v1/embeddings": {
+            "post": _generation("embeddings, routed by load", "EmbeddingsRequest", "Embeddings", streams=False)
+        },
+        "/v1/models": {
+            "get": oa.get(
+                "served models",
+                {
+                    200: oa.json_ok(
+                        "models",
+                        {
+                            "type": "object",
+                            "required": ["object", "data"],
+                            "properties": {
+                                "object": {"const": "list"},
+                                "data": {"type": "array", "items": oa.ref("Model")},
+                            },
+                        },
+                    )
+                },
+            )
+        },
+        "/v1/models/{model}": {
+            "get": oa.get(
+                "one served model",
+                {200: oa.json_ok("the model", oa.ref("Model"))},
+                {404: "model not served"},
+                "OpenAIError",
+                parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            )
+        },
         "/health": {"get": {"summary": "readiness", "responses": {"200": health, "503": not_ready}}},
         "/live": {"get": {"summary": "liveness", "responses": {"200": health, "503": not_ready}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics (dynamo_frontend_*, dynamo_component_router_*, dynamo_router_overhead_*)",
-                             "responses": {"200": {"description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (dynamo_frontend_*, dynamo_component_router_*, dynamo_router_overhead_*)",
+                "responses": {
+                    "200": {"description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}
+                },
+            }
+        },
         "/busy_threshold": {
-            "get": oa.get("busy thresholds of every model that has some", {200: oa.json_ok("thresholds", {
-                "type": "object", "required": ["thresholds"],
-                "properties": {"thresholds": {"type": "array", "items": oa.ref("BusyThreshold")}}})}),
-            "post": oa.json_post("read (only `model`) or set a model's busy thresholds", oa.ref("BusyThresholdUpdate"),
-                                 {200: oa.json_ok("the model's thresholds", oa.ref("BusyThreshold"))},
-                                 {400: "a threshold out of range", 404: "model not discovered"}),
+            "get": oa.get(
+                "busy thresholds of every model that has some",
+                {
+                    200: oa.json_ok(
+                        "thresholds",
+                        {
+                            "type": "object",
+                            "required": ["thresholds"],
+                            "properties": {"thresholds": {"type": "array", "items": oa.ref("BusyThreshold")}},
+                        },
+                    )
+                },
+            ),
+            "post": oa.json_post(
+                "read (only `model`) or set a model's busy thresholds",
+                oa.ref("BusyThresholdUpdate"),
+                {200: oa.json_ok("the model's thresholds", oa.ref("BusyThreshold"))},
+                {400: "a threshold out of range", 404: "model not discovered"},
+            ),
         },
         "/admin/workers": {
-            "get": oa.get("registered workers", {200: oa.json_ok("workers", {
-                "type": "object", "required": ["workers"], "properties": {"workers": {"type": "array", "items": oa.ref("Worker")}}})}),
-            "post": oa.json_post("add or replace a worker (probed first unless ?wait=false)", oa.ref("WorkerSpec"),
-                                 {201: oa.json_ok("added", oa.ref("Worker")), 200: oa.json_ok("replaced", oa.ref("Worker"))},
-                                 {400: "invalid worker spec"},
-                                 parameters=[oa.query_param("wait", "false: do not wait for the first health check")]),
+            "get": oa.get(
+                "registered workers",
+                {
+                    200: oa.json_ok(
+                        "workers",
+                        {
+                            "type": "object",
+                            "required": ["workers"],
+                            "properties": {"workers": {"type": "array", "items": oa.ref("Worker")}},
+                        },
+                    )
+                },
+            ),
+            "post": oa.json_post(
+                "add or replace a worker (probed first unless ?wait=false)",
+                oa.ref("WorkerSpec"),
+                {201: oa.json_ok("added", oa.ref("Worker")), 200: oa.json_ok("replaced", oa.ref("Worker"))},
+                {400: "invalid worker spec"},
+                parameters=[oa.query_param("wait", "false: do not wait for the first health check")],
+            ),
         },
-        "/admin/workers/{worker_id}": {"delete": {
-            "summary": "remove a worker",
-            "parameters": [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}],
-            "responses": {"200": oa.status_ok("removed"), **oa.errors({400: "not an integer id", 404: "no such worker"})},
-        }},
-        "/dashboard": {"get": {"summary": "the live dashboard page (HTML; polls /dashboard/data)",
-                               "responses": {"200": {"description": "page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
-        "/dashboard/data": {"get": oa.get(
-            "the dashboard's snapshot: per-rank loads, blocks indexed, health and busy state; decisions by mode; "
-            "hit-rate decomposition and its time series; recent decisions with their cost terms",
-            {200: oa.json_ok("snapshot", {"type": "object", "required": ["seq", "time", "ranks", "decisions", "decomposition", "history", "recent"]})},
-            {400: "seq is not an integer", 404: "that snapshot is no longer kept"},
-            parameters=[oa.query_param("seq", "a snapshot served earlier (the last 16 are kept)")])},
-        "/admin/route": {"post": oa.json_post(
-            "the decision an OpenAI body would get now, with every candidate's cost terms (nothing booked or sent)",
-            {"anyOf": [oa.ref("ChatCompletionRequest"), oa.ref("CompletionRequest")]},
-            {200: oa.json_ok("the decision", oa.ref("RouteDecision"))},
-            {400: "bad messages / prompt", 404: "model not served", 503: "no worker available", 529: "every eligible worker is busy"})},
+        "/admin/workers/{worker_id}": {
+            "delete": {
+                "summary": "remove a worker",
+                "parameters": [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {
+                    "200": oa.status_ok("removed"),
+                    **oa.errors({400: "not an integer id", 404: "no such worker"}),
+                },
+            }
+        },
+        "/dashboard": {
+            "get": {
+                "summary": "the live dashboard page (HTML; polls /dashboard/data)",
+                "responses": {"200": {"description": "page", "content": {"text/html": {"schema": {"type": "string"}}}}},
+            }
+        },
+        "/dashboard/data": {
+            "get": oa.get(
+                "the dashboard's snapshot: per-rank loads, blocks indexed, health and busy state; decisions by mode; "
+                "hit-rate decomposition and its time series; recent decisions with their cost terms",
+                {
+                    200: oa.json_ok(
+                        "snapshot",
+                        {
+                            "type": "object",
+                            "required": ["seq", "time", "ranks", "decisions", "decomposition", "history", "recent"],
+                        },
+                    )
+                },
+                {400: "seq is not an integer", 404: "that snapshot is no longer kept"},
+                parameters=[oa.query_param("seq", "a snapshot served earlier (the last 16 are kept)")],
+            )
+        },
+        "/admin/route": {
+            "post": oa.json_post(
+                "the decision an OpenAI body would get now, with every candidate's cost terms (nothing booked or sent)",
+                {"anyOf": [oa.ref("ChatCompletionRequest"), oa.ref("CompletionRequest")]},
+                {200: oa.json_ok("the decision", oa.ref("RouteDecision"))},
+                {
+                    400: "bad messages / prompt",
+                    404: "model not served",
+                    503: "no worker available",
+                    529: "every eligible worker is busy",
+                },
+            )
+        },
     }
 
 
@@ -301,8 +553,7 @@ def build_document() -> dict[str, Any]:
     schemas.update(_SCHEMAS)
     return oa.document(
         "kvroute frontend",
-        "KV-aware OpenAI-compatible proxy (python -m frontend). /v1 errors are OpenAI-shaped; every other error is {\"error\": \"...\"}.",
+        'KV-aware OpenAI-compatible proxy (python -m frontend). /v1 errors are OpenAI-shaped; every other error is {"error": "..."}.',
         paths,
         schemas,
     )
-

@@ -41,9 +41,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from .decomposition import HitRateDecomposition
 
 if TYPE_CHECKING:
-    from .models import ModelEntry
-    from .lifecycle import Lease
     from .decision import Decision
+    from .lifecycle import Lease
+    from .models import ModelEntry
 
 log = logging.getLogger("frontend.parity")
 
@@ -84,8 +84,8 @@ def stream_body_with_usage(body: dict, raw: bytes | None) -> tuple[bytes | None,
     if opts is None:
         if raw is not None:
             i = raw.find(b"{")
-            if i >= 0 and raw[i + 1:].lstrip()[:1] not in (b"}", b""):
-                return b'{"stream_options":{"include_usage":true},' + raw[i + 1:], True
+            if i >= 0 and raw[i + 1 :].lstrip()[:1] not in (b"}", b""):
+                return b'{"stream_options":{"include_usage":true},' + raw[i + 1 :], True
         body["stream_options"] = {"include_usage": True}
         return None, True
     if not isinstance(opts, dict) or opts.get("include_usage"):
@@ -120,7 +120,7 @@ class UsageTap:
 
     MAX_HELD = 1 << 16
 
-    def __init__(self, probe: "RequestProbe | None", strip: bool) -> None:
+    def __init__(self, probe: RequestProbe | None, strip: bool) -> None:
         self.probe = probe
         self.strip = strip
         self._held = b""
@@ -166,10 +166,19 @@ class RequestProbe:
     """One routed request's prediction, the engine's usage and the worker's event counters at
     dispatch; a lease hook, so the checks run when the request ends."""
 
-    __slots__ = ("monitor", "entry", "decision", "listener", "stored_before", "rejected_before", "prompt_tokens", "cached_tokens",
-                 "checked")
+    __slots__ = (
+        "monitor",
+        "entry",
+        "decision",
+        "listener",
+        "stored_before",
+        "rejected_before",
+        "prompt_tokens",
+        "cached_tokens",
+        "checked",
+    )
 
-    def __init__(self, monitor: "ParityMonitor", entry: "ModelEntry", decision: "Decision", listener: Any) -> None:
+    def __init__(self, monitor: ParityMonitor, entry: ModelEntry, decision: Decision, listener: Any) -> None:
         self.monitor = monitor
         self.entry = entry
         self.decision = decision
@@ -193,10 +202,10 @@ class RequestProbe:
         self.usage(*parse_usage(data))
 
     # lease hook interface
-    def on_tokens(self, lease: "Lease", n: int) -> None:
+    def on_tokens(self, lease: Lease, n: int) -> None:
         pass
 
-    def on_release(self, lease: "Lease") -> None:
+    def on_release(self, lease: Lease) -> None:
         if lease.status == "success" and not self.checked:
             self.checked = True
             self.monitor.finished(self)
@@ -210,8 +219,21 @@ class RequestProbe:
 class WorkerParity:
     """The evidence window and likely-cause hints of one worker."""
 
-    __slots__ = ("worker_id", "window", "alarm", "pending", "totals", "foreign_block_size", "cached_not_multiple",
-                 "prompt_len_mismatch", "stores_unmatched", "usage_unpredicted", "last_cause", "last_kind", "gauge")
+    __slots__ = (
+        "worker_id",
+        "window",
+        "alarm",
+        "pending",
+        "totals",
+        "foreign_block_size",
+        "cached_not_multiple",
+        "prompt_len_mismatch",
+        "stores_unmatched",
+        "usage_unpredicted",
+        "last_cause",
+        "last_kind",
+        "gauge",
+    )
 
     def __init__(self, worker_id: int, window: int, gauge: Any) -> None:
         self.worker_id = worker_id
@@ -240,26 +262,40 @@ class WorkerParity:
 
     def likely_cause(self, block_size: int) -> str:
         if self.foreign_block_size is not None:
-            return (f"block size mismatch: the worker publishes {self.foreign_block_size}-token blocks, the router uses "
-                    f"{block_size} (set the worker's block_size / --kv-cache-block-size to the engine's)")
+            return (
+                f"block size mismatch: the worker publishes {self.foreign_block_size}-token blocks, the router uses "
+                f"{block_size} (set the worker's block_size / --kv-cache-block-size to the engine's)"
+            )
         if self.cached_not_multiple is not None:
-            return (f"block size mismatch: the engine reported {self.cached_not_multiple} cached tokens, not a multiple of the "
-                    f"router's block size {block_size}")
+            return (
+                f"block size mismatch: the engine reported {self.cached_not_multiple} cached tokens, not a multiple of the "
+                f"router's block size {block_size}"
+            )
         if self.prompt_len_mismatch is not None:
             mine, theirs = self.prompt_len_mismatch
-            return (f"tokenizer or chat template mismatch: the router counted {mine} prompt tokens, the engine {theirs} "
-                    "(give --model-path the engine's model directory)")
+            return (
+                f"tokenizer or chat template mismatch: the router counted {mine} prompt tokens, the engine {theirs} "
+                "(give --model-path the engine's model directory)"
+            )
         if self.stores_unmatched:
-            return ("tokenizer, chat template, LoRA or cache salt mismatch: the worker stores blocks but none match the "
-                    "router's hashes")
-        return ("the engine reports cached prefixes the router never predicted: its KV events are missing or hashed "
-                "differently (tokenizer, chat template, block size, LoRA or salt)")
+            return (
+                "tokenizer, chat template, LoRA or cache salt mismatch: the worker stores blocks but none match the "
+                "router's hashes"
+            )
+        return (
+            "the engine reports cached prefixes the router never predicted: its KV events are missing or hashed "
+            "differently (tokenizer, chat template, block size, LoRA or salt)"
+        )
 
     def describe(self) -> dict[str, Any]:
         w = self.window
-        out: dict[str, Any] = {"mismatch": self.alarm, "window_matches": sum(1 for e in w if e),
-                               "window_mismatches": sum(1 for e in w if not e), "matches": self.totals["match"],
-                               "mismatches": self.totals["mismatch"]}
+        out: dict[str, Any] = {
+            "mismatch": self.alarm,
+            "window_matches": sum(1 for e in w if e),
+            "window_mismatches": sum(1 for e in w if not e),
+            "matches": self.totals["match"],
+            "mismatches": self.totals["mismatch"],
+        }
         if self.alarm:
             out["likely_cause"] = self.last_cause
         if self.prompt_len_mismatch is not None:
@@ -272,23 +308,38 @@ class WorkerParity:
 class ParityMonitor:
     """Collects per-request evidence into per-worker alarms, and feeds the hit-rate decomposition."""
 
-    def __init__(self, registry: CollectorRegistry, events: Any, window: int = 16, min_mismatches: int = 4,
-                 grace: float = 1.0, max_pending: int = 8) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        events: Any,
+        window: int = 16,
+        min_mismatches: int = 4,
+        grace: float = 1.0,
+        max_pending: int = 8,
+    ) -> None:
         self.events = events  # callable -> the embedded IndexerRegistry or None
         self.window = window
         self.min_mismatches = min_mismatches
         self.grace = grace
         self.max_pending = max_pending
         self.decomposition = HitRateDecomposition(registry)
-        self.alarm_gauge = Gauge("kvroute_hash_parity_mismatch", "1 while the worker's cached blocks never match the router's hashes",
-                                 ("worker",), registry=registry)
-        self.checks = Counter("kvroute_hash_parity_checks", "Hash-parity evidence per worker",
-                              ("worker", "source", "result"), registry=registry)
+        self.alarm_gauge = Gauge(
+            "kvroute_hash_parity_mismatch",
+            "1 while the worker's cached blocks never match the router's hashes",
+            ("worker",),
+            registry=registry,
+        )
+        self.checks = Counter(
+            "kvroute_hash_parity_checks",
+            "Hash-parity evidence per worker",
+            ("worker", "source", "result"),
+            registry=registry,
+        )
         self.workers: dict[int, WorkerParity] = {}
 
     # -- request path
 
-    def begin(self, entry: "ModelEntry", decision: "Decision", lease: "Lease") -> RequestProbe:
+    def begin(self, entry: ModelEntry, decision: Decision, lease: Lease) -> RequestProbe:
         """At dispatch: snapshot the worker's event counters and hook the request's end."""
         listener = None
         reg = self.events()
@@ -307,7 +358,9 @@ class ParityMonitor:
         cached = probe.cached_tokens
         if cached is not None:
             isl = d.isl
-            self.decomposition.observe(entry.name, isl, min(d.available_blocks * bs, isl), min(d.overlap_blocks * bs, isl), cached)
+            self.decomposition.observe(
+                entry.name, isl, min(d.available_blocks * bs, isl), min(d.overlap_blocks * bs, isl), cached
+            )
         if probe.listener is None:
             return  # no KV events from this worker: its cache cannot disagree with the router's index
         wp = self._worker(d.worker.id)
@@ -391,8 +444,12 @@ class ParityMonitor:
         if alarm and not wp.alarm:
             wp.last_cause = wp.likely_cause(block_size)
             wp.last_kind = wp.cause_kind()
-            log.warning("hash parity: worker %s's cached blocks never match the router's hashes (%d checks): likely %s",
-                        wp.worker_id, mismatches, wp.last_cause)
+            log.warning(
+                "hash parity: worker %s's cached blocks never match the router's hashes (%d checks): likely %s",
+                wp.worker_id,
+                mismatches,
+                wp.last_cause,
+            )
         elif wp.alarm and not alarm:
             log.info("hash parity: worker %s matches the router's hashes again", wp.worker_id)
         elif alarm:

@@ -41,10 +41,29 @@ def count_completion_tokens(body: bytes) -> int:
 class StreamProxy:
     """ASGI response that relays a worker's SSE stream chunk by chunk and always releases the lease."""
 
-    __slots__ = ("upstream", "lease", "headers", "on_failure", "rewriter", "tap", "idle_timeout", "migrator", "preamble")
+    __slots__ = (
+        "upstream",
+        "lease",
+        "headers",
+        "on_failure",
+        "rewriter",
+        "tap",
+        "idle_timeout",
+        "migrator",
+        "preamble",
+    )
 
-    def __init__(self, upstream: UpstreamResponse, lease: Lease, headers: list[tuple[bytes, bytes]], on_failure: Any, rewriter: Any = None,
-                 tap: Any = None, idle_timeout: float | None = None, migrator: Any = None) -> None:
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        lease: Lease,
+        headers: list[tuple[bytes, bytes]],
+        on_failure: Any,
+        rewriter: Any = None,
+        tap: Any = None,
+        idle_timeout: float | None = None,
+        migrator: Any = None,
+    ) -> None:
         self.upstream = upstream
         self.lease = lease
         self.headers = headers
@@ -163,8 +182,11 @@ class StreamProxy:
                     err = b"data: [DONE]\n\n"  # every choice ended: only the terminator was lost
                 else:
                     status = 504 if timeout else 500
-                    msg = (f"worker {lease.decision.worker.id} stopped sending mid-stream: {exc}" if timeout
-                           else f"worker {lease.decision.worker.id} failed mid-stream: {exc}")
+                    msg = (
+                        f"worker {lease.decision.worker.id} stopped sending mid-stream: {exc}"
+                        if timeout
+                        else f"worker {lease.decision.worker.id} failed mid-stream: {exc}"
+                    )
                     err = b"data: " + openai_error_body(status, msg) + b"\n\ndata: [DONE]\n\n"
                 await send({"type": "http.response.body", "body": err, "more_body": True})
             break

@@ -22,7 +22,9 @@ WorkerGauges = tuple  # (last TTFT, last ISL, last ITL) children of one (worker,
 class RequestMetrics:
     """Implements ``LifecycleListener`` for the frontend."""
 
-    def __init__(self, metrics: FrontendMetrics, router: "RequestRouter", capacity_changed: Callable[[str], None]) -> None:
+    def __init__(
+        self, metrics: FrontendMetrics, router: RequestRouter, capacity_changed: Callable[[str], None]
+    ) -> None:
         self.metrics = metrics
         self.router = router
         self.capacity_changed = capacity_changed
@@ -34,10 +36,13 @@ class RequestMetrics:
             labels = (str(worker_id), str(dp_rank), worker_type)
             m = self.metrics
             g = self._worker_gauges[(worker_id, dp_rank, worker_type)] = (
-                m.worker_last_ttft.labels(*labels), m.worker_last_isl.labels(*labels), m.worker_last_itl.labels(*labels))
+                m.worker_last_ttft.labels(*labels),
+                m.worker_last_isl.labels(*labels),
+                m.worker_last_itl.labels(*labels),
+            )
         return g
 
-    def first_token(self, lease: "Lease", ttft: float, now: float, streamed: bool) -> None:
+    def first_token(self, lease: Lease, ttft: float, now: float, streamed: bool) -> None:
         if streamed:  # an answer that arrived whole says nothing about the time to its first token
             self.router.observe_first_token(lease.entry, lease.decision, now)
         mm = lease.mm
@@ -46,18 +51,18 @@ class RequestMetrics:
         self.metrics.router_ttft.observe(ttft)
         self.worker_gauges(lease.decision.worker.id, lease.decision.dp_rank)[0].set(ttft)
 
-    def tokens(self, lease: "Lease", n: int, gap: float | None) -> None:
+    def tokens(self, lease: Lease, n: int, gap: float | None) -> None:
         if gap is not None:
             lease.mm.itl.observe(gap)
             self.metrics.router_itl.observe(gap)
         lease.mm.output_tokens.inc(n)
 
-    def cancelled(self, lease: "Lease") -> None:
+    def cancelled(self, lease: Lease) -> None:
         self.metrics.disconnected.inc()
         mm = lease.mm
         self.metrics.cancellations.labels(mm.model, mm.endpoint, mm.request_type).inc()
 
-    def released(self, lease: "Lease", duration: float) -> None:
+    def released(self, lease: Lease, duration: float) -> None:
         mm = lease.mm
         if not lease.ttft_recorded:
             mm.queued.dec()
@@ -70,4 +75,6 @@ class RequestMetrics:
         m.router_requests.inc()
         m.router_osl.observe(lease.tokens_out)
         if lease.tokens_out > 1 and lease.t_first is not None and lease.t_last is not None:
-            self.worker_gauges(lease.decision.worker.id, lease.decision.dp_rank)[2].set((lease.t_last - lease.t_first) / (lease.tokens_out - 1))
+            self.worker_gauges(lease.decision.worker.id, lease.decision.dp_rank)[2].set(
+                (lease.t_last - lease.t_first) / (lease.tokens_out - 1)
+            )

@@ -32,11 +32,12 @@ log = logging.getLogger("frontend.request_router")
 _perf = time.perf_counter
 
 
-
 class RequestRouter:
     """Chooses a (worker, rank) per request according to ``--router-mode``."""
 
-    def __init__(self, config: "RouterConfig", metrics: "FrontendMetrics | None" = None, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, metrics: FrontendMetrics | None = None, rng: random.Random | None = None
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.rng = rng or random.Random()
@@ -50,19 +51,21 @@ class RequestRouter:
             window=getattr(config, "router_latency_window", 100.0),
         )
 
-    def latency_models(self, entry: "ModelEntry") -> LatencyModels:
+    def latency_models(self, entry: ModelEntry) -> LatencyModels:
         """The learned per-rank TTFT models of ``entry``'s workers (latency mode)."""
         models = self._latency.get(entry.name)
         if models is None:
             models = self._latency[entry.name] = LatencyModels(self._latency_prior, entry.block_size)
         return models
 
-    def observe_first_token(self, entry: "ModelEntry", decision: Decision, now: float) -> None:
+    def observe_first_token(self, entry: ModelEntry, decision: Decision, now: float) -> None:
         """Latency mode: learn from the TTFT the chosen rank gave (dispatch to first streamed token)."""
         c = decision.cost
         if c is None or self.config.router_mode != "latency" or not decision.t_routed:
             return
-        self.latency_models(entry).observe((c.worker_id, c.dp_rank), c.prefill_tokens, c.decode_blocks, now - decision.t_routed)
+        self.latency_models(entry).observe(
+            (c.worker_id, c.dp_rank), c.prefill_tokens, c.decode_blocks, now - decision.t_routed
+        )
 
     def forget_worker(self, worker_id: int) -> None:
         """A removed worker's learned speeds go with it."""
@@ -72,14 +75,14 @@ class RequestRouter:
     # ------------------------------------------------------------------------------------------
     def route(
         self,
-        entry: "ModelEntry",
+        entry: ModelEntry,
         tokens: list[int],
         pinned_worker: int | None = None,
         pinned_rank: int | None = None,
         cache_salt: str | None = None,
         explain: bool = False,
         record: bool = False,
-        exclude: "set[int] | None" = None,
+        exclude: set[int] | None = None,
         use_overlap: bool = True,
     ) -> Decision:
         """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin).
@@ -96,7 +99,11 @@ class RequestRouter:
         metrics = None if explain else self.metrics
         index = entry.index if (kv and use_overlap) else None
 
-        local = local_block_hashes(tokens, bs, None, cache_salt) if (index is not None or cfg.router_track_active_blocks) else []
+        local = (
+            local_block_hashes(tokens, bs, None, cache_salt)
+            if (index is not None or cfg.router_track_active_blocks)
+            else []
+        )
         t1 = _perf()
         seq = sequence_hashes(local)
         t2 = _perf()
@@ -136,13 +143,22 @@ class RequestRouter:
                 costs = score_latency(loads, overlaps, isl, bs, lmodels, cfg.router_track_prefill_tokens)
             else:
                 lmodels = None
-                costs = score_candidates(loads, overlaps, isl, bs, cfg.router_kv_overlap_score_weight, cfg.router_track_prefill_tokens)
+                costs = score_candidates(
+                    loads, overlaps, isl, bs, cfg.router_kv_overlap_score_weight, cfg.router_track_prefill_tokens
+                )
             cost = choose(costs, cfg.router_temperature, self.rng)
             if log.isEnabledFor(logging.DEBUG):
                 w = cfg.router_kv_overlap_score_weight
                 for c in costs:
                     log.debug(formula(c, w) if lmodels is None else latency_formula(c, lmodels.get(c.key)))
-                log.debug("Selected worker_%s dp_rank %s (cost %.1f) for %d tokens of model %s", cost.worker_id, cost.dp_rank, cost.cost, isl, entry.name)
+                log.debug(
+                    "Selected worker_%s dp_rank %s (cost %.1f) for %d tokens of model %s",
+                    cost.worker_id,
+                    cost.dp_rank,
+                    cost.cost,
+                    isl,
+                    entry.name,
+                )
             chosen_id, rank = cost.worker_id, cost.dp_rank
             worker = next(w for w, r in candidates if w.id == chosen_id and r == rank)
             overlap = cost.overlap_blocks
@@ -170,10 +186,11 @@ class RequestRouter:
                 metrics.oh_find_matches.observe((t3 - t2) * 1e3)
             metrics.oh_scheduling.observe((t4 - t3) * 1e3)
             metrics.oh_total.observe((t4 - t0) * 1e3)
-        return Decision(worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost,
-                        costs if kv else None, available, t4)
+        return Decision(
+            worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost, costs if kv else None, available, t4
+        )
 
-    def best_cached_tokens(self, entry: "ModelEntry", tokens: list[int], cache_salt: str | None = None) -> int:
+    def best_cached_tokens(self, entry: ModelEntry, tokens: list[int], cache_salt: str | None = None) -> int:
         """Most prompt tokens any worker of the model holds now (the queue's pending-cached gauge)."""
         index = entry.index if self.config.router_mode == "kv" else None
         if index is None or not tokens:
@@ -182,7 +199,7 @@ class RequestRouter:
         return max(overlaps.values(), default=0) * entry.block_size
 
     # ------------------------------------------------------------------------------------------
-    def book(self, entry: "ModelEntry", request_id: str, decision: Decision) -> None:
+    def book(self, entry: ModelEntry, request_id: str, decision: Decision) -> None:
         """Record the request on its (worker, rank) before dispatch; approximate mode predicts its blocks."""
         tracker = entry.tracker
         new_isl = decision.new_isl_tokens if self.config.router_track_prefill_tokens else 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .models import ModelEntry
     from .decision import Decision
+    from .models import ModelEntry
 
 EXTRA_FIELD = "routing"
 
@@ -21,19 +21,35 @@ def wants_routing(hints: Any) -> bool:
     return hints is not None and EXTRA_FIELD in (hints.extra_fields or ())
 
 
-def routing_record(config: Any, entry: "ModelEntry", decision: "Decision") -> dict[str, Any]:
+def routing_record(config: Any, entry: ModelEntry, decision: Decision) -> dict[str, Any]:
     """The decision with every candidate's terms (candidates is empty outside kv mode)."""
     bs = entry.block_size
     chosen = (decision.worker.id, decision.dp_rank)
     cands = [
-        {"worker_id": c.worker_id, "dp_rank": c.dp_rank, "overlap_blocks": c.overlap_blocks, "prefill_tokens": c.prefill_tokens,
-         "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks, "active_requests": c.active_requests,
-         "cost": c.cost, "logit": c.cost, "selected": (c.worker_id, c.dp_rank) == chosen}
+        {
+            "worker_id": c.worker_id,
+            "dp_rank": c.dp_rank,
+            "overlap_blocks": c.overlap_blocks,
+            "prefill_tokens": c.prefill_tokens,
+            "prefill_blocks": c.prefill_blocks,
+            "decode_blocks": c.decode_blocks,
+            "active_requests": c.active_requests,
+            "cost": c.cost,
+            "logit": c.cost,
+            "selected": (c.worker_id, c.dp_rank) == chosen,
+        }
         for c in (decision.costs or [])
     ]
     return {
-        "model": entry.name, "isl": decision.isl, "block_size": bs, "router_mode": config.router_mode,
-        "overlap_score_weight": config.router_kv_overlap_score_weight, "temperature": config.router_temperature,
-        "worker_id": decision.worker.id, "dp_rank": decision.dp_rank, "overlap_blocks": decision.overlap_blocks,
-        "available_overlap_blocks": decision.available_blocks, "candidates": cands,
+        "model": entry.name,
+        "isl": decision.isl,
+        "block_size": bs,
+        "router_mode": config.router_mode,
+        "overlap_score_weight": config.router_kv_overlap_score_weight,
+        "temperature": config.router_temperature,
+        "worker_id": decision.worker.id,
+        "dp_rank": decision.dp_rank,
+        "overlap_blocks": decision.overlap_blocks,
+        "available_overlap_blocks": decision.available_blocks,
+        "candidates": cands,
     }

@@ -14,8 +14,8 @@ from prometheus_client.core import GaugeMetricFamily
 
 from router.config import RouterConfig, decode_router_config, prefill_router_config
 
-from .eligibility import queue_has_capacity, warmup_target_busy
 from .decision_log import DecisionLog
+from .eligibility import queue_has_capacity, warmup_target_busy
 from .metrics import PREFILL_WORKER_TYPE, WORKER_TYPE, CallbackCollector, FrontendMetrics
 from .models import TENANT, BusyThresholds, ModelEntry
 from .parity import ParityMonitor
@@ -55,7 +55,9 @@ class FrontendState:
 
         self.config = config
         # long prompts are tokenized on a worker thread (never blocks the loop)
-        self.tokenize = TokenizeOffload(DEFAULT_OFFLOAD_CHARS if tokenize_offload_chars is None else tokenize_offload_chars)
+        self.tokenize = TokenizeOffload(
+            DEFAULT_OFFLOAD_CHARS if tokenize_offload_chars is None else tokenize_offload_chars
+        )
         self.model_path = model_path
         self.model_paths: dict[str, str] = dict(model_paths or {})
         self.metrics = metrics or FrontendMetrics()
@@ -78,9 +80,15 @@ class FrontendState:
         self.lifecycle = RequestMetrics(self.metrics, self.router, self.capacity_changed)
         self.worker_gauges = self.lifecycle.worker_gauges
         self.decisions = DecisionLog()  # what the dashboard shows of the routers' choices
-        for router, label in ((self.router, config.router_mode), (self.prefill_router, "prefill"), (self.disagg_decode_router, "disagg-decode")):
+        for router, label in (
+            (self.router, config.router_mode),
+            (self.prefill_router, "prefill"),
+            (self.disagg_decode_router, "disagg-decode"),
+        ):
             router.decisions, router.label = self.decisions, label
-        self.pool = WorkerPool(self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout)
+        self.pool = WorkerPool(
+            self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout
+        )
         self.file_watcher: WorkersFileWatcher | None = None
         self.discovery: list = []  # frontend.discovery backends, started with the state
         self.replica_sync = None
@@ -104,17 +112,24 @@ class FrontendState:
         if cfg.router_queue_threshold is not None:
             from .admission import AdmissionQueue
 
-            self.admission = AdmissionQueue(cfg.router_queue_policy, cfg.router_queue_threshold, self._queue_capacity,
-                                            max_queued=cfg.router_queue_max, queue_timeout=cfg.router_queue_timeout_secs)
+            self.admission = AdmissionQueue(
+                cfg.router_queue_policy,
+                cfg.router_queue_threshold,
+                self._queue_capacity,
+                max_queued=cfg.router_queue_max,
+                queue_timeout=cfg.router_queue_timeout_secs,
+            )
         elif cfg.router_queue_max is not None or cfg.router_queue_timeout_secs is not None:
-            log.warning("--router-queue-max / --router-queue-timeout-secs bound the router queue, which only exists with "
-                        "--router-queue-threshold: they have no effect")
+            log.warning(
+                "--router-queue-max / --router-queue-timeout-secs bound the router queue, which only exists with "
+                "--router-queue-threshold: they have no effect"
+            )
         if cfg.router_session_affinity_ttl_secs is not None:
             from router.session import SessionTable
 
             self.sessions = SessionTable(cfg.router_session_affinity_ttl_secs)
 
-    def _init_speculative(self, send_pinned: "SendFn") -> None:
+    def _init_speculative(self, send_pinned: SendFn) -> None:
         from .speculative import SpeculativePrefiller
 
         self.speculative = SpeculativePrefiller(send_pinned, max_in_flight=4, is_busy=self._rank_busy)
@@ -122,7 +137,7 @@ class FrontendState:
     def _rank_busy(self, worker_id: int, dp_rank: int | None) -> bool:
         return warmup_target_busy(self.models, worker_id, dp_rank)
 
-    def _queue_capacity(self, model: str, hints: "RequestHints | None", threshold: float) -> bool:
+    def _queue_capacity(self, model: str, hints: RequestHints | None, threshold: float) -> bool:
         return queue_has_capacity(self.models.get(model), hints, threshold)
 
     def capacity_changed(self, model: str) -> None:
@@ -136,28 +151,69 @@ class FrontendState:
 
     def _collect_gauges(self):
         """Scrape-time gauges: per-worker loads from the tracker, model readiness and capacity."""
-        decode = GaugeMetricFamily("dynamo_frontend_worker_active_decode_blocks", "Decode blocks in flight per worker rank", labels=["worker_id", "dp_rank", "worker_type"])
-        prefill = GaugeMetricFamily("dynamo_frontend_worker_active_prefill_tokens", "Prefill tokens in flight per worker rank", labels=["worker_id", "dp_rank", "worker_type"])
-        registered = GaugeMetricFamily("dynamo_component_router_worker_registered", "Worker ranks known to the router", labels=["router_worker_id", "dp_rank", "worker_type"])
-        ready = GaugeMetricFamily("dynamo_frontend_model_ready", "1 when the model has a healthy worker", labels=["model"])
-        blocks = GaugeMetricFamily("dynamo_frontend_model_total_kv_blocks", "Total KV blocks of the model's workers", labels=["model"])
-        mbt = GaugeMetricFamily("dynamo_frontend_model_max_num_batched_tokens", "Max batched tokens of the model's workers", labels=["model"])
-        bsz = GaugeMetricFamily("dynamo_frontend_model_kv_cache_block_size", "KV block size of the model", labels=["model"])
-        depth = GaugeMetricFamily("dynamo_frontend_router_queue_pending_requests", "Requests held in the router queue", labels=["model", "worker_type", "policy_class"])
+        decode = GaugeMetricFamily(
+            "dynamo_frontend_worker_active_decode_blocks",
+            "Decode blocks in flight per worker rank",
+            labels=["worker_id", "dp_rank", "worker_type"],
+        )
+        prefill = GaugeMetricFamily(
+            "dynamo_frontend_worker_active_prefill_tokens",
+            "Prefill tokens in flight per worker rank",
+            labels=["worker_id", "dp_rank", "worker_type"],
+        )
+        registered = GaugeMetricFamily(
+            "dynamo_component_router_worker_registered",
+            "Worker ranks known to the router",
+            labels=["router_worker_id", "dp_rank", "worker_type"],
+        )
+        ready = GaugeMetricFamily(
+            "dynamo_frontend_model_ready", "1 when the model has a healthy worker", labels=["model"]
+        )
+        blocks = GaugeMetricFamily(
+            "dynamo_frontend_model_total_kv_blocks", "Total KV blocks of the model's workers", labels=["model"]
+        )
+        mbt = GaugeMetricFamily(
+            "dynamo_frontend_model_max_num_batched_tokens",
+            "Max batched tokens of the model's workers",
+            labels=["model"],
+        )
+        bsz = GaugeMetricFamily(
+            "dynamo_frontend_model_kv_cache_block_size", "KV block size of the model", labels=["model"]
+        )
+        depth = GaugeMetricFamily(
+            "dynamo_frontend_router_queue_pending_requests",
+            "Requests held in the router queue",
+            labels=["model", "worker_type", "policy_class"],
+        )
         q_labels = ["model", "worker_type", "policy_class"]
-        pending_isl = GaugeMetricFamily("dynamo_frontend_router_queue_pending_isl_tokens", "Prompt tokens of the requests held in the router queue", labels=q_labels)
-        pending_cached = GaugeMetricFamily("dynamo_frontend_router_queue_pending_cached_tokens",
-                                           "Cached prompt tokens (best eligible worker, when queued) of the requests held in the router queue", labels=q_labels)
-        seqs = GaugeMetricFamily("dynamo_frontend_model_max_num_seqs", "Max concurrent sequences per worker of the model", labels=["model"])
-        ctx_len = GaugeMetricFamily("dynamo_frontend_model_context_length", "Max context length of the model's workers", labels=["model"])
-        mismatch = GaugeMetricFamily("dynamo_component_router_kv_event_source_mismatch_workers",
-                                     "Healthy workers the router expects KV events from that have no kv_events_endpoint",
-                                     labels=["model", "worker_type", "target_namespace", "target_component", "target_endpoint"])
+        pending_isl = GaugeMetricFamily(
+            "dynamo_frontend_router_queue_pending_isl_tokens",
+            "Prompt tokens of the requests held in the router queue",
+            labels=q_labels,
+        )
+        pending_cached = GaugeMetricFamily(
+            "dynamo_frontend_router_queue_pending_cached_tokens",
+            "Cached prompt tokens (best eligible worker, when queued) of the requests held in the router queue",
+            labels=q_labels,
+        )
+        seqs = GaugeMetricFamily(
+            "dynamo_frontend_model_max_num_seqs", "Max concurrent sequences per worker of the model", labels=["model"]
+        )
+        ctx_len = GaugeMetricFamily(
+            "dynamo_frontend_model_context_length", "Max context length of the model's workers", labels=["model"]
+        )
+        mismatch = GaugeMetricFamily(
+            "dynamo_component_router_kv_event_source_mismatch_workers",
+            "Healthy workers the router expects KV events from that have no kv_events_endpoint",
+            labels=["model", "worker_type", "target_namespace", "target_component", "target_endpoint"],
+        )
         kv_events_mode = self.config.kv_aware and self.config.router_kv_events and self.config.uses_indexer
         for entry in list(self.prefill_models.values()):
             if kv_events_mode:
-                mismatch.add_metric([entry.name, PREFILL_WORKER_TYPE, "dynamo", "prefill", "generate"],
-                                    sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint))
+                mismatch.add_metric(
+                    [entry.name, PREFILL_WORKER_TYPE, "dynamo", "prefill", "generate"],
+                    sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint),
+                )
         for entries, worker_type in ((self.prefill_models, PREFILL_WORKER_TYPE), (self.models, WORKER_TYPE)):
             for entry in list(entries.values()):
                 tracker = entry.tracker
@@ -175,7 +231,9 @@ class FrontendState:
             if maxbt is not None:
                 mbt.add_metric([entry.name], maxbt)
             bsz.add_metric([entry.name], entry.block_size)
-            depth.add_metric([entry.name, WORKER_TYPE, "default"], self.admission.depth(entry.name) if self.admission else 0)
+            depth.add_metric(
+                [entry.name, WORKER_TYPE, "default"], self.admission.depth(entry.name) if self.admission else 0
+            )
             isl, cached = self.admission.pending_tokens(entry.name) if self.admission else (0, 0)
             pending_isl.add_metric([entry.name, WORKER_TYPE, "default"], isl)
             pending_cached.add_metric([entry.name, WORKER_TYPE, "default"], cached)
@@ -186,14 +244,34 @@ class FrontendState:
             if cl:
                 ctx_len.add_metric([entry.name], min(cl))  # what every worker accepts
             if kv_events_mode:
-                mismatch.add_metric([entry.name, WORKER_TYPE, "dynamo", "backend", "generate"],
-                                    sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint))
+                mismatch.add_metric(
+                    [entry.name, WORKER_TYPE, "dynamo", "backend", "generate"],
+                    sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint),
+                )
         health = self.events.health_metrics() if self.events is not None else []  # KV-event health per worker rank
-        out = [decode, prefill, registered, ready, blocks, mbt, bsz, depth, pending_isl, pending_cached, seqs, ctx_len, mismatch, *health]
+        out = [
+            decode,
+            prefill,
+            registered,
+            ready,
+            blocks,
+            mbt,
+            bsz,
+            depth,
+            pending_isl,
+            pending_cached,
+            seqs,
+            ctx_len,
+            mismatch,
+            *health,
+        ]
         events = self.events
         if events is not None:  # the embedded indexer's KV-event outcomes (as the standalone indexer exports them)
-            applied = GaugeMetricFamily("dynamo_kvrouter_kv_cache_events_applied", "KV events processed by type and outcome",
-                                        labels=["event_type", "status"])
+            applied = GaugeMetricFamily(
+                "dynamo_kvrouter_kv_cache_events_applied",
+                "KV events processed by type and outcome",
+                labels=["event_type", "status"],
+            )
             for (event_type, status), n in sorted(events.event_counters.items()):
                 applied.add_metric([event_type, status], n)
             out.append(applied)
@@ -224,9 +302,11 @@ class FrontendState:
         engine = worker.capacity.engine if worker.capacity is not None else "unknown"
         if engine == "mocker":
             return
-        msg = (f"kv routing for model {model} uses the built-in tokenizer but worker {worker.id} ({worker.spec.url}) is "
-               f"{'a ' + engine + ' engine' if engine != 'unknown' else 'not the kvroute mocker'}: its KV blocks will not match "
-               "the router's hashes (no prefix hits). Give --model-path (or model_path=) with the served model's tokenizer")
+        msg = (
+            f"kv routing for model {model} uses the built-in tokenizer but worker {worker.id} ({worker.spec.url}) is "
+            f"{'a ' + engine + ' engine' if engine != 'unknown' else 'not the kvroute mocker'}: its KV blocks will not match "
+            "the router's hashes (no prefix hits). Give --model-path (or model_path=) with the served model's tokenizer"
+        )
         if msg not in worker.warnings:
             worker.warnings.append(msg)
             log.warning(msg)
@@ -282,8 +362,12 @@ class FrontendState:
             entry = table.get(model)
             bs = cfg.kv_cache_block_size or worker.block_size or DEFAULT_BLOCK_SIZE
             if cfg.kv_cache_block_size and worker.block_size and worker.block_size != cfg.kv_cache_block_size:
-                log.warning("worker %s reports block size %s but --kv-cache-block-size is %s: prefix matches will be wrong",
-                            worker.id, worker.block_size, cfg.kv_cache_block_size)
+                log.warning(
+                    "worker %s reports block size %s but --kv-cache-block-size is %s: prefix matches will be wrong",
+                    worker.id,
+                    worker.block_size,
+                    cfg.kv_cache_block_size,
+                )
             if entry is None:
                 try:
                     tokenizer = self._tokenizer_for(model, worker)
@@ -295,12 +379,19 @@ class FrontendState:
                 if cfg.kv_aware and cfg.uses_indexer and not cfg.router_kv_events:
                     from indexer.approx import ApproxIndex
 
-                    approx = ApproxIndex(bs, cfg.router_ttl_secs, cfg.router_max_tree_size, cfg.router_prune_target_ratio)
+                    approx = ApproxIndex(
+                        bs, cfg.router_ttl_secs, cfg.router_max_tree_size, cfg.router_prune_target_ratio
+                    )
                 thresholds = self.thresholds.get(model)
                 if thresholds is None:
                     thresholds = self.thresholds[model] = BusyThresholds(
-                        cfg.active_decode_blocks_threshold, cfg.active_prefill_tokens_threshold, cfg.active_prefill_tokens_threshold_frac)
-                entry = table[model] = ModelEntry(model, bs, tokenizer, self.slots, self._events_registry(), approx, thresholds)
+                        cfg.active_decode_blocks_threshold,
+                        cfg.active_prefill_tokens_threshold,
+                        cfg.active_prefill_tokens_threshold_frac,
+                    )
+                entry = table[model] = ModelEntry(
+                    model, bs, tokenizer, self.slots, self._events_registry(), approx, thresholds
+                )
             elif worker.block_size and cfg.kv_cache_block_size is None and worker.block_size != entry.block_size:
                 worker.last_error = f"block size {worker.block_size} differs from model {model}'s {entry.block_size}"
                 log.error("worker %s not attached to %s: %s", worker.id, model, worker.last_error)
@@ -308,7 +399,9 @@ class FrontendState:
             entry.workers[worker.id] = worker
             self._check_tokenizer_fit(model, worker)
             try:
-                self.slots.register(worker.id, model, TENANT, entry.block_size, worker.spec.dp_start, worker.spec.dp_size)
+                self.slots.register(
+                    worker.id, model, TENANT, entry.block_size, worker.spec.dp_start, worker.spec.dp_size
+                )
             except Exception as exc:  # already registered (health came back) or registered externally
                 log.debug("tracker register %s/%s: %s", worker.id, model, exc)
             self._start_events(worker, entry)
@@ -325,6 +418,7 @@ class FrontendState:
             return
         pending = self._unregistering.get(worker.id)
         if pending is not None and not pending.done():  # still stopping its old listeners: register after
+
             async def later() -> None:
                 await asyncio.wait([pending])
                 if self.pool.workers.get(worker.id) is worker and worker.healthy:

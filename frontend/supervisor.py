@@ -81,7 +81,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child b
 class Supervisor:
     """Start N children, restart the ones that die, forward SIGTERM/SIGINT and wait for all to exit."""
 
-    def __init__(self, argv: list[str], processes: int, host: str, port: int, drain_timeout: float, peers: list[str]) -> None:
+    def __init__(
+        self, argv: list[str], processes: int, host: str, port: int, drain_timeout: float, peers: list[str]
+    ) -> None:
         self.argv = argv
         self.n = processes
         self.host, self.port = host, port
@@ -101,8 +103,17 @@ class Supervisor:
 
     def _child_argv(self, i: int) -> list[str]:
         peers = [self.endpoint(j) for j in range(self.n) if j != i] + self.extra_peers
-        return [sys.executable, "-m", "frontend", *self.argv, "--router-replica-sync",
-                "--replica-sync-bind", self.endpoint(i), "--replica-sync-peers", ",".join(peers)]
+        return [
+            sys.executable,
+            "-m",
+            "frontend",
+            *self.argv,
+            "--router-replica-sync",
+            "--replica-sync-bind",
+            self.endpoint(i),
+            "--replica-sync-peers",
+            ",".join(peers),
+        ]
 
     def _spawn(self, i: int) -> None:
         env = dict(os.environ)
@@ -118,7 +129,9 @@ class Supervisor:
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         if self.stopping is None:
             self.stopping = sig
-            self.stop_deadline = time.monotonic() + (self.drain_timeout if sig == signal.SIGTERM else 0.0) + KILL_GRACE_SECS
+            self.stop_deadline = (
+                time.monotonic() + (self.drain_timeout if sig == signal.SIGTERM else 0.0) + KILL_GRACE_SECS
+            )
             log.warning("%s: stopping %d frontend process(es)", signal.Signals(sig).name, self.n)
         for proc in self.children:
             if proc is not None and proc.poll() is None:
@@ -165,13 +178,25 @@ class Supervisor:
             uptime = now - self.started_at[i]
             self.quick_exits[i] = self.quick_exits[i] + 1 if uptime < QUICK_EXIT_SECS else 0
             if self.quick_exits[i] >= MAX_QUICK_EXITS:
-                log.error("frontend process %d exited with %s %d times in a row within %gs of its start: stopping",
-                          i, code, MAX_QUICK_EXITS, QUICK_EXIT_SECS)
+                log.error(
+                    "frontend process %d exited with %s %d times in a row within %gs of its start: stopping",
+                    i,
+                    code,
+                    MAX_QUICK_EXITS,
+                    QUICK_EXIT_SECS,
+                )
                 self.failed = True
                 self._on_signal(signal.SIGTERM, None)
                 continue
             delay = min(30.0, 0.5 * 2 ** self.quick_exits[i])
-            log.error("frontend process %d (pid %d) exited with %s after %.1fs: restarting in %.1fs", i, proc.pid, code, uptime, delay)
+            log.error(
+                "frontend process %d (pid %d) exited with %s after %.1fs: restarting in %.1fs",
+                i,
+                proc.pid,
+                code,
+                uptime,
+                delay,
+            )
             self.restart_at[i] = now + delay
             alive += 1
         if self.stopping is not None:

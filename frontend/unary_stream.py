@@ -38,8 +38,20 @@ def streaming_body(body: dict) -> bytes:
 
 
 class _Choice:
-    __slots__ = ("index", "role", "content", "reasoning", "reasoning_key", "tool_calls", "logprobs", "finish_reason",
-                 "stop_reason", "has_stop_reason", "text", "extra")
+    __slots__ = (
+        "index",
+        "role",
+        "content",
+        "reasoning",
+        "reasoning_key",
+        "tool_calls",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "has_stop_reason",
+        "text",
+        "extra",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -76,7 +88,7 @@ class UnaryAssembler:
         if end < 0:
             self._buf = buf
             return 0
-        self._buf = buf[end + 2:]
+        self._buf = buf[end + 2 :]
         n = 0
         for event in buf[:end].split(b"\n\n"):
             for line in event.split(b"\n"):
@@ -161,8 +173,11 @@ class UnaryAssembler:
             cur = ch.tool_calls.get(i)
             fn = tc.get("function") or {}
             if cur is None:
-                cur = ch.tool_calls[i] = {"id": tc.get("id"), "type": tc.get("type") or "function",
-                                          "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""}}
+                cur = ch.tool_calls[i] = {
+                    "id": tc.get("id"),
+                    "type": tc.get("type") or "function",
+                    "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""},
+                }
             else:
                 if tc.get("id") and not cur["id"]:
                     cur["id"] = tc["id"]
@@ -178,18 +193,36 @@ class UnaryAssembler:
             ch = self.choices[idx]
             if self.chat:
                 tool_calls = [ch.tool_calls[i] for i in sorted(ch.tool_calls)]
-                message: dict[str, Any] = {"role": ch.role, "content": "".join(ch.content) if (ch.content or not tool_calls) else None,
-                                           "tool_calls": tool_calls}
+                message: dict[str, Any] = {
+                    "role": ch.role,
+                    "content": "".join(ch.content) if (ch.content or not tool_calls) else None,
+                    "tool_calls": tool_calls,
+                }
                 if ch.reasoning:
                     message[ch.reasoning_key] = "".join(ch.reasoning)
-                out: dict[str, Any] = {"index": idx, "message": message, "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}
+                out: dict[str, Any] = {
+                    "index": idx,
+                    "message": message,
+                    "logprobs": ch.logprobs,
+                    "finish_reason": ch.finish_reason,
+                }
             else:
-                out = {"index": idx, "text": "".join(ch.text), "logprobs": ch.logprobs, "finish_reason": ch.finish_reason}
+                out = {
+                    "index": idx,
+                    "text": "".join(ch.text),
+                    "logprobs": ch.logprobs,
+                    "finish_reason": ch.finish_reason,
+                }
             if ch.has_stop_reason:
                 out["stop_reason"] = ch.stop_reason
             choices.append(out)
-        obj: dict[str, Any] = {"id": self.meta.get("id"), "object": "chat.completion" if self.chat else "text_completion",
-                               "created": self.meta.get("created"), "model": self.meta.get("model"), "choices": choices}
+        obj: dict[str, Any] = {
+            "id": self.meta.get("id"),
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.meta.get("created"),
+            "model": self.meta.get("model"),
+            "choices": choices,
+        }
         if "system_fingerprint" in self.meta:
             obj["system_fingerprint"] = self.meta["system_fingerprint"]
         obj["usage"] = self.usage

@@ -41,9 +41,20 @@ class UpstreamTimeout(UpstreamError):
 class UpstreamResponse:
     """One response: ``status``, ``headers`` and a body read whole (``content``) or as chunks."""
 
-    __slots__ = ("status", "headers", "_chunks", "_waiter", "complete", "error", "received_any", "_conn", "_headers_fut", "_done_fut")
+    __slots__ = (
+        "status",
+        "headers",
+        "_chunks",
+        "_waiter",
+        "complete",
+        "error",
+        "received_any",
+        "_conn",
+        "_headers_fut",
+        "_done_fut",
+    )
 
-    def __init__(self, conn: "_Connection", loop: asyncio.AbstractEventLoop, stream: bool) -> None:
+    def __init__(self, conn: _Connection, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._chunks: deque[bytes] = deque()
@@ -93,7 +104,11 @@ class UpstreamResponse:
                 raise self.error
             loop = asyncio.get_running_loop()
             fut = self._waiter = loop.create_future()
-            timer = loop.call_later(idle_timeout, _idle_expired, fut, idle_timeout) if (idle_timeout is not None and started) else None
+            timer = (
+                loop.call_later(idle_timeout, _idle_expired, fut, idle_timeout)
+                if (idle_timeout is not None and started)
+                else None
+            )
             try:
                 await fut
             finally:
@@ -139,7 +154,7 @@ def _idle_expired(fut: asyncio.Future, seconds: float) -> None:
 class _Connection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "parser", "resp", "lost")
 
-    def __init__(self, pool: "UpstreamPool") -> None:
+    def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = None
@@ -266,15 +281,22 @@ class UpstreamPool:
         return conn
 
     def encode(self, method: str, path: str, body: bytes, headers: Iterable[tuple[str, str]]) -> bytes:
-        head = [f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode(), self._host_header,
-                b"content-length: ", str(len(body)).encode(), b"\r\n"]
+        head = [
+            f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode(),
+            self._host_header,
+            b"content-length: ",
+            str(len(body)).encode(),
+            b"\r\n",
+        ]
         for k, v in headers:
             head.append(f"{k}: {v}\r\n".encode())
         head.append(b"\r\n")
         head.append(body)
         return b"".join(head)
 
-    async def request(self, method: str, path: str, body: bytes, headers: Iterable[tuple[str, str]] = (), stream: bool = False) -> UpstreamResponse:
+    async def request(
+        self, method: str, path: str, body: bytes, headers: Iterable[tuple[str, str]] = (), stream: bool = False
+    ) -> UpstreamResponse:
         """Send a request; returns after the headers (``stream=True``) or the whole response."""
         data = self.encode(method, path, body, headers)
         loop = asyncio.get_running_loop()
@@ -292,9 +314,11 @@ class UpstreamPool:
                 else:
                     try:
                         await asyncio.wait_for(asyncio.shield(fut), self.timeout)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         conn.abort()
-                        raise UpstreamTimeout(f"worker {self.host}:{self.port} did not answer within {self.timeout} s") from None
+                        raise UpstreamTimeout(
+                            f"worker {self.host}:{self.port} did not answer within {self.timeout} s"
+                        ) from None
                 return resp
             except UpstreamProtocolError:
                 # a kept-alive connection the worker had already closed: nothing was processed

@@ -60,7 +60,9 @@ def validate_sampling(body: dict, chat: bool) -> None:
             raise _bad(f"{name} must be in [-2, 2], got {body[name]}.", name)
     rp = _number(body, "repetition_penalty")
     if rp is not None and rp <= 0.0:
-        raise _bad(f"repetition_penalty must be greater than zero, got {body['repetition_penalty']}.", "repetition_penalty")
+        raise _bad(
+            f"repetition_penalty must be greater than zero, got {body['repetition_penalty']}.", "repetition_penalty"
+        )
     temperature = _number(body, "temperature")
     if temperature is not None:
         if temperature < 0.0:
@@ -77,7 +79,7 @@ def validate_sampling(body: dict, chat: bool) -> None:
     if min_p is not None and not 0.0 <= min_p <= 1.0:
         raise _bad(f"min_p must be in [0, 1], got {body['min_p']}.", "min_p")
     max_tokens = None
-    for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
+    for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
         v = _integer(body, name)
         if v is not None and v < 1:
             raise _bad(f"max_tokens must be at least 1, got {v}.", name)
@@ -88,7 +90,9 @@ def validate_sampling(body: dict, chat: bool) -> None:
         if min_tokens < 0:
             raise _bad(f"min_tokens must be greater than or equal to 0, got {min_tokens}.", "min_tokens")
         if max_tokens is not None and min_tokens > max_tokens:
-            raise _bad(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens")
+            raise _bad(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens"
+            )
     _integer(body, "seed")
     stop = body.get("stop")
     if stop is not None:
@@ -98,7 +102,9 @@ def validate_sampling(body: dict, chat: bool) -> None:
         if any(not s for s in stops):
             raise _bad("stop cannot contain an empty string.", "stop")
     ids = body.get("stop_token_ids")
-    if ids is not None and (not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids)):
+    if ids is not None and (
+        not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids)
+    ):
         raise _bad(f"stop_token_ids must contain only integers, got {ids}.", "stop_token_ids")
     if temperature is not None and temperature < _SAMPLING_EPS and n is not None and n > 1:
         raise _bad(f"n must be 1 when using greedy sampling, got {n}.", "n")
@@ -149,12 +155,18 @@ def check_context_length(n_prompt: int, body: dict, max_model_len: int | None, c
     if not max_model_len:
         return
     if n_prompt >= max_model_len:
-        raise _bad(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-                   f"{n_prompt} input tokens. Please reduce the length of the input messages.", "messages" if chat else "prompt")
+        raise _bad(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{n_prompt} input tokens. Please reduce the length of the input messages.",
+            "messages" if chat else "prompt",
+        )
     max_tokens = body.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and n_prompt + max_tokens > max_model_len:
-        raise _bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                   f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the completion). "
-                   "Please reduce the length of the messages or completion.", "max_tokens")
+        raise _bad(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            "max_tokens",
+        )

@@ -35,9 +35,16 @@ _STR_FIELDS = {"url", "kv_events_endpoint", "replay_endpoint", "model", "model_p
 WORKER_ROLES = ("prefill", "decode", "both")
 # engine=vllm|sglang overrides the detected engine kind (it decides the sign of the engine's priority)
 WORKER_ENGINES = ("vllm", "sglang")
-_ALIASES = {"worker_id": "id", "instance_id": "id", "base_url": "url", "data_parallel_size": "dp_size",
-            "data_parallel_start_rank": "dp_start", "kv_cache_block_size": "block_size", "endpoint": "kv_events_endpoint",
-            "total_kv_blocks": "num_gpu_blocks"}
+_ALIASES = {
+    "worker_id": "id",
+    "instance_id": "id",
+    "base_url": "url",
+    "data_parallel_size": "dp_size",
+    "data_parallel_start_rank": "dp_start",
+    "kv_cache_block_size": "block_size",
+    "endpoint": "kv_events_endpoint",
+    "total_kv_blocks": "num_gpu_blocks",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +66,7 @@ class WorkerSpec:
     engine: str | None = None  # vllm | sglang: overrides detection (frontend.engine_polarity)
 
     @classmethod
-    def from_mapping(cls, raw: dict[str, Any]) -> "WorkerSpec":
+    def from_mapping(cls, raw: dict[str, Any]) -> WorkerSpec:
         """Build from a dict (file entry, API body, parsed flag); ValueError with a clear message."""
         if not isinstance(raw, dict):
             raise ValueError("a worker must be an object")
@@ -291,7 +298,12 @@ class WorkerPool:
                 old.source = source
                 return old
             self.remove(spec.id)
-        worker = Worker(spec=spec, source=source, client=make_client(spec.url, self.request_timeout), upstream=UpstreamPool(spec.url, timeout=self.request_timeout))
+        worker = Worker(
+            spec=spec,
+            source=source,
+            client=make_client(spec.url, self.request_timeout),
+            upstream=UpstreamPool(spec.url, timeout=self.request_timeout),
+        )
         self.workers[spec.id] = worker
         self._spawn(self.probe(worker))
         return worker
@@ -315,7 +327,13 @@ class WorkerPool:
         for spec in specs:
             existing = self.workers.get(spec.id)
             if existing is not None and existing.source != source and existing.spec != spec:
-                log.warning("worker %s from %s shadows the %s entry; keeping %s", spec.id, source, existing.source, existing.source)
+                log.warning(
+                    "worker %s from %s shadows the %s entry; keeping %s",
+                    spec.id,
+                    source,
+                    existing.source,
+                    existing.source,
+                )
                 continue
             self.add(spec, source)
 
@@ -356,7 +374,9 @@ class WorkerPool:
             if not ok:
                 worker.discovered = False  # when it comes back, read its models and capacity again
             if changed:
-                log.info("worker %s is %s%s", worker.id, "healthy" if ok else "unhealthy", f" ({error})" if error else "")
+                log.info(
+                    "worker %s is %s%s", worker.id, "healthy" if ok else "unhealthy", f" ({error})" if error else ""
+                )
                 self._on_change(worker)
             return ok
 
@@ -379,8 +399,16 @@ class WorkerPool:
                 raise ValueError("worker serves no model")
         from .capacity import read_capacity, unknown_capacity_message
 
-        cap = await read_capacity(worker.client, {"block_size": spec.block_size, "num_gpu_blocks": spec.num_gpu_blocks,
-                                                  "max_num_batched_tokens": spec.max_num_batched_tokens}, models_json, self.health_timeout)
+        cap = await read_capacity(
+            worker.client,
+            {
+                "block_size": spec.block_size,
+                "num_gpu_blocks": spec.num_gpu_blocks,
+                "max_num_batched_tokens": spec.max_num_batched_tokens,
+            },
+            models_json,
+            self.health_timeout,
+        )
         worker.models = models
         worker.capacity = cap
         worker.block_size = cap.get("block_size")
@@ -445,7 +473,9 @@ class WorkerPool:
 class WorkersFileWatcher:
     """Re-reads a workers file when its modification time or size changes."""
 
-    def __init__(self, path: str, apply: Callable[[list[WorkerSpec], dict[str, dict[str, Any]]], None], interval: float = 1.0) -> None:
+    def __init__(
+        self, path: str, apply: Callable[[list[WorkerSpec], dict[str, dict[str, Any]]], None], interval: float = 1.0
+    ) -> None:
         self.path = path
         self.apply = apply
         self.interval = interval

@@ -38,24 +38,37 @@ RECOVERY_DELAY = float(os.environ.get("KVROUTE_INDEXER_RECOVERY_DELAY", "1.0"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m indexer", description="Standalone KV indexer (ZMQ KV events -> HTTP overlap queries)")
+    p = argparse.ArgumentParser(
+        prog="python -m indexer", description="Standalone KV indexer (ZMQ KV events -> HTTP overlap queries)"
+    )
     p.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8090, help="HTTP port (default 8090)")
-    p.add_argument("--threads", type=int, default=4, help="accepted for compatibility; the index runs on one asyncio loop")
+    p.add_argument(
+        "--threads", type=int, default=4, help="accepted for compatibility; the index runs on one asyncio loop"
+    )
     p.add_argument("--block-size", type=int, default=None, help="block size of --workers (required with --workers)")
     p.add_argument("--model-name", default="default", help="model of --workers (default 'default')")
-    p.add_argument("--tenant-id", "--routing-group", dest="tenant_id", default=DEFAULT_TENANT, help="tenant of --workers")
+    p.add_argument(
+        "--tenant-id", "--routing-group", dest="tenant_id", default=DEFAULT_TENANT, help="tenant of --workers"
+    )
     p.add_argument("--workers", default=None, help='initial workers "id[:dp_rank]=zmq_endpoint,..."')
     p.add_argument("--peers", default=None, help="comma-separated peer indexer URLs for start-up recovery")
     p.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer (default 2)")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--http-protocol", choices=PROTOCOLS, default="fast", help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = query routes answered in the protocol + one write per response; coalescing = one write only; httptools = stock")
+    p.add_argument(
+        "--http-protocol",
+        choices=PROTOCOLS,
+        default="fast",
+        help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = query routes answered in the protocol + one write per response; coalescing = one write only; httptools = stock",
+    )
     add_security_args(p)  # --api-key: reads (GET, the queries); --admin-token: writes (also sent to --peers); TLS
     add_drain_arg(p)
     return p
 
 
-async def recover_from_peers(registry: IndexerRegistry, peers: list[str], timeout: float = 10.0, token: str | None = None) -> str | None:
+async def recover_from_peers(
+    registry: IndexerRegistry, peers: list[str], timeout: float = 10.0, token: str | None = None
+) -> str | None:
     """Restore the first reachable peer's /dump; returns that peer's URL or None. ``token``: the bearer
     token peers of a protected deployment want (this indexer's own admin token or API key)."""
     headers = {"authorization": f"Bearer {token}"} if token else None
@@ -103,8 +116,15 @@ async def serve(args: argparse.Namespace) -> int:
         peers.add(url)
     ready.set()
     # until SIGINT/SIGTERM; the app's lifespan stops the registry's listeners on the way out
-    await serve_http(build_app(registry, peers, policy=policy, drain=drain), args.host, args.port, drain=drain,
-                     log_level=args.log_level.lower(), protocol=args.http_protocol, **tls)
+    await serve_http(
+        build_app(registry, peers, policy=policy, drain=drain),
+        args.host,
+        args.port,
+        drain=drain,
+        log_level=args.log_level.lower(),
+        protocol=args.http_protocol,
+        **tls,
+    )
     return 0
 
 

@@ -35,9 +35,10 @@ Lower tiers (host_pinned, disk, external)
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Any
+
 from kvroute_common.constants import U64_MAX
 
 Worker = tuple[int, int]
@@ -295,7 +296,9 @@ class KvIndex:
         Returns False (nothing stored) when the parent is not a block this worker holds, or the
         parent reappears among the blocks.
         """
-        return self.apply_stored_hashes(worker_id, dp_rank, parent_ext_hash, [b[0] for b in blocks], [b[1] for b in blocks], tier)
+        return self.apply_stored_hashes(
+            worker_id, dp_rank, parent_ext_hash, [b[0] for b in blocks], [b[1] for b in blocks], tier
+        )
 
     def apply_stored_hashes(
         self,
@@ -687,7 +690,9 @@ class KvIndex:
                     for r in chain:
                         stop = len(r.locals) if (cutoff is None or r is not cur) else cutoff
                         for p in range(stop):
-                            blocks.append({"block_hash": r.ext_of(w, p), "tokens_hash": r.locals[p], "mm_extra_info": None})
+                            blocks.append(
+                                {"block_hash": r.ext_of(w, p), "tokens_hash": r.locals[p], "mm_extra_info": None}
+                            )
                     parent_hash = parent.ext_of(w, len(parent.locals) - 1) if parent is not None else None
                     events.append(_router_event(w, DEVICE, event_id, parent_hash, blocks))
                     event_id += 1
@@ -713,7 +718,10 @@ class KvIndex:
             applied += apply_router_event(self, ev)
         return applied
 
-def _router_event(w: Worker, tier: str, event_id: int, parent_hash: int | None, blocks: list[dict[str, Any]]) -> dict[str, Any]:
+
+def _router_event(
+    w: Worker, tier: str, event_id: int, parent_hash: int | None, blocks: list[dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "worker_id": w[0],
         "storage_tier": tier,
@@ -724,8 +732,6 @@ def _router_event(w: Worker, tier: str, event_id: int, parent_hash: int | None, 
             "dp_rank": w[1],
         },
     }
-
-
 
 
 def _u64(value: Any, what: str) -> int:

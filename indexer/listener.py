@@ -271,7 +271,12 @@ class Listener:
     def _engine_restarted(self, seq: int, live: int) -> None:
         """The live sequence went back (``live`` -> ``seq``): a new engine with an empty cache."""
         self.restarts += 1
-        log.warning("KV event sequence of %s went back from %d to %d: engine restarted, dropping its blocks", self.endpoint, live, seq)
+        log.warning(
+            "KV event sequence of %s went back from %d to %d: engine restarted, dropping its blocks",
+            self.endpoint,
+            live,
+            seq,
+        )
         self.applier.reset_rank()
         self.seq.last_seq = None
 

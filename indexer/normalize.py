@@ -47,7 +47,9 @@ def _salt_from_extra_keys(extra_keys: list[Any] | None, lora_name: str | None) -
 class EventApplier:
     """Applies decoded batches of one listener to a KvIndex, filtering like the reference."""
 
-    def __init__(self, index: KvIndex, instance_id: int, dp_rank: int, counters: dict[tuple[str, str], int] | None = None) -> None:
+    def __init__(
+        self, index: KvIndex, instance_id: int, dp_rank: int, counters: dict[tuple[str, str], int] | None = None
+    ) -> None:
         self.index = index
         self.instance_id = instance_id
         self.dp_rank = dp_rank
@@ -117,7 +119,10 @@ class EventApplier:
                 self._block_size_warnings += 1
                 log.warning(
                     "Block not published: instance %s dp_rank %s sent block_size %s, registered %s",
-                    self.instance_id, dp, ev.block_size, bs,
+                    self.instance_id,
+                    dp,
+                    ev.block_size,
+                    bs,
                 )
             self._count("stored", "block_size_mismatch")
             self.blocks_block_size_mismatch += len(ev.block_hashes)

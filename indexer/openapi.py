@@ -28,17 +28,35 @@ _RESPONSE_SCHEMAS: dict[str, Any] = {
         "properties": {
             "scores": {"type": "object", "additionalProperties": {"type": "object", "additionalProperties": _COUNT}},
             "frequencies": {"type": "array"},
-            "instances": {"type": "object", "additionalProperties": {
+            "instances": {
                 "type": "object",
-                "required": ["longest_matched", "gpu", "dp", "cpu", "disk"],
-                "properties": {"longest_matched": _COUNT, "gpu": _COUNT, "cpu": _COUNT, "disk": _COUNT,
-                               "dp": {"type": "object", "additionalProperties": _COUNT}},
-            }},
+                "additionalProperties": {
+                    "type": "object",
+                    "required": ["longest_matched", "gpu", "dp", "cpu", "disk"],
+                    "properties": {
+                        "longest_matched": _COUNT,
+                        "gpu": _COUNT,
+                        "cpu": _COUNT,
+                        "disk": _COUNT,
+                        "dp": {"type": "object", "additionalProperties": _COUNT},
+                    },
+                },
+            },
         },
     },
     "IndexerWorker": {
         "type": "object",
-        "required": ["instance_id", "source", "status", "model_name", "tenant_id", "routing_group", "block_size", "endpoints", "listeners"],
+        "required": [
+            "instance_id",
+            "source",
+            "status",
+            "model_name",
+            "tenant_id",
+            "routing_group",
+            "block_size",
+            "endpoints",
+            "listeners",
+        ],
         "properties": {
             "instance_id": _U64,
             "source": {"type": "string"},
@@ -48,11 +66,19 @@ _RESPONSE_SCHEMAS: dict[str, Any] = {
             "routing_group": {"type": "string"},
             "block_size": {"type": ["integer", "null"]},
             "endpoints": {"type": "object", "additionalProperties": {"type": "string"}},
-            "listeners": {"type": "object", "additionalProperties": {
-                "type": "object", "required": ["endpoint", "status"],
-                "properties": {"endpoint": {"type": "string"}, "status": {"type": "string"}, "replay_endpoint": {"type": "string"},
-                               "last_error": {"type": "string"}},
-            }},
+            "listeners": {
+                "type": "object",
+                "additionalProperties": {
+                    "type": "object",
+                    "required": ["endpoint", "status"],
+                    "properties": {
+                        "endpoint": {"type": "string"},
+                        "status": {"type": "string"},
+                        "replay_endpoint": {"type": "string"},
+                        "last_error": {"type": "string"},
+                    },
+                },
+            },
         },
     },
     "RouterEvent": {
@@ -68,11 +94,21 @@ _RESPONSE_SCHEMAS: dict[str, Any] = {
                 "properties": {
                     "event_id": _COUNT,
                     "dp_rank": _COUNT,
-                    "data": {"type": "object", "required": ["stored"], "properties": {"stored": {
-                        "type": "object", "required": ["parent_hash", "blocks"],
-                        "properties": {"parent_hash": {"anyOf": [_U64, {"type": "null"}]}, "start_position": {},
-                                       "blocks": {"type": "array", "items": _BLOCK}},
-                    }}},
+                    "data": {
+                        "type": "object",
+                        "required": ["stored"],
+                        "properties": {
+                            "stored": {
+                                "type": "object",
+                                "required": ["parent_hash", "blocks"],
+                                "properties": {
+                                    "parent_hash": {"anyOf": [_U64, {"type": "null"}]},
+                                    "start_position": {},
+                                    "blocks": {"type": "array", "items": _BLOCK},
+                                },
+                            }
+                        },
+                    },
                 },
             },
         },
@@ -106,39 +142,87 @@ _FILTERS = [
 def indexer_paths() -> dict[str, Any]:
     peer = oa.ref("PeerRequest")
     return {
-        "/register": {"post": oa.json_post(
-            "subscribe to a worker's (DP rank's) ZMQ KV events", oa.ref("RegisterRequest"), {201: oa.status_ok("registered")},
-            {400: "not a usable ZMQ endpoint, or block_size 0",
-             409: "instance registered for another model/tenant, rank already registered, or another block size"},
-            example=EXAMPLES["register"])},
-        "/unregister": {"post": oa.json_post(
-            "drop an instance (or one DP rank) and its blocks", oa.ref("UnregisterRequest"), {200: oa.status_ok("unregistered")},
-            {404: "instance (or rank) not registered for this model and tenant"}, example=EXAMPLES["unregister"])},
-        "/workers": {"get": oa.get("registered instances and their listeners",
-                                   {200: oa.json_ok("instances", {"type": "array", "items": oa.ref("IndexerWorker")})}, parameters=_FILTERS)},
-        "/query": {"post": oa.json_post(
-            "overlap of a token sequence (hashed with the partition's block size, LoRA and cache salt)", oa.ref("QueryRequest"),
-            {200: oa.json_ok("overlap scores", oa.ref("Overlap"))},
-            {404: "no indexer for this model and tenant", 422: "wrong shape, or a token id beyond u32"}, example=EXAMPLES["query"])},
-        "/query_by_hash": {"post": oa.json_post(
-            "overlap of local block hashes (signed i64)", oa.ref("QueryByHashRequest"),
-            {200: oa.json_ok("overlap scores", oa.ref("Overlap"))},
-            {400: "malformed JSON, or cache_salt given (hashes must already include it)", 404: "no indexer for this model and tenant"},
-            example=EXAMPLES["query_by_hash"])},
+        "/register": {
+            "post": oa.json_post(
+                "subscribe to a worker's (DP rank's) ZMQ KV events",
+                oa.ref("RegisterRequest"),
+                {201: oa.status_ok("registered")},
+                {
+                    400: "not a usable ZMQ endpoint, or block_size 0",
+                    409: "instance registered for another model/tenant, rank already registered, or another block size",
+                },
+                example=EXAMPLES["register"],
+            )
+        },
+        "/unregister": {
+            "post": oa.json_post(
+                "drop an instance (or one DP rank) and its blocks",
+                oa.ref("UnregisterRequest"),
+                {200: oa.status_ok("unregistered")},
+                {404: "instance (or rank) not registered for this model and tenant"},
+                example=EXAMPLES["unregister"],
+            )
+        },
+        "/workers": {
+            "get": oa.get(
+                "registered instances and their listeners",
+                {200: oa.json_ok("instances", {"type": "array", "items": oa.ref("IndexerWorker")})},
+                parameters=_FILTERS,
+            )
+        },
+        "/query": {
+            "post": oa.json_post(
+                "overlap of a token sequence (hashed with the partition's block size, LoRA and cache salt)",
+                oa.ref("QueryRequest"),
+                {200: oa.json_ok("overlap scores", oa.ref("Overlap"))},
+                {404: "no indexer for this model and tenant", 422: "wrong shape, or a token id beyond u32"},
+                example=EXAMPLES["query"],
+            )
+        },
+        "/query_by_hash": {
+            "post": oa.json_post(
+                "overlap of local block hashes (signed i64)",
+                oa.ref("QueryByHashRequest"),
+                {200: oa.json_ok("overlap scores", oa.ref("Overlap"))},
+                {
+                    400: "malformed JSON, or cache_salt given (hashes must already include it)",
+                    404: "no indexer for this model and tenant",
+                },
+                example=EXAMPLES["query_by_hash"],
+            )
+        },
         "/dump": {"get": oa.get("the whole index as RouterEvents", {200: oa.json_ok("dump", oa.ref("Dump"))})},
-        "/register_peer": {"post": oa.json_post("add a peer indexer (start-up recovery)", peer, {201: oa.status_ok("added")})},
-        "/deregister_peer": {"post": oa.json_post("remove a peer indexer", peer, {200: oa.status_ok("removed")}, {404: "not a peer"})},
-        "/peers": {"get": oa.get("peer indexers", {200: oa.json_ok("peer URLs", {"type": "array", "items": {"type": "string"}})})},
-        "/reopen_logs": {"post": {"summary": "accepted for compatibility (logs go to stderr)",
-                                  "responses": {"200": oa.status_ok("done")}}},
+        "/register_peer": {
+            "post": oa.json_post("add a peer indexer (start-up recovery)", peer, {201: oa.status_ok("added")})
+        },
+        "/deregister_peer": {
+            "post": oa.json_post("remove a peer indexer", peer, {200: oa.status_ok("removed")}, {404: "not a peer"})
+        },
+        "/peers": {
+            "get": oa.get(
+                "peer indexers", {200: oa.json_ok("peer URLs", {"type": "array", "items": {"type": "string"}})}
+            )
+        },
+        "/reopen_logs": {
+            "post": {
+                "summary": "accepted for compatibility (logs go to stderr)",
+                "responses": {"200": oa.status_ok("done")},
+            }
+        },
     }
 
 
 def build_document() -> dict[str, Any]:
     paths = {
         "/health": {"get": {"summary": "liveness", "responses": {"200": {"description": "alive (empty body)"}}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics (dynamo_kvindexer_*)",
-                             "responses": {"200": {"description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (dynamo_kvindexer_*)",
+                "responses": {
+                    "200": {"description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}
+                },
+            }
+        },
     }
     paths.update(indexer_paths())
     schemas = oa.struct_schemas(
@@ -146,11 +230,15 @@ def build_document() -> dict[str, Any]:
         {"RegisterRequest": ["instance_id"], "UnregisterRequest": ["instance_id"]},
         minimums={"RegisterRequest": {"block_size": 1}},  # 0 is a 400 from the registry
     )
-    schemas["QueryRequest"]["properties"]["token_ids"]["items"] = {"type": "integer", "minimum": 0, "maximum": (1 << 32) - 1}
+    schemas["QueryRequest"]["properties"]["token_ids"]["items"] = {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": (1 << 32) - 1,
+    }
     schemas.update(_RESPONSE_SCHEMAS)
     return oa.document(
         "kvroute indexer",
-        "Standalone KV indexer fed by ZMQ KV events (python -m indexer). Errors are {\"error\": \"...\"}.",
+        'Standalone KV indexer fed by ZMQ KV events (python -m indexer). Errors are {"error": "..."}.',
         paths,
         schemas,
     )

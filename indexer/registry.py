@@ -24,8 +24,8 @@ import zmq.asyncio
 from indexer.core import KvIndex, apply_router_event
 from indexer.listener import ACTIVE, FAILED, PAUSED, PENDING, Listener, SequenceState, validate_endpoint
 from indexer.normalize import EventApplier
-from kvroute_common.errors import ServiceError
 from kvroute_common.constants import DEFAULT_TENANT
+from kvroute_common.errors import ServiceError
 
 log = logging.getLogger("indexer.registry")
 
@@ -168,7 +168,9 @@ class IndexerRegistry:
         if inst is None:
             raise RegistryError(404, f"instance {instance_id} not found")
         if inst.model_name != model_name or (tenant_id is not None and inst.tenant_id != tenant_id):
-            raise RegistryError(404, f"instance {instance_id} is registered for {_where(inst.model_name, inst.tenant_id)}")
+            raise RegistryError(
+                404, f"instance {instance_id} is registered for {_where(inst.model_name, inst.tenant_id)}"
+            )
         part = self.partitions.get((inst.model_name, inst.tenant_id))
         if tenant_id is not None and dp_rank is not None:
             listener = inst.listeners.pop(dp_rank, None)
@@ -237,18 +239,41 @@ class IndexerRegistry:
 
         labels = ["worker_id", "dp_rank"]
         fams = {
-            "events_received": CounterMetricFamily("kvroute_kv_events_received", "KV events received in applied batches", labels=labels),
-            "batches_applied": CounterMetricFamily("kvroute_kv_event_batches_applied", "KV-event batches applied", labels=labels),
-            "batches_dropped": CounterMetricFamily("kvroute_kv_event_batches_dropped", "KV-event batches dropped (undecodable)", labels=labels),
-            "gaps": CounterMetricFamily("kvroute_kv_event_gaps", "Sequence gaps detected in the KV-event stream", labels=labels),
-            "batches_missed": CounterMetricFamily("kvroute_kv_event_batches_missed", "Batches skipped over by sequence gaps", labels=labels),
-            "replays": CounterMetricFamily("kvroute_kv_event_replays", "Replays requested from the engine's replay endpoint", labels=labels),
-            "replay_timeouts": CounterMetricFamily("kvroute_kv_event_replay_timeouts", "Replays abandoned without an answer", labels=labels),
-            "engine_restarts": CounterMetricFamily("kvroute_kv_event_engine_restarts", "Engine restarts detected (the live sequence went back)", labels=labels),
+            "events_received": CounterMetricFamily(
+                "kvroute_kv_events_received", "KV events received in applied batches", labels=labels
+            ),
+            "batches_applied": CounterMetricFamily(
+                "kvroute_kv_event_batches_applied", "KV-event batches applied", labels=labels
+            ),
+            "batches_dropped": CounterMetricFamily(
+                "kvroute_kv_event_batches_dropped", "KV-event batches dropped (undecodable)", labels=labels
+            ),
+            "gaps": CounterMetricFamily(
+                "kvroute_kv_event_gaps", "Sequence gaps detected in the KV-event stream", labels=labels
+            ),
+            "batches_missed": CounterMetricFamily(
+                "kvroute_kv_event_batches_missed", "Batches skipped over by sequence gaps", labels=labels
+            ),
+            "replays": CounterMetricFamily(
+                "kvroute_kv_event_replays", "Replays requested from the engine's replay endpoint", labels=labels
+            ),
+            "replay_timeouts": CounterMetricFamily(
+                "kvroute_kv_event_replay_timeouts", "Replays abandoned without an answer", labels=labels
+            ),
+            "engine_restarts": CounterMetricFamily(
+                "kvroute_kv_event_engine_restarts",
+                "Engine restarts detected (the live sequence went back)",
+                labels=labels,
+            ),
             "blocks_rejected_block_size": CounterMetricFamily(
-                "kvroute_kv_event_blocks_rejected_block_size", "Stored blocks dropped: the engine's block size is not the router's", labels=labels),
+                "kvroute_kv_event_blocks_rejected_block_size",
+                "Stored blocks dropped: the engine's block size is not the router's",
+                labels=labels,
+            ),
         }
-        last = GaugeMetricFamily("kvroute_kv_event_last_timestamp_seconds", "Unix time of the last applied KV-event batch", labels=labels)
+        last = GaugeMetricFamily(
+            "kvroute_kv_event_last_timestamp_seconds", "Unix time of the last applied KV-event batch", labels=labels
+        )
         for inst in self.instances.values():
             for r, lst in inst.listeners.items():
                 lv = [str(inst.instance_id), str(r)]

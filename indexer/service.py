@@ -24,18 +24,27 @@ from starlette.routing import BaseRoute, Route
 
 from indexer.core import KvIndex
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError
+from kvroute_common.constants import I64, U32, U64, U64_MAX
 from kvroute_common.drain import Drain
 from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
-from kvroute_common.http import ApiError, MiB, decode_json, error_response, json_response, json_service, ok, raw_json_response, read_json
-from kvroute_common.security import AccessPolicy, service_classifier
 from kvroute_common.hashing import local_block_hashes
-from kvroute_common.constants import I64, U32, U64, U64_MAX
+from kvroute_common.http import (
+    ApiError,
+    MiB,
+    decode_json,
+    error_response,
+    json_response,
+    json_service,
+    ok,
+    raw_json_response,
+    read_json,
+)
+from kvroute_common.security import AccessPolicy, service_classifier
 
 QUERY_BODY_LIMIT = 8 * MiB
 BODY_LIMIT = 2 * MiB
 ACCESS = service_classifier(["/query", "/query_by_hash"])
 """Who may call what with tokens set: reads (GET, the queries) need an API key, writes the admin token."""
-
 
 
 class RegisterRequest(msgspec.Struct, forbid_unknown_fields=False):
@@ -161,17 +170,28 @@ class Metrics:
         self.prom = CollectorRegistry(auto_describe=True)
         buckets = [0.0001 * 2**i for i in range(20)]
         self.duration = Histogram(
-            "dynamo_kvindexer_request_duration_seconds", "HTTP request latency", ["endpoint"], buckets=buckets, registry=self.prom
+            "dynamo_kvindexer_request_duration_seconds",
+            "HTTP request latency",
+            ["endpoint"],
+            buckets=buckets,
+            registry=self.prom,
         )
-        self.requests = Counter("dynamo_kvindexer_requests", "Total HTTP requests", ["endpoint", "method"], registry=self.prom)
-        self.errors = Counter("dynamo_kvindexer_errors", "HTTP error responses", ["endpoint", "status_class"], registry=self.prom)
+        self.requests = Counter(
+            "dynamo_kvindexer_requests", "Total HTTP requests", ["endpoint", "method"], registry=self.prom
+        )
+        self.errors = Counter(
+            "dynamo_kvindexer_errors", "HTTP error responses", ["endpoint", "status_class"], registry=self.prom
+        )
         self.prom.register(_StateCollector(registry))
         self._bound: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def observe(self, endpoint: str, method: str, status: int, seconds: float) -> None:
         bound = self._bound.get((endpoint, method))
         if bound is None:  # labels() is a locked dict lookup: bind once per route
-            bound = self._bound[(endpoint, method)] = (self.duration.labels(endpoint), self.requests.labels(endpoint, method))
+            bound = self._bound[(endpoint, method)] = (
+                self.duration.labels(endpoint),
+                self.requests.labels(endpoint, method),
+            )
         bound[0].observe(seconds)
         bound[1].inc()
         if status >= 400:
@@ -192,19 +212,27 @@ class _StateCollector:
 
     def collect(self) -> Iterable[Any]:
         reg = self.registry
-        yield GaugeMetricFamily("dynamo_kvindexer_models", "Number of active model+tenant indexers", value=len(reg.partitions))
-        yield GaugeMetricFamily("dynamo_kvindexer_workers", "Number of registered worker instances", value=len(reg.instances))
+        yield GaugeMetricFamily(
+            "dynamo_kvindexer_models", "Number of active model+tenant indexers", value=len(reg.partitions)
+        )
+        yield GaugeMetricFamily(
+            "dynamo_kvindexer_workers", "Number of registered worker instances", value=len(reg.instances)
+        )
         listeners = GaugeMetricFamily("dynamo_kvindexer_listeners", "ZMQ listeners by status", labels=["status"])
         for status, n in reg.listener_status_counts().items():
             listeners.add_metric([status], n)
         yield listeners
         applied = GaugeMetricFamily(
-            "dynamo_kvrouter_kv_cache_events_applied", "KV events processed by type and outcome", labels=["event_type", "status"]
+            "dynamo_kvrouter_kv_cache_events_applied",
+            "KV events processed by type and outcome",
+            labels=["event_type", "status"],
         )
         for (event_type, status), n in sorted(reg.event_counters.items()):
             applied.add_metric([event_type, status], n)
         yield applied
-        blocks = GaugeMetricFamily("dynamo_kvindexer_blocks", "Device (worker, block) entries per partition", labels=["model", "tenant_id"])
+        blocks = GaugeMetricFamily(
+            "dynamo_kvindexer_blocks", "Device (worker, block) entries per partition", labels=["model", "tenant_id"]
+        )
         for (model, tenant), part in reg.partitions.items():
             blocks.add_metric([model, tenant], part.index.size)
         yield blocks
@@ -314,8 +342,12 @@ def hot_routes(registry: IndexerRegistry) -> dict[str, JsonHandler]:
     return {"/query": query, "/query_by_hash": query_by_hash}
 
 
-def build_app(registry: IndexerRegistry, peers: PeerList | None = None, policy: AccessPolicy | None = None,
-              drain: Drain | None = None) -> FastJsonRoutes:
+def build_app(
+    registry: IndexerRegistry,
+    peers: PeerList | None = None,
+    policy: AccessPolicy | None = None,
+    drain: Drain | None = None,
+) -> FastJsonRoutes:
     """The standalone service's ASGI app: the indexer routes plus /health and /metrics, the query
     routes answered first by ``FastJsonRoutes``; the registry's listeners stop with the app.
     Optionally behind an access policy (``ACCESS``) and a SIGTERM drain."""
@@ -342,7 +374,11 @@ def build_app(registry: IndexerRegistry, peers: PeerList | None = None, policy: 
     from indexer.openapi import build_document
     from kvroute_common.openapi import openapi_route
 
-    routes += [Route("/health", health, methods=["GET"]), Route("/metrics", metrics_route, methods=["GET"]), openapi_route(build_document())]
+    routes += [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+        openapi_route(build_document()),
+    ]
     app = json_service(routes, lifespan=lifespan)
     app.state.registry = registry
     app.state.peers = peers

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
+
 from kvroute_common.constants import U64_MAX
 
 U32_MAX = (1 << 32) - 1
@@ -337,7 +338,21 @@ def _from_array(raw: msgspec.Raw) -> Stored | Removed | Cleared | None:
         group_idx = _opt(values, 9, int, "group_idx")
         kind = _opt(values, 10, str, "kv_cache_spec_kind")
         locality = _opt(values, 12, str, "locality")
-        return Stored(hashes, parent, tokens, block_size, medium, lora_name, cache_salt, extra, None, group_idx, kind, locality, eagle)
+        return Stored(
+            hashes,
+            parent,
+            tokens,
+            block_size,
+            medium,
+            lora_name,
+            cache_salt,
+            extra,
+            None,
+            group_idx,
+            kind,
+            locality,
+            eagle,
+        )
     if tag == "BlockRemoved":
         if len(values) < 2:
             raise WireError("array BlockRemoved needs block_hashes")

@@ -145,8 +145,12 @@ def build(out_dir: str) -> dict:
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2, ensure_ascii=False)
         fh.write("\n")
-    special_map = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN,
-                   "additional_special_tokens": [END_OF_TEXT, IM_START]}
+    special_map = {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "additional_special_tokens": [END_OF_TEXT, IM_START],
+    }
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w", encoding="utf-8") as fh:
         json.dump(special_map, fh, indent=2)
         fh.write("\n")

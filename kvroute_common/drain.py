@@ -40,10 +40,15 @@ def add_drain_arg(parser: argparse.ArgumentParser) -> None:
         default = float(raw) if raw not in (None, "") else DEFAULT_DRAIN_TIMEOUT
     except ValueError:
         raise SystemExit(f"invalid value for DYN_DRAIN_TIMEOUT={raw!r}: not a number") from None
-    parser.add_argument("--drain-timeout", type=_non_negative, default=default, metavar="SECONDS",
-                        help="on SIGTERM: /health answers 503 at once, requests in flight get this long to finish (the "
-                             "frontend refuses new /v1 requests meanwhile), then the process exits 0 "
-                             f"[env DYN_DRAIN_TIMEOUT; default {DEFAULT_DRAIN_TIMEOUT:g}]")
+    parser.add_argument(
+        "--drain-timeout",
+        type=_non_negative,
+        default=default,
+        metavar="SECONDS",
+        help="on SIGTERM: /health answers 503 at once, requests in flight get this long to finish (the "
+        "frontend refuses new /v1 requests meanwhile), then the process exits 0 "
+        f"[env DYN_DRAIN_TIMEOUT; default {DEFAULT_DRAIN_TIMEOUT:g}]",
+    )
 
 
 def _non_negative(value: str) -> float:
@@ -86,9 +91,15 @@ class DrainMiddleware:
     """ASGI wrapper: counts HTTP requests in flight; while draining, answers ``health_paths`` with
     ``health_body`` (503) and refuses what ``refuse(method, path)`` returns a body for (503)."""
 
-    def __init__(self, app: Any, drain: Drain, *, health_paths: Iterable[str] = ("/health",),
-                 health_body: bytes = b'{"error":"shutting down"}',
-                 refuse: Callable[[str, str], bytes | None] | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        drain: Drain,
+        *,
+        health_paths: Iterable[str] = ("/health",),
+        health_body: bytes = b'{"error":"shutting down"}',
+        refuse: Callable[[str, str], bytes | None] | None = None,
+    ) -> None:
         self.app = app
         self.drain = drain
         self.health_paths = frozenset(health_paths)
@@ -96,7 +107,9 @@ class DrainMiddleware:
         self.refuse = refuse
         self.state = getattr(app, "state", None)
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]) -> None:
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]
+    ) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

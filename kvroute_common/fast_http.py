@@ -37,9 +37,9 @@ from typing import Any
 
 import orjson
 
+from kvroute_common.drain import Drain, DrainingServer, DrainMiddleware
 from kvroute_common.errors import ServiceError
 from kvroute_common.http import DEFAULT_BODY_LIMIT, is_json_content_type
-from kvroute_common.drain import Drain, DrainingServer, DrainMiddleware
 from kvroute_common.security import AccessPolicy, AuthMiddleware
 
 JsonHandler = Callable[[bytes], tuple[int, bytes]]
@@ -71,19 +71,29 @@ class FastJsonRoutes:
     the same ``precheck`` / ``answer`` methods, so the checks and messages cannot diverge.
     """
 
-    def __init__(self, app: Any, routes: Mapping[str, JsonHandler], limit: int = DEFAULT_BODY_LIMIT, observe: Observer | None = None,
-                 policy: AccessPolicy | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        routes: Mapping[str, JsonHandler],
+        limit: int = DEFAULT_BODY_LIMIT,
+        observe: Observer | None = None,
+        policy: AccessPolicy | None = None,
+    ) -> None:
         self.app = app
         self.policy = policy  # None: no token configured, nothing checked
         self.routes = dict(routes)
-        self.raw_routes = {path.encode("latin-1"): (path, handler) for path, handler in self.routes.items()}  # for FastJsonProtocol
+        self.raw_routes = {
+            path.encode("latin-1"): (path, handler) for path, handler in self.routes.items()
+        }  # for FastJsonProtocol
         self.limit = limit
         self.observe = observe
         self.state = getattr(app, "state", None)
 
     def precheck(self, content_type: bytes | None, content_length: bytes | None) -> tuple[int, bytes] | None:
         """What the headers alone decide (415, then a bad or too large declared length), or None."""
-        if content_type != _JSON and not is_json_content_type(content_type.decode("latin-1") if content_type is not None else None):
+        if content_type != _JSON and not is_json_content_type(
+            content_type.decode("latin-1") if content_type is not None else None
+        ):
             return 415, _UNSUPPORTED_MEDIA
         if content_length is not None:
             if not content_length.isdigit():
@@ -100,7 +110,9 @@ class FastJsonRoutes:
         except ServiceError as exc:  # ApiError and the cores' refusals alike
             return exc.status, orjson.dumps({"error": exc.message})
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]) -> None:
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]
+    ) -> None:
         handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None:
             await self.app(scope, receive, send)
@@ -118,7 +130,9 @@ class FastJsonRoutes:
         refused = policy.refusal("POST", scope["path"], scope["headers"]) if policy is not None else None
         if refused is None:
             refused = self.precheck(content_type, content_length)
-        close = refused is not None and (refused[0] == 413 or expect is not None)  # no body worth reading, or none coming
+        close = refused is not None and (
+            refused[0] == 413 or expect is not None
+        )  # no body worth reading, or none coming
         if refused is None:
             message = await receive()
             if message["type"] != "http.request":
@@ -258,8 +272,13 @@ if HttpToolsProtocol is not None:
             super().__init__(*args, **kwargs)
             app = self.app
             # uvicorn internals this relies on (tested with 0.54); without them, FastJsonRoutes answers as ASGI
-            internals = all(hasattr(self, name) for name in ("cycle", "pipeline", "expect_100_continue", "server_state", "parser", "flow"))
-            self.fast: FastJsonRoutes | None = app if isinstance(app, FastJsonRoutes) and not self.root_path and internals else None
+            internals = all(
+                hasattr(self, name)
+                for name in ("cycle", "pipeline", "expect_100_continue", "server_state", "parser", "flow")
+            )
+            self.fast: FastJsonRoutes | None = (
+                app if isinstance(app, FastJsonRoutes) and not self.root_path and internals else None
+            )
             self.hot: JsonHandler | None = None
             self.hot_paused_reading = False
 
@@ -272,7 +291,12 @@ if HttpToolsProtocol is not None:
             if fast is not None and self.parser.get_method() == b"POST":
                 route = fast.raw_routes.get(httptools.parse_url(self.url).path)
                 cycle = self.cycle
-                if route is not None and (cycle is None or cycle.response_complete) and not self.pipeline and not self.parser.should_upgrade():
+                if (
+                    route is not None
+                    and (cycle is None or cycle.response_complete)
+                    and not self.pipeline
+                    and not self.parser.should_upgrade()
+                ):
                     self._begin_hot(fast, *route)
                     return
             super().on_headers_complete()
@@ -320,7 +344,9 @@ if HttpToolsProtocol is not None:
                     status, payload = self.hot_refused
                 else:
                     chunks = self.hot_chunks
-                    status, payload = FastJsonRoutes.answer(self.hot, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+                    status, payload = FastJsonRoutes.answer(
+                        self.hot, chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    )
                 self._hot_reply(status, payload, close=not self.hot_keep_alive)
 
         def _hot_reply(self, status: int, payload: bytes, close: bool) -> None:
@@ -379,7 +405,9 @@ PROTOCOLS = ("fast", "coalescing", "httptools")
 """``server_config``'s ``protocol``: FastJsonProtocol, HeaderCoalescingProtocol, or uvicorn's stock httptools one."""
 
 
-def server_config(app: Any, host: str, port: int, *, log_level: str = "warning", protocol: str = "fast", **overrides: Any) -> Any:
+def server_config(
+    app: Any, host: str, port: int, *, log_level: str = "warning", protocol: str = "fast", **overrides: Any
+) -> Any:
     """A ``uvicorn.Config`` with the lean settings both services measured (override any with kwargs)."""
     import uvicorn
 
@@ -420,5 +448,15 @@ async def serve(app: Any, host: str, port: int, drain: Drain | None = None, **kw
     await _server(app, host, port, drain, kwargs).serve()
 
 
-__all__ = ["FastJsonProtocol", "FastJsonRoutes", "HeaderCoalescingProtocol", "JsonHandler", "Observer", "PROTOCOLS", "protect", "run", "serve",
-           "server_config"]
+__all__ = [
+    "FastJsonProtocol",
+    "FastJsonRoutes",
+    "HeaderCoalescingProtocol",
+    "JsonHandler",
+    "Observer",
+    "PROTOCOLS",
+    "protect",
+    "run",
+    "serve",
+    "server_config",
+]

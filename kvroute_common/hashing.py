@@ -19,6 +19,7 @@ from array import array
 from collections.abc import Sequence
 
 import xxhash
+
 from kvroute_common.constants import U64_MAX
 
 BASE_SEED = 1337

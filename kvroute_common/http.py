@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+
 from kvroute_common.errors import ServiceError
 
 T = TypeVar("T")
@@ -109,7 +110,9 @@ def decode_json(body: bytes, type_: type[T], allow_trailing: bool = False) -> T:
     return decode_json(body[:offset], type_)
 
 
-async def read_json(request: Request, type_: type[T], limit: int = DEFAULT_BODY_LIMIT, allow_trailing: bool = False) -> T:
+async def read_json(
+    request: Request, type_: type[T], limit: int = DEFAULT_BODY_LIMIT, allow_trailing: bool = False
+) -> T:
     """Content type (415), then size (413), then parse (400) and validate (422): axum's order."""
     if not _is_json_content_type(request.headers.get("content-type")):
         raise ApiError(415, "Expected request with `Content-Type: application/json`")

@@ -147,7 +147,9 @@ class Cluster:
         self._children.append(child)
         return child
 
-    def start_mocker(self, opts: MockerOptions, worker_id: int | None = None, port: int | None = None, role: str = "both") -> Worker:
+    def start_mocker(
+        self, opts: MockerOptions, worker_id: int | None = None, port: int | None = None, role: str = "both"
+    ) -> Worker:
         worker_id = worker_id if worker_id is not None else len(self.workers) + 1
         port = port or self._port()
         args = [
@@ -161,7 +163,12 @@ class Cluster:
         kv_ep = replay_ep = None
         if opts.kv_events:
             base = self._port_block(2 * opts.dp_size)
-            args += ["--kv-events-endpoint", f"tcp://127.0.0.1:{base}", "--replay-endpoint", f"tcp://127.0.0.1:{base + opts.dp_size}"]
+            args += [
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{base}",
+                "--replay-endpoint",
+                f"tcp://127.0.0.1:{base + opts.dp_size}",
+            ]
             kv_ep, replay_ep = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + opts.dp_size}"
         else:
             args.append("--no-kv-events")
@@ -186,8 +193,12 @@ class Cluster:
         port = port or self._port()
         args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", router_mode]
         for w in self.workers:
-            spec = w.frontend_spec() if kv_events else f"id={w.worker_id},url={w.url},dp_size={w.dp_size}" + (
-                f",role={w.role}" if w.role != "both" else "")
+            spec = (
+                w.frontend_spec()
+                if kv_events
+                else f"id={w.worker_id},url={w.url},dp_size={w.dp_size}"
+                + (f",role={w.role}" if w.role != "both" else "")
+            )
             args += ["--worker", spec]
         if model_path:
             args += ["--model-path", model_path]
@@ -228,7 +239,11 @@ class Cluster:
             if r.status_code != 200 or not any(m.get("id") == model for m in r.json().get("data", [])):
                 return False
             health = httpx.get(f"{self.frontend_url}/health", timeout=2.0)
-            instances = health.json().get("instances") if health.headers.get("content-type", "").startswith("application/json") else None
+            instances = (
+                health.json().get("instances")
+                if health.headers.get("content-type", "").startswith("application/json")
+                else None
+            )
             if instances is None:  # a frontend that does not list instances: the model is enough
                 return health.status_code == 200
             healthy = {i.get("worker_id") for i in instances if i.get("healthy")}
@@ -247,7 +262,9 @@ class Cluster:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Frontend first (no new work reaches workers), then workers; SIGTERM, then SIGKILL."""
-        order = [c for c in self._children if c is self.frontend] + [c for c in self._children if c is not self.frontend]
+        order = [c for c in self._children if c is self.frontend] + [
+            c for c in self._children if c is not self.frontend
+        ]
         for c in order:
             _signal_group(c.proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -297,14 +314,24 @@ def start_cluster(
                 role = "both" if not prefill_workers else ("prefill" if i < prefill_workers else "decode")
                 cluster.start_mocker(opts, role=role)
             cluster.wait_workers_ready(timeout)
-            cluster.start_frontend(router_mode, port=frontend_port, extra_args=frontend_args, model_path=opts.model_path, kv_events=opts.kv_events)
+            cluster.start_frontend(
+                router_mode,
+                port=frontend_port,
+                extra_args=frontend_args,
+                model_path=opts.model_path,
+                kv_events=opts.kv_events,
+            )
             cluster.wait_frontend_ready(opts.model_name, timeout)
             return cluster
         except (RuntimeError, TimeoutError) as exc:
             cluster.stop()
             if attempt == attempts or "in use" not in str(exc):
                 raise
-            print(f"start-up failed on a port conflict (attempt {attempt}/{attempts}); retrying on fresh ports", file=sys.stderr, flush=True)
+            print(
+                f"start-up failed on a port conflict (attempt {attempt}/{attempts}); retrying on fresh ports",
+                file=sys.stderr,
+                flush=True,
+            )
         except BaseException:
             cluster.stop()
             raise

@@ -72,8 +72,11 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
             if isinstance(content, list):
                 texts = []
                 for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                            or not isinstance(part.get("text"), str):
+                    if (
+                        not isinstance(part, dict)
+                        or part.get("type") not in ("input_text", "output_text", "text")
+                        or not isinstance(part.get("text"), str)
+                    ):
                         raise OpenAIError(400, f"input[{i}].content[{j}]: only text parts are supported", "input")
                     texts.append(part["text"])
                 content = "\n".join(texts)

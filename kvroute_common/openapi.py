@@ -22,6 +22,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
 from kvroute_common.constants import U64_MAX
 
 OPENAPI_PATH = "/openapi.json"
@@ -124,8 +125,13 @@ def json_post(
     return op
 
 
-def get(summary: str, ok: Mapping[int, Mapping[str, Any]], refusals: Mapping[int, str] | None = None,
-        error_schema: str = "ServiceError", **extra: Any) -> dict[str, Any]:
+def get(
+    summary: str,
+    ok: Mapping[int, Mapping[str, Any]],
+    refusals: Mapping[int, str] | None = None,
+    error_schema: str = "ServiceError",
+    **extra: Any,
+) -> dict[str, Any]:
     responses = {str(code): dict(resp) for code, resp in ok.items()}
     responses.update(errors(refusals or {}, error_schema))
     op = {"summary": summary, "responses": responses}
@@ -133,8 +139,16 @@ def get(summary: str, ok: Mapping[int, Mapping[str, Any]], refusals: Mapping[int
     return op
 
 
-def query_param(name: str, description: str, schema: Mapping[str, Any] | None = None, required: bool = False) -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": required, "description": description, "schema": dict(schema or {"type": "string"})}
+def query_param(
+    name: str, description: str, schema: Mapping[str, Any] | None = None, required: bool = False
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "query",
+        "required": required,
+        "description": description,
+        "schema": dict(schema or {"type": "string"}),
+    }
 
 
 def struct_schemas(
@@ -169,7 +183,10 @@ def document(title: str, description: str, paths: Mapping[str, Any], schemas: Ma
     """A complete OpenAPI 3.1 document with the shared components and ``/openapi.json`` itself."""
     all_paths = dict(paths)
     all_paths[OPENAPI_PATH] = {
-        "get": get("this document", {200: json_ok("the OpenAPI document", {"type": "object", "required": ["openapi", "paths"]})})
+        "get": get(
+            "this document",
+            {200: json_ok("the OpenAPI document", {"type": "object", "required": ["openapi", "paths"]})},
+        )
     }
     components = copy.deepcopy(SHARED_SCHEMAS)
     components.update(copy.deepcopy(dict(schemas)))

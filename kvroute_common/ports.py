@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 
-
 # Ports this process has handed out: the kernel may hand the same ephemeral port to two separate
 # ``bind(0)`` calls once the first socket is closed, and a test that asks twice (an HTTP port, then a
 # replay port) must not get one port for both.

@@ -34,7 +34,9 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: floa
         except Exception as exc:  # the condition may not be checkable yet (server starting)
             last_exc = exc
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+            raise TimeoutError(
+                f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else "")
+            )
         time.sleep(interval)
 
 
@@ -64,12 +66,21 @@ def service(
     if env:
         full_env.update(env)
     log = open(log_path or (os.devnull if os.environ.get("KVROUTE_TEST_QUIET") else _log_path(args)), "w+b")
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO_ROOT,
+        env=full_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         check = ready or (http_ready(ready_url) if ready_url else None)
         if check is not None:
             try:
-                wait_until(lambda: proc.poll() is not None or check(), timeout=timeout, what=f"{' '.join(args)} to start")
+                wait_until(
+                    lambda: proc.poll() is not None or check(), timeout=timeout, what=f"{' '.join(args)} to start"
+                )
             except TimeoutError:
                 raise RuntimeError(f"{' '.join(args)} did not become ready:\n{_tail(log)}") from None
             if proc.poll() is not None:

@@ -99,7 +99,9 @@ RefusalBody = Callable[[str, int, bool], bytes]
 class AccessPolicy:
     """Who may call what: ``classify`` gives each route's level, the token sets decide."""
 
-    def __init__(self, api_keys: TokenSet, admin_tokens: TokenSet, classify: Classifier, refusal_body: RefusalBody | None = None) -> None:
+    def __init__(
+        self, api_keys: TokenSet, admin_tokens: TokenSet, classify: Classifier, refusal_body: RefusalBody | None = None
+    ) -> None:
         self.api_keys = api_keys
         self.admin_tokens = admin_tokens
         self.classify = classify
@@ -143,7 +145,9 @@ class AuthMiddleware:
         self.policy = policy
         self.state = getattr(app, "state", None)
 
-    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]) -> None:
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[dict[str, Any]], Any]
+    ) -> None:
         if scope["type"] == "http":
             refused = self.policy.refusal(scope["method"], scope["path"], scope["headers"])
             if refused is not None:
@@ -166,19 +170,45 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
     given on the command line replaces its variable.
     """
     g = parser.add_argument_group("security")
-    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="accept this bearer token on the client routes (repeatable; prefer --api-key-file: "
-                        "command lines are visible to other local users) [env DYN_API_KEY, comma-separated; default: no key needed]")
-    g.add_argument("--api-key-file", default=os.environ.get("DYN_API_KEY_FILE"), metavar="FILE",
-                   help="file of API keys, one per line (# comments) [env DYN_API_KEY_FILE]")
-    g.add_argument("--admin-token", action="append", default=None, metavar="TOKEN",
-                   help="bearer token required on the admin / write routes [env DYN_ADMIN_TOKEN; default: admin routes open]")
-    g.add_argument("--admin-token-file", default=os.environ.get("DYN_ADMIN_TOKEN_FILE"), metavar="FILE",
-                   help="file of admin tokens, one per line [env DYN_ADMIN_TOKEN_FILE]")
-    g.add_argument("--ssl-certfile", default=os.environ.get("DYN_SSL_CERTFILE"), metavar="PEM",
-                   help="serve HTTPS with this certificate chain (with --ssl-keyfile) [env DYN_SSL_CERTFILE]")
-    g.add_argument("--ssl-keyfile", default=os.environ.get("DYN_SSL_KEYFILE"), metavar="PEM",
-                   help="private key of --ssl-certfile [env DYN_SSL_KEYFILE]")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="accept this bearer token on the client routes (repeatable; prefer --api-key-file: "
+        "command lines are visible to other local users) [env DYN_API_KEY, comma-separated; default: no key needed]",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=os.environ.get("DYN_API_KEY_FILE"),
+        metavar="FILE",
+        help="file of API keys, one per line (# comments) [env DYN_API_KEY_FILE]",
+    )
+    g.add_argument(
+        "--admin-token",
+        action="append",
+        default=None,
+        metavar="TOKEN",
+        help="bearer token required on the admin / write routes [env DYN_ADMIN_TOKEN; default: admin routes open]",
+    )
+    g.add_argument(
+        "--admin-token-file",
+        default=os.environ.get("DYN_ADMIN_TOKEN_FILE"),
+        metavar="FILE",
+        help="file of admin tokens, one per line [env DYN_ADMIN_TOKEN_FILE]",
+    )
+    g.add_argument(
+        "--ssl-certfile",
+        default=os.environ.get("DYN_SSL_CERTFILE"),
+        metavar="PEM",
+        help="serve HTTPS with this certificate chain (with --ssl-keyfile) [env DYN_SSL_CERTFILE]",
+    )
+    g.add_argument(
+        "--ssl-keyfile",
+        default=os.environ.get("DYN_SSL_KEYFILE"),
+        metavar="PEM",
+        help="private key of --ssl-certfile [env DYN_SSL_KEYFILE]",
+    )
 
 
 def read_token_file(path: str, flag: str) -> list[str]:
@@ -197,7 +227,9 @@ def read_token_file(path: str, flag: str) -> list[str]:
 
 def _token_values(given: list[str] | None, env_name: str, file_path: str | None, flag: str, environ: Any) -> list[str]:
     """The flag's values (else its comma-separated variable), plus the lines of its file."""
-    values = list(given) if given is not None else [t.strip() for t in environ.get(env_name, "").split(",") if t.strip()]
+    values = (
+        list(given) if given is not None else [t.strip() for t in environ.get(env_name, "").split(",") if t.strip()]
+    )
     if file_path:
         values += read_token_file(file_path, f"{flag}-file")
     return values
@@ -210,8 +242,9 @@ def _tokens(given: list[str] | None, env_name: str, file_path: str | None, flag:
         raise SystemExit(f"{flag}: {exc}") from None
 
 
-def policy_from_args(ns: argparse.Namespace, classify: Classifier, refusal_body: RefusalBody | None = None,
-                     environ: Any = None) -> AccessPolicy | None:
+def policy_from_args(
+    ns: argparse.Namespace, classify: Classifier, refusal_body: RefusalBody | None = None, environ: Any = None
+) -> AccessPolicy | None:
     """The policy the flags ask for, or None when no token is configured (nothing to check)."""
     env = os.environ if environ is None else environ
     api = _tokens(ns.api_key, "DYN_API_KEY", ns.api_key_file, "--api-key", env)
@@ -227,8 +260,10 @@ def outgoing_token(policy: AccessPolicy | None, ns: argparse.Namespace, environ:
     if policy is None:
         return None
     env = os.environ if environ is None else environ
-    for given, env_name, file_path, flag in ((ns.admin_token, "DYN_ADMIN_TOKEN", ns.admin_token_file, "--admin-token"),
-                                             (ns.api_key, "DYN_API_KEY", ns.api_key_file, "--api-key")):
+    for given, env_name, file_path, flag in (
+        (ns.admin_token, "DYN_ADMIN_TOKEN", ns.admin_token_file, "--admin-token"),
+        (ns.api_key, "DYN_API_KEY", ns.api_key_file, "--api-key"),
+    ):
         values = _token_values(given, env_name, file_path, flag, env)
         if values:
             return values[0]
@@ -264,5 +299,18 @@ def service_classifier(read_posts: Iterable[str]) -> Classifier:
     return classify
 
 
-__all__ = ["ADMIN", "API", "OPEN", "AccessPolicy", "AuthMiddleware", "TokenSet", "add_security_args", "bearer_token",
-           "outgoing_token", "policy_from_args", "read_token_file", "service_classifier", "ssl_options"]
+__all__ = [
+    "ADMIN",
+    "API",
+    "OPEN",
+    "AccessPolicy",
+    "AuthMiddleware",
+    "TokenSet",
+    "add_security_args",
+    "bearer_token",
+    "outgoing_token",
+    "policy_from_args",
+    "read_token_file",
+    "service_classifier",
+    "ssl_options",
+]

@@ -73,9 +73,7 @@ def load_tokenizer(model_path: str | None = None):
 # ---------------------------------------------------------------------------------------------
 # chat template rendering (vLLM semantics)
 
-_CONTENT_LOOP = re.compile(
-    r"\{%-?\s*for\s+\w+\s+in\s+(?:message|msg|m)\s*(?:\[\s*['\"]content['\"]\s*\]|\.content)"
-)
+_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+(?:message|msg|m)\s*(?:\[\s*['\"]content['\"]\s*\]|\.content)")
 
 
 @lru_cache(maxsize=64)
@@ -143,8 +141,14 @@ def render_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], **templ
         raise PromptError(f"chat template error: {exc}") from exc
 
 
-def chat_prompt_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], *, nogil: bool = False, limit: int | None = None,
-                          **template_kwargs: Any) -> list[int]:
+def chat_prompt_token_ids(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    nogil: bool = False,
+    limit: int | None = None,
+    **template_kwargs: Any,
+) -> list[int]:
     """Token ids of a chat request exactly as vLLM computes them (render, encode w/o specials).
 
     ``nogil=True`` (worker threads): encode with the backend call that releases the GIL; ``limit``:
@@ -182,7 +186,9 @@ def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def chat_request_token_ids(tokenizer, body: Mapping[str, Any], nogil: bool = False, limit: int | None = None) -> list[int]:
+def chat_request_token_ids(
+    tokenizer, body: Mapping[str, Any], nogil: bool = False, limit: int | None = None
+) -> list[int]:
     """Token ids of an OpenAI chat request body (messages + vLLM's template arguments)."""
     if "messages" not in body:
         raise PromptError("messages is required")
@@ -298,7 +304,9 @@ class PromptEncoder:
         if self._encode_fast(sample) != self.backend.encode(sample, add_special_tokens=False).ids:
             self.piece_re = None
 
-    def encode(self, text: str, add_special_tokens: bool = False, nogil: bool = False, limit: int | None = None) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = False, nogil: bool = False, limit: int | None = None
+    ) -> list[int]:
         """``nogil=True``: one backend ``encode_batch_fast`` call, which releases the GIL for the whole
         encode (``backend.encode`` and our ``re``-based fast path hold it), for worker threads.
         ``limit`` (nogil path): a prompt of ``limit`` tokens or more raises PromptTooLong before its
@@ -371,7 +379,7 @@ class PromptEncoder:
         return out
 
 
-_encoders: "weakref.WeakKeyDictionary[Any, PromptEncoder]" = weakref.WeakKeyDictionary()
+_encoders: weakref.WeakKeyDictionary[Any, PromptEncoder] = weakref.WeakKeyDictionary()
 _encoders_lock = threading.Lock()
 
 

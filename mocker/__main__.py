@@ -16,8 +16,15 @@ def main(argv: list[str] | None = None) -> int:
     from mocker.api import build_app
 
     app = build_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                timeout_keep_alive=cfg.timeout_keep_alive, timeout_graceful_shutdown=2)
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        access_log=False,
+        timeout_keep_alive=cfg.timeout_keep_alive,
+        timeout_graceful_shutdown=2,
+    )
     return 0
 
 

@@ -51,15 +51,29 @@ from mocker.perf_model import PerfModel
 log = logging.getLogger("mocker.api")
 
 DP_RANK_HEADER = "x-data-parallel-rank"
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 413: "BadRequestError",
-                415: "BadRequestError", 499: "Client Closed Request", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    413: "BadRequestError",
+    415: "BadRequestError",
+    499: "Client Closed Request",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 _JSON = "application/json"
 MAX_BODY = 64 * 1024 * 1024
 
 
 def error_response(status: int, message: str, param: str | None = None) -> Response:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"), "param": param,
-                      "code": status}}
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "BadRequestError"),
+            "param": param,
+            "code": status,
+        }
+    }
     return Response(orjson.dumps(body), status_code=status, media_type=_JSON)
 
 
@@ -83,17 +97,20 @@ class Mocker:
         perf = PerfModel(cfg.speedup_ratio)
         self.schedulers: list[RankScheduler] = []
         for rank in range(cfg.data_parallel_size):
-            kv = KvCache(cfg.num_gpu_blocks, cfg.block_size, ext_seed=(ext_seed + rank) & (2**64 - 1),
-                         emit_events=cfg.kv_events)
+            kv = KvCache(
+                cfg.num_gpu_blocks, cfg.block_size, ext_seed=(ext_seed + rank) & (2**64 - 1), emit_events=cfg.kv_events
+            )
             self.schedulers.append(
-                RankScheduler(kv, perf, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.eos_token_id,
-                              output_vocab=vocab)
+                RankScheduler(
+                    kv, perf, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.eos_token_id, output_vocab=vocab
+                )
             )
         self.metrics = MockerMetrics(cfg, self.schedulers)
         for rank, s in enumerate(self.schedulers):
             s.on_first_token = (lambda r: lambda seq, ttft: self.metrics.first_token(r, seq, ttft))(rank)
-            s.on_finished = (lambda r: lambda seq, reason: self.metrics.finished(
-                r, seq, reason, time.monotonic() - seq.arrival_time))(rank)
+            s.on_finished = (
+                lambda r: lambda seq, reason: self.metrics.finished(r, seq, reason, time.monotonic() - seq.arrival_time)
+            )(rank)
         self.publishers: list[KvEventPublisher] = []
         self.ranks: list[EngineRank] = []
         self._zmq: zmq.asyncio.Context | None = None
@@ -110,8 +127,9 @@ class Mocker:
         if cfg.kv_events:
             self._zmq = zmq.asyncio.Context()
             for rank in range(cfg.data_parallel_size):
-                pub = KvEventPublisher(self._zmq, rank, cfg.kv_events_endpoint, cfg.replay_endpoint,
-                                       buffer_steps=cfg.replay_buffer_steps)
+                pub = KvEventPublisher(
+                    self._zmq, rank, cfg.kv_events_endpoint, cfg.replay_endpoint, buffer_steps=cfg.replay_buffer_steps
+                )
                 pub.start()
                 self.publishers.append(pub)
         for rank, sched in enumerate(self.schedulers):
@@ -187,8 +205,19 @@ def _opt_bool(body: dict, name: str, default: bool = False) -> bool:
 class Params:
     """Validated generation parameters of one request."""
 
-    __slots__ = ("max_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "priority", "seed",
-                 "stream", "include_usage", "remote_decode", "remote_tokens")
+    __slots__ = (
+        "max_tokens",
+        "min_tokens",
+        "ignore_eos",
+        "stop",
+        "stop_token_ids",
+        "priority",
+        "seed",
+        "stream",
+        "include_usage",
+        "remote_decode",
+        "remote_tokens",
+    )
 
 
 def _transfer(m: Mocker, body: dict, p: Params, prompt_len: int) -> None:
@@ -209,18 +238,28 @@ def _transfer(m: Mocker, body: dict, p: Params, prompt_len: int) -> None:
     role = m.cfg.role
     if params.get("do_remote_decode"):
         if role == "decode":
-            raise OpenAIError(400, "this engine is a decode worker (--role decode): it cannot prefill for a remote decode",
-                              "kv_transfer_params")
+            raise OpenAIError(
+                400,
+                "this engine is a decode worker (--role decode): it cannot prefill for a remote decode",
+                "kv_transfer_params",
+            )
         p.remote_decode = True
     elif params.get("do_remote_prefill"):
         if role == "prefill":
-            raise OpenAIError(400, "this engine is a prefill worker (--role prefill): it cannot decode a remotely "
-                                   "prefilled request", "kv_transfer_params")
+            raise OpenAIError(
+                400,
+                "this engine is a prefill worker (--role prefill): it cannot decode a remotely prefilled request",
+                "kv_transfer_params",
+            )
         ids = params.get("remote_block_ids")
         if not isinstance(ids, list) or any(type(i) is not int for i in ids):
-            raise OpenAIError(400, "kv_transfer_params.remote_block_ids must be a list of integers", "kv_transfer_params")
+            raise OpenAIError(
+                400, "kv_transfer_params.remote_block_ids must be a list of integers", "kv_transfer_params"
+            )
         if not isinstance(params.get("remote_engine_id"), str) or not params["remote_engine_id"]:
-            raise OpenAIError(400, "kv_transfer_params.remote_engine_id must be a non-empty string", "kv_transfer_params")
+            raise OpenAIError(
+                400, "kv_transfer_params.remote_engine_id must be a non-empty string", "kv_transfer_params"
+            )
         p.remote_tokens = min(prompt_len, len(ids) * m.cfg.block_size)
 
 
@@ -233,14 +272,21 @@ def _params(m: Mocker, body: dict, prompt_len: int, chat: bool) -> Params:
         max_tokens = _opt_int(body, "max_tokens", 1)
     limit = m.cfg.max_model_len
     if prompt_len >= limit:
-        raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
-                               f"{prompt_len} input tokens. Please reduce the length of the input messages.")
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+        )
     if max_tokens is None:
         max_tokens = limit - prompt_len
     elif prompt_len + max_tokens > limit:
-        raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                               f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
-                               "completion). Please reduce the length of the messages or completion.", "max_tokens")
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            "max_tokens",
+        )
     capacity = m.cfg.num_gpu_blocks * m.cfg.block_size
     if prompt_len + 1 > capacity:
         raise OpenAIError(400, f"the prompt has {prompt_len} tokens but the KV cache holds only {capacity} tokens")
@@ -311,11 +357,11 @@ class _TextTracker:
                     best, self.stop_reason = i, s
             if best != -1:
                 self.text = self.text[:best]
-                out = self.text[self.sent:]
+                out = self.text[self.sent :]
                 self.sent = len(self.text)
                 return out, True
         upto = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
-        out = self.text[self.sent:upto]
+        out = self.text[self.sent : upto]
         self.sent = upto
         return out, False
 
@@ -342,8 +388,15 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
         queue.put_nowait((token, reason))
 
     seq = Sequence(
-        rid, prompt, p.max_tokens, sink, sequence_rng(m.token_seed, p.seed, prompt),
-        min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, stop_token_ids=p.stop_token_ids, priority=p.priority,
+        rid,
+        prompt,
+        p.max_tokens,
+        sink,
+        sequence_rng(m.token_seed, p.seed, prompt),
+        min_tokens=p.min_tokens,
+        ignore_eos=p.ignore_eos,
+        stop_token_ids=p.stop_token_ids,
+        priority=p.priority,
     )
     seq.remote_tokens = p.remote_tokens
     engine = m.ranks[rank]
@@ -404,18 +457,34 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
         if finish == FINISH_ABORT:
             return error_response(503, "request aborted by the engine")
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": tracker.text, "tool_calls": []},
-                      "logprobs": None, "finish_reason": finish, "stop_reason": tracker.stop_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": tracker.text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": tracker.stop_reason,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": tracker.text, "logprobs": None, "finish_reason": finish,
-                      "stop_reason": tracker.stop_reason}
+            choice = {
+                "index": 0,
+                "text": tracker.text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": tracker.stop_reason,
+            }
             obj = "text_completion"
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage()}
         if p.remote_decode:  # vLLM's NIXL connector: what the decode engine needs to pull this prompt's KV
-            out["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                         "remote_block_ids": held_blocks, "remote_engine_id": m.engine_id,
-                                         "remote_host": m.cfg.host, "remote_port": m.cfg.port, "tp_size": 1}
+            out["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": held_blocks,
+                "remote_engine_id": m.engine_id,
+                "remote_host": m.cfg.host,
+                "remote_port": m.cfg.port,
+                "tp_size": 1,
+            }
         return json_response(out)
 
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -460,15 +529,21 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
                     # --stall-after-tokens: a hung worker; the connection stays open, nothing more is sent
                     await asyncio.Event().wait()
             if p.include_usage:
-                yield b"data: " + dumps({"id": rid, "object": obj, "created": created, "model": model,
-                                         "choices": [], "usage": usage()}) + b"\n\n"
+                yield (
+                    b"data: "
+                    + dumps(
+                        {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage()}
+                    )
+                    + b"\n\n"
+                )
             yield b"data: [DONE]\n\n"
         finally:
             if finish is None:  # client went away: free the engine's blocks now
                 engine.abort(rid)
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-request-id": rid})
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"cache-control": "no-cache", "x-request-id": rid}
+    )
 
 
 EMBEDDING_DIM = 16
@@ -481,9 +556,13 @@ def _embedding_inputs(inp: Any) -> list[str | list[int]]:
     if isinstance(inp, list) and inp:
         if all(type(t) is int for t in inp):
             return [inp]
-        if all(isinstance(t, str) for t in inp) or all(isinstance(t, list) and t and all(type(x) is int for x in t) for t in inp):
+        if all(isinstance(t, str) for t in inp) or all(
+            isinstance(t, list) and t and all(type(x) is int for x in t) for t in inp
+        ):
             return list(inp)
-    raise OpenAIError(400, "input must be a non-empty string, list of strings, list of token ids or list of token-id lists", "input")
+    raise OpenAIError(
+        400, "input must be a non-empty string, list of strings, list of token ids or list of token-id lists", "input"
+    )
 
 
 def _embed(ids: list[int], dims: int) -> list[float]:
@@ -513,6 +592,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
                 return error_response(exc.status, exc.message, exc.param)
             except PromptError as exc:
                 return error_response(400, str(exc))
+
         return wrapped
 
     async def chat_completions(request: Request) -> Response:
@@ -551,18 +631,34 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         choice = done["choices"][0]
         u = done["usage"]
         rid = "resp_" + done["id"].split("-", 1)[-1]
-        return json_response({
-            "id": rid, "object": "response", "created_at": done["created"], "model": model,
-            "status": "completed" if choice["finish_reason"] == "stop" else "incomplete",
-            "incomplete_details": None if choice["finish_reason"] == "stop" else {"reason": "max_output_tokens"},
-            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "output": [{"type": "message", "id": "msg_" + rid[5:], "status": "completed", "role": "assistant",
-                        "content": [{"type": "output_text", "text": choice["message"]["content"], "annotations": []}]}],
-            "usage": {"input_tokens": u["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
-                      "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": u["total_tokens"]},
-        })
+        return json_response(
+            {
+                "id": rid,
+                "object": "response",
+                "created_at": done["created"],
+                "model": model,
+                "status": "completed" if choice["finish_reason"] == "stop" else "incomplete",
+                "incomplete_details": None if choice["finish_reason"] == "stop" else {"reason": "max_output_tokens"},
+                "instructions": body.get("instructions"),
+                "max_output_tokens": body.get("max_output_tokens"),
+                "output": [
+                    {
+                        "type": "message",
+                        "id": "msg_" + rid[5:],
+                        "status": "completed",
+                        "role": "assistant",
+                        "content": [{"type": "output_text", "text": choice["message"]["content"], "annotations": []}],
+                    }
+                ],
+                "usage": {
+                    "input_tokens": u["prompt_tokens"],
+                    "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                    "output_tokens": u["completion_tokens"],
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": u["total_tokens"],
+                },
+            }
+        )
 
     async def embeddings(request: Request) -> Response:
         """OpenAI embeddings, minimal: a deterministic unit vector per input (text or token ids),
@@ -581,8 +677,11 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         for i, item in enumerate(inputs):
             ids = item if isinstance(item, list) else completion_prompt_token_ids(m.tokenizer, item)
             if len(ids) >= cfg.max_model_len:
-                raise OpenAIError(400, f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
-                                       f"your request has {len(ids)} input tokens. Please reduce the length of the input.")
+                raise OpenAIError(
+                    400,
+                    f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                    f"your request has {len(ids)} input tokens. Please reduce the length of the input.",
+                )
             total += len(ids)
             vec = _embed(ids, dims)
             if fmt == "base64":
@@ -593,15 +692,35 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
             else:
                 emb = vec
             data.append({"object": "embedding", "index": i, "embedding": emb})
-        return json_response({"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model,
-                              "data": data, "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0}})
+        return json_response(
+            {
+                "id": "embd-" + uuid.uuid4().hex,
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": data,
+                "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0},
+            }
+        )
 
     async def models(request: Request) -> Response:
-        return json_response({"object": "list", "data": [{
-            "id": cfg.served_model_name, "object": "model", "created": m.started, "owned_by": cfg.impersonate,
-            "root": cfg.model_path or cfg.served_model_name, "parent": None, "max_model_len": cfg.max_model_len,
-            "permission": [],
-        }]})
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": cfg.served_model_name,
+                        "object": "model",
+                        "created": m.started,
+                        "owned_by": cfg.impersonate,
+                        "root": cfg.model_path or cfg.served_model_name,
+                        "parent": None,
+                        "max_model_len": cfg.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
 
     async def tokenize(request: Request) -> Response:
         body = await _body(request)
@@ -627,24 +746,45 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
     async def get_server_info(request: Request) -> Response:
         """SGLang's ``GET /get_server_info`` (``--impersonate sglang``): its server args at the top
         level and the scheduler's state under ``internal_states``."""
-        return json_response({
-            "model_path": cfg.model_path or cfg.served_model_name, "served_model_name": cfg.served_model_name,
-            "page_size": cfg.block_size, "chunked_prefill_size": cfg.max_num_batched_tokens,
-            "max_running_requests": cfg.max_num_seqs, "context_length": cfg.max_model_len, "dp_size": cfg.data_parallel_size,
-            "schedule_policy": "fcfs", "schedule_low_priority_values_first": False, "version": "mocker",
-            "internal_states": [{"max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size, "page_size": cfg.block_size}],
-        })
+        return json_response(
+            {
+                "model_path": cfg.model_path or cfg.served_model_name,
+                "served_model_name": cfg.served_model_name,
+                "page_size": cfg.block_size,
+                "chunked_prefill_size": cfg.max_num_batched_tokens,
+                "max_running_requests": cfg.max_num_seqs,
+                "context_length": cfg.max_model_len,
+                "dp_size": cfg.data_parallel_size,
+                "schedule_policy": "fcfs",
+                "schedule_low_priority_values_first": False,
+                "version": "mocker",
+                "internal_states": [
+                    {"max_total_num_tokens": cfg.num_gpu_blocks * cfg.block_size, "page_size": cfg.block_size}
+                ],
+            }
+        )
 
     async def server_info(request: Request) -> Response:
         """vLLM's dev-mode ``/server_info``: the engine config (the only place vLLM exposes its
         scheduler budget); ``config_format=json`` as a structure, else as text."""
         vllm_config = {
-            "model_config": {"model": cfg.model_path or cfg.served_model_name, "served_model_name": cfg.served_model_name,
-                             "max_model_len": cfg.max_model_len},
-            "cache_config": {"block_size": cfg.block_size, "num_gpu_blocks": cfg.num_gpu_blocks,
-                             "num_gpu_blocks_override": cfg.num_gpu_blocks, "enable_prefix_caching": True, "cache_dtype": "auto"},
-            "scheduler_config": {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
-                                 "max_model_len": cfg.max_model_len},
+            "model_config": {
+                "model": cfg.model_path or cfg.served_model_name,
+                "served_model_name": cfg.served_model_name,
+                "max_model_len": cfg.max_model_len,
+            },
+            "cache_config": {
+                "block_size": cfg.block_size,
+                "num_gpu_blocks": cfg.num_gpu_blocks,
+                "num_gpu_blocks_override": cfg.num_gpu_blocks,
+                "enable_prefix_caching": True,
+                "cache_dtype": "auto",
+            },
+            "scheduler_config": {
+                "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                "max_num_seqs": cfg.max_num_seqs,
+                "max_model_len": cfg.max_model_len,
+            },
             "parallel_config": {"data_parallel_size": cfg.data_parallel_size},
         }
         if request.query_params.get("config_format", "text") == "json":
@@ -666,11 +806,19 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         if not 0 <= rank < cfg.data_parallel_size:
             raise OpenAIError(400, f"dp_rank {rank} out of range")
         s = m.schedulers[rank]
-        return json_response({"dp_rank": rank, "block_size": cfg.block_size, "num_gpu_blocks": cfg.num_gpu_blocks,
-                              "num_free": s.kv.num_free, "blocks": s.kv.snapshot(),
-                              "events_published": m.publishers[rank].next_seq if m.publishers else 0,
-                              "computed_prompt_tokens": s.stats.computed_prompt_tokens,
-                              "remote_kv_tokens": s.stats.remote_kv_tokens, "role": cfg.role})
+        return json_response(
+            {
+                "dp_rank": rank,
+                "block_size": cfg.block_size,
+                "num_gpu_blocks": cfg.num_gpu_blocks,
+                "num_free": s.kv.num_free,
+                "blocks": s.kv.snapshot(),
+                "events_published": m.publishers[rank].next_seq if m.publishers else 0,
+                "computed_prompt_tokens": s.stats.computed_prompt_tokens,
+                "remote_kv_tokens": s.stats.remote_kv_tokens,
+                "role": cfg.role,
+            }
+        )
 
     async def priorities(request: Request) -> Response:
         """Mocker-only: the ``priority`` field of the most recent generation requests, oldest first."""

@@ -32,8 +32,9 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: 
     ttft = None
     n = 0
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    async with client.stream("POST", url + "/v1/completions", json=body,
-                             headers={"X-data-parallel-rank": str(rank)}) as r:
+    async with client.stream(
+        "POST", url + "/v1/completions", json=body, headers={"X-data-parallel-rank": str(rank)}
+    ) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 if ttft is None:
@@ -60,9 +61,13 @@ async def _load(urls: list[str], dp: int, concurrency: int, requests: int, promp
         wall = time.perf_counter() - t0
     ttfts = sorted(r[0] for r in results)
     chunks = sum(r[1] for r in results)
-    return {"wall_s": round(wall, 2), "stream_chunks": chunks, "chunks_per_s": round(chunks / wall, 1),
-            "ttft_p50_ms": round(ttfts[len(ttfts) // 2] * 1000, 1),
-            "ttft_p90_ms": round(ttfts[int(len(ttfts) * 0.9)] * 1000, 1)}
+    return {
+        "wall_s": round(wall, 2),
+        "stream_chunks": chunks,
+        "chunks_per_s": round(chunks / wall, 1),
+        "ttft_p50_ms": round(ttfts[len(ttfts) // 2] * 1000, 1),
+        "ttft_p90_ms": round(ttfts[int(len(ttfts) * 0.9)] * 1000, 1),
+    }
 
 
 def bench_tokenizer(rounds: int = 20) -> dict:
@@ -98,10 +103,15 @@ def bench_tokenizer(rounds: int = 20) -> dict:
         chat_prompt_token_ids(tok, m)
         repeat.append(timed(lambda m=m: chat_prompt_token_ids(tok, m)))
     n_tokens = len(chat_prompt_token_ids(tok, msgs[0]))
-    return {"prompt_tokens": n_tokens, "prompt_bytes": len(rendered[0].encode()),
-            "hf_encode_ms_p50": round(median(hf), 2), "render_ms_p50": round(median(render), 3),
-            "fast_cold_ms_p50": round(median(cold), 2), "fast_warm_pieces_ms_p50": round(median(warm), 2),
-            "fast_repeated_segment_ms_p50": round(median(repeat), 3)}
+    return {
+        "prompt_tokens": n_tokens,
+        "prompt_bytes": len(rendered[0].encode()),
+        "hf_encode_ms_p50": round(median(hf), 2),
+        "render_ms_p50": round(median(render), 3),
+        "fast_cold_ms_p50": round(median(cold), 2),
+        "fast_warm_pieces_ms_p50": round(median(warm), 2),
+        "fast_repeated_segment_ms_p50": round(median(repeat), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,9 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for _ in range(args.mockers):
             port, pub, rep = free_port(), free_port_block(args.dp), free_port_block(args.dp)
-            cmd = [sys.executable, "-m", "mocker", "--port", str(port), "--data-parallel-size", str(args.dp),
-                   "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{rep}",
-                   "--speedup-ratio", str(args.speedup_ratio)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "mocker",
+                "--port",
+                str(port),
+                "--data-parallel-size",
+                str(args.dp),
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{pub}",
+                "--replay-endpoint",
+                f"tcp://127.0.0.1:{rep}",
+                "--speedup-ratio",
+                str(args.speedup_ratio),
+            ]
             log = open(os.path.join(args.log_dir, f"mocker-{port}.log"), "wb") if args.log_dir else subprocess.DEVNULL
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             urls.append(f"http://127.0.0.1:{port}")
@@ -149,9 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         load = asyncio.run(_load(urls, args.dp, args.concurrency, args.requests, args.prompt_words, args.max_tokens))
         busy = (sum(_cpu_seconds(pr.pid) for pr in procs) - c0) / (time.perf_counter() - t0)
-        out = {"mockers": args.mockers, "dp": args.dp, "concurrency_per_mocker": args.concurrency,
-               "requests": args.requests, "max_tokens": args.max_tokens, "speedup_ratio": args.speedup_ratio,
-               "idle_cpu_cores": round(idle, 3), "load_cpu_cores": round(busy, 3), **load}
+        out = {
+            "mockers": args.mockers,
+            "dp": args.dp,
+            "concurrency_per_mocker": args.concurrency,
+            "requests": args.requests,
+            "max_tokens": args.max_tokens,
+            "speedup_ratio": args.speedup_ratio,
+            "idle_cpu_cores": round(idle, 3),
+            "load_cpu_cores": round(busy, 3),
+            **load,
+        }
         print(json.dumps(out))
     finally:
         for pr in procs:

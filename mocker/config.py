@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from kvroute_common.tokenizer import DEFAULT_MODEL_NAME
 
-
 ROLES = ("prefill", "decode", "both")
 # which engine's discovery surface the mocker shows (its scheduler stays vLLM-like either way)
 IMPERSONATE = ("vllm", "sglang")
@@ -39,8 +38,15 @@ class MockerConfig:
     impersonate: str = "vllm"  # vllm | sglang: what /metrics, /v1/models and the server-info endpoint look like
 
     def validate(self) -> None:
-        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "data_parallel_size", "replay_buffer_steps"):
+        for name in (
+            "block_size",
+            "num_gpu_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "data_parallel_size",
+            "replay_buffer_steps",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.stall_after_tokens is not None and self.stall_after_tokens < 0:
@@ -63,44 +69,87 @@ def build_parser() -> argparse.ArgumentParser:
     d = MockerConfig()
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--model-path", "--model", "--tokenizer", dest="model_path", default=None,
-                   help="HF tokenizer directory (default: the built-in offline tokenizer)")
+    p.add_argument(
+        "--model-path",
+        "--model",
+        "--tokenizer",
+        dest="model_path",
+        default=None,
+        help="HF tokenizer directory (default: the built-in offline tokenizer)",
+    )
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int,
-                   default=d.num_gpu_blocks)
+    p.add_argument(
+        "--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=d.num_gpu_blocks
+    )
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size)
-    p.add_argument("--kv-events-endpoint", default=d.kv_events_endpoint,
-                   help="ZMQ PUB endpoint of rank 0; rank r uses port + r (default %(default)s)")
-    p.add_argument("--replay-endpoint", default=d.replay_endpoint,
-                   help="ZMQ ROUTER replay endpoint of rank 0; rank r uses port + r ('' = none)")
-    p.add_argument("--replay-buffer-steps", type=int, default=d.replay_buffer_steps,
-                   help="batches kept per rank for replay (vLLM's buffer_steps)")
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=d.kv_events_endpoint,
+        help="ZMQ PUB endpoint of rank 0; rank r uses port + r (default %(default)s)",
+    )
+    p.add_argument(
+        "--replay-endpoint",
+        default=d.replay_endpoint,
+        help="ZMQ ROUTER replay endpoint of rank 0; rank r uses port + r ('' = none)",
+    )
+    p.add_argument(
+        "--replay-buffer-steps",
+        type=int,
+        default=d.replay_buffer_steps,
+        help="batches kept per rank for replay (vLLM's buffer_steps)",
+    )
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false", help="publish no KV events")
-    p.add_argument("--speedup-ratio", type=float, default=d.speedup_ratio,
-                   help="divide simulated step times by this (0 = no delay)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="fixes generated tokens' randomness and the external block hashes")
+    p.add_argument(
+        "--speedup-ratio",
+        type=float,
+        default=d.speedup_ratio,
+        help="divide simulated step times by this (0 = no delay)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="fixes generated tokens' randomness and the external block hashes"
+    )
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
-    p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
-                   help="seconds an idle HTTP keep-alive connection stays open (uvicorn's and vLLM's default: 5)")
-    p.add_argument("--stall-after-tokens", type=int, default=None, metavar="N",
-                   help="test-only fault: every response stops after N generated tokens (a stream sends nothing more, a "
-                        "non-streaming request never answers) and keeps its connection open until the client goes away")
-    p.add_argument("--no-server-info", dest="server_info", action="store_false",
-                   help="do not serve GET /server_info (like vLLM without VLLM_SERVER_DEV_MODE=1: the scheduler "
-                        "budget, max_num_batched_tokens, is then exposed nowhere)")
-    p.add_argument("--role", default=d.role, choices=ROLES,
-                   help="disaggregated serving (vLLM NIXL kv_transfer_params): prefill = computes prompts for remote "
-                        "decode and answers with transfer params; decode = takes transferred prompt blocks without "
-                        "computing them; both = either (default)")
-    p.add_argument("--impersonate", default=d.impersonate, choices=IMPERSONATE,
-                   help="which engine the mocker looks like to discovery: vllm (default: vllm:* metrics plus "
-                        "kvroute_mocker_info, /server_info) or sglang (sglang:* metrics, owned_by sglang, SGLang's "
-                        "GET /get_server_info); the engine inside stays the same")
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=d.timeout_keep_alive,
+        help="seconds an idle HTTP keep-alive connection stays open (uvicorn's and vLLM's default: 5)",
+    )
+    p.add_argument(
+        "--stall-after-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="test-only fault: every response stops after N generated tokens (a stream sends nothing more, a "
+        "non-streaming request never answers) and keeps its connection open until the client goes away",
+    )
+    p.add_argument(
+        "--no-server-info",
+        dest="server_info",
+        action="store_false",
+        help="do not serve GET /server_info (like vLLM without VLLM_SERVER_DEV_MODE=1: the scheduler "
+        "budget, max_num_batched_tokens, is then exposed nowhere)",
+    )
+    p.add_argument(
+        "--role",
+        default=d.role,
+        choices=ROLES,
+        help="disaggregated serving (vLLM NIXL kv_transfer_params): prefill = computes prompts for remote "
+        "decode and answers with transfer params; decode = takes transferred prompt blocks without "
+        "computing them; both = either (default)",
+    )
+    p.add_argument(
+        "--impersonate",
+        default=d.impersonate,
+        choices=IMPERSONATE,
+        help="which engine the mocker looks like to discovery: vllm (default: vllm:* metrics plus "
+        "kvroute_mocker_info, /server_info) or sglang (sglang:* metrics, owned_by sglang, SGLang's "
+        "GET /get_server_info); the engine inside stays the same",
+    )
     return p
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvroute_common.hashing import local_block_hashes, pack_tokens, sequence_hashes
 from mocker.kv_cache import Block, KvCache
 from mocker.perf_model import PerfModel
-from kvroute_common.hashing import local_block_hashes, pack_tokens, sequence_hashes
 
 log = logging.getLogger("mocker.engine")
 
@@ -50,10 +50,31 @@ class Sequence:
     """One request inside the engine."""
 
     __slots__ = (
-        "request_id", "tokens", "prompt_len", "num_output", "max_tokens", "min_tokens", "ignore_eos",
-        "stop_token_ids", "priority", "arrival_index", "arrival_time", "sink", "rng", "natural_len",
-        "blocks", "seq_hashes", "local_hashes", "num_computed", "num_cached_blocks", "num_cached_tokens",
-        "status", "first_token_time", "num_preemptions", "scheduled_once", "remote_tokens",
+        "request_id",
+        "tokens",
+        "prompt_len",
+        "num_output",
+        "max_tokens",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "priority",
+        "arrival_index",
+        "arrival_time",
+        "sink",
+        "rng",
+        "natural_len",
+        "blocks",
+        "seq_hashes",
+        "local_hashes",
+        "num_computed",
+        "num_cached_blocks",
+        "num_cached_tokens",
+        "status",
+        "first_token_time",
+        "num_preemptions",
+        "scheduled_once",
+        "remote_tokens",
     )
 
     def __init__(
@@ -345,8 +366,9 @@ class RankScheduler:
         n_full = n_tokens // self.block_size
         if n_full > seq.num_cached_blocks:
             seq.update_hashes(self.block_size)
-            self.kv.cache_blocks(seq.blocks, seq.num_cached_blocks, seq.seq_hashes[:n_full], seq.local_hashes,
-                                 seq.tokens)
+            self.kv.cache_blocks(
+                seq.blocks, seq.num_cached_blocks, seq.seq_hashes[:n_full], seq.local_hashes, seq.tokens
+            )
             seq.num_cached_blocks = n_full
 
     def commit(self, step: Step) -> None:

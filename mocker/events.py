@@ -20,7 +20,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from indexer.wire import KVCacheEvent, REPLAY_END_SEQ, encode_batch, seq_frame
+from indexer.wire import REPLAY_END_SEQ, KVCacheEvent, encode_batch, seq_frame
 
 log = logging.getLogger("mocker.events")
 

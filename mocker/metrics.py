@@ -10,7 +10,8 @@ tells a frontend it talks to the mocker, and which tokenizer the mocker uses.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -21,10 +22,53 @@ from mocker.engine import RankScheduler, Sequence
 
 LABELS = ["model_name", "engine"]
 # vLLM's buckets for request-level latencies
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+REQUEST_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 class _EngineState(Collector):
@@ -34,19 +78,44 @@ class _EngineState(Collector):
 
     def collect(self) -> Iterable:
         name = self.cfg.served_model_name
-        running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.", labels=LABELS)
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=LABELS)
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=LABELS)
-        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels=LABELS)
-        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels=LABELS)
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", labels=LABELS
+        )
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=LABELS
+        )
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=LABELS
+        )
+        queries = CounterMetricFamily(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels=LABELS
+        )
+        hits = CounterMetricFamily(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels=LABELS
+        )
         prompt = CounterMetricFamily("vllm:prompt_tokens", "Number of prefill tokens processed.", labels=LABELS)
         gen = CounterMetricFamily("vllm:generation_tokens", "Number of generation tokens processed.", labels=LABELS)
-        preempt = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=LABELS)
-        info_labels = ["block_size", "num_gpu_blocks", "num_gpu_blocks_override", "enable_prefix_caching", "cache_dtype",
-                       "gpu_memory_utilization", "engine"]
-        mocker = GaugeMetricFamily("kvroute_mocker_info", "The kvroute simulated engine (not a vLLM metric)", labels=["model_name", "tokenizer"])
+        preempt = CounterMetricFamily(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels=LABELS
+        )
+        info_labels = [
+            "block_size",
+            "num_gpu_blocks",
+            "num_gpu_blocks_override",
+            "enable_prefix_caching",
+            "cache_dtype",
+            "gpu_memory_utilization",
+            "engine",
+        ]
+        mocker = GaugeMetricFamily(
+            "kvroute_mocker_info",
+            "The kvroute simulated engine (not a vLLM metric)",
+            labels=["model_name", "tokenizer"],
+        )
         mocker.add_metric([name, self.cfg.model_path or "builtin"], 1.0)
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=info_labels)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=info_labels
+        )
         cfg = self.cfg
         for rank, s in enumerate(self.schedulers):
             lv = [name, str(rank)]
@@ -58,8 +127,18 @@ class _EngineState(Collector):
             prompt.add_metric(lv, s.stats.prompt_tokens)
             gen.add_metric(lv, s.stats.generation_tokens)
             preempt.add_metric(lv, s.stats.preemptions)
-            info.add_metric([str(cfg.block_size), str(cfg.num_gpu_blocks), str(cfg.num_gpu_blocks), "True", "auto", "0.9",
-                             str(rank)], 1.0)
+            info.add_metric(
+                [
+                    str(cfg.block_size),
+                    str(cfg.num_gpu_blocks),
+                    str(cfg.num_gpu_blocks),
+                    "True",
+                    "auto",
+                    "0.9",
+                    str(rank),
+                ],
+                1.0,
+            )
         yield from (running, waiting, usage, queries, hits, prompt, gen, preempt, info, mocker)
 
 
@@ -69,15 +148,33 @@ class MockerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineState(cfg, schedulers))
         r = self.registry
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              LABELS, buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             LABELS, buckets=REQUEST_BUCKETS, registry=r)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               LABELS + ["finished_reason"], registry=r)
-        self.prompt_hist = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", LABELS,
-                                     buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000],
-                                     registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LABELS,
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            LABELS + ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_hist = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            LABELS,
+            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000],
+            registry=r,
+        )
 
     def first_token(self, rank: int, seq: Sequence, ttft: float) -> None:
         self.ttft.labels(self.model_name, str(rank)).observe(ttft)

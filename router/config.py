@@ -26,7 +26,9 @@ def normalize_router_mode(value: str) -> str:
     """``round-robin`` and ``round_robin`` are the same mode."""
     mode = value.strip().lower().replace("-", "_")
     if mode not in ROUTER_MODES:
-        raise argparse.ArgumentTypeError(f"invalid router mode {value!r} (choose from kv, latency, round_robin, random)")
+        raise argparse.ArgumentTypeError(
+            f"invalid router mode {value!r} (choose from kv, latency, round_robin, random)"
+        )
     return mode
 
 
@@ -186,89 +188,272 @@ class RouterConfig:
         return self.router_mode in KV_AWARE_MODES
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace) -> "RouterConfig":
+    def from_args(cls, ns: argparse.Namespace) -> RouterConfig:
         values = {f.name: getattr(ns, f.name) for f in fields(cls) if f.name != "extra" and hasattr(ns, f.name)}
         return cls(**values)
 
 
 # (flag, dest, env vars (first wins), type, default, help). Booleans use type=bool.
 _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
-    ("--router-mode", "router_mode", ("DYN_ROUTER_MODE",), normalize_router_mode, "round_robin",
-     "kv | latency (lowest estimated TTFT, learned per worker) | round_robin (round-robin) | random"),
-    ("--router-temperature", "router_temperature", ("DYN_ROUTER_TEMPERATURE",), float, 0.0,
-     "softmax temperature over min-max normalised costs; 0 = lowest cost, random among ties"),
-    ("--kv-cache-block-size", "kv_cache_block_size", ("DYN_KV_CACHE_BLOCK_SIZE", "DYN_ROUTER_BLOCK_SIZE"), _optional_int, None,
-     "router block size in tokens (must match the engines'); default: the workers' block size"),
-    ("--router-kv-events", "router_kv_events", ("DYN_ROUTER_USE_KV_EVENTS", "DYN_ROUTER_KV_EVENTS"), bool, True,
-     "learn cached blocks from the workers' ZMQ KV events; --no-router-kv-events = approximate mode"),
-    ("--router-kv-overlap-score-weight", "router_kv_overlap_score_weight",
-     ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT"), float, 1.0,
-     "weight of prefill blocks in cost = weight * prefill_blocks + decode_blocks; 0 = pure load balancing"),
-    ("--router-ttl-secs", "router_ttl_secs", ("DYN_ROUTER_TTL_SECS", "DYN_ROUTER_TTL"), _positive_float, 120.0,
-     "approximate mode: lifetime of predicted blocks"),
-    ("--router-max-tree-size", "router_max_tree_size", ("DYN_ROUTER_MAX_TREE_SIZE",), int, 1 << 20,
-     "approximate mode: prune when the predicted index holds more blocks than this"),
-    ("--router-prune-target-ratio", "router_prune_target_ratio", ("DYN_ROUTER_PRUNE_TARGET_RATIO",), float, 0.8,
-     "approximate mode: prune down to this fraction of --router-max-tree-size"),
-    ("--router-event-threads", "router_event_threads", ("DYN_ROUTER_EVENT_THREADS",), _positive_int, 1,
-     "accepted (>= 1), no effect: KV events are decoded and applied on the asyncio loop in one thread (see README)"),
-    ("--router-track-active-blocks", "router_track_active_blocks", ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",), bool, True,
-     "count in-flight prompt blocks per worker as decode load"),
-    ("--router-track-output-blocks", "router_track_output_blocks", ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS",), bool, False,
-     "add placeholder blocks as output tokens stream, decayed by agent_hints.osl"),
-    ("--router-assume-kv-reuse", "router_assume_kv_reuse", ("DYN_ROUTER_ASSUME_KV_REUSE",), bool, True,
-     "dedupe in-flight blocks by content; --no-router-assume-kv-reuse counts every request's blocks as unique"),
-    ("--router-track-prefill-tokens", "router_track_prefill_tokens", ("DYN_ROUTER_TRACK_PREFILL_TOKENS",), bool, True,
-     "count uncached prompt tokens in flight per worker as prefill load"),
-    ("--router-queue-threshold", "router_queue_threshold", ("DYN_ROUTER_QUEUE_THRESHOLD",), _positive_optional_float, None,
-     "hold requests while every rank's prefill tokens exceed this fraction of max_num_batched_tokens (unset = no queue)"),
-    ("--router-queue-policy", "router_queue_policy", ("DYN_ROUTER_QUEUE_POLICY",), _queue_policy, "fcfs",
-     "order of held requests: fcfs | lcfs | wspt"),
-    ("--active-decode-blocks-threshold", "active_decode_blocks_threshold", ("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",),
-     _unit_optional_float, None, "busy when active decode blocks exceed this fraction of the worker's KV blocks"),
-    ("--active-prefill-tokens-threshold", "active_prefill_tokens_threshold", ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",),
-     _optional_int, None, "busy when active prefill tokens exceed this count"),
-    ("--active-prefill-tokens-threshold-frac", "active_prefill_tokens_threshold_frac",
-     ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",), _nonneg_optional_float, None,
-     "busy when active prefill tokens exceed this fraction of max_num_batched_tokens"),
-    ("--router-session-affinity-ttl-secs", "router_session_affinity_ttl_secs",
-     ("DYN_ROUTER_SESSION_AFFINITY_TTL_SECS",), _session_ttl, None,
-     "bind X-Dynamo-Session-ID sessions to a worker for this idle TTL (unset = off)"),
-    ("--router-session-affinity-mode", "router_session_affinity_mode", ("DYN_ROUTER_SESSION_AFFINITY_MODE",), _affinity_mode, "hard",
-     "hard = a bound session goes to its worker or fails (503/529); soft = the binding is a preference: "
-     "when that worker cannot take the request it is routed freely and the session rebinds"),
-    ("--router-replica-sync", "router_replica_sync", ("DYN_ROUTER_REPLICA_SYNC",), bool, False,
-     "share active load with other frontend replicas"),
-    ("--router-min-initial-workers", "router_min_initial_workers", ("DYN_ROUTER_MIN_INITIAL_WORKERS",), int, 0,
-     "wait for this many workers before serving"),
-    ("--migration-limit", "migration_limit", ("DYN_MIGRATION_LIMIT",), _nonneg_int, 0,
-     "times one request may be re-dispatched to another worker after its worker failed (0 = off)"),
-    ("--router-queue-max", "router_queue_max", ("DYN_ROUTER_QUEUE_MAX",), _nonneg_optional_int, None,
-     "requests the router queue may hold per model; a request arriving at a full queue gets 529 + Retry-After (unset = unbounded)"),
-    ("--router-queue-timeout-secs", "router_queue_timeout_secs", ("DYN_ROUTER_QUEUE_TIMEOUT_SECS",), _positive_optional_float, None,
-     "a request held longer than this in the router queue gets 529 + Retry-After (unset = wait for capacity)"),
-    ("--stream-idle-timeout", "stream_idle_timeout", ("DYN_STREAM_IDLE_TIMEOUT",), _positive_optional_float, None,
-     "seconds a worker may go silent mid-stream (after its first byte) before the stream is cut or migrated (unset = off)"),
-    ("--router-latency-prefill-tokens-per-s", "router_latency_prefill_tokens_per_s", ("DYN_ROUTER_LATENCY_PREFILL_TOKENS_PER_S",),
-     _prefill_speed, 20000.0, "latency mode: prior prefill speed of a worker rank until its own TTFTs are learned"),
-    ("--router-latency-window", "router_latency_window", ("DYN_ROUTER_LATENCY_WINDOW",), _window, 100.0,
-     "latency mode: observed TTFTs per rank the learned speed mostly rests on (exponential forgetting)"),
-    ("--router-durable-kv-events", "router_durable_kv_events", ("DYN_ROUTER_DURABLE_KV_EVENTS",), bool, False,
-     "JetStream mode (deprecated in the guide): accepted, no effect: no NATS here; KV events come over ZMQ with gap replay"),
-    ("--router-reset-states", "router_reset_states", ("DYN_ROUTER_RESET_STATES",), bool, False,
-     "JetStream mode only: accepted, no effect (no JetStream stream or object store to purge)"),
-    ("--router-snapshot-threshold", "router_snapshot_threshold", ("DYN_ROUTER_SNAPSHOT_THRESHOLD",), _positive_int, 1_000_000,
-     "JetStream mode only: accepted, no effect (no JetStream stream to snapshot)"),
+    (
+        "--router-mode",
+        "router_mode",
+        ("DYN_ROUTER_MODE",),
+        normalize_router_mode,
+        "round_robin",
+        "kv | latency (lowest estimated TTFT, learned per worker) | round_robin (round-robin) | random",
+    ),
+    (
+        "--router-temperature",
+        "router_temperature",
+        ("DYN_ROUTER_TEMPERATURE",),
+        float,
+        0.0,
+        "softmax temperature over min-max normalised costs; 0 = lowest cost, random among ties",
+    ),
+    (
+        "--kv-cache-block-size",
+        "kv_cache_block_size",
+        ("DYN_KV_CACHE_BLOCK_SIZE", "DYN_ROUTER_BLOCK_SIZE"),
+        _optional_int,
+        None,
+        "router block size in tokens (must match the engines'); default: the workers' block size",
+    ),
+    (
+        "--router-kv-events",
+        "router_kv_events",
+        ("DYN_ROUTER_USE_KV_EVENTS", "DYN_ROUTER_KV_EVENTS"),
+        bool,
+        True,
+        "learn cached blocks from the workers' ZMQ KV events; --no-router-kv-events = approximate mode",
+    ),
+    (
+        "--router-kv-overlap-score-weight",
+        "router_kv_overlap_score_weight",
+        ("DYN_ROUTER_KV_OVERLAP_SCORE_WEIGHT", "DYN_OVERLAP_SCORE_WEIGHT"),
+        float,
+        1.0,
+        "weight of prefill blocks in cost = weight * prefill_blocks + decode_blocks; 0 = pure load balancing",
+    ),
+    (
+        "--router-ttl-secs",
+        "router_ttl_secs",
+        ("DYN_ROUTER_TTL_SECS", "DYN_ROUTER_TTL"),
+        _positive_float,
+        120.0,
+        "approximate mode: lifetime of predicted blocks",
+    ),
+    (
+        "--router-max-tree-size",
+        "router_max_tree_size",
+        ("DYN_ROUTER_MAX_TREE_SIZE",),
+        int,
+        1 << 20,
+        "approximate mode: prune when the predicted index holds more blocks than this",
+    ),
+    (
+        "--router-prune-target-ratio",
+        "router_prune_target_ratio",
+        ("DYN_ROUTER_PRUNE_TARGET_RATIO",),
+        float,
+        0.8,
+        "approximate mode: prune down to this fraction of --router-max-tree-size",
+    ),
+    (
+        "--router-event-threads",
+        "router_event_threads",
+        ("DYN_ROUTER_EVENT_THREADS",),
+        _positive_int,
+        1,
+        "accepted (>= 1), no effect: KV events are decoded and applied on the asyncio loop in one thread (see README)",
+    ),
+    (
+        "--router-track-active-blocks",
+        "router_track_active_blocks",
+        ("DYN_ROUTER_TRACK_ACTIVE_BLOCKS",),
+        bool,
+        True,
+        "count in-flight prompt blocks per worker as decode load",
+    ),
+    (
+        "--router-track-output-blocks",
+        "router_track_output_blocks",
+        ("DYN_ROUTER_TRACK_OUTPUT_BLOCKS",),
+        bool,
+        False,
+        "add placeholder blocks as output tokens stream, decayed by agent_hints.osl",
+    ),
+    (
+        "--router-assume-kv-reuse",
+        "router_assume_kv_reuse",
+        ("DYN_ROUTER_ASSUME_KV_REUSE",),
+        bool,
+        True,
+        "dedupe in-flight blocks by content; --no-router-assume-kv-reuse counts every request's blocks as unique",
+    ),
+    (
+        "--router-track-prefill-tokens",
+        "router_track_prefill_tokens",
+        ("DYN_ROUTER_TRACK_PREFILL_TOKENS",),
+        bool,
+        True,
+        "count uncached prompt tokens in flight per worker as prefill load",
+    ),
+    (
+        "--router-queue-threshold",
+        "router_queue_threshold",
+        ("DYN_ROUTER_QUEUE_THRESHOLD",),
+        _positive_optional_float,
+        None,
+        "hold requests while every rank's prefill tokens exceed this fraction of max_num_batched_tokens (unset = no queue)",
+    ),
+    (
+        "--router-queue-policy",
+        "router_queue_policy",
+        ("DYN_ROUTER_QUEUE_POLICY",),
+        _queue_policy,
+        "fcfs",
+        "order of held requests: fcfs | lcfs | wspt",
+    ),
+    (
+        "--active-decode-blocks-threshold",
+        "active_decode_blocks_threshold",
+        ("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",),
+        _unit_optional_float,
+        None,
+        "busy when active decode blocks exceed this fraction of the worker's KV blocks",
+    ),
+    (
+        "--active-prefill-tokens-threshold",
+        "active_prefill_tokens_threshold",
+        ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",),
+        _optional_int,
+        None,
+        "busy when active prefill tokens exceed this count",
+    ),
+    (
+        "--active-prefill-tokens-threshold-frac",
+        "active_prefill_tokens_threshold_frac",
+        ("DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",),
+        _nonneg_optional_float,
+        None,
+        "busy when active prefill tokens exceed this fraction of max_num_batched_tokens",
+    ),
+    (
+        "--router-session-affinity-ttl-secs",
+        "router_session_affinity_ttl_secs",
+        ("DYN_ROUTER_SESSION_AFFINITY_TTL_SECS",),
+        _session_ttl,
+        None,
+        "bind X-Dynamo-Session-ID sessions to a worker for this idle TTL (unset = off)",
+    ),
+    (
+        "--router-session-affinity-mode",
+        "router_session_affinity_mode",
+        ("DYN_ROUTER_SESSION_AFFINITY_MODE",),
+        _affinity_mode,
+        "hard",
+        "hard = a bound session goes to its worker or fails (503/529); soft = the binding is a preference: "
+        "when that worker cannot take the request it is routed freely and the session rebinds",
+    ),
+    (
+        "--router-replica-sync",
+        "router_replica_sync",
+        ("DYN_ROUTER_REPLICA_SYNC",),
+        bool,
+        False,
+        "share active load with other frontend replicas",
+    ),
+    (
+        "--router-min-initial-workers",
+        "router_min_initial_workers",
+        ("DYN_ROUTER_MIN_INITIAL_WORKERS",),
+        int,
+        0,
+        "wait for this many workers before serving",
+    ),
+    (
+        "--migration-limit",
+        "migration_limit",
+        ("DYN_MIGRATION_LIMIT",),
+        _nonneg_int,
+        0,
+        "times one request may be re-dispatched to another worker after its worker failed (0 = off)",
+    ),
+    (
+        "--router-queue-max",
+        "router_queue_max",
+        ("DYN_ROUTER_QUEUE_MAX",),
+        _nonneg_optional_int,
+        None,
+        "requests the router queue may hold per model; a request arriving at a full queue gets 529 + Retry-After (unset = unbounded)",
+    ),
+    (
+        "--router-queue-timeout-secs",
+        "router_queue_timeout_secs",
+        ("DYN_ROUTER_QUEUE_TIMEOUT_SECS",),
+        _positive_optional_float,
+        None,
+        "a request held longer than this in the router queue gets 529 + Retry-After (unset = wait for capacity)",
+    ),
+    (
+        "--stream-idle-timeout",
+        "stream_idle_timeout",
+        ("DYN_STREAM_IDLE_TIMEOUT",),
+        _positive_optional_float,
+        None,
+        "seconds a worker may go silent mid-stream (after its first byte) before the stream is cut or migrated (unset = off)",
+    ),
+    (
+        "--router-latency-prefill-tokens-per-s",
+        "router_latency_prefill_tokens_per_s",
+        ("DYN_ROUTER_LATENCY_PREFILL_TOKENS_PER_S",),
+        _prefill_speed,
+        20000.0,
+        "latency mode: prior prefill speed of a worker rank until its own TTFTs are learned",
+    ),
+    (
+        "--router-latency-window",
+        "router_latency_window",
+        ("DYN_ROUTER_LATENCY_WINDOW",),
+        _window,
+        100.0,
+        "latency mode: observed TTFTs per rank the learned speed mostly rests on (exponential forgetting)",
+    ),
+    (
+        "--router-durable-kv-events",
+        "router_durable_kv_events",
+        ("DYN_ROUTER_DURABLE_KV_EVENTS",),
+        bool,
+        False,
+        "JetStream mode (deprecated in the guide): accepted, no effect: no NATS here; KV events come over ZMQ with gap replay",
+    ),
+    (
+        "--router-reset-states",
+        "router_reset_states",
+        ("DYN_ROUTER_RESET_STATES",),
+        bool,
+        False,
+        "JetStream mode only: accepted, no effect (no JetStream stream or object store to purge)",
+    ),
+    (
+        "--router-snapshot-threshold",
+        "router_snapshot_threshold",
+        ("DYN_ROUTER_SNAPSHOT_THRESHOLD",),
+        _positive_int,
+        1_000_000,
+        "JetStream mode only: accepted, no effect (no JetStream stream to snapshot)",
+    ),
 ]
 
 # flags that need NATS JetStream, which kvroute does not run: dest -> why they have no effect
 JETSTREAM_FLAGS: dict[str, str] = {
     "router_durable_kv_events": "--router-durable-kv-events selects NATS JetStream for KV events; kvroute takes KV events "
-                                "over ZMQ from the workers (gap replay rebuilds state), so it has no effect",
+    "over ZMQ from the workers (gap replay rebuilds state), so it has no effect",
     "router_reset_states": "--router-reset-states purges the JetStream stream and object store; kvroute runs neither, "
-                           "so it has no effect (restarting the frontend already starts from the workers' state)",
+    "so it has no effect (restarting the frontend already starts from the workers' state)",
     "router_snapshot_threshold": "--router-snapshot-threshold sizes JetStream radix-tree snapshots; kvroute runs no "
-                                 "JetStream, so it has no effect",
+    "JetStream, so it has no effect",
 }
 
 
@@ -296,11 +481,24 @@ def add_router_args(parser: argparse.ArgumentParser, environ: dict[str, str] | N
         else:
             group.add_argument(flag, dest=dest, type=conv, default=value, help=help_full)
     # the reference's legacy spellings
-    group.add_argument("--kv-overlap-score-weight", dest="router_kv_overlap_score_weight", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    group.add_argument("--router-ttl", dest="router_ttl_secs", type=_positive_float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    group.add_argument(
+        "--kv-overlap-score-weight",
+        dest="router_kv_overlap_score_weight",
+        type=float,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
+    group.add_argument(
+        "--router-ttl", dest="router_ttl_secs", type=_positive_float, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     # the standalone router's name for the block size (router guide, disaggregated serving)
-    group.add_argument("--router-block-size", dest="kv_cache_block_size", type=_optional_int, default=argparse.SUPPRESS,
-                       help="same as --kv-cache-block-size (the standalone router's name) [env DYN_ROUTER_BLOCK_SIZE]")
+    group.add_argument(
+        "--router-block-size",
+        dest="kv_cache_block_size",
+        type=_optional_int,
+        default=argparse.SUPPRESS,
+        help="same as --kv-cache-block-size (the standalone router's name) [env DYN_ROUTER_BLOCK_SIZE]",
+    )
 
 
 def router_flag_table() -> list[tuple[str, str, str, str]]:
@@ -318,6 +516,10 @@ def decode_router_config(cfg: RouterConfig) -> RouterConfig:
     """Decode routing of a remotely prefilled request: load only (the prompt's KV arrives by transfer,
     so cache overlap and prefill tokens do not matter, and transferred blocks may duplicate cached ones).
     latency mode's estimate is a prefill time, so the decode side uses kv's load term instead."""
-    return dataclasses.replace(cfg, router_mode="kv" if cfg.router_mode == "latency" else cfg.router_mode,
-                               router_kv_overlap_score_weight=0.0, router_assume_kv_reuse=False,
-                               router_track_prefill_tokens=False)
+    return dataclasses.replace(
+        cfg,
+        router_mode="kv" if cfg.router_mode == "latency" else cfg.router_mode,
+        router_kv_overlap_score_weight=0.0,
+        router_assume_kv_reuse=False,
+        router_track_prefill_tokens=False,
+    )

@@ -66,7 +66,9 @@ class LatencyPrior:
 
     def __post_init__(self) -> None:
         if not MIN_TOKENS_PER_S <= self.tokens_per_s <= MAX_TOKENS_PER_S:
-            raise ValueError(f"prior prefill speed must be between {MIN_TOKENS_PER_S:g} and {MAX_TOKENS_PER_S:g} tokens/s")
+            raise ValueError(
+                f"prior prefill speed must be between {MIN_TOKENS_PER_S:g} and {MAX_TOKENS_PER_S:g} tokens/s"
+            )
         if not 0 <= self.base_s <= MAX_BASE_S or self.decode_tokens_per_block < 0:
             raise ValueError("prior base latency must be in [0, 10] s and the decode weight >= 0")
         if self.prior_weight <= 0 or self.window < 1:
@@ -144,8 +146,12 @@ class RankLatency:
         self.base_s = min(max(base, 0.0), MAX_BASE_S)
 
     def as_dict(self) -> dict:
-        return {"observations": self.observations, "tokens_per_s": round(self.tokens_per_s, 1),
-                "base_ms": round(self.base_s * 1e3, 3), "us_per_decode_block": round(self.s_per_block * 1e6, 3)}
+        return {
+            "observations": self.observations,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "base_ms": round(self.base_s * 1e3, 3),
+            "us_per_decode_block": round(self.s_per_block * 1e6, 3),
+        }
 
 
 class LatencyModels:
@@ -229,8 +235,21 @@ def score_latency(
         decode_blocks = float(0 if decode is None else decode)
         est_ms = model.predict(work, decode_blocks) * 1e3
         if best > overlap:  # blocks cached elsewhere that this rank would compute again
-            est_ms += recompute_weight * min(best - overlap, isl_tokens // block_size) * block_size * model.s_per_token * 1e3
-        out.append(WorkerCost(load.worker_id, load.dp_rank, overlap, work, work / block_size, decode_blocks, load.active_requests, est_ms))
+            est_ms += (
+                recompute_weight * min(best - overlap, isl_tokens // block_size) * block_size * model.s_per_token * 1e3
+            )
+        out.append(
+            WorkerCost(
+                load.worker_id,
+                load.dp_rank,
+                overlap,
+                work,
+                work / block_size,
+                decode_blocks,
+                load.active_requests,
+                est_ms,
+            )
+        )
     return out
 
 

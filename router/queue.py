@@ -19,8 +19,9 @@ entry is skipped when it reaches the top.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from enum import Enum
-from typing import Any, Generic, Iterator, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -31,7 +32,7 @@ class QueuePolicy(str, Enum):
     WSPT = "wspt"
 
     @classmethod
-    def parse(cls, value: "str | QueuePolicy | None") -> "QueuePolicy":
+    def parse(cls, value: str | QueuePolicy | None) -> QueuePolicy:
         """Case-insensitive name -> policy; None = FCFS. Unknown names raise ValueError."""
         if value is None:
             return cls.FCFS
@@ -65,7 +66,7 @@ class QueueEntry(Generic[T]):
         self.item = item
         self.alive = True
 
-    def __lt__(self, other: "QueueEntry[Any]") -> bool:
+    def __lt__(self, other: QueueEntry[Any]) -> bool:
         # heapq is a min-heap: "less" = pops first = higher tier, then higher key, then older seq.
         if self.tier != other.tier:
             return self.tier > other.tier
@@ -74,7 +75,9 @@ class QueueEntry(Generic[T]):
         return self.seq < other.seq
 
     def __repr__(self) -> str:
-        return f"QueueEntry(tier={self.tier}, key={self.key:.6g}, seq={self.seq}, alive={self.alive}, item={self.item!r})"
+        return (
+            f"QueueEntry(tier={self.tier}, key={self.key:.6g}, seq={self.seq}, alive={self.alive}, item={self.item!r})"
+        )
 
 
 class PendingQueue(Generic[T]):
@@ -82,7 +85,7 @@ class PendingQueue(Generic[T]):
 
     __slots__ = ("policy", "_heap", "_seq", "_live")
 
-    def __init__(self, policy: "QueuePolicy | str | None" = None) -> None:
+    def __init__(self, policy: QueuePolicy | str | None = None) -> None:
         self.policy = QueuePolicy.parse(policy)
         self._heap: list[QueueEntry[T]] = []
         self._seq = 0

@@ -72,7 +72,16 @@ def score_candidates(
         decode_blocks = float(math.floor(prefill_blocks) if decode is None else decode)
         cost = overlap_score_weight * prefill_blocks + decode_blocks
         out.append(
-            WorkerCost(load.worker_id, load.dp_rank, overlap, prefill_tokens, prefill_blocks, decode_blocks, load.active_requests, cost)
+            WorkerCost(
+                load.worker_id,
+                load.dp_rank,
+                overlap,
+                prefill_tokens,
+                prefill_blocks,
+                decode_blocks,
+                load.active_requests,
+                cost,
+            )
         )
     return out
 
@@ -101,7 +110,9 @@ def choose(costs: Sequence[WorkerCost], temperature: float = 0.0, rng: random.Ra
     return costs[-1]
 
 
-def softmax_weights(costs: Sequence[float], temperature: float, lo: float | None = None, hi: float | None = None) -> list[float]:
+def softmax_weights(
+    costs: Sequence[float], temperature: float, lo: float | None = None, hi: float | None = None
+) -> list[float]:
     """Selection probabilities: p ∝ exp(-(cost - lo) / ((hi - lo) * T)), normalised."""
     lo = min(costs) if lo is None else lo
     hi = max(costs) if hi is None else hi

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
 from kvroute_common.errors import ServiceError
 
 DEFAULT_MAX_SESSIONS = 65_536
@@ -52,7 +53,7 @@ class SessionLease:
 
     __slots__ = ("_table", "key", "_session", "_released")
 
-    def __init__(self, table: "SessionTable", key: tuple[str, str], session: _Session) -> None:
+    def __init__(self, table: SessionTable, key: tuple[str, str], session: _Session) -> None:
         self._table = table
         self.key = key
         self._session = session
@@ -104,7 +105,9 @@ class SessionTable:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not (MIN_TTL_SECS <= ttl_secs <= MAX_TTL_SECS):
-            raise ValueError(f"session affinity TTL must be between {MIN_TTL_SECS:g} and {MAX_TTL_SECS:g} seconds, got {ttl_secs}")
+            raise ValueError(
+                f"session affinity TTL must be between {MIN_TTL_SECS:g} and {MAX_TTL_SECS:g} seconds, got {ttl_secs}"
+            )
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self.ttl_secs = float(ttl_secs)
@@ -118,7 +121,10 @@ class SessionTable:
     def validate_id(self, session_id: str) -> None:
         if not session_id:
             raise SessionError(400, "session id must not be empty")
-        if len(session_id) > self.max_id_bytes // 4 and len(session_id.encode("utf-8", "surrogatepass")) > self.max_id_bytes:
+        if (
+            len(session_id) > self.max_id_bytes // 4
+            and len(session_id.encode("utf-8", "surrogatepass")) > self.max_id_bytes
+        ):
             raise SessionError(400, f"session id is longer than {self.max_id_bytes} bytes")
 
     def lease(self, model: str, session_id: str) -> SessionLease:

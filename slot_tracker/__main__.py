@@ -11,15 +11,33 @@ from slot_tracker.core import SlotRegistry, expiry_from_env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m slot_tracker", description="Standalone KV router slot tracker (active-request accounting over HTTP).")
+    p = argparse.ArgumentParser(
+        prog="python -m slot_tracker",
+        description="Standalone KV router slot tracker (active-request accounting over HTTP).",
+    )
     p.add_argument("--host", default="0.0.0.0", help="HTTP bind address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8091, help="HTTP port (default 8091)")
-    p.add_argument("--replica-sync-bind", metavar="ENDPOINT", help="ZMQ PUB endpoint to bind, e.g. tcp://*:8092; enables replica sync")
-    p.add_argument("--replica-sync-advertise", metavar="ENDPOINT", help="externally reachable form of the bind endpoint (never registered as a peer)")
+    p.add_argument(
+        "--replica-sync-bind",
+        metavar="ENDPOINT",
+        help="ZMQ PUB endpoint to bind, e.g. tcp://*:8092; enables replica sync",
+    )
+    p.add_argument(
+        "--replica-sync-advertise",
+        metavar="ENDPOINT",
+        help="externally reachable form of the bind endpoint (never registered as a peer)",
+    )
     p.add_argument("--replica-sync-peers", metavar="LIST", default="", help="comma-separated peer PUB endpoints")
-    p.add_argument("--replica-sync-port", type=int, metavar="PORT", help="1.6.1 spelling: same as --replica-sync-bind tcp://*:PORT")
+    p.add_argument(
+        "--replica-sync-port", type=int, metavar="PORT", help="1.6.1 spelling: same as --replica-sync-bind tcp://*:PORT"
+    )
     p.add_argument("--log-level", default="warning")
-    p.add_argument("--http-protocol", choices=["fast", "coalescing", "httptools"], default="fast", help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = hot route answered in the protocol + one write per response; coalescing = one write only; httptools = stock")
+    p.add_argument(
+        "--http-protocol",
+        choices=["fast", "coalescing", "httptools"],
+        default="fast",
+        help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = hot route answered in the protocol + one write per response; coalescing = one write only; httptools = stock",
+    )
     add_security_args(p)  # --api-key: reads (GET, /potential_loads); --admin-token: writes; TLS
     add_drain_arg(p)
     ns = p.parse_args(argv)
@@ -48,8 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
         sync = ReplicaSync(registry, ns.replica_sync_bind, ns.replica_sync_advertise, peers)
     # uvicorn with the lean settings measured in docs/bench/slot_tracker.md (kvroute_common.fast_http)
-    run(build_app(registry, sync, policy=policy, drain=drain), ns.host, ns.port, drain=drain, log_level=ns.log_level,
-        protocol=ns.http_protocol, **tls)
+    run(
+        build_app(registry, sync, policy=policy, drain=drain),
+        ns.host,
+        ns.port,
+        drain=drain,
+        log_level=ns.log_level,
+        protocol=ns.http_protocol,
+        **tls,
+    )
     return 0
 
 

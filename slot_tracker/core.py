@@ -26,8 +26,9 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
-from kvroute_common.errors import ServiceError
+
 from kvroute_common.constants import I64_MAX, U32_MAX, U64_MAX
+from kvroute_common.errors import ServiceError
 
 DEFAULT_EXPIRY_SECS = 300.0
 MAX_DP_SIZE = 4096  # the reference refuses larger ranges (400), which also bounds slots per worker
@@ -207,7 +208,9 @@ class SlotTracker:
         """Book a request's prompt path on a slot; 404 unknown slot, 409 duplicate id (booking unchanged)."""
         slot = self._slots.get((worker_id, dp_rank))
         if slot is None:
-            raise SlotTrackerError(404, f"Worker WorkerWithDpRank {{ worker_id: {worker_id}, dp_rank: {dp_rank} }} not found")
+            raise SlotTrackerError(
+                404, f"Worker WorkerWithDpRank {{ worker_id: {worker_id}, dp_rank: {dp_rank} }} not found"
+            )
         existing = self._requests.get(request_id)
         if existing is not None:
             s = existing.slot
@@ -240,7 +243,17 @@ class SlotTracker:
         slot.prefill_tokens += tokens
         if notify and self.observer is not None:
             self.observer(
-                LifecycleEvent("add", self.model_name, self.tenant_id, self.block_size, request_id, worker_id, dp_rank, sequence_hashes, new_isl_tokens)
+                LifecycleEvent(
+                    "add",
+                    self.model_name,
+                    self.tenant_id,
+                    self.block_size,
+                    request_id,
+                    worker_id,
+                    dp_rank,
+                    sequence_hashes,
+                    new_isl_tokens,
+                )
             )
 
     def prefill_complete(self, request_id: str, *, notify: bool = True) -> None:
@@ -267,7 +280,11 @@ class SlotTracker:
     def _notify(self, kind: str, req: _Request) -> None:
         assert self.observer is not None
         s = req.slot
-        self.observer(LifecycleEvent(kind, self.model_name, self.tenant_id, self.block_size, req.request_id, s.worker_id, s.dp_rank, (), 0))
+        self.observer(
+            LifecycleEvent(
+                kind, self.model_name, self.tenant_id, self.block_size, req.request_id, s.worker_id, s.dp_rank, (), 0
+            )
+        )
 
     def _release(self, req: _Request) -> None:
         del self._requests[req.request_id]
@@ -306,7 +323,9 @@ class SlotTracker:
 
     # ----- output blocks (frontend only: the standalone service never adds them) -----
 
-    def add_output_block(self, request_id: str, expected_output_tokens: int | None = None, generated_tokens: int = 0) -> bool:
+    def add_output_block(
+        self, request_id: str, expected_output_tokens: int | None = None, generated_tokens: int = 0
+    ) -> bool:
         """Count one more (unshared) output block for the request and refresh its OSL decay.
 
         With an expected output length ``E`` the request's output blocks and the exclusive suffix of
@@ -369,7 +388,9 @@ class SlotTracker:
             chain.append(node)
         return chain
 
-    def potential_loads(self, sequence_hashes: Sequence[int], new_isl_tokens: int = 0) -> list[tuple[int, int, int, int, int]]:
+    def potential_loads(
+        self, sequence_hashes: Sequence[int], new_isl_tokens: int = 0
+    ) -> list[tuple[int, int, int, int, int]]:
         """Loads of every slot if a request with this prompt path and ISL were added there.
 
         Rows are ``(worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks,
@@ -410,7 +431,15 @@ class SlotTracker:
             d = get_depth(slot.bit, 0)
             decode = len(slot.nodes) if not slot.decayed else self._decode_blocks(slot)
             # (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
-            append((slot.worker_id, slot.dp_rank, slot.prefill_tokens + new_isl_tokens, decode + q - d, slot.active_requests))
+            append(
+                (
+                    slot.worker_id,
+                    slot.dp_rank,
+                    slot.prefill_tokens + new_isl_tokens,
+                    decode + q - d,
+                    slot.active_requests,
+                )
+            )
         return out
 
 
@@ -438,7 +467,9 @@ class SlotRegistry:
         for tracker in self._trackers.values():
             tracker.observer = fn
 
-    def register(self, worker_id: int, model_name: str, tenant_id: str, block_size: int, dp_start: int, dp_size: int) -> None:
+    def register(
+        self, worker_id: int, model_name: str, tenant_id: str, block_size: int, dp_start: int, dp_size: int
+    ) -> None:
         if block_size <= 0:
             raise SlotTrackerError(400, "block_size must be greater than 0")
         if dp_size <= 0:
@@ -457,7 +488,9 @@ class SlotRegistry:
                     f"block_size mismatch for model={model_name} tenant_id={tenant_id}: existing={tracker.block_size}, requested={block_size}",
                 )
             if worker_id in tracker.workers:
-                raise SlotTrackerError(409, f"worker {worker_id} already registered for model={model_name} tenant_id={tenant_id}")
+                raise SlotTrackerError(
+                    409, f"worker {worker_id} already registered for model={model_name} tenant_id={tenant_id}"
+                )
         else:
             tracker = SlotTracker(model_name, tenant_id, block_size, clock=self.clock, observer=self._observer)
             self._trackers[key] = tracker

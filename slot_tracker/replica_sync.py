@@ -33,7 +33,9 @@ DEFAULT_QUEUE_CAPACITY = 100_000
 # frontend CPU at 2 processes without this. 2 ms is far below any request's life (best effort anyway).
 PUBLISH_COALESCE_SECS = 0.002
 MAX_BATCH = 256  # events per message with batch=True
-MAX_WARNED_TOPOLOGIES = 1024  # distinct unknown (model, tenant, block size, worker, rank, reason) keys logged, then silent
+MAX_WARNED_TOPOLOGIES = (
+    1024  # distinct unknown (model, tenant, block size, worker, rank, reason) keys logged, then silent
+)
 _MARK_PREFILL = "MarkPrefillCompleted"
 _FREE = "Free"
 
@@ -99,7 +101,12 @@ def encode_event(ev: LifecycleEvent, router_id: int) -> bytes:
     else:
         data = _FREE
     return _encoder.encode(
-        Envelope(ev.model_name, ev.tenant_id, ev.block_size, ReplicaEvent(ev.request_id, WorkerRank(ev.worker_id, ev.dp_rank), data, router_id))
+        Envelope(
+            ev.model_name,
+            ev.tenant_id,
+            ev.block_size,
+            ReplicaEvent(ev.request_id, WorkerRank(ev.worker_id, ev.dp_rank), data, router_id),
+        )
     )
 
 
@@ -289,7 +296,7 @@ class ReplicaSync:
             except Exception:  # one bad event must not stop replication
                 log.exception("replica sync: failed to encode %s", ev.kind)
         for i in range(0, len(encoded), MAX_BATCH):
-            chunk = encoded[i:i + MAX_BATCH]
+            chunk = encoded[i : i + MAX_BATCH]
             try:
                 pub.send_multipart([TOPIC, _array_header(len(chunk)) + b"".join(chunk)], flags=zmq.NOBLOCK)
                 self.stats["published"] += len(chunk)
@@ -355,7 +362,11 @@ class ReplicaSync:
             self.stats["ignored_own"] += 1
             return False
         tracker = self.registry.get(env.model_name, env.routing_group)
-        if tracker is None or tracker.block_size != env.block_size or not tracker.has_slot(ev.worker.worker_id, ev.worker.dp_rank):
+        if (
+            tracker is None
+            or tracker.block_size != env.block_size
+            or not tracker.has_slot(ev.worker.worker_id, ev.worker.dp_rank)
+        ):
             self.stats["dropped"] += 1
             self._warn_unknown(env, tracker)
             return False
@@ -365,7 +376,9 @@ class ReplicaSync:
                 add = data.AddRequest
                 hint = add.prefill_load_hint
                 tokens = hint.initial_effective_prefill_tokens if (add.track_prefill_tokens and hint is not None) else 0
-                tracker.add(ev.request_id, ev.worker.worker_id, ev.worker.dp_rank, add.token_sequence, tokens, notify=False)
+                tracker.add(
+                    ev.request_id, ev.worker.worker_id, ev.worker.dp_rank, add.token_sequence, tokens, notify=False
+                )
             elif data == _MARK_PREFILL:
                 tracker.prefill_complete(ev.request_id, notify=False)
             elif data == _FREE:
@@ -394,5 +407,8 @@ class ReplicaSync:
         if key in self._warned or len(self._warned) >= MAX_WARNED_TOPOLOGIES:
             return
         self._warned.add(key)
-        log.warning("replica sync: dropping peer events for model %r tenant %r block size %d worker %d rank %d: %s "
-                    "(replica traffic never creates workers: register the same workers on every replica)", *key)
+        log.warning(
+            "replica sync: dropping peer events for model %r tenant %r block size %d worker %d rank %d: %s "
+            "(replica traffic never creates workers: register the same workers on every replica)",
+            *key,
+        )

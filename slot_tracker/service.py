@@ -22,13 +22,24 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
+from kvroute_common.constants import DEFAULT_TENANT, I64, U32, U64  # U64: upper bound checked in _u64
 from kvroute_common.drain import Drain
 from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
-from kvroute_common.http import ApiError, MiB, decode_json, json_response, json_service, ok, raw_json_response, read_body, read_json, route
+from kvroute_common.http import (
+    ApiError,
+    MiB,
+    decode_json,
+    json_response,
+    json_service,
+    ok,
+    raw_json_response,
+    read_body,
+    read_json,
+    route,
+)
 from kvroute_common.http import _is_json_content_type as is_json_content_type
 from kvroute_common.security import AccessPolicy, service_classifier
 from slot_tracker.core import U64_MAX, SlotRegistry, SlotTrackerError
-from kvroute_common.constants import DEFAULT_TENANT, I64, U32, U64  # U64: upper bound checked in _u64
 
 if TYPE_CHECKING:
     from slot_tracker.replica_sync import ReplicaSync
@@ -48,7 +59,10 @@ class _Tenanted(msgspec.Struct):
         if tenant_id is _UNSET:
             return DEFAULT_TENANT if group is _UNSET else group
         if group is not _UNSET and group != tenant_id:
-            raise ApiError(422, f"Failed to deserialize the JSON body into the target type: tenant_id {tenant_id!r} and its alias routing_group {group!r} differ")
+            raise ApiError(
+                422,
+                f"Failed to deserialize the JSON body into the target type: tenant_id {tenant_id!r} and its alias routing_group {group!r} differ",
+            )
         return tenant_id
 
 
@@ -102,7 +116,9 @@ class PeerBody(msgspec.Struct):
     def peer(self) -> str:
         if self.url is not _UNSET:
             if self.endpoint is not _UNSET and self.endpoint != self.url:
-                raise ApiError(422, "Failed to deserialize the JSON body into the target type: url and its alias endpoint differ")
+                raise ApiError(
+                    422, "Failed to deserialize the JSON body into the target type: url and its alias endpoint differ"
+                )
             return self.url
         if self.endpoint is not _UNSET:
             return self.endpoint
@@ -111,7 +127,10 @@ class PeerBody(msgspec.Struct):
 
 def _u64(value: int, field: str) -> int:
     if value > U64_MAX:
-        raise ApiError(422, f"Failed to deserialize the JSON body into the target type: invalid value: integer `{value}`, expected u64 - at `$.{field}`")
+        raise ApiError(
+            422,
+            f"Failed to deserialize the JSON body into the target type: invalid value: integer `{value}`, expected u64 - at `$.{field}`",
+        )
     return value
 
 
@@ -190,7 +209,11 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
     async def register(request: Request) -> Response:
         b: RegisterBody = await _body(request, RegisterBody)
         tenant = b.tenant()
-        _core(lambda: registry.register(_u64(b.worker_id, "worker_id"), b.model_name, tenant, b.block_size, b.dp_start, b.dp_size))
+        _core(
+            lambda: registry.register(
+                _u64(b.worker_id, "worker_id"), b.model_name, tenant, b.block_size, b.dp_start, b.dp_size
+            )
+        )
         return ok(201)
 
     async def unregister(request: Request) -> Response:
@@ -276,8 +299,13 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
     return routes
 
 
-def build_app(registry: SlotRegistry, replica_sync: ReplicaSync | None = None, sweep_interval: float | None = None,
-              policy: AccessPolicy | None = None, drain: Drain | None = None) -> FastJsonRoutes:
+def build_app(
+    registry: SlotRegistry,
+    replica_sync: ReplicaSync | None = None,
+    sweep_interval: float | None = None,
+    policy: AccessPolicy | None = None,
+    drain: Drain | None = None,
+) -> FastJsonRoutes:
     """The standalone service: tracker routes (the hot one answered by ``FastJsonRoutes`` first),
     stale sweeps, and replica sync started with the app; optionally behind an access policy
     (``ACCESS``) and a SIGTERM drain."""

@@ -44,7 +44,15 @@ def _matches(obj: dict[str, Any], selector: str | None) -> bool:
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 class FakeKubeApi:
@@ -67,11 +75,19 @@ class FakeKubeApi:
         q = request.query_params
         selector = q.get("labelSelector")
         if q.get("watch") in ("true", "1", "True"):
-            return self._watch(ns, selector, int(q.get("resourceVersion") or 0), float(q.get("timeoutSeconds") or 0) or None)
+            return self._watch(
+                ns, selector, int(q.get("resourceVersion") or 0), float(q.get("timeoutSeconds") or 0) or None
+            )
         self.stats["lists"] += 1
         items = [copy.deepcopy(s) for (sns, _), s in sorted(self.slices.items()) if sns == ns and _matches(s, selector)]
-        return JSONResponse({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
-                             "metadata": {"resourceVersion": str(self.rv)}, "items": items})
+        return JSONResponse(
+            {
+                "kind": "EndpointSliceList",
+                "apiVersion": "discovery.k8s.io/v1",
+                "metadata": {"resourceVersion": str(self.rv)},
+                "items": items,
+            }
+        )
 
     def _watch(self, ns: str, selector: str | None, since: int, timeout: float | None) -> Response:
         self.stats["watches"] += 1
@@ -101,7 +117,7 @@ class FakeKubeApi:
                         return  # the server ends the watch; the client rewatches from its last version
                     try:
                         item = await asyncio.wait_for(queue.get(), remaining)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         return
                     if item is _DROP:
                         raise WatchDropped("connection dropped by the fake API server")
@@ -183,20 +199,28 @@ class FakeKubeApi:
 
     # ---- server -------------------------------------------------------------------------------
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self.endpointslices, methods=["GET"]),
-            Route("/api/v1/namespaces/{ns}/pods/{name}", self.pod, methods=["GET"]),
-            Route("/fake/endpointslices/{name}", self.put_slice, methods=["PUT"]),
-            Route("/fake/endpointslices/{name}", self.delete_slice, methods=["DELETE"]),
-            Route("/fake/pods/{name}", self.put_pod, methods=["PUT"]),
-            Route("/fake/expire", self.expire, methods=["POST"]),
-            Route("/fake/drop", self.drop, methods=["POST"]),
-            Route("/fake/stats", self.get_stats, methods=["GET"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self.endpointslices, methods=["GET"]),
+                Route("/api/v1/namespaces/{ns}/pods/{name}", self.pod, methods=["GET"]),
+                Route("/fake/endpointslices/{name}", self.put_slice, methods=["PUT"]),
+                Route("/fake/endpointslices/{name}", self.delete_slice, methods=["DELETE"]),
+                Route("/fake/pods/{name}", self.put_pod, methods=["PUT"]),
+                Route("/fake/expire", self.expire, methods=["POST"]),
+                Route("/fake/drop", self.drop, methods=["POST"]),
+                Route("/fake/stats", self.get_stats, methods=["GET"]),
+            ]
+        )
 
     def start(self) -> None:
-        config = uvicorn.Config(self.app(), host="127.0.0.1", port=self.port, log_level="critical", lifespan="off",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            self.app(),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="critical",
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="fake-k8s-api", daemon=True)
         self._thread.start()
@@ -210,10 +234,17 @@ class FakeKubeApi:
 
     def kubeconfig(self, path: str, namespace: str = "default") -> str:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({
-                "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-                "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-                "users": [{"name": "fake", "user": {"token": "test-token"}}],
-                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
-            }, f)
+            json.dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "fake", "user": {"token": "test-token"}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}
+                    ],
+                },
+                f,
+            )
         return path

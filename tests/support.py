@@ -12,8 +12,17 @@ import importlib.util
 from kvroute_common.ports import free_port, free_port_block, free_ports
 from kvroute_common.processes import REPO_ROOT, http_ready, service, stop_process, wait_until
 
-__all__ = ["REPO_ROOT", "free_port", "free_port_block", "free_ports", "http_ready", "reference_installed", "service",
-           "stop_process", "wait_until"]
+__all__ = [
+    "REPO_ROOT",
+    "free_port",
+    "free_port_block",
+    "free_ports",
+    "http_ready",
+    "reference_installed",
+    "service",
+    "stop_process",
+    "wait_until",
+]
 
 
 def reference_installed() -> bool:

@@ -31,7 +31,11 @@ def _imports(name: str, path: str) -> set[str]:
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module or ""
+            mod = (
+                ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else node.module or ""
+            )
             out.add(mod)
             out.update(f"{mod}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
@@ -86,6 +90,8 @@ def test_cycle_finder_finds_cycles() -> None:
 
 
 def test_indexer_does_not_import_the_routing_core() -> None:
-    offenders = {m: sorted(t for t in _imports(m, p) if t == "router" or t.startswith("router."))
-                 for m, p in _modules("indexer").items()}
+    offenders = {
+        m: sorted(t for t in _imports(m, p) if t == "router" or t.startswith("router."))
+        for m, p in _modules("indexer").items()
+    }
     assert {m: v for m, v in offenders.items() if v} == {}

@@ -25,10 +25,38 @@ MODEL = "backpressure-model"
 def cluster(*flags: str) -> Iterator[httpx.Client]:
     mport, fport = free_port(), free_port()
     murl = f"http://127.0.0.1:{mport}"
-    margs = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(mport), "--served-model-name", MODEL, "--no-kv-events",
-             "--max-num-seqs", "1", "--max-num-batched-tokens", "8192", "--seed", "5"]
-    fargs = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), "--router-mode", "kv",
-             "--router-queue-threshold", "0.001", "--worker", f"id=1,url={murl},max_num_batched_tokens=8192", *flags]
+    margs = [
+        "-m",
+        "mocker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(mport),
+        "--served-model-name",
+        MODEL,
+        "--no-kv-events",
+        "--max-num-seqs",
+        "1",
+        "--max-num-batched-tokens",
+        "8192",
+        "--seed",
+        "5",
+    ]
+    fargs = [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(fport),
+        "--router-mode",
+        "kv",
+        "--router-queue-threshold",
+        "0.001",
+        "--worker",
+        f"id=1,url={murl},max_num_batched_tokens=8192",
+        *flags,
+    ]
     furl = f"http://127.0.0.1:{fport}"
 
     def ready() -> bool:
@@ -76,11 +104,13 @@ class Busy:
 
     def send(self, name: str) -> None:
         body = {"model": MODEL, "prompt": _prompt(), "max_tokens": 1}
-        t = threading.Thread(target=lambda: self.results.__setitem__(name, self.client.post("/v1/completions", json=body)))
+        t = threading.Thread(
+            target=lambda: self.results.__setitem__(name, self.client.post("/v1/completions", json=body))
+        )
         t.start()
         self.threads.append(t)
 
-    def __enter__(self) -> "Busy":
+    def __enter__(self) -> Busy:
         t = threading.Thread(target=self._occupy)
         t.start()
         self.threads.append(t)
@@ -102,7 +132,11 @@ def test_full_queue_answers_529_with_retry_after_at_once() -> None:
     with cluster("--router-queue-max", "1") as client:
         with Busy(client) as busy:
             busy.send("held")
-            wait_until(lambda: _metric(client, "dynamo_frontend_router_queue_pending_requests") == 1, 30, what="one held request")
+            wait_until(
+                lambda: _metric(client, "dynamo_frontend_router_queue_pending_requests") == 1,
+                30,
+                what="one held request",
+            )
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": _prompt(), "max_tokens": 1})
             assert r.status_code == 529, r.text
             assert r.headers["retry-after"] == "1"
@@ -114,8 +148,13 @@ def test_full_queue_answers_529_with_retry_after_at_once() -> None:
             busy.release()
             assert busy.results["blocker"].status_code == 200
             assert busy.results["held"].status_code == 200  # admitted once capacity came back
-        wait_until(lambda: all(r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in client.get("/loads").json()),
-                   30, what="every load in /loads back at 0")
+        wait_until(
+            lambda: all(
+                r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in client.get("/loads").json()
+            ),
+            30,
+            what="every load in /loads back at 0",
+        )
         assert _metric(client, "dynamo_frontend_router_queue_pending_requests") == 0
 
 
@@ -130,5 +169,10 @@ def test_request_held_past_the_queue_timeout_gets_529() -> None:
             assert _metric(client, "dynamo_frontend_router_queue_pending_requests") == 0  # it left the queue
             busy.release()
             assert busy.results["blocker"].status_code == 200
-        wait_until(lambda: all(r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in client.get("/loads").json()),
-                   30, what="every load in /loads back at 0")
+        wait_until(
+            lambda: all(
+                r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in client.get("/loads").json()
+            ),
+            30,
+            what="every load in /loads back at 0",
+        )

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvroute_common.local_cluster import MockerOptions, start_cluster
 from bench.replay import main as replay_main
+from kvroute_common.local_cluster import MockerOptions, start_cluster
 from support import REPO_ROOT
 
 TINY_SYNTHETIC = [
@@ -55,7 +55,10 @@ def test_replay_cli_starts_cold_clusters_per_mode_and_writes_outputs(tmp_path):
 
 def test_replay_against_a_running_frontend_with_a_mooncake_slice(tmp_path):
     trace = tmp_path / "tiny.jsonl"
-    rows = [{"timestamp": i * 100, "input_length": 1024 + 100 * i, "output_length": 40, "hash_ids": [0, 1, 100 + i]} for i in range(8)]
+    rows = [
+        {"timestamp": i * 100, "input_length": 1024 + 100 * i, "output_length": 40, "hash_ids": [0, 1, 100 + i]}
+        for i in range(8)
+    ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     opts = MockerOptions(num_gpu_blocks=256, speedup_ratio=10)
     with start_cluster(2, opts, router_mode="kv", log_dir=str(tmp_path / "logs")) as cluster:
@@ -81,7 +84,15 @@ def test_auto_kv_blocks_hold_the_mooncake_schedules_distinct_blocks(tmp_path):
     from bench.traces import distinct_blocks
 
     trace = tmp_path / "tiny.jsonl"
-    rows = [{"timestamp": i * 100, "input_length": 4096, "output_length": 4, "hash_ids": [0, 1] + [1000 * i + j for j in range(6)]} for i in range(40)]
+    rows = [
+        {
+            "timestamp": i * 100,
+            "input_length": 4096,
+            "output_length": 4,
+            "hash_ids": [0, 1] + [1000 * i + j for j in range(6)],
+        }
+        for i in range(40)
+    ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = parser().parse_args(["--trace", str(trace), "--workers", "3", "--tokens-per-block", "64"])
     t = build_trace(str(trace), args)
@@ -119,7 +130,8 @@ def test_disaggregated_row(tmp_path):
     from bench.replay import ModeSpec
 
     assert ModeSpec.parse_variant("kv-disagg=kv,prefill=1,--router-kv-overlap-score-weight=2") == ModeSpec(
-        "kv-disagg", "kv", ("--router-kv-overlap-score-weight=2",), 1)
+        "kv-disagg", "kv", ("--router-kv-overlap-score-weight=2",), 1
+    )
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "bench", "replay", "--trace", "synthetic", "--modes", "kv", "--workers", "2",
            "--variant", "kv-disagg=kv,prefill=1", "--num-gpu-blocks", "256", "--speedup-ratio", "10", "--max-duration", "60",

@@ -9,11 +9,28 @@ import os
 
 import pytest
 
-from bench.replay import cache_delta, markdown_report, percentile, read_counter, summarize, verdict, write_outputs, RequestResult
+from bench.replay import (
+    RequestResult,
+    cache_delta,
+    markdown_report,
+    percentile,
+    read_counter,
+    summarize,
+    verdict,
+    write_outputs,
+)
 from bench.synthetic import SyntheticConfig, synthetic_trace
 from bench.traces import (
-    DEFAULT_TRACES_DIR, MOONCAKE_SHA256, MOONCAKE_TRACES, BlockTokens, Scaling, find_trace, load_mooncake, oracle, read_mooncake,
-    scale_mooncake, trace_sha256,
+    DEFAULT_TRACES_DIR,
+    MOONCAKE_SHA256,
+    MOONCAKE_TRACES,
+    BlockTokens,
+    Scaling,
+    find_trace,
+    load_mooncake,
+    oracle,
+    read_mooncake,
+    trace_sha256,
 )  # fmt: skip
 
 
@@ -104,9 +121,21 @@ def test_oracle_matches_hash_id_reuse_when_one_trace_block_is_one_engine_block(t
 
 
 def test_synthetic_generator_is_deterministic_and_multi_turn():
-    cfg = SyntheticConfig(seed=5, sessions=6, turns=3, system_prompts=2, system_tokens=64, user_tokens=20, reply_tokens=10, start_window_s=5.0, think_s=1.0)
+    cfg = SyntheticConfig(
+        seed=5,
+        sessions=6,
+        turns=3,
+        system_prompts=2,
+        system_tokens=64,
+        user_tokens=20,
+        reply_tokens=10,
+        start_window_s=5.0,
+        think_s=1.0,
+    )
     t1, t2 = synthetic_trace(cfg), synthetic_trace(cfg)
-    assert [(r.arrival_s, r.tokens, r.max_tokens, r.session) for r in t1.requests] == [(r.arrival_s, r.tokens, r.max_tokens, r.session) for r in t2.requests]
+    assert [(r.arrival_s, r.tokens, r.max_tokens, r.session) for r in t1.requests] == [
+        (r.arrival_s, r.tokens, r.max_tokens, r.session) for r in t2.requests
+    ]
     assert len(t1.requests) == 18
     assert [r.arrival_s for r in t1.requests] == sorted(r.arrival_s for r in t1.requests)
     assert synthetic_trace(dataclasses.replace(cfg, seed=6)).requests[0].tokens != t1.requests[0].tokens
@@ -132,7 +161,6 @@ def test_real_mooncake_traces_load():
         assert len(t.requests) > 50
         assert all(0 < len(r.tokens) <= 2048 and r.max_tokens >= 1 for r in t.requests)
         assert 0.0 < oracle([r.tokens for r in t.requests], 16).token_share < 1.0
-
 
 
 def test_vendored_traces_match_the_published_checksums():
@@ -181,14 +209,25 @@ def test_counters_and_deltas():
 
 def test_summary_report_and_outputs(tmp_path):
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
-    results = [RequestResult(i, 0.0, ttft_s=0.01 * (i + 1), e2e_s=0.1, prompt_tokens=100, output_chunks=4, cached_tokens=50) for i in range(10)]
+    results = [
+        RequestResult(i, 0.0, ttft_s=0.01 * (i + 1), e2e_s=0.1, prompt_tokens=100, output_chunks=4, cached_tokens=50)
+        for i in range(10)
+    ]
     results.append(RequestResult(10, 0.0, error="HTTP 503: no worker"))
     s = summarize(results, 2.0)
     assert s["completed"] == 10 and s["errors"] == {"HTTP 503": 1}
     assert s["ttft_ms"]["p50"] == pytest.approx(55.0) and s["throughput_rps"] == 5.0 and s["usage_cached_share"] == 0.5
     rr = {**s, "mode": "round_robin", "hit_rate": 0.2, "ttft_ms": {"p50": 200.0, "p90": 300.0, "p99": 400.0}}
     report = {
-        "trace": {"name": "tiny", "requests": 11, "span_s": 1.0, "rate_rps": 11.0, "mean_prompt_tokens": 100, "max_prompt_tokens": 100, "mean_output_tokens": 4},
+        "trace": {
+            "name": "tiny",
+            "requests": 11,
+            "span_s": 1.0,
+            "rate_rps": 11.0,
+            "mean_prompt_tokens": 100,
+            "max_prompt_tokens": 100,
+            "mean_output_tokens": 4,
+        },
         "scaling": {"description": "tiny"},
         "oracle": {"token_share": 0.5, "block_share": 0.5},
         "setup": "none",
@@ -207,27 +246,46 @@ def test_summary_report_and_outputs(tmp_path):
 
 
 def _row(mode: str, router_mode: str, hit: float, p50: float, p90: float) -> dict:
-    return {"mode": mode, "router_mode": router_mode, "hit_rate": hit, "requests": 10, "completed": 10,
-            "ttft_ms": {"p50": p50, "p90": p90, "p99": p90 * 2}, "e2e_ms": {"p50": p50 * 2, "p90": p90 * 2, "p99": p90 * 3}}
+    return {
+        "mode": mode,
+        "router_mode": router_mode,
+        "hit_rate": hit,
+        "requests": 10,
+        "completed": 10,
+        "ttft_ms": {"p50": p50, "p90": p90, "p99": p90 * 2},
+        "e2e_ms": {"p50": p50 * 2, "p90": p90 * 2, "p99": p90 * 3},
+    }
 
 
 def test_latency_verdict_and_the_side_by_side_summary(tmp_path):
     from bench.replay import parse_loads, summary_table, write_summary
 
     def report(speed: float, lat_p90: float) -> dict:
-        r = {"trace": {"name": "tiny", "requests": 10}, "oracle": {"token_share": 0.5}, "speedup_ratio": speed,
-             "command": "python -m bench replay --trace tiny --speedup-ratio 0.5,0.35",
-             "modes": [_row("latency", "latency", 0.48, 40.0, lat_p90), _row("kv", "kv", 0.40, 80.0, 150.0),
-                       _row("kv-w4", "kv", 0.46, 60.0, 120.0), _row("round_robin", "round_robin", 0.25, 100.0, 300.0)]}
+        r = {
+            "trace": {"name": "tiny", "requests": 10},
+            "oracle": {"token_share": 0.5},
+            "speedup_ratio": speed,
+            "command": "python -m bench replay --trace tiny --speedup-ratio 0.5,0.35",
+            "modes": [
+                _row("latency", "latency", 0.48, 40.0, lat_p90),
+                _row("kv", "kv", 0.40, 80.0, 150.0),
+                _row("kv-w4", "kv", 0.46, 60.0, 120.0),
+                _row("round_robin", "round_robin", 0.25, 100.0, 300.0),
+            ],
+        }
         r["verdict"] = verdict(r)
         return r
 
     good, bad = report(0.5, 100.0), report(0.35, 130.0)
     lat = next(v for v in good["verdict"] if v.startswith("latency:"))
-    assert "96% of the oracle" in lat and "goal >= 95%: met" in lat and "0.40 x round_robin's (goal <= 0.45: met)" in lat
+    assert (
+        "96% of the oracle" in lat and "goal >= 95%: met" in lat and "0.40 x round_robin's (goal <= 0.45: met)" in lat
+    )
     assert "best kv 120 ms" in lat and "goal < every kv weight: met" in lat
     assert "goal < every kv weight: NOT met" in next(v for v in bad["verdict"] if v.startswith("latency:"))
-    assert any(v.startswith("kv-w4:") and "goal >= 90%: met" in v for v in good["verdict"])  # kv rows keep the first goal
+    assert any(
+        v.startswith("kv-w4:") and "goal >= 90%: met" in v for v in good["verdict"]
+    )  # kv rows keep the first goal
     table = summary_table([good, bad])
     assert "| tiny | 0.5 | 50.0% | 96%, 40 / 100 (0.40x) |" in table and "| tiny | 0.35 |" in table
     paths = write_summary([good, bad], str(tmp_path))
@@ -246,14 +304,18 @@ def test_pooled_lru_reuse_is_bounded_by_capacity():
     prompts = [a, b, a + [0]]  # a comes back after b
     assert pooled_lru_hits(prompts, 4, capacity_blocks=100).hit_blocks == oracle(prompts, 4).hit_blocks == 4
     assert pooled_lru_hits(prompts, 4, capacity_blocks=4).hit_blocks == 0  # b evicted all of a
-    assert pooled_lru_hits(prompts, 4, capacity_blocks=6).hit_blocks == 0  # a's first blocks are the oldest: the prefix is gone
+    assert (
+        pooled_lru_hits(prompts, 4, capacity_blocks=6).hit_blocks == 0
+    )  # a's first blocks are the oldest: the prefix is gone
 
 
 def test_distinct_blocks_counts_prefix_paths_once():
     from bench.traces import distinct_blocks
 
     a, b = list(range(1, 17)), list(range(101, 117))  # 4 blocks of 4 each
-    assert distinct_blocks([a, b, a + [0], a[:8] + b[:8]], 4) == 4 + 4 + 2  # a's tail and repeats are known; a[:8]+b[:8] adds 2 new paths
+    assert (
+        distinct_blocks([a, b, a + [0], a[:8] + b[:8]], 4) == 4 + 4 + 2
+    )  # a's tail and repeats are known; a[:8]+b[:8] adds 2 new paths
     assert distinct_blocks([], 4) == 0
 
 
@@ -261,8 +323,20 @@ def test_offline_routing_simulation_compares_cost_models():
     """bench.routing_sim: the replay's schedule through the real router cores and the mocker's scheduler in virtual time."""
     from bench.routing_sim import simulate, ttft_floor_ms
 
-    t = synthetic_trace(SyntheticConfig(sessions=8, turns=4, system_prompts=2, system_tokens=256, user_tokens=64, reply_tokens=64,
-                                        output_tokens=2, start_window_s=2.0, think_s=0.5, think_min_s=0.2))
+    t = synthetic_trace(
+        SyntheticConfig(
+            sessions=8,
+            turns=4,
+            system_prompts=2,
+            system_tokens=256,
+            user_tokens=64,
+            reply_tokens=64,
+            output_tokens=2,
+            start_window_s=2.0,
+            think_s=0.5,
+            think_min_s=0.2,
+        )
+    )
     orc = oracle([r.tokens for r in t.requests], 16).token_share
     rows = {p: simulate(t, p, workers=3, blocks=2048, speedup=0.5) for p in ("latency", "kv", "round_robin")}
     for r in rows.values():

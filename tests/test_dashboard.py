@@ -40,10 +40,23 @@ def _chromium(url: str, *mode: str, budget_ms: int = 4000) -> str:
     """Run headless chromium on ``url`` with a fresh profile; returns its stdout (the DOM with --dump-dom)."""
     with tempfile.TemporaryDirectory(prefix="kvroute-chromium-") as profile:
         out = subprocess.run(
-            [_need_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-             f"--user-data-dir={profile}", "--hide-scrollbars", "--window-size=1400,1100",
-             f"--virtual-time-budget={budget_ms}", *mode, url],
-            capture_output=True, text=True, timeout=90,
+            [
+                _need_chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-extensions",
+                f"--user-data-dir={profile}",
+                "--hide-scrollbars",
+                "--window-size=1400,1100",
+                f"--virtual-time-budget={budget_ms}",
+                *mode,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
         )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
@@ -116,9 +129,13 @@ def _compare(page: RenderedPage, snap: dict[str, Any]) -> None:
     for r in snap["ranks"]:
         shown = page.ranks[f"{r['model']}|{r['role']}|{r['worker_id']}|{r['dp_rank']}"]
         assert shown == {
-            "worker_id": str(r["worker_id"]), "dp_rank": str(r["dp_rank"]), "healthy": "healthy" if r["healthy"] else "down",
-            "busy": "busy" if r["busy"] else "no", "active_prefill_tokens": str(r["active_prefill_tokens"]),
-            "active_decode_blocks": str(r["active_decode_blocks"]), "kv_blocks_indexed": str(r["kv_blocks_indexed"]),
+            "worker_id": str(r["worker_id"]),
+            "dp_rank": str(r["dp_rank"]),
+            "healthy": "healthy" if r["healthy"] else "down",
+            "busy": "busy" if r["busy"] else "no",
+            "active_prefill_tokens": str(r["active_prefill_tokens"]),
+            "active_decode_blocks": str(r["active_decode_blocks"]),
+            "kv_blocks_indexed": str(r["kv_blocks_indexed"]),
             "kv_events": r["kv_events"] or "off",
         }, r
     assert [rid for rid, _ in page.recent] == [d["request_id"] for d in snap["recent"]]
@@ -145,9 +162,18 @@ class Load:
                         return
                     self.sent += 1
                     n = self.sent
-                body = {"model": MODEL, "stream": True, "max_tokens": 48,
-                        "messages": [{"role": "system", "content": f"You are assistant number {n % 4}, expert in prefix caches. " * 8},
-                                     {"role": "user", "content": f"question {n}"}]}
+                body = {
+                    "model": MODEL,
+                    "stream": True,
+                    "max_tokens": 48,
+                    "messages": [
+                        {
+                            "role": "system",
+                            "content": f"You are assistant number {n % 4}, expert in prefix caches. " * 8,
+                        },
+                        {"role": "user", "content": f"question {n}"},
+                    ],
+                }
                 with c.stream("POST", f"{self.url}/v1/chat/completions", json=body) as r:
                     if r.status_code != 200:
                         self.failures.append(f"{r.status_code}")
@@ -171,11 +197,15 @@ def test_dashboard_in_a_browser_matches_its_data_under_load() -> None:
         url = cluster.frontend_url
         assert url
         with Load(url) as load, httpx.Client(timeout=30) as c:
-            wait_until(lambda: c.get(f"{url}/dashboard/data").json()["decisions"]["total"] >= 20, 60, what="traffic routed")
+            wait_until(
+                lambda: c.get(f"{url}/dashboard/data").json()["decisions"]["total"] >= 20, 60, what="traffic routed"
+            )
             # a few polls a second apart so that the page's time series has points
             for _ in range(3):
                 first = c.get(f"{url}/dashboard/data").json()["time"]
-                wait_until(lambda: c.get(f"{url}/dashboard/data").json()["time"] - first >= 1.0, 10, what="a second of data")
+                wait_until(
+                    lambda: c.get(f"{url}/dashboard/data").json()["time"] - first >= 1.0, 10, what="a second of data"
+                )
             live = None
             for _ in range(6):  # render until a snapshot caught requests in flight (the load keeps them coming)
                 page = RenderedPage()
@@ -203,14 +233,27 @@ def test_dashboard_data_needs_the_admin_token_and_the_page_does_not() -> None:
         url = cluster.frontend_url
         with httpx.Client(timeout=30) as c:
             page = c.get(f"{url}/dashboard")
-            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html") and "dashboard.js" in page.text
+            assert (
+                page.status_code == 200
+                and page.headers["content-type"].startswith("text/html")
+                and "dashboard.js" in page.text
+            )
             assert c.get(f"{url}/dashboard/dashboard.js").status_code == 200
             assert c.get(f"{url}/dashboard/dashboard.css").headers["content-type"].startswith("text/css")
             assert c.get(f"{url}/dashboard/data").status_code == 401
             auth = {"Authorization": "Bearer s3cret"}
             assert c.get(f"{url}/dashboard/nope.js", headers=auth).status_code == 404
             snap = c.get(f"{url}/dashboard/data", headers=auth).json()
-            assert set(snap) >= {"seq", "time", "router_mode", "ranks", "decisions", "decomposition", "history", "recent"}
+            assert set(snap) >= {
+                "seq",
+                "time",
+                "router_mode",
+                "ranks",
+                "decisions",
+                "decomposition",
+                "history",
+                "recent",
+            }
             assert c.get(f"{url}/dashboard/data", params={"seq": snap["seq"]}, headers=auth).json() == snap
             assert c.get(f"{url}/dashboard/data", params={"seq": "x"}, headers=auth).status_code == 400
             assert c.get(f"{url}/dashboard/data", params={"seq": 10**6}, headers=auth).status_code == 404
@@ -242,7 +285,13 @@ def test_time_series_points_are_rates_and_shares_since_the_previous_point() -> N
     assert dash.snapshot()["history"] == []  # less than a second: no point
     now[0] += 1.5
     point = dash.snapshot()["history"][-1]
-    assert point == {"time": 1002.0, "decisions_per_s": {"kv": 5.0}, "available": 0.8, "captured": 0.6, "delivered": 0.5}
+    assert point == {
+        "time": 1002.0,
+        "decisions_per_s": {"kv": 5.0},
+        "available": 0.8,
+        "captured": 0.6,
+        "delivered": 0.5,
+    }
     now[0] += 1.0
     point = dash.snapshot()["history"][-1]
     assert point["decisions_per_s"] == {"kv": 0.0} and point["available"] is None  # no new prompt tokens: no share

@@ -50,7 +50,11 @@ def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
         )  # fmt: skip
     kids: set[int] = set()
     try:
-        wait_until(lambda: proc.poll() is not None or "is ready" in log_path.read_text(), timeout=150, what="the demo to be ready")
+        wait_until(
+            lambda: proc.poll() is not None or "is ready" in log_path.read_text(),
+            timeout=150,
+            what="the demo to be ready",
+        )
         out = log_path.read_text()
         assert proc.poll() is None, out
         url = f"http://127.0.0.1:{port}"
@@ -59,7 +63,9 @@ def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
         assert len(kids) == 4, out  # three workers + the frontend
 
         client = OpenAI(base_url=f"{url}/v1", api_key="not-needed", max_retries=0, timeout=60)
-        reply = client.chat.completions.create(model="kvroute-demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+        reply = client.chat.completions.create(
+            model="kvroute-demo", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+        )
         assert reply.choices[0].message.content
         assert 1 <= reply.usage.completion_tokens <= 8
 
@@ -90,7 +96,11 @@ def test_demo_children_die_with_it_even_when_it_is_killed(tmp_path):
         )  # fmt: skip
     kids: set[int] = set()
     try:
-        wait_until(lambda: proc.poll() is not None or "is ready" in log_path.read_text(), timeout=150, what="the demo to be ready")
+        wait_until(
+            lambda: proc.poll() is not None or "is ready" in log_path.read_text(),
+            timeout=150,
+            what="the demo to be ready",
+        )
         assert proc.poll() is None, log_path.read_text()
         kids = children_of(proc.pid)
         assert len(kids) == 2  # one worker + the frontend

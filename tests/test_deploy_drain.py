@@ -33,8 +33,13 @@ class StreamReader(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "drain me"}], "max_tokens": self.max_tokens,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "drain me"}],
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
         try:
             with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=120.0) as r:
                 assert r.status_code == 200
@@ -48,8 +53,18 @@ class StreamReader(threading.Thread):
 
 
 def _frontend(fport: int, wport: int, drain_timeout: float) -> list[str]:
-    return ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), "--worker", f"id=1,url=http://127.0.0.1:{wport}",
-            "--drain-timeout", str(drain_timeout)]
+    return [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(fport),
+        "--worker",
+        f"id=1,url=http://127.0.0.1:{wport}",
+        "--drain-timeout",
+        str(drain_timeout),
+    ]
 
 
 def _slow_mocker(wport: int) -> list[str]:
@@ -64,8 +79,10 @@ def _ready(url: str):
 def test_sigterm_drains_the_stream_in_flight_then_exits_0() -> None:
     fport, wport = free_ports(2)
     url = f"http://127.0.0.1:{fport}"
-    with service(_slow_mocker(wport), ready_url=f"http://127.0.0.1:{wport}/health"), \
-         service(_frontend(fport, wport, 60), ready=_ready(url)) as proc:
+    with (
+        service(_slow_mocker(wport), ready_url=f"http://127.0.0.1:{wport}/health"),
+        service(_frontend(fport, wport, 60), ready=_ready(url)) as proc,
+    ):
         stream = StreamReader(url, 40)
         stream.start()
         wait_until(lambda: stream.chunks, 30, what="the first streamed chunk")
@@ -73,7 +90,10 @@ def test_sigterm_drains_the_stream_in_flight_then_exits_0() -> None:
         # /health turns 503 at once (the listener stays open); new /v1 requests are refused OpenAI-style
         wait_until(lambda: httpx.get(f"{url}/health", timeout=2.0).status_code == 503, 30, what="/health 503")
         assert httpx.get(f"{url}/health").json()["status"] == "shutting_down"
-        r = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "late"}], "max_tokens": 2})
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "late"}], "max_tokens": 2},
+        )
         assert r.status_code == 503 and r.headers["connection"] == "close"
         assert r.json()["error"]["code"] == 503 and "shutting down" in r.json()["error"]["message"]
         assert httpx.get(f"{url}/v1/models").status_code == 503
@@ -89,8 +109,10 @@ def test_sigterm_drains_the_stream_in_flight_then_exits_0() -> None:
 def test_a_stream_longer_than_the_drain_timeout_is_cut_and_the_process_exits_0() -> None:
     fport, wport = free_ports(2)
     url = f"http://127.0.0.1:{fport}"
-    with service(_slow_mocker(wport), ready_url=f"http://127.0.0.1:{wport}/health"), \
-         service(_frontend(fport, wport, 1), ready=_ready(url)) as proc:
+    with (
+        service(_slow_mocker(wport), ready_url=f"http://127.0.0.1:{wport}/health"),
+        service(_frontend(fport, wport, 1), ready=_ready(url)) as proc,
+    ):
         stream = StreamReader(url, 2000)
         stream.start()
         wait_until(lambda: stream.chunks, 30, what="the first streamed chunk")
@@ -115,7 +137,10 @@ def test_slot_tracker_drains_a_request_in_flight_and_exits_0() -> None:
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     body = json.dumps({"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}).encode()
-    with service(["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port), "--drain-timeout", "60"], ready_url=f"{url}/health") as proc:
+    with service(
+        ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port), "--drain-timeout", "60"],
+        ready_url=f"{url}/health",
+    ) as proc:
         sock = _raw_partial_post(port, "/register", body, 10)
         try:
             proc.send_signal(signal.SIGTERM)

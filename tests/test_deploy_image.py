@@ -70,8 +70,12 @@ def pyproject() -> dict:
 def top_level_packages() -> set[str]:
     """The top-level packages setuptools' find (with pyproject's include patterns) packages."""
     patterns = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
-    return {name for name in os.listdir(REPO_ROOT)
-            if os.path.isfile(os.path.join(REPO_ROOT, name, "__init__.py")) and any(fnmatch.fnmatch(name, p) for p in patterns)}
+    return {
+        name
+        for name in os.listdir(REPO_ROOT)
+        if os.path.isfile(os.path.join(REPO_ROOT, name, "__init__.py"))
+        and any(fnmatch.fnmatch(name, p) for p in patterns)
+    }
 
 
 def test_entrypoint_is_the_frontend_and_other_services_are_a_command_away() -> None:
@@ -133,7 +137,9 @@ def test_dependency_install_step_installs_pyprojects_dependencies() -> None:
     generate, _, install = runs[0].partition("&&")
     assert "pip install" in install and "-r /tmp/requirements.txt" in install
     command = generate.split(">")[0].strip()
-    out = subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     assert out.split() == [d.replace(" ", "") for d in pyproject()["project"]["dependencies"]]
 
 
@@ -165,8 +171,14 @@ def _ignored(path: str, patterns: list[tuple[bool, str]]) -> bool:
 
 def context_files() -> set[str]:
     """The repository files `docker build .` would send, per .dockerignore (git's files only)."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
-                           capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
     patterns = dockerignore_patterns()
     return {f for f in files if not _ignored(f, patterns)}
 
@@ -179,8 +191,12 @@ def test_package_install_step_builds_a_complete_package(tmp_path) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.join(REPO_ROOT, rel), dest)
     out = tmp_path / "wheel"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ctx)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ctx)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if r.returncode != 0 and "No module named" in r.stderr and "setuptools" in r.stderr:
         pytest.fail(f"setuptools is needed to build the package: {r.stderr[-2000:]}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -188,6 +204,12 @@ def test_package_install_step_builds_a_complete_package(tmp_path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for pkg in top_level_packages():
         assert f"{pkg}/__init__.py" in names
-    for must in ("frontend/__main__.py", "indexer/__main__.py", "slot_tracker/__main__.py", "kvroute_common/tokenizer_data/tokenizer.json",
-                 "kvroute_common/security.py", "kvroute_common/drain.py"):
+    for must in (
+        "frontend/__main__.py",
+        "indexer/__main__.py",
+        "slot_tracker/__main__.py",
+        "kvroute_common/tokenizer_data/tokenizer.json",
+        "kvroute_common/security.py",
+        "kvroute_common/drain.py",
+    ):
         assert must in names, must

@@ -28,11 +28,23 @@ K8S = os.path.join(REPO_ROOT, "deploy", "k8s")
 OVERLAYS = sorted(os.listdir(os.path.join(K8S, "overlays")))
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com-v1.json"}
-ANNOTATIONS = ("kvroute.io/http-port", "kvroute.io/kv-events-port", "kvroute.io/replay-port", "kvroute.io/dp-size",
-               "kvroute.io/model", "kvroute.io/worker-role")
+ANNOTATIONS = (
+    "kvroute.io/http-port",
+    "kvroute.io/kv-events-port",
+    "kvroute.io/replay-port",
+    "kvroute.io/dp-size",
+    "kvroute.io/model",
+    "kvroute.io/worker-role",
+)
 # flags of the discovery branch (names fixed in advance); the test accepts them until that parser has them
-DISCOVERY_FLAGS = {"--discovery", "--discovery-namespace", "--discovery-selector", "--etcd-endpoints", "--discovery-prefix",
-                   "--discovery-lease-ttl"}
+DISCOVERY_FLAGS = {
+    "--discovery",
+    "--discovery-namespace",
+    "--discovery-selector",
+    "--etcd-endpoints",
+    "--discovery-prefix",
+    "--discovery-lease-ttl",
+}
 
 
 def _missing(what: str) -> None:
@@ -65,7 +77,9 @@ def _render(overlay: str) -> str:
     if exe is None:
         _missing("kubectl")
     env = dict(os.environ, KUBECONFIG=os.devnull)  # offline: no cluster is ever contacted
-    r = subprocess.run([exe, "kustomize", os.path.join(K8S, "overlays", overlay)], capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [exe, "kustomize", os.path.join(K8S, "overlays", overlay)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert r.returncode == 0, f"kubectl kustomize {overlay} failed:\n{r.stderr}"
     return r.stdout
 
@@ -113,7 +127,9 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def test_there_are_overlays_and_components() -> None:
     assert {"dev", "production", "standalone-services"} <= set(OVERLAYS)
-    assert {"standalone-indexer", "standalone-slot-tracker", "monitoring", "vllm-worker-example"} <= set(os.listdir(os.path.join(K8S, "components")))
+    assert {"standalone-indexer", "standalone-slot-tracker", "monitoring", "vllm-worker-example"} <= set(
+        os.listdir(os.path.join(K8S, "components"))
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -132,7 +148,9 @@ def test_a_broken_manifest_fails_validation() -> None:
     objs = render("production")
     deployment = one(objs, "Deployment", "kvroute-frontend")
     typo = copy.deepcopy(deployment)
-    typo["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = typo["spec"]["template"]["spec"]["containers"][0].pop("readinessProbe")
+    typo["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = typo["spec"]["template"]["spec"][
+        "containers"
+    ][0].pop("readinessProbe")
     wrong_type = copy.deepcopy(deployment)
     wrong_type["spec"]["replicas"] = "three"
     monitor = copy.deepcopy(one(objs, "ServiceMonitor", "kvroute"))
@@ -163,7 +181,11 @@ def test_frontend_deployment_is_deployable(overlay: str) -> None:
     assert spec["terminationGracePeriodSeconds"] > drain + float(pre_stop[1])
     # scrape annotations point at the metrics port
     ann = pod["metadata"]["annotations"]
-    assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == ports["http"] and ann["prometheus.io/path"] == "/metrics"
+    assert (
+        ann["prometheus.io/scrape"] == "true"
+        and int(ann["prometheus.io/port"]) == ports["http"]
+        and ann["prometheus.io/path"] == "/metrics"
+    )
     # non-root, read-only root filesystem with a writable /tmp
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -192,10 +214,16 @@ def test_rbac_services_pdb_and_monitoring_fit_together(overlay: str) -> None:
     # the ServiceAccount exists and is bound to read-only discovery rights in the frontend's namespace
     sa = one(objs, "ServiceAccount", spec["serviceAccountName"])
     binding = one(objs, "RoleBinding", "kvroute-discovery")
-    assert any(s["kind"] == "ServiceAccount" and s["name"] == sa["metadata"]["name"] and s.get("namespace", namespace) == namespace
-               for s in binding["subjects"])
+    assert any(
+        s["kind"] == "ServiceAccount"
+        and s["name"] == sa["metadata"]["name"]
+        and s.get("namespace", namespace) == namespace
+        for s in binding["subjects"]
+    )
     role = one(objs, "Role", binding["roleRef"]["name"])
-    rights = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    rights = {
+        (g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+    }
     assert rights[("discovery.k8s.io", "endpointslices")] == {"get", "list", "watch"}
     assert rights[("", "pods")] == {"get", "list", "watch"}
     # the replica-sync headless Service: EndpointSlices labelled kvroute.io/role=frontend, selecting the frontends
@@ -216,7 +244,11 @@ def test_rbac_services_pdb_and_monitoring_fit_together(overlay: str) -> None:
     pdb = one(objs, "PodDisruptionBudget", "kvroute-frontend")
     assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
     for monitor in by_kind(objs, "ServiceMonitor"):
-        scraped = [s for s in by_kind(objs, "Service") if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))]
+        scraped = [
+            s
+            for s in by_kind(objs, "Service")
+            if selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))
+        ]
         assert any(s["metadata"]["name"] == "kvroute-frontend" for s in scraped)
         for s in scraped:
             assert any(p["name"] == monitor["spec"]["endpoints"][0]["port"] for p in s["spec"]["ports"])
@@ -230,7 +262,11 @@ def test_workers_are_discoverable_and_publish_kv_events(overlay: str) -> None:
     worker_services = [s for s in by_kind(objs, "Service") if s["metadata"].get("labels", {}).get(key) == value]
     assert worker_services, "no worker Service carries the discovery selector's label"
     for svc in worker_services:
-        (dep,) = [d for d in by_kind(objs, "Deployment") if selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        (dep,) = [
+            d
+            for d in by_kind(objs, "Deployment")
+            if selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
+        ]
         ann = dep["spec"]["template"]["metadata"]["annotations"]
         assert set(ANNOTATIONS) <= set(ann), set(ANNOTATIONS) - set(ann)
         assert ann["kvroute.io/worker-role"] in ("prefill", "decode", "both") and int(ann["kvroute.io/dp-size"]) >= 1

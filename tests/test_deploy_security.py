@@ -83,10 +83,20 @@ def test_flags_files_and_environment(tmp_path) -> None:
     with pytest.raises(SystemExit, match="go together"):
         security.ssl_options(_ns(ssl_certfile=str(keys)))
     # levels: the service rule
-    assert (classify("GET", "/health"), classify("GET", "/workers"), classify("POST", "/query"), classify("POST", "/register")) == (OPEN, API, API, ADMIN)
+    assert (
+        classify("GET", "/health"),
+        classify("GET", "/workers"),
+        classify("POST", "/query"),
+        classify("POST", "/register"),
+    ) == (OPEN, API, API, ADMIN)
     # the admin token works where an API key does, not the other way round
     policy = security.policy_from_args(_ns(api_key=["k"], admin_token=["t"]), classify, environ={})
-    assert policy.allowed(API, b"t") and policy.allowed(API, b"k") and not policy.allowed(ADMIN, b"k") and policy.allowed(ADMIN, b"t")
+    assert (
+        policy.allowed(API, b"t")
+        and policy.allowed(API, b"k")
+        and not policy.allowed(ADMIN, b"k")
+        and policy.allowed(ADMIN, b"t")
+    )
 
 
 # -- the frontend ----------------------------------------------------------------------------------
@@ -101,11 +111,30 @@ def secured_frontend(tmp_path_factory):
     log_path = str(tmp / "frontend.log")
     fport, wport = free_ports(2)
     url = f"http://127.0.0.1:{fport}"
-    with service(["-m", "mocker", "--port", str(wport), "--no-kv-events", "--speedup-ratio", "0"], ready_url=f"http://127.0.0.1:{wport}/health"):
-        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), "--log-level", "debug",
-                "--worker", f"id=1,url=http://127.0.0.1:{wport}", "--api-key-file", str(keys)]
-        with service(args, env={"DYN_ADMIN_TOKEN": ADMIN_TOKEN}, log_path=log_path,
-                     ready=lambda: httpx.get(f"{url}/health", timeout=1.0).status_code == 200) as proc:
+    with service(
+        ["-m", "mocker", "--port", str(wport), "--no-kv-events", "--speedup-ratio", "0"],
+        ready_url=f"http://127.0.0.1:{wport}/health",
+    ):
+        args = [
+            "-m",
+            "frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(fport),
+            "--log-level",
+            "debug",
+            "--worker",
+            f"id=1,url=http://127.0.0.1:{wport}",
+            "--api-key-file",
+            str(keys),
+        ]
+        with service(
+            args,
+            env={"DYN_ADMIN_TOKEN": ADMIN_TOKEN},
+            log_path=log_path,
+            ready=lambda: httpx.get(f"{url}/health", timeout=1.0).status_code == 200,
+        ) as proc:
             yield url, log_path, proc
 
 
@@ -135,7 +164,9 @@ def test_openai_sdk_sees_authentication_error_and_works_with_a_key(secured_front
         bad.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
     good = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEYS[1], max_retries=0)
-    stream = good.chat.completions.create(model=MODEL, max_tokens=6, stream=True, messages=[{"role": "user", "content": "hello"}])
+    stream = good.chat.completions.create(
+        model=MODEL, max_tokens=6, stream=True, messages=[{"role": "user", "content": "hello"}]
+    )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text
     assert [m.id for m in good.models.list()] == [MODEL]
@@ -156,16 +187,26 @@ def test_admin_routes_need_the_admin_token(secured_frontend) -> None:
         for headers in ({}, bearer(API_KEYS[0]), bearer("wrong")):
             r = httpx.request(method, f"{url}{path}", json=body, headers=headers)
             assert r.status_code == 401, (method, path, headers)
-            expected = "invalid admin token" if headers else "admin token required: send `Authorization: Bearer <admin token>`"
+            expected = (
+                "invalid admin token" if headers else "admin token required: send `Authorization: Bearer <admin token>`"
+            )
             assert r.json() == {"error": expected}
     # nothing above changed state: the worker is still there, no tracker registration happened
     r = httpx.get(f"{url}/admin/workers", headers=bearer(ADMIN_TOKEN))
     assert r.status_code == 200 and [w["id"] for w in r.json()["workers"]] == [1]
     tracked = httpx.get(f"{url}/workers", headers=bearer(ADMIN_TOKEN)).json()
     assert 9 not in {w["worker_id"] for w in tracked} and 1 in {w["worker_id"] for w in tracked}
-    r = httpx.post(f"{url}/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 0.9}, headers=bearer(ADMIN_TOKEN))
+    r = httpx.post(
+        f"{url}/busy_threshold",
+        json={"model": MODEL, "active_decode_blocks_threshold": 0.9},
+        headers=bearer(ADMIN_TOKEN),
+    )
     assert r.status_code == 200 and r.json()["active_decode_blocks_threshold"] == 0.9
-    r = httpx.post(f"{url}/admin/route", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, headers=bearer(ADMIN_TOKEN))
+    r = httpx.post(
+        f"{url}/admin/route",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        headers=bearer(ADMIN_TOKEN),
+    )
     assert r.status_code == 200
     # open: probes, the scrape and the threshold read
     for path in ("/health", "/live", "/metrics", "/busy_threshold"):
@@ -177,7 +218,9 @@ def test_keys_are_never_logged(secured_frontend) -> None:
     url, log_path, _ = secured_frontend
     body = {"model": MODEL, "messages": [{"role": "user", "content": "log me"}], "max_tokens": 2}
     assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer(API_KEYS[0])).status_code == 200
-    assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer("sk-presented-wrong-key")).status_code == 401
+    assert (
+        httpx.post(f"{url}/v1/chat/completions", json=body, headers=bearer("sk-presented-wrong-key")).status_code == 401
+    )
     assert httpx.get(f"{url}/admin/workers", headers=bearer(ADMIN_TOKEN)).status_code == 200
     with open(log_path, encoding="utf-8", errors="replace") as f:
         text = f.read()
@@ -197,8 +240,20 @@ def test_slot_tracker_reads_need_a_key_writes_the_admin_token(protocol: str) -> 
     """``fast``: /potential_loads is answered inside uvicorn's parser; ``httptools``: by the ASGI wrapper."""
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port), "--http-protocol", protocol,
-            "--api-key", API_KEYS[0], "--admin-token", ADMIN_TOKEN]
+    args = [
+        "-m",
+        "slot_tracker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--http-protocol",
+        protocol,
+        "--api-key",
+        API_KEYS[0],
+        "--admin-token",
+        ADMIN_TOKEN,
+    ]
     with service(args, ready_url=f"{url}/health"), httpx.Client(base_url=url) as client:
         assert client.get("/health").status_code == 200
         for headers in ({}, bearer(API_KEYS[0]), bearer("wrong")):
@@ -225,7 +280,10 @@ def test_slot_tracker_reads_need_a_key_writes_the_admin_token(protocol: str) -> 
 def test_slot_tracker_without_tokens_stays_open() -> None:
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
-    with service(["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port)], ready_url=f"{url}/health"), httpx.Client(base_url=url) as client:
+    with (
+        service(["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port)], ready_url=f"{url}/health"),
+        httpx.Client(base_url=url) as client,
+    ):
         assert client.post("/register", json=REGISTER).status_code == 201
         assert client.post("/potential_loads", json=LOADS).status_code == 200
 
@@ -247,8 +305,11 @@ def test_indexer_query_and_writes_and_peer_recovery_with_token(tmp_path) -> None
         assert httpx.get(f"{a}/metrics").status_code == 200
         # a second indexer of the same deployment recovers from the first: it sends its admin token
         log_path = str(tmp_path / "b.log")
-        with service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(b_port), "--peers", a, *common],
-                     ready_url=f"{b}/health", log_path=log_path):
+        with service(
+            ["-m", "indexer", "--host", "127.0.0.1", "--port", str(b_port), "--peers", a, *common],
+            ready_url=f"{b}/health",
+            log_path=log_path,
+        ):
             with open(log_path, encoding="utf-8") as f:
                 text = f.read()
             assert f"from {a}" in text and "answered 401" not in text, text
@@ -266,18 +327,27 @@ def _self_signed(tmp_path) -> tuple[str, str]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvroute-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(cert_path), str(key_path)
 
 
@@ -288,10 +358,16 @@ def test_tls_on_the_frontend_and_the_slot_tracker_fast_path(tmp_path) -> None:
     tls = ["--ssl-certfile", cert, "--ssl-keyfile", key]
     tracker = f"https://127.0.0.1:{tport}"
     frontend = f"https://127.0.0.1:{fport}"
-    with service(["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(tport), *tls, "--admin-token", ADMIN_TOKEN],
-                 ready=lambda: httpx.get(f"{tracker}/health", verify=verify, timeout=1.0).status_code == 200), \
-         service(["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), *tls, "--api-key", API_KEYS[0]],
-                 ready=lambda: httpx.get(f"{frontend}/live", verify=verify, timeout=1.0).status_code == 200):
+    with (
+        service(
+            ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(tport), *tls, "--admin-token", ADMIN_TOKEN],
+            ready=lambda: httpx.get(f"{tracker}/health", verify=verify, timeout=1.0).status_code == 200,
+        ),
+        service(
+            ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), *tls, "--api-key", API_KEYS[0]],
+            ready=lambda: httpx.get(f"{frontend}/live", verify=verify, timeout=1.0).status_code == 200,
+        ),
+    ):
         with httpx.Client(base_url=tracker, verify=verify) as client:
             assert client.post("/register", json=REGISTER, headers=bearer(ADMIN_TOKEN)).status_code == 201
             for _ in range(3):  # hot route over TLS, keep-alive
@@ -307,7 +383,10 @@ def test_tls_on_the_frontend_and_the_slot_tracker_fast_path(tmp_path) -> None:
             httpx.get(f"{frontend}/live", timeout=5.0)
         # the handshake really negotiates TLS
         ctx = ssl.create_default_context(cafile=cert)
-        with socket.create_connection(("127.0.0.1", tport), timeout=5) as raw, ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls_sock:
+        with (
+            socket.create_connection(("127.0.0.1", tport), timeout=5) as raw,
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls_sock,
+        ):
             assert tls_sock.version() in ("TLSv1.2", "TLSv1.3")
 
 
@@ -316,6 +395,20 @@ def test_a_bad_tls_setting_is_a_clear_start_up_error(tmp_path) -> None:
     import sys
 
     (port,) = free_ports(1)
-    r = subprocess.run([sys.executable, "-m", "frontend", "--http-port", str(port), "--ssl-certfile", str(tmp_path / "nope.pem"),
-                        "--ssl-keyfile", str(tmp_path / "nope.key")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "frontend",
+            "--http-port",
+            str(port),
+            "--ssl-certfile",
+            str(tmp_path / "nope.pem"),
+            "--ssl-keyfile",
+            str(tmp_path / "nope.key"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "not a readable file" in r.stderr

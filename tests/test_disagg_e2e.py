@@ -30,14 +30,34 @@ class Mock:
         self.port, self.events, self.replay = free_ports(3)
         self.role = role
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = stack.enter_context(service(
-            ["-m", "mocker", "--host", "127.0.0.1", "--port", str(self.port), "--role", role,
-             "--kv-events-endpoint", f"tcp://127.0.0.1:{self.events}", "--replay-endpoint", f"tcp://127.0.0.1:{self.replay}",
-             "--num-gpu-blocks", "2048"], ready_url=self.url + "/health", timeout=START))
+        self.proc = stack.enter_context(
+            service(
+                [
+                    "-m",
+                    "mocker",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--role",
+                    role,
+                    "--kv-events-endpoint",
+                    f"tcp://127.0.0.1:{self.events}",
+                    "--replay-endpoint",
+                    f"tcp://127.0.0.1:{self.replay}",
+                    "--num-gpu-blocks",
+                    "2048",
+                ],
+                ready_url=self.url + "/health",
+                timeout=START,
+            )
+        )
 
     def worker(self, wid: int, role: str) -> str:
-        return (f"id={wid},url={self.url},role={role},kv_events_endpoint=tcp://127.0.0.1:{self.events},"
-                f"replay_endpoint=tcp://127.0.0.1:{self.replay}")
+        return (
+            f"id={wid},url={self.url},role={role},kv_events_endpoint=tcp://127.0.0.1:{self.events},"
+            f"replay_endpoint=tcp://127.0.0.1:{self.replay}"
+        )
 
     def stats(self) -> dict:
         return httpx.get(self.url + "/mocker/kv_blocks", timeout=10).json()
@@ -47,8 +67,20 @@ class Front:
     def __init__(self, workers: list[str], stack: contextlib.ExitStack) -> None:
         (self.port,) = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
-        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(self.port), "--router-mode", "kv",
-                "--health-check-interval", "0.5", "--log-level", "warning"]
+        args = [
+            "-m",
+            "frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(self.port),
+            "--router-mode",
+            "kv",
+            "--health-check-interval",
+            "0.5",
+            "--log-level",
+            "warning",
+        ]
         for w in workers:
             args += ["--worker", w]
         self.proc = stack.enter_context(service(args, ready_url=self.url + "/health", timeout=START))
@@ -66,12 +98,16 @@ class Front:
         return total
 
     def idle(self) -> bool:
-        return all(r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in self.http.get("/loads").json())
+        return all(
+            r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in self.http.get("/loads").json()
+        )
 
 
 def prompt(tag: str) -> list[dict]:
-    return [{"role": "system", "content": f"[{tag}] " + " ".join(f"fact{i} about {tag}." for i in range(60))},
-            {"role": "user", "content": "and so?"}]
+    return [
+        {"role": "system", "content": f"[{tag}] " + " ".join(f"fact{i} about {tag}." for i in range(60))},
+        {"role": "user", "content": "and so?"},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +117,23 @@ def cluster():
         d = Mock("decode", stack)
         fe = Front([p1.worker(1, "prefill"), p2.worker(2, "prefill"), d.worker(3, "decode")], stack)
         wait_until(lambda: fe.http.get("/v1/models").json()["data"], WAIT, what="model served")
-        wait_until(lambda: {w["id"] for w in fe.http.get("/admin/workers").json()["workers"] if w["healthy"]} == {1, 2, 3},
-                   WAIT, what="all workers healthy")
+        wait_until(
+            lambda: {w["id"] for w in fe.http.get("/admin/workers").json()["workers"] if w["healthy"]} == {1, 2, 3},
+            WAIT,
+            what="all workers healthy",
+        )
         yield fe, {1: p1, 2: p2}, d
 
 
 def _chat(fe: Front, messages: list[dict], nvext: dict | None = None, headers: dict | None = None, **kw):
     kw.setdefault("max_tokens", 8)
-    comp = fe.client.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers or {},
-                                             extra_body={"nvext": {"extra_fields": ["worker_id"], **(nvext or {})}}, **kw)
+    comp = fe.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        extra_headers=headers or {},
+        extra_body={"nvext": {"extra_fields": ["worker_id"], **(nvext or {})}},
+        **kw,
+    )
     return comp, comp.model_extra["nvext"]["worker_id"]
 
 
@@ -119,9 +163,16 @@ def test_unary_is_prefilled_remotely_and_decode_never_computes_the_prompt(cluste
 def test_stream_is_normal(cluster):
     fe, prefills, d = cluster
     before = d.stats()
-    chunks = list(fe.client.chat.completions.create(
-        model=MODEL, messages=prompt(uuid.uuid4().hex), max_tokens=12, stream=True, stream_options={"include_usage": True},
-        extra_body={"nvext": {"extra_fields": ["worker_id"]}}))
+    chunks = list(
+        fe.client.chat.completions.create(
+            model=MODEL,
+            messages=prompt(uuid.uuid4().hex),
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"nvext": {"extra_fields": ["worker_id"]}},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -174,8 +225,12 @@ def test_metrics_show_both_pools(cluster):
     fe, prefills, d = cluster
     _chat(fe, prompt(uuid.uuid4().hex), max_tokens=2)
     text = fe.http.get("/metrics").text
-    assert re.search(r'dynamo_component_router_worker_registered\{[^}]*router_worker_id="1"[^}]*worker_type="prefill"', text)
-    assert re.search(r'dynamo_component_router_worker_registered\{[^}]*router_worker_id="3"[^}]*worker_type="decode"', text)
+    assert re.search(
+        r'dynamo_component_router_worker_registered\{[^}]*router_worker_id="1"[^}]*worker_type="prefill"', text
+    )
+    assert re.search(
+        r'dynamo_component_router_worker_registered\{[^}]*router_worker_id="3"[^}]*worker_type="decode"', text
+    )
     assert re.search(r'dynamo_frontend_worker_last_time_to_first_token_seconds\{[^}]*worker_type="prefill"', text)
     assert fe.metric("kvroute_disagg_prefill_requests_total", outcome="remote") >= 1
 
@@ -185,8 +240,11 @@ def test_fallback_to_decode_only():
         bad = Mock("decode", stack)  # registered as a prefill worker, but refuses to prefill for remote decode
         d = Mock("decode", stack)
         fe = Front([bad.worker(1, "prefill"), d.worker(2, "decode")], stack)
-        wait_until(lambda: {w["id"] for w in fe.http.get("/admin/workers").json()["workers"] if w["healthy"]} == {1, 2},
-                   WAIT, what="workers healthy")
+        wait_until(
+            lambda: {w["id"] for w in fe.http.get("/admin/workers").json()["workers"] if w["healthy"]} == {1, 2},
+            WAIT,
+            what="workers healthy",
+        )
         wait_until(lambda: fe.http.get("/v1/models").json()["data"], WAIT, what="model served")
 
         # 1. the prefill phase fails: the original request is served decode-only
@@ -203,9 +261,14 @@ def test_fallback_to_decode_only():
         from support import stop_process
 
         stop_process(bad.proc)
-        wait_until(lambda: not next(w for w in fe.http.get("/admin/workers").json()["workers"] if w["id"] == 1)["healthy"],
-                   WAIT, what="prefill worker unhealthy")
-        chunks = list(fe.client.chat.completions.create(model=MODEL, messages=prompt(uuid.uuid4().hex), max_tokens=4, stream=True))
+        wait_until(
+            lambda: not next(w for w in fe.http.get("/admin/workers").json()["workers"] if w["id"] == 1)["healthy"],
+            WAIT,
+            what="prefill worker unhealthy",
+        )
+        chunks = list(
+            fe.client.chat.completions.create(model=MODEL, messages=prompt(uuid.uuid4().hex), max_tokens=4, stream=True)
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert fe.metric("kvroute_disagg_prefill_requests_total", outcome="no_prefill_worker") == 1
         wait_until(fe.idle, WAIT, what="loads back to zero")
@@ -219,4 +282,8 @@ def test_routing_record_shows_both_decisions(cluster):
     assert rec["prefill"]["worker_id"] == info["prefill_worker_id"] in (1, 2)
     assert {c["worker_id"] for c in rec["prefill"]["candidates"]} == {1, 2}  # the prefill pool's candidates
     ex = fe.http.post("/admin/route", json={"model": MODEL, "messages": prompt("x")}).json()
-    assert ex["overlap_score_weight"] == 0.0 and {c["worker_id"] for c in ex["candidates"]} == {3} and {c["worker_id"] for c in ex["prefill"]["candidates"]} == {1, 2}
+    assert (
+        ex["overlap_score_weight"] == 0.0
+        and {c["worker_id"] for c in ex["candidates"]} == {3}
+        and {c["worker_id"] for c in ex["prefill"]["candidates"]} == {1, 2}
+    )

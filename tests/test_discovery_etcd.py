@@ -18,9 +18,16 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from test_frontend_e2e import (
+    Frontend,
+    start_frontend,
+    start_mockers,
+    stream_until_first_chunk,
+    unique_prompt,
+    wait_ready,
+)
 
 from support import REPO_ROOT, free_ports, stop_process, wait_until
-from test_frontend_e2e import Frontend, start_frontend, start_mockers, stream_until_first_chunk, unique_prompt, wait_ready
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 TTL = 3
@@ -45,10 +52,27 @@ class EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
         log = open(os.path.join(self.data_dir + ".log"), "ab")
         self.proc = subprocess.Popen(
-            [ETCD, "--name", "kvroute-test", "--data-dir", self.data_dir, "--listen-client-urls", self.url,
-             "--advertise-client-urls", self.url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"kvroute-test={peer}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                ETCD,
+                "--name",
+                "kvroute-test",
+                "--data-dir",
+                self.data_dir,
+                "--listen-client-urls",
+                self.url,
+                "--advertise-client-urls",
+                self.url,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"kvroute-test={peer}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         wait_until(self._healthy, WAIT, what="etcd to serve")
 
@@ -76,10 +100,25 @@ def etcd(tmp_path) -> Iterator[EtcdServer]:
 
 def register(etcd: EtcdServer, worker_arg: str, stack: contextlib.ExitStack) -> subprocess.Popen:
     """A registering sidecar for one worker (its own process group, so kill -9 takes only it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "frontend", "register", "--etcd-endpoints", etcd.url,
-                             "--discovery-lease-ttl", str(TTL), "--worker", worker_arg],
-                            cwd=REPO_ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "frontend",
+            "register",
+            "--etcd-endpoints",
+            etcd.url,
+            "--discovery-lease-ttl",
+            str(TTL),
+            "--worker",
+            worker_arg,
+        ],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     stack.callback(stop_process, proc)
     return proc
 
@@ -95,8 +134,14 @@ def healthy_ids(fe: Frontend) -> set[int]:
 def etcd_keys(etcd: EtcdServer) -> int:
     import base64
 
-    r = httpx.post(etcd.url + "/v3/kv/range", json={"key": base64.b64encode(b"/kvroute/").decode(),
-                                                     "range_end": base64.b64encode(b"/kvroute0").decode(), "count_only": True})
+    r = httpx.post(
+        etcd.url + "/v3/kv/range",
+        json={
+            "key": base64.b64encode(b"/kvroute/").decode(),
+            "range_end": base64.b64encode(b"/kvroute0").decode(),
+            "count_only": True,
+        },
+    )
     return int(r.json().get("count") or 0)
 
 
@@ -149,10 +194,30 @@ def test_sidecar_leaves_at_once_on_sigterm(etcd: EtcdServer) -> None:
 
 
 def test_register_rejects_bad_input() -> None:
-    r = subprocess.run([sys.executable, "-m", "frontend", "register", "--etcd-endpoints", "http://127.0.0.1:1",
-                        "--worker", "id=1,url=ftp://x"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "frontend",
+            "register",
+            "--etcd-endpoints",
+            "http://127.0.0.1:1",
+            "--worker",
+            "id=1,url=ftp://x",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "worker url must start with http://" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "frontend", "--discovery", "etcd"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "frontend", "--discovery", "etcd"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "--discovery etcd needs --etcd-endpoints" in r.stderr
 
 
@@ -162,8 +227,17 @@ def test_two_frontends_find_each_other_and_share_load(etcd: EtcdServer) -> None:
         for i, m in enumerate(ms):
             register(etcd, m.worker_arg(i + 1), stack)
         pa, pb = free_ports(2)
-        common = ["--router-mode", "kv", "--router-replica-sync", "--discovery", "etcd", "--etcd-endpoints", etcd.url,
-                  "--discovery-lease-ttl", str(TTL)]
+        common = [
+            "--router-mode",
+            "kv",
+            "--router-replica-sync",
+            "--discovery",
+            "etcd",
+            "--etcd-endpoints",
+            etcd.url,
+            "--discovery-lease-ttl",
+            str(TTL),
+        ]
         a = start_frontend([*common, "--replica-sync-bind", f"tcp://127.0.0.1:{pa}"], stack)
         b = start_frontend([*common, "--replica-sync-bind", f"tcp://127.0.0.1:{pb}"], stack)
         wait_ready(ms, [a, b])

@@ -13,10 +13,18 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from test_frontend_e2e import (
+    Frontend,
+    Mocker,
+    start_frontend,
+    start_mockers,
+    stream_until_first_chunk,
+    unique_prompt,
+    wait_ready,
+)
 
 from fake_k8s_api import FakeKubeApi
 from support import free_ports, wait_until
-from test_frontend_e2e import Frontend, Mocker, start_frontend, start_mockers, stream_until_first_chunk, unique_prompt, wait_ready
 
 if not os.environ.get("CI"):  # CI installs the test extra: a missing client must fail there, not skip
     pytest.importorskip("kubernetes")
@@ -47,21 +55,46 @@ class Cluster:
 
     def pod(self, name: str, m: Mocker, model: str | None = None) -> None:
         uid = self.uids[name] = str(uuid.uuid4())
-        ann = {"kvroute.io/http-port": str(m.port), "kvroute.io/kv-events-port": str(m.events),
-               "kvroute.io/replay-port": str(m.replay), "kvroute.io/dp-size": "1"}
+        ann = {
+            "kvroute.io/http-port": str(m.port),
+            "kvroute.io/kv-events-port": str(m.events),
+            "kvroute.io/replay-port": str(m.replay),
+            "kvroute.io/dp-size": "1",
+        }
         if model:
             ann["kvroute.io/model"] = model
         r = self.http.put(f"/fake/pods/{name}", json={"metadata": {"namespace": NS, "uid": uid, "annotations": ann}})
         assert r.status_code == 200
 
-    def slice(self, name: str, ready: dict[str, bool], labels: dict[str, str] | None = None, silent: bool = False,
-              address: str = "127.0.0.1", ports: list[dict] | None = None, addresses: dict[str, str] | None = None) -> None:
-        endpoints = [{"addresses": [(addresses or {}).get(pod, address)], "conditions": {"ready": ok},
-                      "targetRef": {"kind": "Pod", "namespace": NS, "name": pod, "uid": self.uids.get(pod, "")}}
-                     for pod, ok in ready.items()]
-        body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-                "metadata": {"namespace": NS, "labels": labels or {"kvroute.io/role": "worker", "kubernetes.io/service-name": "workers"}},
-                "endpoints": endpoints, "ports": ports or [{"name": "http", "port": 80, "protocol": "TCP"}]}
+    def slice(
+        self,
+        name: str,
+        ready: dict[str, bool],
+        labels: dict[str, str] | None = None,
+        silent: bool = False,
+        address: str = "127.0.0.1",
+        ports: list[dict] | None = None,
+        addresses: dict[str, str] | None = None,
+    ) -> None:
+        endpoints = [
+            {
+                "addresses": [(addresses or {}).get(pod, address)],
+                "conditions": {"ready": ok},
+                "targetRef": {"kind": "Pod", "namespace": NS, "name": pod, "uid": self.uids.get(pod, "")},
+            }
+            for pod, ok in ready.items()
+        ]
+        body = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "addressType": "IPv4",
+            "metadata": {
+                "namespace": NS,
+                "labels": labels or {"kvroute.io/role": "worker", "kubernetes.io/service-name": "workers"},
+            },
+            "endpoints": endpoints,
+            "ports": ports or [{"name": "http", "port": 80, "protocol": "TCP"}],
+        }
         r = self.http.put(f"/fake/endpointslices/{name}", params={"silent": "1"} if silent else None, json=body)
         assert r.status_code == 200
 
@@ -83,8 +116,11 @@ def test_workers_follow_endpointslices_through_relists(api, monkeypatch) -> None
         k.slice("workers-a", {"worker-0": True})
         # a slice of another Service (other labels) is not ours
         k.slice("other", {"worker-2": True}, labels={"kvroute.io/role": "something-else"})
-        fe = start_frontend(["--router-mode", "kv", "--discovery", "kubernetes", "--discovery-namespace", NS], stack,
-                            env={"KUBECONFIG": kubeconfig, "KUBERNETES_SERVICE_HOST": ""})
+        fe = start_frontend(
+            ["--router-mode", "kv", "--discovery", "kubernetes", "--discovery-namespace", NS],
+            stack,
+            env={"KUBECONFIG": kubeconfig, "KUBERNETES_SERVICE_HOST": ""},
+        )
         wait_ready(ms, [fe])
         wait_until(lambda: worker_urls(fe) == {ms[0].url}, WAIT, what="worker-0 from the initial list")
         (w0,) = fe.http.get("/admin/workers").json()["workers"]
@@ -115,7 +151,9 @@ def test_workers_follow_endpointslices_through_relists(api, monkeypatch) -> None
         k.slice("workers-a", {"worker-2": True}, silent=True)
         wait_until(lambda: k.stats()["open_watches"] >= 1, WAIT, what="the frontend to watch again")
         assert httpx.post(fake.url + "/fake/drop").json()["dropped"] >= 1
-        wait_until(lambda: worker_urls(fe, healthy=False) == {ms[2].url}, WAIT, what="worker-1 gone after the relist on a drop")
+        wait_until(
+            lambda: worker_urls(fe, healthy=False) == {ms[2].url}, WAIT, what="worker-1 gone after the relist on a drop"
+        )
         assert k.stats()["lists"] > lists
         status = fe.http.get("/admin/workers").json()["discovery"][1]
         assert status["backend"] == "kubernetes" and status["namespace"] == NS and status["watch"]["relists"] >= 3
@@ -133,12 +171,23 @@ def test_bad_annotations_skip_the_pod_not_the_rest(api) -> None:
     with contextlib.ExitStack() as stack:
         (m,) = start_mockers(1, stack)
         k.pod("good", m)
-        r = k.http.put("/fake/pods/bad", json={"metadata": {"namespace": NS, "uid": str(uuid.uuid4()),
-                                                            "annotations": {"kvroute.io/http-port": "eighty"}}})
+        r = k.http.put(
+            "/fake/pods/bad",
+            json={
+                "metadata": {
+                    "namespace": NS,
+                    "uid": str(uuid.uuid4()),
+                    "annotations": {"kvroute.io/http-port": "eighty"},
+                }
+            },
+        )
         assert r.status_code == 200
         k.slice("workers", {"good": True, "bad": True, "missing-pod": True})
-        fe = start_frontend(["--discovery", "kubernetes", "--discovery-namespace", NS], stack,
-                            env={"KUBECONFIG": kubeconfig, "KUBERNETES_SERVICE_HOST": ""})
+        fe = start_frontend(
+            ["--discovery", "kubernetes", "--discovery-namespace", NS],
+            stack,
+            env={"KUBECONFIG": kubeconfig, "KUBERNETES_SERVICE_HOST": ""},
+        )
         wait_ready([m], [fe])
         wait_until(lambda: worker_urls(fe) == {m.url}, WAIT, what="the good pod only")
         assert len(fe.http.get("/admin/workers").json()["workers"]) == 1
@@ -153,13 +202,32 @@ def test_frontend_replicas_find_each_other_through_the_sync_service(api) -> None
         for i, m in enumerate(ms):
             k.pod(f"worker-{i}", m)
         k.slice("workers", {"worker-0": True, "worker-1": True})
-        k.slice("kvroute-frontend-sync-x", {"fe-a": True, "fe-b": True}, labels={"kvroute.io/role": "frontend"},
-                addresses={"fe-a": "127.0.0.1", "fe-b": "127.0.0.2"}, ports=[{"name": "replica-sync", "port": port}])
+        k.slice(
+            "kvroute-frontend-sync-x",
+            {"fe-a": True, "fe-b": True},
+            labels={"kvroute.io/role": "frontend"},
+            addresses={"fe-a": "127.0.0.1", "fe-b": "127.0.0.2"},
+            ports=[{"name": "replica-sync", "port": port}],
+        )
         fes = []
         for name, host in (("fe-a", "127.0.0.1"), ("fe-b", "127.0.0.2")):
-            fes.append(start_frontend(["--router-mode", "kv", "--router-replica-sync", "--replica-sync-bind", f"tcp://{host}:{port}",
-                                       "--discovery", "kubernetes", "--discovery-namespace", NS], stack,
-                                      env={"KUBECONFIG": kubeconfig, "KUBERNETES_SERVICE_HOST": "", "POD_NAME": name}))
+            fes.append(
+                start_frontend(
+                    [
+                        "--router-mode",
+                        "kv",
+                        "--router-replica-sync",
+                        "--replica-sync-bind",
+                        f"tcp://{host}:{port}",
+                        "--discovery",
+                        "kubernetes",
+                        "--discovery-namespace",
+                        NS,
+                    ],
+                    stack,
+                    env={"KUBECONFIG": kubeconfig, "KUBERNETES_SERVICE_HOST": "", "POD_NAME": name},
+                )
+            )
         a, b = fes
         wait_ready(ms, fes)
         for fe in fes:
@@ -178,6 +246,11 @@ def test_frontend_replicas_find_each_other_through_the_sync_service(api) -> None
 
         wait_until(views_converge, WAIT, what="B to see A's in-flight request")
         # B's pod stops being ready: A disconnects from it
-        k.slice("kvroute-frontend-sync-x", {"fe-a": True, "fe-b": False}, labels={"kvroute.io/role": "frontend"},
-                addresses={"fe-a": "127.0.0.1", "fe-b": "127.0.0.2"}, ports=[{"name": "replica-sync", "port": port}])
+        k.slice(
+            "kvroute-frontend-sync-x",
+            {"fe-a": True, "fe-b": False},
+            labels={"kvroute.io/role": "frontend"},
+            addresses={"fe-a": "127.0.0.1", "fe-b": "127.0.0.2"},
+            ports=[{"name": "replica-sync", "port": port}],
+        )
         wait_until(lambda: a.http.get("/peers").json() == [], WAIT, what="A to drop B")

@@ -26,10 +26,27 @@ class Mock:
     def __init__(self, stack: contextlib.ExitStack, *extra: str) -> None:
         self.port, self.events = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
-        stack.enter_context(service(
-            ["-m", "mocker", "--host", "127.0.0.1", "--port", str(self.port), "--kv-events-endpoint",
-             f"tcp://127.0.0.1:{self.events}", "--replay-endpoint", "", "--num-gpu-blocks", "1024", *extra],
-            ready_url=self.url + "/health", timeout=START))
+        stack.enter_context(
+            service(
+                [
+                    "-m",
+                    "mocker",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--kv-events-endpoint",
+                    f"tcp://127.0.0.1:{self.events}",
+                    "--replay-endpoint",
+                    "",
+                    "--num-gpu-blocks",
+                    "1024",
+                    *extra,
+                ],
+                ready_url=self.url + "/health",
+                timeout=START,
+            )
+        )
 
     def spec(self, wid: int, *extra: str) -> str:
         return ",".join([f"id={wid}", f"url={self.url}", f"kv_events_endpoint=tcp://127.0.0.1:{self.events}", *extra])
@@ -43,8 +60,20 @@ class Mock:
 def frontend(stack: contextlib.ExitStack, workers: list[str]) -> str:
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv",
-            "--health-check-interval", "0.5", "--log-level", "warning"]
+    args = [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--router-mode",
+        "kv",
+        "--health-check-interval",
+        "0.5",
+        "--log-level",
+        "warning",
+    ]
     for w in workers:
         args += ["--worker", w]
     stack.enter_context(service(args, ready_url=url + "/health", timeout=START))
@@ -58,13 +87,21 @@ def cluster():
         agg = frontend(stack, [vllm_like.spec(1), sglang_like.spec(2), declared.spec(3, "engine=sglang")])
         disagg = frontend(stack, [sglang_like.spec(12, "role=prefill"), vllm_like.spec(11, "role=decode")])
         for url, n in ((agg, 3), (disagg, 2)):
-            wait_until(lambda: sum(w["healthy"] for w in httpx.get(url + "/admin/workers", timeout=10).json()["workers"]) == n,
-                       timeout=60, what="workers healthy")
+            wait_until(
+                lambda: sum(w["healthy"] for w in httpx.get(url + "/admin/workers", timeout=10).json()["workers"]) == n,
+                timeout=60,
+                what="workers healthy",
+            )
         yield SimpleNamespace(agg=agg, disagg=disagg, vllm_like=vllm_like, sglang_like=sglang_like, declared=declared)
 
 
 def chat(url: str, headers: dict[str, str], stream: bool = False, nvext: dict | None = None) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "priorities, please"}], "max_tokens": 3, "stream": stream}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "priorities, please"}],
+        "max_tokens": 3,
+        "stream": stream,
+    }
     if nvext is not None:
         body["nvext"] = nvext
     r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
@@ -116,7 +153,9 @@ def _worker(engine_spec: str | None, detected: str, low_first: bool | None = Non
     raw = {"id": 1, "url": "http://127.0.0.1:1"}
     if engine_spec is not None:
         raw["engine"] = engine_spec
-    return SimpleNamespace(spec=WorkerSpec.from_mapping(raw), capacity=EngineCapacity(engine=detected, low_priority_first=low_first))
+    return SimpleNamespace(
+        spec=WorkerSpec.from_mapping(raw), capacity=EngineCapacity(engine=detected, low_priority_first=low_first)
+    )
 
 
 def test_for_worker_rewrites_only_for_higher_first_engines():
@@ -130,7 +169,9 @@ def test_for_worker_rewrites_only_for_higher_first_engines():
     assert orjson.loads(for_worker(body, hints, _worker(None, "sglang")))["priority"] == 4
     assert orjson.loads(for_worker(body, hints, _worker("sglang", "mocker")))["priority"] == 4
     assert for_worker(body, hints, _worker("vllm", "sglang")) is body  # the spec overrides detection both ways
-    assert for_worker(body, hints, _worker(None, "sglang", low_first=True)) is body  # --schedule-low-priority-values-first
+    assert (
+        for_worker(body, hints, _worker(None, "sglang", low_first=True)) is body
+    )  # --schedule-low-priority-values-first
 
 
 def test_engine_spec_key_is_validated():

@@ -9,8 +9,15 @@ import threading
 import orjson
 import pytest
 
-from frontend.capacity import (EngineCapacity, apply_metrics, apply_models, apply_sglang_server_info, apply_vllm_server_info,
-                               engine_kind, unknown_capacity_message)
+from frontend.capacity import (
+    EngineCapacity,
+    apply_metrics,
+    apply_models,
+    apply_sglang_server_info,
+    apply_vllm_server_info,
+    engine_kind,
+    unknown_capacity_message,
+)
 from frontend.unary_stream import UnaryAssembler, convertible, streaming_body
 from kvroute_common.openai_api import OpenAIError, responses_to_chat
 from kvroute_common.tokenize_offload import TokenizeOffload, prompt_chars
@@ -25,27 +32,58 @@ def test_chat_stream_reassembles_text_reasoning_tool_calls_logprobs_and_usage() 
     base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m"}
     lp = lambda t: {"content": [{"token": t, "logprob": -0.5, "bytes": None, "top_logprobs": []}]}  # noqa: E731
     data = _sse(
-        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]},
+        {
+            **base,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        },
         {**base, "choices": [{"index": 0, "delta": {"reasoning_content": "think"}, "finish_reason": None}]},
         {**base, "choices": [{"index": 0, "delta": {"content": "Hel"}, "logprobs": lp("Hel"), "finish_reason": None}]},
         {**base, "choices": [{"index": 0, "delta": {"content": "lo"}, "logprobs": lp("lo"), "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-                                                                     "function": {"name": "get", "arguments": "{\"a\""}}]}}]},
+        {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "get", "arguments": '{"a"'},
+                            }
+                        ]
+                    },
+                }
+            ],
+        },
         {**base, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}}]},
         {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls", "stop_reason": None}]},
-        {**base, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
-                                          "prompt_tokens_details": {"cached_tokens": 4}}},
+        {
+            **base,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 5,
+                "completion_tokens": 6,
+                "total_tokens": 11,
+                "prompt_tokens_details": {"cached_tokens": 4},
+            },
+        },
     )
     asm = UnaryAssembler(chat=True)
     # fed in awkward pieces: events split across reads
-    counts = [asm.feed(data[i:i + 37]) for i in range(0, len(data), 37)]
+    counts = [asm.feed(data[i : i + 37]) for i in range(0, len(data), 37)]
     assert sum(counts) == 6 and asm.first_token and asm.done and asm.error is None
     body = orjson.loads(asm.body())
     assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-1" and body["created"] == 7
     (choice,) = body["choices"]
     msg = choice["message"]
     assert msg["content"] == "Hello" and msg["reasoning_content"] == "think" and msg["role"] == "assistant"
-    assert msg["tool_calls"] == [{"id": "call_1", "type": "function", "function": {"name": "get", "arguments": "{\"a\": 1}"}}]
+    assert msg["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}
+    ]
     assert [t["token"] for t in choice["logprobs"]["content"]] == ["Hel", "lo"]
     assert choice["finish_reason"] == "tool_calls" and choice["stop_reason"] is None
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 and asm.completion_tokens == 6
@@ -54,14 +92,36 @@ def test_chat_stream_reassembles_text_reasoning_tool_calls_logprobs_and_usage() 
 def test_completion_stream_reassembles_choices_and_stop_reason() -> None:
     base = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
     asm = UnaryAssembler(chat=False)
-    asm.feed(_sse(
-        {**base, "choices": [{"index": 1, "text": "b", "logprobs": None, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0]}, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "text": "!", "logprobs": {"tokens": ["!"], "token_logprobs": [-2.0]},
-                              "finish_reason": "stop", "stop_reason": "END"}]},
-        {**base, "choices": [{"index": 1, "text": "", "finish_reason": "length", "stop_reason": None}]},
-        {**base, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}},
-    ))
+    asm.feed(
+        _sse(
+            {**base, "choices": [{"index": 1, "text": "b", "logprobs": None, "finish_reason": None}]},
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "a",
+                        "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0]},
+                        "finish_reason": None,
+                    }
+                ],
+            },
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "!",
+                        "logprobs": {"tokens": ["!"], "token_logprobs": [-2.0]},
+                        "finish_reason": "stop",
+                        "stop_reason": "END",
+                    }
+                ],
+            },
+            {**base, "choices": [{"index": 1, "text": "", "finish_reason": "length", "stop_reason": None}]},
+            {**base, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}},
+        )
+    )
     body = orjson.loads(asm.body())
     assert [c["index"] for c in body["choices"]] == [0, 1]
     c0, c1 = body["choices"]
@@ -82,10 +142,12 @@ def test_error_event_and_conversion_rules() -> None:
 
 
 def test_capacity_from_vllm_metrics_and_server_info() -> None:
-    text = ('# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n'
-            'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
-            'gpu_memory_utilization="0.9",num_gpu_blocks="31000",num_gpu_blocks_override="None"} 1.0\n'
-            'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n')
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+        'gpu_memory_utilization="0.9",num_gpu_blocks="31000",num_gpu_blocks_override="None"} 1.0\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+    )
     assert engine_kind(text) == "vllm"
     cap = EngineCapacity()
     apply_models(cap, {"data": [{"id": "m", "owned_by": "vllm", "max_model_len": 4096}]})
@@ -94,24 +156,53 @@ def test_capacity_from_vllm_metrics_and_server_info() -> None:
     assert cap.unknown == ["max_num_batched_tokens"]
     msg = unknown_capacity_message(7, cap)
     assert "worker 7 (vllm) does not expose max_num_batched_tokens" in msg and "VLLM_SERVER_DEV_MODE" in msg
-    apply_vllm_server_info(cap, {"vllm_config": {"scheduler_config": {"max_num_batched_tokens": 2048, "max_num_seqs": 128},
-                                                 "cache_config": {"block_size": 32}}})
-    assert cap.unknown == [] and cap.values["max_num_batched_tokens"] == 2048 and cap.values["block_size"] == 16  # first source wins
-    assert cap.sources["max_num_batched_tokens"] == "/server_info" and cap.sources["block_size"] == "vllm:cache_config_info"
+    apply_vllm_server_info(
+        cap,
+        {
+            "vllm_config": {
+                "scheduler_config": {"max_num_batched_tokens": 2048, "max_num_seqs": 128},
+                "cache_config": {"block_size": 32},
+            }
+        },
+    )
+    assert (
+        cap.unknown == [] and cap.values["max_num_batched_tokens"] == 2048 and cap.values["block_size"] == 16
+    )  # first source wins
+    assert (
+        cap.sources["max_num_batched_tokens"] == "/server_info"
+        and cap.sources["block_size"] == "vllm:cache_config_info"
+    )
 
 
 def test_capacity_from_sglang_server_info_and_config_first() -> None:
     cap = EngineCapacity()
     cap.set("max_num_batched_tokens", 999, "config")
-    apply_sglang_server_info(cap, {"page_size": 64, "chunked_prefill_size": -1, "max_prefill_tokens": 16384,
-                                   "max_running_requests": 32, "context_length": 32768,
-                                   "internal_states": [{"max_total_num_tokens": 640000}]})
+    apply_sglang_server_info(
+        cap,
+        {
+            "page_size": 64,
+            "chunked_prefill_size": -1,
+            "max_prefill_tokens": 16384,
+            "max_running_requests": 32,
+            "context_length": 32768,
+            "internal_states": [{"max_total_num_tokens": 640000}],
+        },
+    )
     assert cap.engine == "sglang"
-    assert cap.values == {"max_num_batched_tokens": 999, "block_size": 64, "num_gpu_blocks": 10000, "max_num_seqs": 32,
-                          "max_model_len": 32768}
+    assert cap.values == {
+        "max_num_batched_tokens": 999,
+        "block_size": 64,
+        "num_gpu_blocks": 10000,
+        "max_num_seqs": 32,
+        "max_model_len": 32768,
+    }
     cap2 = EngineCapacity()
     apply_sglang_server_info(cap2, {"page_size": 1, "max_total_num_tokens": 5000, "chunked_prefill_size": 8192})
-    assert (cap2.values["block_size"], cap2.values["num_gpu_blocks"], cap2.values["max_num_batched_tokens"]) == (1, 5000, 8192)
+    assert (cap2.values["block_size"], cap2.values["num_gpu_blocks"], cap2.values["max_num_batched_tokens"]) == (
+        1,
+        5000,
+        8192,
+    )
     assert engine_kind('kvroute_mocker_info{model_name="m",tokenizer="builtin"} 1.0\nvllm:x 1\n') == "mocker"
 
 
@@ -119,7 +210,11 @@ def test_gil_free_encode_gives_the_same_ids_and_refuses_long_prompts() -> None:
     tok = load_tokenizer(None)
     enc = prompt_encoder(tok)
     text = "Hello  world!\n\n<|im_start|>ünï ☃ code() " * 50
-    assert enc.encode(text, nogil=True) == enc.encode(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert (
+        enc.encode(text, nogil=True)
+        == enc.encode(text)
+        == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    )
     assert enc.encode(text, add_special_tokens=True, nogil=True) == enc.encode(text, add_special_tokens=True)
     body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]}
     ids = chat_request_token_ids(tok, body)
@@ -153,17 +248,53 @@ def test_offload_runs_long_prompts_on_a_thread_and_short_ones_inline() -> None:
 
 
 def test_prompt_chars_and_responses_to_chat() -> None:
-    assert prompt_chars({"messages": [{"role": "user", "content": "abc"}, {"role": "user", "content": [{"type": "text", "text": "de"}]},
-                                      {"role": "assistant", "content": None}]}) == 5
-    assert prompt_chars({"prompt": "abcd"}) == 4 and prompt_chars({"prompt": ["ab"]}) == 2 and prompt_chars({"prompt": [1, 2, 3]}) == 0
-    assert prompt_chars({"input": [{"role": "user", "content": [{"type": "input_text", "text": "xyz"}]}], "instructions": "ab"}) == 5
-    chat = responses_to_chat({"instructions": "sys", "input": [
-        {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "c"}]}, "d"]})
-    assert chat == {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "a\nb"},
-                                 {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]}
-    for bad in ({"input": []}, {"input": [{"type": "function_call"}]}, {"input": "x", "instructions": 3},
-                {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}):
+    assert (
+        prompt_chars(
+            {
+                "messages": [
+                    {"role": "user", "content": "abc"},
+                    {"role": "user", "content": [{"type": "text", "text": "de"}]},
+                    {"role": "assistant", "content": None},
+                ]
+            }
+        )
+        == 5
+    )
+    assert (
+        prompt_chars({"prompt": "abcd"}) == 4
+        and prompt_chars({"prompt": ["ab"]}) == 2
+        and prompt_chars({"prompt": [1, 2, 3]}) == 0
+    )
+    assert (
+        prompt_chars(
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": "xyz"}]}], "instructions": "ab"}
+        )
+        == 5
+    )
+    chat = responses_to_chat(
+        {
+            "instructions": "sys",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "c"}]},
+                "d",
+            ],
+        }
+    )
+    assert chat == {
+        "messages": [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "a\nb"},
+            {"role": "assistant", "content": "c"},
+            {"role": "user", "content": "d"},
+        ]
+    }
+    for bad in (
+        {"input": []},
+        {"input": [{"type": "function_call"}]},
+        {"input": "x", "instructions": 3},
+        {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+    ):
         with pytest.raises(OpenAIError) as err:
             responses_to_chat(bad)
         assert err.value.status == 400

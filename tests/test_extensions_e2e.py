@@ -51,15 +51,43 @@ class Mocker:
 
 
 @contextlib.contextmanager
-def run_mocker(worker_id: int, model: str = MODEL, dp: int = 1, max_num_seqs: int = 256, speedup: float = 1.0,
-               block_size: int = BLOCK, extra: tuple[str, ...] = ()) -> Iterator[Mocker]:
+def run_mocker(
+    worker_id: int,
+    model: str = MODEL,
+    dp: int = 1,
+    max_num_seqs: int = 256,
+    speedup: float = 1.0,
+    block_size: int = BLOCK,
+    extra: tuple[str, ...] = (),
+) -> Iterator[Mocker]:
     port = free_port()
     base = free_port_block(2 * dp)
     args = [
-        "-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", model,
-        "--block-size", str(block_size), "--num-gpu-blocks", "4096", "--max-num-seqs", str(max_num_seqs),
-        "--data-parallel-size", str(dp), "--speedup-ratio", str(speedup), "--seed", str(worker_id),
-        "--kv-events-endpoint", f"tcp://127.0.0.1:{base}", "--replay-endpoint", f"tcp://127.0.0.1:{base + dp}", *extra,
+        "-m",
+        "mocker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        model,
+        "--block-size",
+        str(block_size),
+        "--num-gpu-blocks",
+        "4096",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--data-parallel-size",
+        str(dp),
+        "--speedup-ratio",
+        str(speedup),
+        "--seed",
+        str(worker_id),
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{base}",
+        "--replay-endpoint",
+        f"tcp://127.0.0.1:{base + dp}",
+        *extra,
     ]
     url = f"http://127.0.0.1:{port}"
     with service(args, ready_url=f"{url}/v1/models", timeout=90):
@@ -69,8 +97,19 @@ def run_mocker(worker_id: int, model: str = MODEL, dp: int = 1, max_num_seqs: in
 @contextlib.contextmanager
 def run_frontend(workers: list[str], models: list[str], *extra: str) -> Iterator[str]:
     port = free_port()
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv",
-            "--health-check-interval", "0.5", *extra]
+    args = [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--router-mode",
+        "kv",
+        "--health-check-interval",
+        "0.5",
+        *extra,
+    ]
     for w in workers:
         args += ["--worker", w]
     url = f"http://127.0.0.1:{port}"
@@ -93,8 +132,13 @@ def mockers():
 @pytest.fixture(scope="module")
 def ext(mockers):
     """Frontend with session affinity and output-block tracking."""
-    with run_frontend([m.spec() for m in mockers.values()], [MODEL, PRIO_MODEL],
-                      "--router-session-affinity-ttl-secs", str(SESSION_TTL), "--router-track-output-blocks") as url:
+    with run_frontend(
+        [m.spec() for m in mockers.values()],
+        [MODEL, PRIO_MODEL],
+        "--router-session-affinity-ttl-secs",
+        str(SESSION_TTL),
+        "--router-track-output-blocks",
+    ) as url:
         yield url
 
 
@@ -109,8 +153,10 @@ def plain(mockers):
 # helpers
 # ---------------------------------------------------------------------------------------------
 
-_WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+_WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 
 
 def words(n: int, seed: object = None) -> str:
@@ -143,7 +189,9 @@ def landed(resp: httpx.Response) -> tuple[int, int]:
     return info["decode_worker_id"], rank
 
 
-def route(url: str, headers: dict | None = None, nvext: dict | None = None, content: str | None = None) -> tuple[int, int]:
+def route(
+    url: str, headers: dict | None = None, nvext: dict | None = None, content: str | None = None
+) -> tuple[int, int]:
     ext = dict(WANT_WORKER)
     ext.update(nvext or {})
     return landed(post(url, chat_body(content, nvext=ext), headers))
@@ -255,21 +303,32 @@ def test_invalid_nvext_is_a_400_and_nothing_is_booked(ext):
     assert "session" in openai_error(r, 400)
     text = scrape(ext)
     for w, rank in ((1, 0), (2, 0), (2, 1)):
-        assert (metric(text, "dynamo_frontend_worker_active_prefill_tokens", worker_id=str(w), dp_rank=str(rank)) or 0) == 0
+        assert (
+            metric(text, "dynamo_frontend_worker_active_prefill_tokens", worker_id=str(w), dp_rank=str(rank)) or 0
+        ) == 0
 
 
 def test_response_nvext_timing_and_worker_id(ext):
     r = post(ext, chat_body(nvext={"extra_fields": ["worker_id", "timing"], "backend_instance_id": 2, "dp_rank": 1}))
     assert r.status_code == 200, r.text
     ext_obj = r.json()["nvext"]
-    assert ext_obj["worker_id"] == {"prefill_worker_id": 2, "prefill_dp_rank": 1, "decode_worker_id": 2, "decode_dp_rank": 1}
+    assert ext_obj["worker_id"] == {
+        "prefill_worker_id": 2,
+        "prefill_dp_rank": 1,
+        "decode_worker_id": 2,
+        "decode_dp_rank": 1,
+    }
     t = ext_obj["timing"]
     assert t["ttft_ms"] >= 0 and t["total_time_ms"] >= t["ttft_ms"] and t["request_received_ms"] > 1.6e12
     assert 0.0 <= t["kv_hit_rate"] <= 1.0
     # streaming: the nvext object rides on the final chunk
     chunks = []
-    with httpx.stream("POST", f"{ext}/v1/chat/completions", timeout=60,
-                      json=chat_body(stream=True, nvext={"extra_fields": ["worker_id", "timing"], "backend_instance_id": 1})) as s:
+    with httpx.stream(
+        "POST",
+        f"{ext}/v1/chat/completions",
+        timeout=60,
+        json=chat_body(stream=True, nvext={"extra_fields": ["worker_id", "timing"], "backend_instance_id": 1}),
+    ) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 chunks.append(httpx.Response(200, content=line[6:]).json())
@@ -285,16 +344,25 @@ def test_response_nvext_timing_and_worker_id(ext):
 def test_nvext_is_not_forwarded_to_the_worker(ext, mockers):
     # the mocker (like vLLM) would reject or ignore it; the frontend must strip it: a request carrying
     # every routing field still succeeds and lands where pinned
-    r = post(ext, chat_body(nvext={"backend_instance_id": 1, "agent_hints": {"osl": 10, "priority": 1}, "extra_fields": ["worker_id"]}))
+    r = post(
+        ext,
+        chat_body(
+            nvext={"backend_instance_id": 1, "agent_hints": {"osl": 10, "priority": 1}, "extra_fields": ["worker_id"]}
+        ),
+    )
     assert landed(r) == (1, 0)
 
 
 def test_busy_pinned_worker_is_529(plain):
     try:
-        r = httpx.post(f"{plain}/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 0.0001}, timeout=10)
+        r = httpx.post(
+            f"{plain}/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 0.0001}, timeout=10
+        )
         assert r.status_code == 200, r.text
         body = chat_body(max_tokens=2000, stream=True, ignore_eos=True)
-        with httpx.stream("POST", f"{plain}/v1/chat/completions", json=body, headers={"x-dynamo-worker-instance-id": "1"}, timeout=60) as s:
+        with httpx.stream(
+            "POST", f"{plain}/v1/chat/completions", json=body, headers={"x-dynamo-worker-instance-id": "1"}, timeout=60
+        ) as s:
             lines = s.iter_lines()
             next(lines)  # streaming: worker 1 now holds decode blocks
             wait_until(lambda: decode_blocks(plain, 1) > 0, timeout=20, what="worker 1 to carry decode load")
@@ -302,8 +370,11 @@ def test_busy_pinned_worker_is_529(plain):
             assert "busy" in openai_error(r, 529).lower()
             assert post(plain, chat_body(), {"x-dynamo-worker-instance-id": "2"}).status_code == 200
         # the stream is closed: worker 1 is free again
-        wait_until(lambda: post(plain, chat_body(), {"x-dynamo-worker-instance-id": "1"}).status_code == 200,
-                   timeout=30, what="worker 1 to accept pinned requests again")
+        wait_until(
+            lambda: post(plain, chat_body(), {"x-dynamo-worker-instance-id": "1"}).status_code == 200,
+            timeout=30,
+            what="worker 1 to accept pinned requests again",
+        )
     finally:
         httpx.post(f"{plain}/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 1.0}, timeout=10)
 
@@ -348,20 +419,33 @@ def test_binding_beats_pin_headers_then_expires_after_idle_ttl(ext):
     sid = f"sess-{uuid.uuid4()}"
     assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "1"}) == (1, 0)
     # bound: headers are only a proposal when no binding exists
-    assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2", "x-dynamo-dp-rank": "1"}) == (1, 0)
+    assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2", "x-dynamo-dp-rank": "1"}) == (
+        1,
+        0,
+    )
     idle_from = time.monotonic()
     # the TTL is the thing under test: let it run out (idle, no request of this session)
-    wait_until(lambda: time.monotonic() - idle_from > SESSION_TTL + 1.0, timeout=SESSION_TTL + 5, interval=0.1, what="idle TTL")
-    assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2", "x-dynamo-dp-rank": "1"}) == (2, 1)
+    wait_until(
+        lambda: time.monotonic() - idle_from > SESSION_TTL + 1.0, timeout=SESSION_TTL + 5, interval=0.1, what="idle TTL"
+    )
+    assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2", "x-dynamo-dp-rank": "1"}) == (
+        2,
+        1,
+    )
     # and the new binding holds
     assert route(ext, {"x-dynamo-session-id": sid}) == (2, 1)
 
 
 def test_live_request_keeps_the_binding_past_the_ttl(ext):
     sid = f"sess-{uuid.uuid4()}"
-    assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2", "x-dynamo-dp-rank": "0"}) == (2, 0)
+    assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2", "x-dynamo-dp-rank": "0"}) == (
+        2,
+        0,
+    )
     body = chat_body(max_tokens=4000, stream=True, ignore_eos=True)
-    with httpx.stream("POST", f"{ext}/v1/chat/completions", json=body, headers={"x-dynamo-session-id": sid}, timeout=60) as s:
+    with httpx.stream(
+        "POST", f"{ext}/v1/chat/completions", json=body, headers={"x-dynamo-session-id": sid}, timeout=60
+    ) as s:
         started = time.monotonic()
         for _ in s.iter_lines():  # keep reading the live stream well past the idle TTL
             if time.monotonic() - started > SESSION_TTL + 1.0:
@@ -376,15 +460,21 @@ def test_binding_is_dropped_when_its_worker_goes_away(ext, mockers):
     r = httpx.post(f"{ext}/admin/workers", json={"id": extra_id, "url": mockers[1].url}, timeout=30)
     assert r.status_code in (200, 201), r.text
     try:
-        wait_until(lambda: post(ext, chat_body(), {"x-dynamo-worker-instance-id": str(extra_id)}).status_code == 200,
-                   timeout=30, what="the extra worker to serve")
+        wait_until(
+            lambda: post(ext, chat_body(), {"x-dynamo-worker-instance-id": str(extra_id)}).status_code == 200,
+            timeout=30,
+            what="the extra worker to serve",
+        )
         sid = f"sess-{uuid.uuid4()}"
         assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": str(extra_id)}) == (extra_id, 0)
         assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2"})[0] == extra_id
     finally:
         assert httpx.delete(f"{ext}/admin/workers/{extra_id}", timeout=30).status_code == 200
     # the binding went with the worker: the session routes again (here: to the proposed pin)
-    assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2", "x-dynamo-dp-rank": "1"}) == (2, 1)
+    assert route(ext, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "2", "x-dynamo-dp-rank": "1"}) == (
+        2,
+        1,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +494,7 @@ def test_priority_reaches_the_worker(ext, mockers):
     async def main() -> list[str]:
         done: list[str] = []
         async with httpx.AsyncClient(base_url=ext, timeout=120) as client:
+
             async def req(name: str, max_tokens: int, priority: int | None, header: bool = False) -> None:
                 nv = {"agent_hints": {"priority": priority}} if (priority is not None and not header) else None
                 hdr = {"x-dynamo-request-priority": str(priority)} if header else {}
@@ -416,11 +507,20 @@ def test_priority_reaches_the_worker(ext, mockers):
 
             loop = asyncio.get_running_loop()
             blocker = asyncio.create_task(req("blocker", 600, None))
-            await loop.run_in_executor(None, lambda: wait_until(lambda: metric(httpx.get(f"{w3}/metrics", timeout=5).text, "vllm:num_requests_running") == 1, timeout=30, what="blocker running"))
+            await loop.run_in_executor(
+                None,
+                lambda: wait_until(
+                    lambda: metric(httpx.get(f"{w3}/metrics", timeout=5).text, "vllm:num_requests_running") == 1,
+                    timeout=30,
+                    what="blocker running",
+                ),
+            )
             low = asyncio.create_task(req("low", 3, -5))
             await loop.run_in_executor(None, lambda: wait_until(lambda: waiting() >= 1, timeout=30, what="low waiting"))
             high = asyncio.create_task(req("high", 3, 10, header=True))
-            await loop.run_in_executor(None, lambda: wait_until(lambda: waiting() >= 2, timeout=30, what="high waiting"))
+            await loop.run_in_executor(
+                None, lambda: wait_until(lambda: waiting() >= 2, timeout=30, what="high waiting")
+            )
             assert "blocker" not in done, "blocker finished too early for the test to mean anything"
             await asyncio.gather(blocker, low, high)
         return done
@@ -441,7 +541,13 @@ def _decode_growth(url: str, worker: int, tokens_to_read: int, osl: int | None =
     body = chat_body(max_tokens=tokens_to_read + 200, stream=True, ignore_eos=True, nvext=nv)
     if nv is None:
         body.pop("nvext")
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"x-dynamo-worker-instance-id": str(worker)}, timeout=120) as s:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json=body,
+        headers={"x-dynamo-worker-instance-id": str(worker)},
+        timeout=120,
+    ) as s:
         n = 0
         first = None
         for line in s.iter_lines():
@@ -463,7 +569,9 @@ def test_output_tracking_grows_decode_load_as_tokens_stream(ext, plain):
     c_start, c_later = _decode_growth(plain, 1, 240)
     assert c_later == c_start, (c_start, c_later)
     # loads return to zero once the streams are over
-    wait_until(lambda: decode_blocks(ext, 1) == 0 and decode_blocks(plain, 1) == 0, timeout=30, what="decode load to drain")
+    wait_until(
+        lambda: decode_blocks(ext, 1) == 0 and decode_blocks(plain, 1) == 0, timeout=30, what="decode load to drain"
+    )
 
 
 def test_osl_decay_shrinks_tracked_output_load(ext):
@@ -531,8 +639,10 @@ def _decode_load_of_two_identical_streams(url: str, content: str) -> float:
     """Decode load on worker 1 while two streams with the prompt ``content`` run there."""
     body = chat_body(content, max_tokens=5000, stream=True, ignore_eos=True)
     hdr = {"x-dynamo-worker-instance-id": "1"}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as a, \
-         httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as b:
+    with (
+        httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as a,
+        httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=hdr, timeout=60) as b,
+    ):
         assert a.status_code == 200 and b.status_code == 200, (a.status_code, b.status_code)
         la, lb = a.iter_lines(), b.iter_lines()
         first = next(la), next(lb)  # both streaming

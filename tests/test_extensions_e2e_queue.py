@@ -40,9 +40,28 @@ def prompt(n_words: int) -> str:
 def queue_mocker():
     port = free_port()
     base = free_port_block(2)
-    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", Q_MODEL,
-            "--block-size", "16", "--max-num-batched-tokens", "8192", "--max-num-seqs", "1", "--seed", "7",
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{base}", "--replay-endpoint", f"tcp://127.0.0.1:{base + 1}"]
+    args = [
+        "-m",
+        "mocker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        Q_MODEL,
+        "--block-size",
+        "16",
+        "--max-num-batched-tokens",
+        "8192",
+        "--max-num-seqs",
+        "1",
+        "--seed",
+        "7",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{base}",
+        "--replay-endpoint",
+        f"tcp://127.0.0.1:{base + 1}",
+    ]
     url = f"http://127.0.0.1:{port}"
     with service(args, ready_url=f"{url}/v1/models", timeout=90):
         yield f"id=7,url={url},max_num_batched_tokens=8192,kv_events_endpoint=tcp://127.0.0.1:{base},replay_endpoint=tcp://127.0.0.1:{base + 1}"
@@ -51,8 +70,22 @@ def queue_mocker():
 @contextlib.contextmanager
 def queue_frontend(worker_spec: str, policy: str) -> Iterator[str]:
     port = free_port()
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv",
-            "--router-queue-threshold", "0.001", "--router-queue-policy", policy, "--worker", worker_spec]
+    args = [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--router-mode",
+        "kv",
+        "--router-queue-threshold",
+        "0.001",
+        "--router-queue-policy",
+        policy,
+        "--worker",
+        worker_spec,
+    ]
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -78,7 +111,9 @@ class Driver:
         self.done: list[str] = []
         self.status: dict[str, int] = {}
 
-    async def request(self, name: str, n_words: int = 20, nvext: dict | None = None, headers: dict | None = None) -> None:
+    async def request(
+        self, name: str, n_words: int = 20, nvext: dict | None = None, headers: dict | None = None
+    ) -> None:
         body = {"model": Q_MODEL, "prompt": prompt(n_words), "max_tokens": 1}
         if nvext:
             body["nvext"] = nvext
@@ -136,8 +171,10 @@ class Driver:
         return await self.depth() == n
 
     async def _idle(self) -> bool:
-        return (await self._sum("dynamo_frontend_worker_active_prefill_tokens") == 0
-                and await self._sum("dynamo_frontend_worker_active_decode_blocks") == 0)
+        return (
+            await self._sum("dynamo_frontend_worker_active_prefill_tokens") == 0
+            and await self._sum("dynamo_frontend_worker_active_decode_blocks") == 0
+        )
 
 
 def run_queue(url: str, specs: list[tuple[str, dict]]) -> list[str]:

@@ -83,7 +83,13 @@ def test_every_nvext_field_is_read():
     )
     assert (h.backend_instance_id, h.prefill_worker_id, h.decode_worker_id) == (11, 12, 13)
     assert (h.dp_rank, h.prefill_dp_rank) == (2, 1)
-    assert (h.priority, h.strict_priority, h.osl, h.speculative_prefill, h.latency_sensitivity) == (5, 2, 256, True, 1.5)
+    assert (h.priority, h.strict_priority, h.osl, h.speculative_prefill, h.latency_sensitivity) == (
+        5,
+        2,
+        256,
+        True,
+        1.5,
+    )
     assert h.want_worker_id and h.want_timing  # unknown extra_fields items are ignored, not errors
     assert h.cache_salt == "tenant-a" and h.token_data == [1, 2, 3] and h.greed_sampling is True
     assert h.annotations == ["formatted_prompt"] and h.max_thinking_tokens == 64
@@ -133,7 +139,9 @@ def test_nvext_that_is_not_an_object_is_a_400(value):
 
 
 def test_u64_and_u32_edges_are_accepted():
-    h = parse({"backend_instance_id": U64_MAX, "dp_rank": U32_MAX - 1, "agent_hints": {"priority": -(2**31), "osl": U32_MAX}})
+    h = parse(
+        {"backend_instance_id": U64_MAX, "dp_rank": U32_MAX - 1, "agent_hints": {"priority": -(2**31), "osl": U32_MAX}}
+    )
     assert h.backend_instance_id == U64_MAX and h.dp_rank == U32_MAX - 1 and h.priority == -(2**31) and h.osl == U32_MAX
 
 
@@ -225,7 +233,15 @@ def test_unparsable_header_values_are_ignored(header, value, attr, body_value):
 
 
 def test_canonical_header_is_read_before_the_alias():
-    h = parse(headers={"x-dynamo-worker-instance-id": "1", "x-worker-instance-id": "2", "x-dynamo-dp-rank": "3", "x-dp-rank": "4", "x-data-parallel-rank": "5"})
+    h = parse(
+        headers={
+            "x-dynamo-worker-instance-id": "1",
+            "x-worker-instance-id": "2",
+            "x-dynamo-dp-rank": "3",
+            "x-dp-rank": "4",
+            "x-data-parallel-rank": "5",
+        }
+    )
     assert h.backend_instance_id == 1 and h.dp_rank == 3
     h = parse(headers={"x-dp-rank": "4", "x-data-parallel-rank": "5"})
     assert h.dp_rank == 4
@@ -239,7 +255,11 @@ def test_plain_mapping_and_pair_list_headers_work_too():
 
 
 def test_disabled_nvext_strips_body_and_ignores_routing_headers_but_keeps_session():
-    h = parse({"backend_instance_id": 3}, {"x-dynamo-worker-instance-id": "4", "x-dynamo-session-id": "s"}, nvext_enabled=False)
+    h = parse(
+        {"backend_instance_id": 3},
+        {"x-dynamo-worker-instance-id": "4", "x-dynamo-session-id": "s"},
+        nvext_enabled=False,
+    )
     assert h.backend_instance_id is None and h.session_id == "s"
     assert parse({"bogus": 1}, nvext_enabled=False) == RequestHints()  # not even validated
 
@@ -269,7 +289,9 @@ def test_engine_priority_polarity():
     assert engine_priority(h, "sglang") == 5
     assert engine_priority(parse(headers={"x-dynamo-request-priority": "-2"})) == 2
     # higher Dynamo priority -> smaller vLLM value -> scheduled first
-    assert engine_priority(parse({"agent_hints": {"priority": 10}})) < engine_priority(parse({"agent_hints": {"priority": 1}}))
+    assert engine_priority(parse({"agent_hints": {"priority": 10}})) < engine_priority(
+        parse({"agent_hints": {"priority": 1}})
+    )
 
 
 # --- session identity ---------------------------------------------------------------------------
@@ -285,7 +307,15 @@ def test_engine_priority_polarity():
         ({"x-dynamo-session-id": "  ", "x-session-id": "oc"}, "oc", None),  # empty ignored
         ({"x-claude-code-session-id": "root"}, "root", None),
         ({"x-claude-code-session-id": "root", "x-claude-code-agent-id": "sub"}, "sub", "root"),
-        ({"x-claude-code-session-id": "root", "x-claude-code-agent-id": "sub", "x-claude-code-parent-agent-id": "mid"}, "sub", "mid"),
+        (
+            {
+                "x-claude-code-session-id": "root",
+                "x-claude-code-agent-id": "sub",
+                "x-claude-code-parent-agent-id": "mid",
+            },
+            "sub",
+            "mid",
+        ),
         ({"thread-id": "codex-1", "x-codex-parent-thread-id": "codex-0"}, "codex-1", "codex-0"),
         ({"x-deepseek-harness-session-id": "ds"}, "ds", None),
         ({"x-session-id": "oc", "x-parent-session-id": "op"}, "oc", "op"),
@@ -321,8 +351,12 @@ def test_response_nvext_only_when_requested():
 
 def test_response_nvext_worker_id_aggregated():
     ext = response_nvext(parse({"extra_fields": ["worker_id"]}), 3, 1, RequestTiming())
-    assert ext == {"worker_id": {"prefill_worker_id": 3, "prefill_dp_rank": 1, "decode_worker_id": 3, "decode_dp_rank": 1}}
-    assert response_nvext(parse({"extra_fields": ["worker_id"]}), 3, None) == {"worker_id": {"prefill_worker_id": 3, "decode_worker_id": 3}}
+    assert ext == {
+        "worker_id": {"prefill_worker_id": 3, "prefill_dp_rank": 1, "decode_worker_id": 3, "decode_dp_rank": 1}
+    }
+    assert response_nvext(parse({"extra_fields": ["worker_id"]}), 3, None) == {
+        "worker_id": {"prefill_worker_id": 3, "decode_worker_id": 3}
+    }
 
 
 def test_response_nvext_timing():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import orjson
-import pytest
 
 from frontend.speculative import SpeculativePrefiller, TurnTextCollector, next_turn_body, strip_thinking
 
@@ -91,7 +90,10 @@ def test_collects_streamed_chat_text_across_split_chunks():
 
 def test_collects_streamed_completion_text():
     c = TurnTextCollector()
-    c.feed_sse(_sse({"choices": [{"index": 0, "text": "a b"}]}) + _sse({"choices": [{"index": 0, "text": " c", "finish_reason": "length"}]}))
+    c.feed_sse(
+        _sse({"choices": [{"index": 0, "text": "a b"}]})
+        + _sse({"choices": [{"index": 0, "text": " c", "finish_reason": "length"}]})
+    )
     assert c.text() == "a b c" and c.finished
 
 
@@ -103,7 +105,11 @@ def test_unfinished_stream_is_not_finished():
 
 def test_collects_non_streaming_bodies():
     c = TurnTextCollector()
-    c.feed_json(orjson.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}]}))
+    c.feed_json(
+        orjson.dumps(
+            {"choices": [{"index": 0, "message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}]}
+        )
+    )
     assert c.text() == "done" and c.finished
     c = TurnTextCollector()
     c.feed_json({"choices": [{"index": 0, "text": "t", "finish_reason": "stop"}]})
@@ -134,7 +140,7 @@ def test_warm_up_is_sent_to_the_same_worker_in_the_background():
         assert spec.in_flight == 1 and sent == []
         gate.set()
         await spec.wait_idle()
-        (body, w, r), = sent
+        ((body, w, r),) = sent
         assert (w, r) == (7, 1) and body["max_tokens"] == 1
         assert body["messages"][-1] == {"role": "assistant", "content": "hello"}
         assert spec.stats() == {"in_flight": 0, "scheduled": 1, "completed": 1, "failed": 0, "dropped": 0}

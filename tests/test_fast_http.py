@@ -14,10 +14,10 @@ import pytest
 import uvicorn
 from starlette.requests import Request
 from starlette.responses import Response
-from support import free_port, wait_until
 
 from kvroute_common.fast_http import FastJsonProtocol, FastJsonRoutes, HeaderCoalescingProtocol, server_config
 from kvroute_common.http import ApiError, decode_json, json_service, raw_json_response, read_json, route
+from support import free_port, wait_until
 
 LIMIT = 1024
 
@@ -48,7 +48,13 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[tuple[str
     """The same app served with FastJsonProtocol (hot routes answered in the protocol) and with
     HeaderCoalescingProtocol (hot routes answered by FastJsonRoutes as ASGI): same behaviour."""
     observed: list[tuple[str, int, float]] = []
-    app = json_service([route("/echo", slow_echo, ["POST"]), route("/slow_echo", slow_echo, ["POST"]), route("/list", listing, ["GET"])])
+    app = json_service(
+        [
+            route("/echo", slow_echo, ["POST"]),
+            route("/slow_echo", slow_echo, ["POST"]),
+            route("/list", listing, ["GET"]),
+        ]
+    )
     wrapped = FastJsonRoutes(app, {"/echo": hot_echo}, LIMIT, observe=lambda *a: observed.append(a))
     port = free_port()
     config = server_config(wrapped, "127.0.0.1", port, lifespan="off", protocol=request.param)
@@ -69,7 +75,9 @@ def base(served: tuple[str, list]) -> str:
     return served[0]
 
 
-def post(base: str, path: str, body: bytes, content_type: str | None = "application/json", **headers: str) -> httpx.Response:
+def post(
+    base: str, path: str, body: bytes, content_type: str | None = "application/json", **headers: str
+) -> httpx.Response:
     if content_type is not None:
         headers["content-type"] = content_type
     return httpx.post(f"{base}{path}", content=body, headers=headers, timeout=10)
@@ -85,14 +93,20 @@ def error_of(r: httpx.Response, status: int) -> str:
 def test_hot_route_answered_before_the_app_with_the_same_checks(served: tuple[str, list]) -> None:
     base, observed = served
     r = post(base, "/echo", b'{"n":5}')
-    assert r.status_code == 200 and r.json() == {"fast": True, "n": 5} and r.headers["content-type"] == "application/json"
+    assert (
+        r.status_code == 200 and r.json() == {"fast": True, "n": 5} and r.headers["content-type"] == "application/json"
+    )
     assert observed and observed[-1][:2] == ("/echo", 200) and observed[-1][2] >= 0
     assert post(base, "/slow_echo", b'{"n":5}').json() == {"fast": False, "n": 5}  # same handler shape via Starlette
     # JSON content types read_json accepts, and nothing else (415 before anything is read)
     assert post(base, "/echo", b'{"n":1}', "application/json; charset=utf-8").status_code == 200
     assert post(base, "/echo", b'{"n":1}', "application/vnd.kv+json").status_code == 200
-    assert error_of(post(base, "/echo", b'{"n":1}', None), 415) == "Expected request with `Content-Type: application/json`"
-    assert error_of(post(base, "/echo", b'{"n":1}', "text/plain"), 415) == error_of(post(base, "/slow_echo", b'{"n":1}', "text/plain"), 415)
+    assert (
+        error_of(post(base, "/echo", b'{"n":1}', None), 415) == "Expected request with `Content-Type: application/json`"
+    )
+    assert error_of(post(base, "/echo", b'{"n":1}', "text/plain"), 415) == error_of(
+        post(base, "/slow_echo", b'{"n":1}', "text/plain"), 415
+    )
     # 400 malformed, 422 wrong shape, handler errors: same messages as the Starlette route
     for body, status in ((b'{"n":', 400), (b'{"n":"x"}', 422), (b"[]", 422)):
         assert error_of(post(base, "/echo", body), status) == error_of(post(base, "/slow_echo", body), status)
@@ -105,7 +119,11 @@ def test_body_limit_413(base: str) -> None:
     assert post(base, "/echo", body + b" " * (LIMIT - len(body))).status_code == 200
     too_big = body + b" " * (LIMIT - len(body) + 1)
     msg = error_of(post(base, "/echo", too_big), 413)
-    assert msg == error_of(post(base, "/slow_echo", too_big), 413) == "Failed to buffer the request body: length limit exceeded"
+    assert (
+        msg
+        == error_of(post(base, "/slow_echo", too_big), 413)
+        == "Failed to buffer the request body: length limit exceeded"
+    )
     # 415 wins over 413 (axum's order)
     error_of(post(base, "/echo", too_big, "text/plain"), 415)
 
@@ -160,9 +178,17 @@ def connect(base: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=10)
 
 
-def hot_request(n: int, extra: bytes = b"", content_type: bytes = b"application/json", version: bytes = b"HTTP/1.1") -> bytes:
+def hot_request(
+    n: int, extra: bytes = b"", content_type: bytes = b"application/json", version: bytes = b"HTTP/1.1"
+) -> bytes:
     body = b'{"n":%d}' % n
-    return b"POST /echo %s\r\nhost: x\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (version, content_type, len(body), extra, body)
+    return b"POST /echo %s\r\nhost: x\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        version,
+        content_type,
+        len(body),
+        extra,
+        body,
+    )
 
 
 def test_keep_alive_and_pipelining_keep_order(base: str) -> None:
@@ -181,8 +207,10 @@ def test_chunked_body_continue_head_and_http10(base: str) -> None:
     body = b'{"n":42}'
     with connect(base) as sock:
         buf = bytearray()
-        sock.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
-                     b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (3, body[:3], len(body) - 3, body[3:]))
+        sock.sendall(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (3, body[:3], len(body) - 3, body[3:])
+        )
         assert read_response(sock, buf)[::2] == (200, b'{"fast":true,"n":42}')
         # Expect: 100-continue: the interim answer comes once the route reads the body
         sock.sendall(hot_request(1, b"expect: 100-continue\r\n"))
@@ -194,7 +222,9 @@ def test_chunked_body_continue_head_and_http10(base: str) -> None:
         assert status == 200 and headers["content-length"] == "7"
         sock.sendall(hot_request(3))
         assert read_response(sock, buf)[::2] == (200, b'{"fast":true,"n":3}')
-    with connect(base) as sock:  # refused before the body is read: final answer only, then close (the body may never come)
+    with connect(
+        base
+    ) as sock:  # refused before the body is read: final answer only, then close (the body may never come)
         buf = bytearray()
         sock.sendall(hot_request(2, b"expect: 100-continue\r\n", content_type=b"text/plain")[:-7])
         status, headers, _ = read_response(sock, buf)
@@ -211,7 +241,10 @@ def test_chunked_body_continue_head_and_http10(base: str) -> None:
 def test_413_closes_and_malformed_is_a_json_400(base: str) -> None:
     with connect(base) as sock:  # declared over the limit: refused at once, connection closed (no draining)
         buf = bytearray()
-        sock.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n{" % (LIMIT + 1))
+        sock.sendall(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n{"
+            % (LIMIT + 1)
+        )
         status, headers, payload = read_response(sock, buf)
         assert status == 413 and headers["connection"] == "close" and b"length limit exceeded" in payload
         assert closed_by_server(sock)

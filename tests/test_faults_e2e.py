@@ -21,18 +21,33 @@ import threading
 from collections.abc import Iterator
 
 import httpx
-import pytest
 import zmq
-from support import free_port_block, free_ports, service, wait_until
 from test_mocker_events import BS, INSTANCE, MODEL, complete, indexer_blocks, mocker_blocks, prompt_text
 
 from bench.leak import index_blocks
+from support import free_port_block, free_ports, service, wait_until
 
 
 def mocker_args(port: int, pub: int, rep: int, *extra: str) -> list[str]:
-    return ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--num-gpu-blocks", "256",
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint", f"tcp://127.0.0.1:{rep}",
-            "--speedup-ratio", "10", "--seed", "1", *extra]
+    return [
+        "-m",
+        "mocker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-gpu-blocks",
+        "256",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{pub}",
+        "--replay-endpoint",
+        f"tcp://127.0.0.1:{rep}",
+        "--speedup-ratio",
+        "10",
+        "--seed",
+        "1",
+        *extra,
+    ]
 
 
 @contextlib.contextmanager
@@ -44,14 +59,27 @@ def mocker(port: int, pub: int, rep: int, *extra: str) -> Iterator[dict]:
 @contextlib.contextmanager
 def indexer(port: int, *extra: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
-    with service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), *extra], ready_url=f"{url}/health", timeout=60,
-                 env={"KVROUTE_INDEXER_RECOVERY_DELAY": "0.2"}):
+    with service(
+        ["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), *extra],
+        ready_url=f"{url}/health",
+        timeout=60,
+        env={"KVROUTE_INDEXER_RECOVERY_DELAY": "0.2"},
+    ):
         yield url
 
 
 def register(indexer_url: str, endpoint: str, replay: int) -> None:
-    r = httpx.post(indexer_url + "/register", json={"instance_id": INSTANCE, "endpoint": endpoint, "model_name": MODEL,
-                                                    "block_size": BS, "dp_rank": 0, "replay_endpoint": f"tcp://127.0.0.1:{replay}"})
+    r = httpx.post(
+        indexer_url + "/register",
+        json={
+            "instance_id": INSTANCE,
+            "endpoint": endpoint,
+            "model_name": MODEL,
+            "block_size": BS,
+            "dp_rank": 0,
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        },
+    )
     assert r.status_code == 201, r.text
 
 
@@ -174,10 +202,16 @@ def test_indexer_restarted_with_peers_under_traffic_ends_identical_to_the_peer()
                 for ix in (a, b):
                     register(ix, f"tcp://127.0.0.1:{pub}", rep)
                 complete(m, prompt_text(50), 0)
-                wait_until(lambda: equal_to_cache(a, m) and equal_to_cache(b, m), timeout=30, what="both indexers follow")
+                wait_until(
+                    lambda: equal_to_cache(a, m) and equal_to_cache(b, m), timeout=30, what="both indexers follow"
+                )
                 sent = pool.submit(traffic, m)
                 applied = metric(a, "kvroute_kv_event_batches_applied_total")
-                wait_until(lambda: metric(a, "kvroute_kv_event_batches_applied_total") >= applied + 5, timeout=30, what="traffic flowing")
+                wait_until(
+                    lambda: metric(a, "kvroute_kv_event_batches_applied_total") >= applied + 5,
+                    timeout=30,
+                    what="traffic flowing",
+                )
             # B is gone while the engine keeps publishing; it comes back on the same port and recovers from A
             with indexer(b_port, "--peers", a) as b:
                 assert index_blocks(httpx.get(b + "/dump", timeout=30).json()), "B recovered nothing from its peer"
@@ -185,8 +219,12 @@ def test_indexer_restarted_with_peers_under_traffic_ends_identical_to_the_peer()
                 stop.set()
                 assert sent.result(timeout=120) > 0
                 complete(m, prompt_text(25), 0)
-                wait_until(lambda: equal_to_cache(a, m) and equal_to_cache(b, m), timeout=60, what="both equal to the cache")
-                assert index_blocks(httpx.get(b + "/dump", timeout=30).json()) == index_blocks(httpx.get(a + "/dump", timeout=30).json())
+                wait_until(
+                    lambda: equal_to_cache(a, m) and equal_to_cache(b, m), timeout=60, what="both equal to the cache"
+                )
+                assert index_blocks(httpx.get(b + "/dump", timeout=30).json()) == index_blocks(
+                    httpx.get(a + "/dump", timeout=30).json()
+                )
         finally:
             stop.set()
 
@@ -194,18 +232,39 @@ def test_indexer_restarted_with_peers_under_traffic_ends_identical_to_the_peer()
 @contextlib.contextmanager
 def frontend(port: int, workers: list[str], *extra: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv", "--log-level", os.environ.get("FE_LOG", "warning")]
+    args = [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--router-mode",
+        "kv",
+        "--log-level",
+        os.environ.get("FE_LOG", "warning"),
+    ]
     for w in workers:
         args += ["--worker", w]
     args += extra  # e.g. --request-timeout: dropped before, so the timeout test ran without one and hung
-    with service(args, timeout=90, ready=lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200
-                 and len([i for i in httpx.get(f"{url}/health", timeout=2).json().get("instances", []) if i.get("healthy")]) == len(workers)):
+    with service(
+        args,
+        timeout=90,
+        ready=lambda: (
+            httpx.get(f"{url}/health", timeout=2).status_code == 200
+            and len([i for i in httpx.get(f"{url}/health", timeout=2).json().get("instances", []) if i.get("healthy")])
+            == len(workers)
+        ),
+    ):
         yield url
 
 
 def chat(url: str, text: str, timeout: float = 60) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", timeout=timeout,
-                      json={"model": MODEL, "max_tokens": 4, "ignore_eos": True, "messages": [{"role": "user", "content": text}]})
+    return httpx.post(
+        url + "/v1/chat/completions",
+        timeout=timeout,
+        json={"model": MODEL, "max_tokens": 4, "ignore_eos": True, "messages": [{"role": "user", "content": text}]},
+    )
 
 
 def loads_zero(url: str) -> bool:
@@ -216,9 +275,16 @@ def loads_zero(url: str) -> bool:
 def test_a_worker_that_never_answers_times_out_and_the_other_keeps_serving():
     fe_port, slow_port, fast_port = free_ports(3)
     (sp, sr), (fp, fr) = (free_port_block(1), free_port_block(1)), (free_port_block(1), free_port_block(1))
-    with mocker(slow_port, sp, sr, "--stall-after-tokens", "0"), mocker(fast_port, fp, fr), \
-            frontend(fe_port, [f"id=1,url=http://127.0.0.1:{slow_port}", f"id=2,url=http://127.0.0.1:{fast_port}"],
-                     "--request-timeout", "2") as fe:
+    with (
+        mocker(slow_port, sp, sr, "--stall-after-tokens", "0"),
+        mocker(fast_port, fp, fr),
+        frontend(
+            fe_port,
+            [f"id=1,url=http://127.0.0.1:{slow_port}", f"id=2,url=http://127.0.0.1:{fast_port}"],
+            "--request-timeout",
+            "2",
+        ) as fe,
+    ):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda i: chat(fe, prompt_text(30 + i), timeout=30), range(8)))
         codes = sorted(r.status_code for r in answers)
@@ -239,17 +305,36 @@ def test_a_client_that_leaves_while_sending_its_body_is_a_cancellation_not_an_er
     fe_port, m_port = free_ports(2)
     pub, rep = free_port_block(1), free_port_block(1)
     log = tmp_path / "frontend.log"
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fe_port), "--router-mode", "kv",
-            "--worker", f"id=1,url=http://127.0.0.1:{m_port}"]
+    args = [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(fe_port),
+        "--router-mode",
+        "kv",
+        "--worker",
+        f"id=1,url=http://127.0.0.1:{m_port}",
+    ]
     fe = f"http://127.0.0.1:{fe_port}"
-    with mocker(m_port, pub, rep), service(args, ready=lambda: chat(fe, "ready?", timeout=5).status_code == 200, timeout=90, log_path=str(log)):
+    with (
+        mocker(m_port, pub, rep),
+        service(args, ready=lambda: chat(fe, "ready?", timeout=5).status_code == 200, timeout=90, log_path=str(log)),
+    ):
         for _ in range(3):
             with socket.create_connection(("127.0.0.1", fe_port), timeout=10) as s:
-                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                          b"content-length: 1000\r\n\r\n{\"model\": ")  # then the client goes away mid-body
-        wait_until(lambda: metric(fe, "dynamo_frontend_disconnected_clients") >= 3, timeout=30, what="3 disconnects counted")
+                s.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    b'content-length: 1000\r\n\r\n{"model": '
+                )  # then the client goes away mid-body
+        wait_until(
+            lambda: metric(fe, "dynamo_frontend_disconnected_clients") >= 3, timeout=30, what="3 disconnects counted"
+        )
         assert chat(fe, "still serving?").status_code == 200
-        assert metric(fe, "dynamo_frontend_inflight_requests") == 0 and metric(fe, "dynamo_frontend_queued_requests") == 0
+        assert (
+            metric(fe, "dynamo_frontend_inflight_requests") == 0 and metric(fe, "dynamo_frontend_queued_requests") == 0
+        )
     text = log.read_text()
     assert "request failed" not in text and "ClientDisconnect" not in text, text[-2000:]
 
@@ -267,12 +352,25 @@ def slot_tracker(port: int, pub: int, peer: str) -> Iterator[dict]:
     """A standalone tracker subscribed to the frontend's replica sync, with the frontend's two workers
     registered (replica events only apply to ranks the tracker knows; registration is its own state)."""
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port),
-            "--replica-sync-bind", f"tcp://127.0.0.1:{pub}", "--replica-sync-peers", peer]
+    args = [
+        "-m",
+        "slot_tracker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--replica-sync-bind",
+        f"tcp://127.0.0.1:{pub}",
+        "--replica-sync-peers",
+        peer,
+    ]
     with service(args, ready_url=f"{url}/health", timeout=60) as proc:
         for wid in (1, 2):
-            r = httpx.post(url + "/register", timeout=10,
-                           json={"worker_id": wid, "model_name": MODEL, "block_size": BS, "dp_start": 0, "dp_size": 1})
+            r = httpx.post(
+                url + "/register",
+                timeout=10,
+                json={"worker_id": wid, "model_name": MODEL, "block_size": BS, "dp_start": 0, "dp_size": 1},
+            )
             assert r.status_code == 201, r.text
         yield {"url": url, "proc": proc}
 
@@ -291,33 +389,56 @@ def test_standalone_tracker_restarted_under_load_converges_again_and_the_fronten
                 if stop.is_set():
                     return
                 try:
-                    r = client.post(fe + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 24, "ignore_eos": True,
-                                                                       "messages": [{"role": "user", "content": prompt_text(40)}]})
+                    r = client.post(
+                        fe + "/v1/chat/completions",
+                        json={
+                            "model": MODEL,
+                            "max_tokens": 24,
+                            "ignore_eos": True,
+                            "messages": [{"role": "user", "content": prompt_text(40)}],
+                        },
+                    )
                     codes.append(r.status_code)
                 except httpx.HTTPError as exc:
                     codes.append(repr(exc))
 
-    with mocker(m1, p1, r1), mocker(m2, p2, r2), \
-            frontend(fe_port, [f"id=1,url=http://127.0.0.1:{m1}", f"id=2,url=http://127.0.0.1:{m2}"],
-                     "--router-replica-sync", "--replica-sync-bind", fe_sync) as fe:
+    with (
+        mocker(m1, p1, r1),
+        mocker(m2, p2, r2),
+        frontend(
+            fe_port,
+            [f"id=1,url=http://127.0.0.1:{m1}", f"id=2,url=http://127.0.0.1:{m2}"],
+            "--router-replica-sync",
+            "--replica-sync-bind",
+            fe_sync,
+        ) as fe,
+    ):
         threads = [threading.Thread(target=traffic, daemon=True) for _ in range(4)]
         try:
             with slot_tracker(tr_port, tr_pub, fe_sync) as tr:
                 for t in threads:
                     t.start()
-                wait_until(lambda: any(tracker_loads(tr["url"]).values()), timeout=60, what="the frontend's bookings in the tracker")
+                wait_until(
+                    lambda: any(tracker_loads(tr["url"]).values()),
+                    timeout=60,
+                    what="the frontend's bookings in the tracker",
+                )
                 kill(tr["proc"])
                 served = len(codes)
             # the tracker is down: the frontend keeps serving
             wait_until(lambda: len(codes) >= served + 8, timeout=60, what="requests served while the tracker is down")
             with slot_tracker(tr_port, tr_pub, fe_sync) as tr:
-                wait_until(lambda: any(tracker_loads(tr["url"]).values()), timeout=60, what="bookings in the restarted tracker")
+                wait_until(
+                    lambda: any(tracker_loads(tr["url"]).values()), timeout=60, what="bookings in the restarted tracker"
+                )
                 stop.set()
                 for t in threads:
                     t.join(timeout=120)
                 assert not any(t.is_alive() for t in threads)
                 wait_until(lambda: loads_zero(fe), timeout=30, what="the frontend's loads back to 0")
-                wait_until(lambda: not any(tracker_loads(tr["url"]).values()), timeout=30, what="the tracker's loads back to 0")
+                wait_until(
+                    lambda: not any(tracker_loads(tr["url"]).values()), timeout=30, what="the tracker's loads back to 0"
+                )
                 assert set(tracker_loads(tr["url"])) == {1, 2}
         finally:
             stop.set()

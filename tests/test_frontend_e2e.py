@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from support import REPO_ROOT, free_ports, service, stop_process, wait_until
+from support import REPO_ROOT, free_ports, stop_process, wait_until
 
 MODEL = "kvroute-demo"
 START_TIMEOUT = 90.0
@@ -49,8 +49,12 @@ class Mocker:
         return arg
 
     def worker_obj(self, worker_id: int) -> dict:
-        return {"id": worker_id, "url": self.url, "kv_events_endpoint": f"tcp://127.0.0.1:{self.events}",
-                "replay_endpoint": f"tcp://127.0.0.1:{self.replay}"}
+        return {
+            "id": worker_id,
+            "url": self.url,
+            "kv_events_endpoint": f"tcp://127.0.0.1:{self.events}",
+            "replay_endpoint": f"tcp://127.0.0.1:{self.replay}",
+        }
 
 
 class Frontend:
@@ -76,7 +80,8 @@ class Frontend:
         """(worker_id, dp_rank, completion) of a non-streaming request."""
         kw.setdefault("max_tokens", 2)
         raw = self.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, extra_body={"nvext": {"extra_fields": ["worker_id"], **(nvext or {})}}, **kw)
+            model=MODEL, messages=messages, extra_body={"nvext": {"extra_fields": ["worker_id"], **(nvext or {})}}, **kw
+        )
         comp = raw.parse()
         info = comp.model_extra["nvext"]["worker_id"]
         assert int(raw.headers["x-data-parallel-rank"]) == info["decode_dp_rank"]
@@ -86,7 +91,9 @@ class Frontend:
 def _spawn(args: list[str], log_name: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     log = open(os.path.join(_log_dir(), log_name), "wb")
-    return subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _log_dir() -> str:
@@ -107,9 +114,24 @@ def start_mockers(n: int, stack: contextlib.ExitStack, extra: list[str] | None =
     mockers = []
     for _ in range(n):
         port, events, replay = free_ports(3)
-        proc = _spawn(["-m", "mocker", "--host", "127.0.0.1", "--port", str(port),
-                       "--kv-events-endpoint", f"tcp://127.0.0.1:{events}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
-                       "--num-gpu-blocks", "2048", *(extra or [])], f"mocker-{port}.log")
+        proc = _spawn(
+            [
+                "-m",
+                "mocker",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{events}",
+                "--replay-endpoint",
+                f"tcp://127.0.0.1:{replay}",
+                "--num-gpu-blocks",
+                "2048",
+                *(extra or []),
+            ],
+            f"mocker-{port}.log",
+        )
         stack.callback(stop_process, proc)
         mockers.append(Mocker(port, events, replay, proc))
     return mockers
@@ -117,8 +139,23 @@ def start_mockers(n: int, stack: contextlib.ExitStack, extra: list[str] | None =
 
 def start_frontend(args: list[str], stack: contextlib.ExitStack, env: dict[str, str] | None = None) -> Frontend:
     (port,) = free_ports(1)
-    proc = _spawn(["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--health-check-interval", "0.5",
-                   "--log-level", "warning", *args], f"frontend-{port}.log", env)
+    proc = _spawn(
+        [
+            "-m",
+            "frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(port),
+            "--health-check-interval",
+            "0.5",
+            "--log-level",
+            "warning",
+            *args,
+        ],
+        f"frontend-{port}.log",
+        env,
+    )
     stack.callback(stop_process, proc)
     fe = Frontend(port, proc)
     stack.callback(fe.http.close)
@@ -139,7 +176,12 @@ def system_prompt(tag: str, words: int = 200) -> str:
 
 def unique_prompt() -> list[dict]:
     # a random first word: the first block differs from every other prompt
-    return [{"role": "user", "content": f"{uuid.uuid4().hex} " + "tell me something about the weather on a long winter day. " * 4}]
+    return [
+        {
+            "role": "user",
+            "content": f"{uuid.uuid4().hex} " + "tell me something about the weather on a long winter day. " * 4,
+        }
+    ]
 
 
 class OpenStream:
@@ -159,9 +201,18 @@ class OpenStream:
 def stream_until_first_chunk(fe: Frontend, messages: list[dict], max_tokens: int = 20000) -> OpenStream:
     """Open a long streaming request and read until its first chunk."""
     c = httpx.Client(base_url=fe.url, timeout=60.0)
-    req = c.build_request("POST", "/v1/chat/completions", json={
-        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-        "nvext": {"extra_fields": ["worker_id"]}})
+    req = c.build_request(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "nvext": {"extra_fields": ["worker_id"]},
+        },
+    )
     resp = c.send(req, stream=True)
     assert resp.status_code == 200, resp.read()
     it = resp.iter_raw()
@@ -198,8 +249,11 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
             f.write(f"workers:\n  - id: 1\n    url: {ms[0].url}\n")
         c.rr = start_frontend(["--router-mode", "round-robin", "--workers-file", c.workers_file], stack)
         # thresholds from the command line and from DYN_* variables (set high enough never to fire)
-        c.rnd = start_frontend(["--active-prefill-tokens-threshold", "1000000", *plain_workers], stack,
-                               env={"DYN_ROUTER_MODE": "random", "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": "0.99"})
+        c.rnd = start_frontend(
+            ["--active-prefill-tokens-threshold", "1000000", *plain_workers],
+            stack,
+            env={"DYN_ROUTER_MODE": "random", "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD": "0.99"},
+        )
         c.approx = start_frontend(["--router-mode", "kv", "--no-router-kv-events", *plain_workers], stack)
         wait_ready(ms, [c.kv, c.hot, c.rr, c.rnd, c.approx])
         for fe in (c.kv, c.hot, c.rnd, c.approx):
@@ -228,10 +282,15 @@ def test_openai_surface(cluster: Cluster) -> None:
     assert health["status"] == "healthy" and len(health["endpoints"]) == 3
 
     eos = {"ignore_eos": True}
-    comp = fe.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=3, extra_body=eos)
+    comp = fe.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=3, extra_body=eos
+    )
     assert comp.choices[0].message.content and comp.usage.completion_tokens == 3
-    chunks = list(fe.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
-                                                    extra_body=eos))
+    chunks = list(
+        fe.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, extra_body=eos
+        )
+    )
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 4
     assert chunks[-1].choices[0].finish_reason == "length"
     text = fe.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2)
@@ -256,10 +315,16 @@ def test_openai_surface(cluster: Cluster) -> None:
             fe.client.completions.create(model=MODEL, prompt="hi", max_tokens=40000, stream=stream)
 
     metrics = fe.http.get("/metrics").text
-    for name in ("dynamo_frontend_requests_total", "dynamo_frontend_time_to_first_token_seconds_bucket",
-                 "dynamo_frontend_inter_token_latency_seconds_bucket", "dynamo_frontend_worker_active_decode_blocks",
-                 "dynamo_component_router_kv_hit_rate_bucket", "dynamo_router_overhead_total_ms_bucket",
-                 "dynamo_frontend_output_tokens_total", "dynamo_frontend_model_ready"):
+    for name in (
+        "dynamo_frontend_requests_total",
+        "dynamo_frontend_time_to_first_token_seconds_bucket",
+        "dynamo_frontend_inter_token_latency_seconds_bucket",
+        "dynamo_frontend_worker_active_decode_blocks",
+        "dynamo_component_router_kv_hit_rate_bucket",
+        "dynamo_router_overhead_total_ms_bucket",
+        "dynamo_frontend_output_tokens_total",
+        "dynamo_frontend_model_ready",
+    ):
         assert name in metrics, name
     families = [line.split()[2] for line in metrics.splitlines() if line.startswith("# TYPE ")]
     assert len(families) == len(set(families)), "duplicate metric families"
@@ -280,8 +345,11 @@ def test_kv_shared_prefix_lands_on_the_worker_that_holds_it(cluster: Cluster) ->
     assert {r["id"]: r["kv_events"]["status"] for r in rows} == {1: "active", 2: "active", 3: "active"}
     seen = Counter(fe.chat([system, {"role": "user", "content": f"question {i}"}])[0] for i in range(1, 7))
     assert seen == Counter({first_worker: 6})
-    hit_rate_sum = next(float(line.split()[-1]) for line in fe.http.get("/metrics").text.splitlines()
-                        if line.startswith("dynamo_component_router_kv_hit_rate_sum"))
+    hit_rate_sum = next(
+        float(line.split()[-1])
+        for line in fe.http.get("/metrics").text.splitlines()
+        if line.startswith("dynamo_component_router_kv_hit_rate_sum")
+    )
     assert hit_rate_sum > 3.0  # six requests that found most of their prompt cached
     wait_until(fe.idle, WAIT, what="loads back to zero")
 
@@ -300,8 +368,13 @@ def test_temperature_spreads_even_a_cached_prefix(cluster: Cluster) -> None:
     hot, kv = cluster.hot, cluster.kv
     system = {"role": "system", "content": system_prompt("temperature")}
     holder, _, _ = kv.chat([system, {"role": "user", "content": "warm up"}])
-    wait_until(lambda: max(c["overlap_blocks"] for c in hot.explain([system, {"role": "user", "content": "q"}])["candidates"]) > 5,
-               WAIT, what="prefix indexed")
+    wait_until(
+        lambda: (
+            max(c["overlap_blocks"] for c in hot.explain([system, {"role": "user", "content": "q"}])["candidates"]) > 5
+        ),
+        WAIT,
+        what="prefix indexed",
+    )
     d = hot.explain([system, {"role": "user", "content": "q"}])
     by_worker = {c["worker_id"]: c["cost"] for c in d["candidates"]}
     assert by_worker[holder] < min(v for w, v in by_worker.items() if w != holder)  # the holder is cheapest...
@@ -313,13 +386,23 @@ def test_round_robin_with_workers_file_and_registration_api(cluster: Cluster) ->
     fe, ms = cluster.rr, cluster.mockers
     wait_until(lambda: _all_healthy(fe, 1), WAIT, what="file worker")
     with open(cluster.workers_file, "w") as f:  # the file is re-read when it changes
-        json.dump({"workers": [ms[0].worker_obj(1) | {"kv_events_endpoint": None, "replay_endpoint": None},
-                               {"id": 2, "url": ms[1].url}]}, f)
+        json.dump(
+            {
+                "workers": [
+                    ms[0].worker_obj(1) | {"kv_events_endpoint": None, "replay_endpoint": None},
+                    {"id": 2, "url": ms[1].url},
+                ]
+            },
+            f,
+        )
     wait_until(lambda: _all_healthy(fe, 2), WAIT, what="second worker from the reloaded file")
     with open(cluster.workers_file, "w") as f:
         f.write("workers: [ {id: 1, url: http://127.0.0.1:1, unknown_field: 3} ]\n")  # a bad edit changes nothing
-    r = wait_until(lambda: (lambda b: b if b["workers_file"]["last_error"] else None)(fe.http.get("/admin/workers").json()),
-                   WAIT, what="the bad workers file to be read and refused")
+    r = wait_until(
+        lambda: (lambda b: b if b["workers_file"]["last_error"] else None)(fe.http.get("/admin/workers").json()),
+        WAIT,
+        what="the bad workers file to be read and refused",
+    )
     assert "unknown_field" in r["workers_file"]["last_error"]
     assert [w["id"] for w in r["workers"]] == [1, 2]
     r = fe.http.post("/admin/workers", json={"id": 3, "url": ms[2].url})
@@ -337,9 +420,15 @@ def test_round_robin_with_workers_file_and_registration_api(cluster: Cluster) ->
 
 def test_random_mode_spreads_the_same_prompt(cluster: Cluster) -> None:
     fe = cluster.rnd
-    assert fe.http.get("/busy_threshold").json() == {"thresholds": [
-        {"model": MODEL, "active_decode_blocks_threshold": 0.99, "active_prefill_tokens_threshold": 1000000}]}
-    assert fe.http.post("/admin/route", json={"model": MODEL, "messages": unique_prompt()}).json()["router_mode"] == "random"
+    assert fe.http.get("/busy_threshold").json() == {
+        "thresholds": [
+            {"model": MODEL, "active_decode_blocks_threshold": 0.99, "active_prefill_tokens_threshold": 1000000}
+        ]
+    }
+    assert (
+        fe.http.post("/admin/route", json={"model": MODEL, "messages": unique_prompt()}).json()["router_mode"]
+        == "random"
+    )
     system = {"role": "system", "content": system_prompt("random")}
     seen = Counter(fe.chat([system, {"role": "user", "content": "same"}])[0] for _ in range(24))
     assert set(seen) == {1, 2, 3}, seen
@@ -371,7 +460,11 @@ def test_client_disconnect_frees_load(cluster: Cluster) -> None:
 
     def slow() -> None:
         with contextlib.suppress(httpx.HTTPError):
-            httpx.post(fe.url + "/v1/chat/completions", json={"model": MODEL, "messages": unique_prompt(), "max_tokens": 20000, "ignore_eos": True}, timeout=1.5)
+            httpx.post(
+                fe.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": unique_prompt(), "max_tokens": 20000, "ignore_eos": True},
+                timeout=1.5,
+            )
         done.set()
 
     t = threading.Thread(target=slow)
@@ -388,17 +481,27 @@ def test_busy_thresholds_exclude_and_restore_workers(cluster: Cluster) -> None:
     wait_until(fe.idle, WAIT, what="idle")
     assert fe.http.get("/busy_threshold").json() == {"thresholds": []}
     assert fe.http.post("/busy_threshold", json={"model": MODEL}).json() == {
-        "model": MODEL, "active_decode_blocks_threshold": None, "active_prefill_tokens_threshold": None}
+        "model": MODEL,
+        "active_decode_blocks_threshold": None,
+        "active_prefill_tokens_threshold": None,
+    }
     r = fe.http.post("/busy_threshold", json={"model": "nope", "active_decode_blocks_threshold": 0.5})
     assert r.status_code == 404 and "not found" in r.json()["error"]
-    assert fe.http.post("/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 1.5}).status_code == 400
+    assert (
+        fe.http.post("/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 1.5}).status_code == 400
+    )
     # busy as soon as a worker has any decode block in flight
     r = fe.http.post("/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 0.0})
     assert r.status_code == 200 and r.json()["active_decode_blocks_threshold"] == 0.0
-    assert fe.http.get("/busy_threshold").json() == {"thresholds": [
-        {"model": MODEL, "active_decode_blocks_threshold": 0.0, "active_prefill_tokens_threshold": None}]}
+    assert fe.http.get("/busy_threshold").json() == {
+        "thresholds": [{"model": MODEL, "active_decode_blocks_threshold": 0.0, "active_prefill_tokens_threshold": None}]
+    }
     r = fe.http.post("/busy_threshold", json={"model": MODEL, "active_prefill_tokens_threshold": 100000})
-    assert r.json() == {"model": MODEL, "active_decode_blocks_threshold": 0.0, "active_prefill_tokens_threshold": 100000}
+    assert r.json() == {
+        "model": MODEL,
+        "active_decode_blocks_threshold": 0.0,
+        "active_prefill_tokens_threshold": 100000,
+    }
 
     streams: list[OpenStream] = []
     try:
@@ -414,7 +517,10 @@ def test_busy_thresholds_exclude_and_restore_workers(cluster: Cluster) -> None:
             fe.chat(unique_prompt())
         assert err.value.status_code == 529
         # raising the threshold at runtime brings them back
-        assert fe.http.post("/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 1.0}).status_code == 200
+        assert (
+            fe.http.post("/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 1.0}).status_code
+            == 200
+        )
         fe.chat(unique_prompt())
         fe.http.post("/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 0.0})
         with pytest.raises(openai.APIStatusError):
@@ -433,7 +539,9 @@ def test_busy_thresholds_exclude_and_restore_workers(cluster: Cluster) -> None:
 def test_killed_worker_is_avoided_and_its_requests_fail_cleanly() -> None:
     with contextlib.ExitStack() as stack:
         ms = start_mockers(2, stack)
-        fe = start_frontend(["--router-mode", "kv", *sum((["--worker", m.worker_arg(i + 1)] for i, m in enumerate(ms)), [])], stack)
+        fe = start_frontend(
+            ["--router-mode", "kv", *sum((["--worker", m.worker_arg(i + 1)] for i, m in enumerate(ms)), [])], stack
+        )
         wait_ready(ms, [fe])
         wait_until(lambda: _all_healthy(fe, 2), WAIT, what="both workers healthy")
         s = stream_until_first_chunk(fe, unique_prompt())
@@ -445,14 +553,33 @@ def test_killed_worker_is_avoided_and_its_requests_fail_cleanly() -> None:
         wait_until(fe.idle, WAIT, what="the dead worker's load freed")
         survivors = Counter(fe.chat(unique_prompt())[0] for _ in range(6))
         assert survivors == Counter({3 - victim: 6})
-        wait_until(lambda: not any(i["healthy"] for i in fe.http.get("/health").json()["instances"] if i["worker_id"] == victim),
-                   WAIT, what="dead worker reported unhealthy")
+        wait_until(
+            lambda: (
+                not any(i["healthy"] for i in fe.http.get("/health").json()["instances"] if i["worker_id"] == victim)
+            ),
+            WAIT,
+            what="dead worker reported unhealthy",
+        )
         wait_until(fe.idle, WAIT, what="idle")
         # the worker comes back on the same address: a health check returns it to the candidate set
         dead = ms[victim - 1]
-        proc = _spawn(["-m", "mocker", "--host", "127.0.0.1", "--port", str(dead.port), "--num-gpu-blocks", "2048",
-                       "--kv-events-endpoint", f"tcp://127.0.0.1:{dead.events}", "--replay-endpoint", f"tcp://127.0.0.1:{dead.replay}"],
-                      f"mocker-{dead.port}-restarted.log")
+        proc = _spawn(
+            [
+                "-m",
+                "mocker",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(dead.port),
+                "--num-gpu-blocks",
+                "2048",
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{dead.events}",
+                "--replay-endpoint",
+                f"tcp://127.0.0.1:{dead.replay}",
+            ],
+            f"mocker-{dead.port}-restarted.log",
+        )
         stack.callback(stop_process, proc)
         wait_until(lambda: _all_healthy(fe, 2), START_TIMEOUT, what="restarted worker healthy again")
         back = Counter(fe.chat(unique_prompt())[0] for _ in range(16))
@@ -461,8 +588,17 @@ def test_killed_worker_is_avoided_and_its_requests_fail_cleanly() -> None:
         system = {"role": "system", "content": system_prompt("restarted")}
         w, _, _ = fe.chat([system, {"role": "user", "content": "pinned"}], nvext={"backend_instance_id": victim})
         assert w == victim
-        wait_until(lambda: {c["worker_id"]: c["overlap_blocks"] for c in fe.explain([system, {"role": "user", "content": "q"}])["candidates"]}[victim] > 5,
-                   WAIT, what="the restarted worker's KV events indexed")
+        wait_until(
+            lambda: (
+                {
+                    c["worker_id"]: c["overlap_blocks"]
+                    for c in fe.explain([system, {"role": "user", "content": "q"}])["candidates"]
+                }[victim]
+                > 5
+            ),
+            WAIT,
+            what="the restarted worker's KV events indexed",
+        )
         # nobody left: a clean 503, no hang, no leaked load
         for p in (proc, ms[2 - victim].proc):
             os.killpg(p.pid, signal.SIGKILL)
@@ -480,12 +616,28 @@ def test_data_parallel_ranks_are_separate_candidates() -> None:
     with contextlib.ExitStack() as stack:
         (port,) = free_ports(1)
         events, replay = free_port_block(2), free_port_block(2)
-        proc = _spawn(["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "2",
-                       "--kv-events-endpoint", f"tcp://127.0.0.1:{events}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}"],
-                      f"mocker-dp-{port}.log")
+        proc = _spawn(
+            [
+                "-m",
+                "mocker",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--data-parallel-size",
+                "2",
+                "--kv-events-endpoint",
+                f"tcp://127.0.0.1:{events}",
+                "--replay-endpoint",
+                f"tcp://127.0.0.1:{replay}",
+            ],
+            f"mocker-dp-{port}.log",
+        )
         stack.callback(stop_process, proc)
         m = Mocker(port, events, replay, proc)
-        fe = start_frontend(["--router-mode", "kv", "--worker", m.worker_arg(7) + ",dp_size=2", "--log-level", "debug"], stack)
+        fe = start_frontend(
+            ["--router-mode", "kv", "--worker", m.worker_arg(7) + ",dp_size=2", "--log-level", "debug"], stack
+        )
         wait_ready([m], [fe])
         d = fe.explain(unique_prompt())
         assert sorted((c["worker_id"], c["dp_rank"]) for c in d["candidates"]) == [(7, 0), (7, 1)]
@@ -494,16 +646,32 @@ def test_data_parallel_ranks_are_separate_candidates() -> None:
         system = {"role": "system", "content": system_prompt("dp-ranks")}
         _, rank, _ = fe.chat([system, {"role": "user", "content": "first"}])
         # rank r publishes on the endpoint's port + r: the overlap shows up on exactly that rank
-        wait_until(lambda: {(c["dp_rank"], c["overlap_blocks"] > 5) for c in fe.explain([system, {"role": "user", "content": "x"}])["candidates"]}
-                   == {(rank, True), (1 - rank, False)}, WAIT, what="per-rank KV events indexed")
-        assert Counter(fe.chat([system, {"role": "user", "content": f"q{i}"}])[1] for i in range(5)) == Counter({rank: 5})
+        wait_until(
+            lambda: (
+                {
+                    (c["dp_rank"], c["overlap_blocks"] > 5)
+                    for c in fe.explain([system, {"role": "user", "content": "x"}])["candidates"]
+                }
+                == {(rank, True), (1 - rank, False)}
+            ),
+            WAIT,
+            what="per-rank KV events indexed",
+        )
+        assert Counter(fe.chat([system, {"role": "user", "content": f"q{i}"}])[1] for i in range(5)) == Counter(
+            {rank: 5}
+        )
         # a rank pin (header) overrides the cache preference; an impossible rank is a 400
         pinned = fe.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[system, {"role": "user", "content": "pinned"}], max_tokens=1,
-            extra_headers={"x-dynamo-dp-rank": str(1 - rank)})
+            model=MODEL,
+            messages=[system, {"role": "user", "content": "pinned"}],
+            max_tokens=1,
+            extra_headers={"x-dynamo-dp-rank": str(1 - rank)},
+        )
         assert pinned.headers["x-data-parallel-rank"] == str(1 - rank)
         with pytest.raises(openai.BadRequestError):
-            fe.client.chat.completions.create(model=MODEL, messages=unique_prompt(), max_tokens=1, extra_headers={"x-dynamo-dp-rank": "5"})
+            fe.client.chat.completions.create(
+                model=MODEL, messages=unique_prompt(), max_tokens=1, extra_headers={"x-dynamo-dp-rank": "5"}
+            )
         with open(os.path.join(_log_dir(), f"frontend-{fe.port}.log"), encoding="utf-8") as f:
             log = f.read()
         # the guide's per-candidate debug line
@@ -516,10 +684,34 @@ def test_replica_sync_shares_active_load(cluster: Cluster) -> None:
     pa, pb = free_ports(2)
     workers = sum((["--worker", m.worker_arg(i + 1)] for i, m in enumerate(ms)), [])
     with contextlib.ExitStack() as stack:
-        a = start_frontend(["--router-mode", "kv", "--router-replica-sync", "--replica-sync-bind", f"tcp://127.0.0.1:{pa}",
-                            "--replica-sync-peers", f"tcp://127.0.0.1:{pb}", "--router-min-initial-workers", "3", *workers], stack)
-        b = start_frontend(["--router-mode", "kv", "--router-replica-sync", "--replica-sync-bind", f"tcp://127.0.0.1:{pb}",
-                            "--replica-sync-peers", f"tcp://127.0.0.1:{pa}", *workers], stack)
+        a = start_frontend(
+            [
+                "--router-mode",
+                "kv",
+                "--router-replica-sync",
+                "--replica-sync-bind",
+                f"tcp://127.0.0.1:{pa}",
+                "--replica-sync-peers",
+                f"tcp://127.0.0.1:{pb}",
+                "--router-min-initial-workers",
+                "3",
+                *workers,
+            ],
+            stack,
+        )
+        b = start_frontend(
+            [
+                "--router-mode",
+                "kv",
+                "--router-replica-sync",
+                "--replica-sync-bind",
+                f"tcp://127.0.0.1:{pb}",
+                "--replica-sync-peers",
+                f"tcp://127.0.0.1:{pa}",
+                *workers,
+            ],
+            stack,
+        )
         wait_ready([], [a, b])
         assert a.http.get("/peers").json() == [f"tcp://127.0.0.1:{pb}"]
 
@@ -542,8 +734,17 @@ def test_tracker_endpoints_share_the_frontends_accounting(cluster: Cluster) -> N
     workers = fe.http.get("/workers").json()
     assert sorted(w["worker_id"] for w in workers) == [1, 2, 3] and workers[0]["model_name"] == MODEL
     # an external router books a big request on worker 1 through the frontend's port...
-    r = fe.http.post("/add", json={"model_name": MODEL, "request_id": "external-1", "worker_id": 1, "dp_rank": 0,
-                                   "sequence_hashes": list(range(1, 301)), "new_isl_tokens": 50000})
+    r = fe.http.post(
+        "/add",
+        json={
+            "model_name": MODEL,
+            "request_id": "external-1",
+            "worker_id": 1,
+            "dp_rank": 0,
+            "sequence_hashes": list(range(1, 301)),
+            "new_isl_tokens": 50000,
+        },
+    )
     assert r.status_code == 201, r.text
     assert fe.loads()[(1, 0)] == (50000, 300)
     costs = {c["worker_id"]: c["cost"] for c in fe.explain(unique_prompt())["candidates"]}

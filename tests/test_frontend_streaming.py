@@ -35,13 +35,20 @@ class GatedWorker:
         self.seen_ranks: list[str | None] = []
         self.disconnected = threading.Event()
         self.health_status = 200
-        app = Starlette(routes=[
-            Route("/health", lambda r: PlainTextResponse("", status_code=self.health_status)),
-            Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": [{"id": MODEL}]})),
-            Route("/metrics", lambda r: PlainTextResponse('vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n')),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-        ])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        app = Starlette(
+            routes=[
+                Route("/health", lambda r: PlainTextResponse("", status_code=self.health_status)),
+                Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": [{"id": MODEL}]})),
+                Route(
+                    "/metrics",
+                    lambda r: PlainTextResponse('vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n'),
+                ),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            ]
+        )
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -59,8 +66,17 @@ class GatedWorker:
             try:
                 for i in range(n):
                     await self.gate.get()
-                    chunk = {"object": "chat.completion.chunk", "model": MODEL,
-                             "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None if i < n - 1 else "length"}]}
+                    chunk = {
+                        "object": "chat.completion.chunk",
+                        "model": MODEL,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"content": f"t{i}"},
+                                "finish_reason": None if i < n - 1 else "length",
+                            }
+                        ],
+                    }
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
                 yield b"data: [DONE]\n\n"
             except asyncio.CancelledError:
@@ -73,7 +89,7 @@ class GatedWorker:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self.gate.put_nowait, None)
 
-    def __enter__(self) -> "GatedWorker":
+    def __enter__(self) -> GatedWorker:
         self.thread.start()
         wait_until(lambda: self.server.started, 30, what="gated worker")
         return self
@@ -87,10 +103,26 @@ class GatedWorker:
 def frontend_and_worker():
     wport, fport = free_ports(2)
     with GatedWorker(wport) as worker:
-        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), "--router-mode", "kv",
-                "--worker", f"id=5,url=http://127.0.0.1:{wport}", "--health-check-interval", "0.5", "--log-level", "warning"]
+        args = [
+            "-m",
+            "frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(fport),
+            "--router-mode",
+            "kv",
+            "--worker",
+            f"id=5,url=http://127.0.0.1:{wport}",
+            "--health-check-interval",
+            "0.5",
+            "--log-level",
+            "warning",
+        ]
         with service(args, ready_url=f"http://127.0.0.1:{fport}/health", timeout=90):
-            wait_until(lambda: httpx.get(f"http://127.0.0.1:{fport}/health").status_code == 200, 60, what="frontend ready")
+            wait_until(
+                lambda: httpx.get(f"http://127.0.0.1:{fport}/health").status_code == 200, 60, what="frontend ready"
+            )
             yield f"http://127.0.0.1:{fport}", worker
 
 
@@ -114,7 +146,12 @@ def test_each_chunk_is_forwarded_before_the_next_exists(frontend_and_worker) -> 
 def test_client_leaving_mid_stream_aborts_the_worker_request(frontend_and_worker) -> None:
     url, worker = frontend_and_worker
     worker.disconnected.clear()
-    body = {"model": MODEL, "stream": True, "max_tokens": 50, "messages": [{"role": "user", "content": "a longer question " * 20}]}
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": 50,
+        "messages": [{"role": "user", "content": "a longer question " * 20}],
+    }
     with httpx.Client(timeout=10.0) as client:
         with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
             worker.step()

@@ -79,7 +79,9 @@ def test_approx_shared_prefix_and_remove_worker() -> None:
 
 
 def test_worker_arg_parsing_and_rank_endpoints() -> None:
-    spec = parse_worker_arg("id=1,url=http://127.0.0.1:8001/,dp_size=2,kv_events_endpoint=tcp://127.0.0.1:5557,replay_endpoint=tcp://127.0.0.1:5567")
+    spec = parse_worker_arg(
+        "id=1,url=http://127.0.0.1:8001/,dp_size=2,kv_events_endpoint=tcp://127.0.0.1:5557,replay_endpoint=tcp://127.0.0.1:5567"
+    )
     assert spec.id == 1 and spec.url == "http://127.0.0.1:8001" and list(spec.ranks) == [0, 1]
     assert spec.rank_endpoint(spec.kv_events_endpoint, 1) == "tcp://127.0.0.1:5558"
     assert spec.rank_endpoint(spec.replay_endpoint, 0) == "tcp://127.0.0.1:5567"
@@ -94,12 +96,20 @@ def test_worker_arg_parsing_and_rank_endpoints() -> None:
 
 
 def test_workers_document_json_and_yaml() -> None:
-    specs, models = parse_workers_document(json.dumps({"workers": [{"id": 1, "url": "http://127.0.0.1:9", "dp_size": 2}], "models": {"m": {"model_path": "/x"}}}))
+    specs, models = parse_workers_document(
+        json.dumps(
+            {"workers": [{"id": 1, "url": "http://127.0.0.1:9", "dp_size": 2}], "models": {"m": {"model_path": "/x"}}}
+        )
+    )
     assert [s.id for s in specs] == [1] and specs[0].dp_size == 2 and models == {"m": {"model_path": "/x"}}
-    specs, _ = parse_workers_document("workers:\n  - id: 4\n    url: http://127.0.0.1:10\n    kv_events_endpoint: tcp://127.0.0.1:5000\n")
+    specs, _ = parse_workers_document(
+        "workers:\n  - id: 4\n    url: http://127.0.0.1:10\n    kv_events_endpoint: tcp://127.0.0.1:5000\n"
+    )
     assert specs[0].id == 4 and specs[0].kv_events_endpoint == "tcp://127.0.0.1:5000"
     with pytest.raises(ValueError, match="duplicate"):
-        parse_workers_document('{"workers": [{"id": 1, "url": "http://127.0.0.1:1"}, {"id": 1, "url": "http://127.0.0.1:2"}]}')
+        parse_workers_document(
+            '{"workers": [{"id": 1, "url": "http://127.0.0.1:1"}, {"id": 1, "url": "http://127.0.0.1:2"}]}'
+        )
 
 
 def test_cache_config_info_parsing() -> None:
@@ -169,15 +179,22 @@ def test_upstream_client_streams_reuses_and_reports_errors() -> None:
         await gate.get()
         return JSONResponse({})
 
-    app = Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/stream", stream, methods=["POST"]),
-                            Route("/slow", slow, methods=["POST"])])
+    app = Starlette(
+        routes=[
+            Route("/echo", echo, methods=["POST"]),
+            Route("/stream", stream, methods=["POST"]),
+            Route("/slow", slow, methods=["POST"]),
+        ]
+    )
 
     async def main():
         port = free_port()
         server, task = await _serve(app, port)
         pool = UpstreamPool(f"http://127.0.0.1:{port}")
         try:
-            r = await pool.request("POST", "/echo", b'{"a": 1}', [("content-type", "application/json"), ("x-data-parallel-rank", "3")])
+            r = await pool.request(
+                "POST", "/echo", b'{"a": 1}', [("content-type", "application/json"), ("x-data-parallel-rank", "3")]
+            )
             assert r.status == 200 and json.loads(r.content) == {"got": {"a": 1}, "rank": "3"}
             assert len(pool._idle) == 1
             # chunks arrive one by one, as the server sends them (no buffering)
@@ -220,6 +237,25 @@ def test_metric_buckets_are_the_references() -> None:
     assert m.REQUEST_DURATION_BUCKETS == [0, 2, 4, 8, 16, 32, 64, 130, 260, 510]
     assert m.ISL_BUCKETS == [0, 100, 210, 430, 870, 1800, 3600, 7400, 15000, 31000, 63000, 130000]
     assert m.OSL_BUCKETS == [0, 100, 210, 430, 880, 1800, 3700, 7600, 16000, 32000]
-    assert m.TTFT_BUCKETS == [0, 0.0022, 0.0047, 0.01, 0.022, 0.047, 0.1, 0.22, 0.47, 1, 2.2, 4.7, 10, 22, 48, 100, 220, 480]
+    assert m.TTFT_BUCKETS == [
+        0,
+        0.0022,
+        0.0047,
+        0.01,
+        0.022,
+        0.047,
+        0.1,
+        0.22,
+        0.47,
+        1,
+        2.2,
+        4.7,
+        10,
+        22,
+        48,
+        100,
+        220,
+        480,
+    ]
     assert m.ITL_BUCKETS == [0, 0.0019, 0.0035, 0.0067, 0.013, 0.024, 0.045, 0.084, 0.16, 0.3, 0.56, 1.1, 2]
     assert m.KV_HIT_RATE_BUCKETS[:3] == [0.0, 0.05, 0.1] and m.KV_HIT_RATE_BUCKETS[-1] == 1.0

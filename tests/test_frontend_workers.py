@@ -61,15 +61,53 @@ def _decode_blocks(client: httpx.Client) -> int:
 def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
     with contextlib.ExitStack() as stack:
         m_port, ev, rp = free_ports(3)
-        stack.enter_context(service(["-m", "mocker", "--host", "127.0.0.1", "--port", str(m_port), "--num-gpu-blocks", "2048",
-                                     "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}", "--replay-endpoint", f"tcp://127.0.0.1:{rp}"],
-                                    ready_url=f"http://127.0.0.1:{m_port}/health", timeout=START))
+        stack.enter_context(
+            service(
+                [
+                    "-m",
+                    "mocker",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(m_port),
+                    "--num-gpu-blocks",
+                    "2048",
+                    "--kv-events-endpoint",
+                    f"tcp://127.0.0.1:{ev}",
+                    "--replay-endpoint",
+                    f"tcp://127.0.0.1:{rp}",
+                ],
+                ready_url=f"http://127.0.0.1:{m_port}/health",
+                timeout=START,
+            )
+        )
         (port,) = free_ports(1)
         url = f"http://127.0.0.1:{port}"
         worker = f"id=1,url=http://127.0.0.1:{m_port},kv_events_endpoint=tcp://127.0.0.1:{ev},replay_endpoint=tcp://127.0.0.1:{rp}"
-        sup = stack.enter_context(service(["-m", "frontend", "--workers", "2", "--http-host", "127.0.0.1", "--http-port", str(port),
-                                           "--router-mode", "kv", "--health-check-interval", "0.5", "--drain-timeout", "5",
-                                           "--log-level", "warning", "--worker", worker]))
+        sup = stack.enter_context(
+            service(
+                [
+                    "-m",
+                    "frontend",
+                    "--workers",
+                    "2",
+                    "--http-host",
+                    "127.0.0.1",
+                    "--http-port",
+                    str(port),
+                    "--router-mode",
+                    "kv",
+                    "--health-check-interval",
+                    "0.5",
+                    "--drain-timeout",
+                    "5",
+                    "--log-level",
+                    "warning",
+                    "--worker",
+                    worker,
+                ]
+            )
+        )
         clients = wait_until(lambda: _clients_per_process(url, 2), START, what="two frontend processes listening")
         stack.callback(lambda: [c.close() for c in clients.values()])
         pids = sorted(clients)
@@ -77,7 +115,10 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
         for pid, c in clients.items():
             wait_until(lambda: c.get("/health").status_code == 200, START, what=f"process {pid} ready")
             # each process routes and proxies on its own connection
-            r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": f"hello from {pid}"}]})
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": f"hello from {pid}"}]},
+            )
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"]
             assert c.get("/live").json()["pid"] == pid  # still the same process (keep-alive)
@@ -87,9 +128,20 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
         a, b = pids
         for src, dst, rid in ((a, b, "share-1"), (b, a, "share-2")):
             # the chat requests above were freed locally; their frees reach the sibling over replica sync
-            wait_until(lambda: _decode_blocks(clients[dst]) == 0, WAIT, what=f"process {dst} to see earlier requests freed")
-            r = clients[src].post("/add", json={"model_name": MODEL, "request_id": rid, "worker_id": 1, "dp_rank": 0,
-                                                "sequence_hashes": [11, 12, 13], "new_isl_tokens": 48})
+            wait_until(
+                lambda: _decode_blocks(clients[dst]) == 0, WAIT, what=f"process {dst} to see earlier requests freed"
+            )
+            r = clients[src].post(
+                "/add",
+                json={
+                    "model_name": MODEL,
+                    "request_id": rid,
+                    "worker_id": 1,
+                    "dp_rank": 0,
+                    "sequence_hashes": [11, 12, 13],
+                    "new_isl_tokens": 48,
+                },
+            )
             assert r.status_code == 201, r.text
             wait_until(lambda: _decode_blocks(clients[dst]) == 3, WAIT, what=f"process {dst} to see {src}'s booking")
             assert clients[src].post("/free", json={"model_name": MODEL, "request_id": rid}).status_code == 200
@@ -99,6 +151,7 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
         os.kill(b, signal.SIGKILL)
         wait_until(lambda: not _pid_alive(b), WAIT, what="killed process gone")
         clients.pop(b).close()
+
         def replacement() -> int | None:
             found = _clients_per_process(url, 2)
             for c in found.values():
@@ -120,9 +173,21 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
 
 def test_workers_flag_rejects_fixed_replica_sync_endpoints_and_bad_counts() -> None:
     base = [sys.executable, "-m", "frontend", "--http-port", "1"]
-    r = subprocess.run([*base, "--workers", "2", "--replica-sync-bind", "tcp://127.0.0.1:9999"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*base, "--workers", "2", "--replica-sync-bind", "tcp://127.0.0.1:9999"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "drop --replica-sync-bind" in r.stderr
-    r = subprocess.run([*base, "--workers", "2", "--replica-sync-peers", "tcp://10.0.0.1:1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*base, "--workers", "2", "--replica-sync-peers", "tcp://10.0.0.1:1"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and "not supported yet" in r.stderr
     r = subprocess.run([*base, "--workers", "0"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "between 1 and 64" in r.stderr

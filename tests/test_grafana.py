@@ -33,10 +33,19 @@ MODEL = "kvroute-demo"
 TARGET_LABELS = frozenset({"instance", "job"})
 # Grafana's interval variables stand where PromQL wants a duration
 GRAFANA_DURATIONS = re.compile(r"\$(__rate_interval|__interval|__range)\b|\$\{(__rate_interval|__interval|__range)\}")
-LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(?P<query>.+),\s*)?(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$", re.S)
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),  # the frontend disables _created
-            "gaugehistogram": ("_bucket", "_gsum", "_gcount"), "summary": ("", "_sum", "_count"),
-            "gauge": ("",), "info": ("_info",), "stateset": ("",), "unknown": ("",)}
+LABEL_VALUES = re.compile(
+    r"^\s*label_values\(\s*(?:(?P<query>.+),\s*)?(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$", re.S
+)
+SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),  # the frontend disables _created
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    "summary": ("", "_sum", "_count"),
+    "gauge": ("",),
+    "info": ("_info",),
+    "stateset": ("",),
+    "unknown": ("",),
+}
 
 
 def _promql() -> Any:
@@ -72,13 +81,16 @@ def all_panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 # ---- PromQL: which metrics and labels an expression uses ------------------------------------------
 
+
 @dataclass
 class Uses:
     """What one PromQL expression reads: selectors (metric name, matcher labels) and grouping labels
     (``by``/``without``/``on``/``ignoring``/``group_left``/``group_right``) with the metrics they group."""
 
     selectors: list[tuple[str, frozenset[str]]] = field(default_factory=list)
-    groupings: list[tuple[str, frozenset[str], frozenset[str]]] = field(default_factory=list)  # (clause, labels, metrics)
+    groupings: list[tuple[str, frozenset[str], frozenset[str]]] = field(
+        default_factory=list
+    )  # (clause, labels, metrics)
 
     @property
     def metrics(self) -> set[str]:
@@ -114,7 +126,9 @@ def promql_uses(expr: str) -> Uses:
             if n.matchers.or_matchers:
                 raise ValueError(f"'or' matchers are not checked: {expr!r}")
         elif kind == "AggregateExpr" and n.modifier is not None and n.modifier.labels:
-            uses.groupings.append((str(n.modifier.type).rsplit(".", 1)[-1].lower(), frozenset(n.modifier.labels), subtree_metrics(n.expr)))
+            uses.groupings.append(
+                (str(n.modifier.type).rsplit(".", 1)[-1].lower(), frozenset(n.modifier.labels), subtree_metrics(n.expr))
+            )
         elif kind == "BinaryExpr" and n.modifier is not None:
             m = n.modifier
             if m.matching is not None and m.matching.labels:
@@ -132,7 +146,11 @@ def promql_uses(expr: str) -> Uses:
 def _selector_name(selector: Any, expr: str) -> str:
     if selector.name:
         return selector.name
-    names = [m.value for m in selector.matchers.matchers if m.name == "__name__" and str(m.op).endswith("Equal") and "Not" not in str(m.op)]
+    names = [
+        m.value
+        for m in selector.matchers.matchers
+        if m.name == "__name__" and str(m.op).endswith("Equal") and "Not" not in str(m.op)
+    ]
     if len(names) != 1:
         raise ValueError(f"a selector without one literal metric name cannot be checked: {expr!r}")
     return names[0]
@@ -165,6 +183,7 @@ def dashboard_queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str, str
 
 # ---- the exposition: which sample names exist, with which labels ----------------------------------
 
+
 class Exposition:
     """Sample names and their label names from one ``/metrics`` text; families that have no sample yet
     (labelled counters nobody incremented) contribute their type's sample names and ``declared`` labels."""
@@ -187,8 +206,14 @@ class Exposition:
         out = []
         for name, matched in uses.selectors:
             if name not in self.labels:
-                out.append(f"metric {name} is not exported" + (f" (family {self.empty[name]} has no samples and no declared labels)"
-                                                               if name in self.empty else ""))
+                out.append(
+                    f"metric {name} is not exported"
+                    + (
+                        f" (family {self.empty[name]} has no samples and no declared labels)"
+                        if name in self.empty
+                        else ""
+                    )
+                )
                 continue
             missing = matched - self.labels[name] - TARGET_LABELS
             if missing:
@@ -197,7 +222,9 @@ class Exposition:
             have = set(TARGET_LABELS).union(*(self.labels.get(m, set()) for m in metrics))
             missing = labels - have
             if missing:
-                out.append(f"{clause} ({', '.join(sorted(labels))}): no metric among {sorted(metrics)} has {sorted(missing)}")
+                out.append(
+                    f"{clause} ({', '.join(sorted(labels))}): no metric among {sorted(metrics)} has {sorted(missing)}"
+                )
         return out
 
 
@@ -207,14 +234,21 @@ def declared_frontend_labels() -> dict[str, tuple[str, ...]]:
 
     from frontend.metrics import FrontendMetrics
 
-    return {m._name: tuple(m._labelnames) for m in vars(FrontendMetrics(router_id="x")).values() if isinstance(m, MetricWrapperBase)}
+    return {
+        m._name: tuple(m._labelnames)
+        for m in vars(FrontendMetrics(router_id="x")).values()
+        if isinstance(m, MetricWrapperBase)
+    }
 
 
 # ---- tests without services --------------------------------------------------------------------
 
+
 def test_dashboard_json_is_the_generators_output() -> None:
     with open(os.path.join(GRAFANA, "kvroute.json"), encoding="utf-8") as f:
-        assert f.read() == _dashboard_module().render(), "deploy/grafana/kvroute.json is stale: run python deploy/grafana/dashboard.py"
+        assert f.read() == _dashboard_module().render(), (
+            "deploy/grafana/kvroute.json is stale: run python deploy/grafana/dashboard.py"
+        )
 
 
 def test_dashboard_structure() -> None:
@@ -225,10 +259,14 @@ def test_dashboard_structure() -> None:
     panels = list(all_panels(d["panels"]))
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
-    assert any(p["type"] == "row" and p["collapsed"] and p["panels"] for p in d["panels"]), "a collapsed row nests its panels"
+    assert any(p["type"] == "row" and p["collapsed"] and p["panels"] for p in d["panels"]), (
+        "a collapsed row nests its panels"
+    )
     for p in panels:
         g = p["gridPos"]
-        assert all(isinstance(g[k], int) for k in "hwxy") and 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        assert all(isinstance(g[k], int) for k in "hwxy") and 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p[
+            "title"
+        ]
         if p["type"] == "row":
             assert not p.get("targets")
             continue
@@ -251,16 +289,22 @@ def test_dashboard_structure() -> None:
 
 
 def test_extractor_finds_names_and_labels() -> None:
-    expr = ('histogram_quantile(0.9, sum by (le, model) (rate(a_seconds_bucket{model=~"$model", instance=~"$instance"}[$__rate_interval])))'
-            ' / on (instance) group_left (region) max by (instance, region) (b_info{job="x"}) + time() - c_total offset 5m'
-            ' + count without (q) ({__name__="d", e!="f"}) + vector(1)')
+    expr = (
+        'histogram_quantile(0.9, sum by (le, model) (rate(a_seconds_bucket{model=~"$model", instance=~"$instance"}[$__rate_interval])))'
+        ' / on (instance) group_left (region) max by (instance, region) (b_info{job="x"}) + time() - c_total offset 5m'
+        ' + count without (q) ({__name__="d", e!="f"}) + vector(1)'
+    )
     uses = promql_uses(expr)
     assert uses.metrics == {"a_seconds_bucket", "b_info", "c_total", "d"}
     assert ("a_seconds_bucket", frozenset({"model", "instance"})) in uses.selectors
     assert ("d", frozenset({"e"})) in uses.selectors
     clauses = {(c, labels) for c, labels, _ in uses.groupings}
-    assert clauses >= {("by", frozenset({"le", "model"})), ("on", frozenset({"instance"})), ("group", frozenset({"region"})),
-                       ("without", frozenset({"q"}))}
+    assert clauses >= {
+        ("by", frozenset({"le", "model"})),
+        ("on", frozenset({"instance"})),
+        ("group", frozenset({"region"})),
+        ("without", frozenset({"q"})),
+    }
     assert query_uses('label_values(x_total{a="1"}, b)') == (Uses([("x_total", frozenset({"a"}))]), "b")
     assert query_uses("label_values(job)") == (Uses(), "job")
     with pytest.raises(ValueError, match="does not parse"):
@@ -268,20 +312,26 @@ def test_extractor_finds_names_and_labels() -> None:
 
 
 def test_checker_rejects_made_up_metrics_and_labels() -> None:
-    text = ("# TYPE req counter\nreq_total{model=\"m\"} 1\n# TYPE lat histogram\nlat_bucket{le=\"1\"} 1\nlat_bucket{le=\"+Inf\"} 1\n"
-            "lat_sum 1\nlat_count 1\n# TYPE quiet counter\n")
+    text = (
+        '# TYPE req counter\nreq_total{model="m"} 1\n# TYPE lat histogram\nlat_bucket{le="1"} 1\nlat_bucket{le="+Inf"} 1\n'
+        "lat_sum 1\nlat_count 1\n# TYPE quiet counter\n"
+    )
     exp = Exposition(text, declared={"quiet": ("reason",)})
     assert exp.problems(promql_uses('sum by (model) (rate(req_total{model=~"$model"}[5m]))')) == []
     assert exp.problems(promql_uses("histogram_quantile(0.5, sum by (le) (rate(lat_bucket[5m])))")) == []
     assert exp.problems(promql_uses("sum by (reason) (rate(quiet_total[5m]))")) == []  # declared, no sample yet
-    assert exp.problems(promql_uses("rate(made_up_metric_total[5m])")) == ["metric made_up_metric_total is not exported"]
+    assert exp.problems(promql_uses("rate(made_up_metric_total[5m])")) == [
+        "metric made_up_metric_total is not exported"
+    ]
     assert exp.problems(promql_uses("rate(req[5m])")), "a counter's family name is not a sample name"
     assert exp.problems(promql_uses("rate(lat[5m])")), "neither is a histogram's"
     assert exp.problems(promql_uses('rate(req_total{colour="red"}[5m])'))
     assert exp.problems(promql_uses("sum by (colour) (rate(req_total[5m]))"))
     assert exp.problems(promql_uses("sum by (le) (rate(lat_sum[5m]))")), "le is on _bucket only"
     assert exp.problems(promql_uses('rate(quiet_total{model="m"}[5m])'))
-    assert Exposition("# TYPE quiet counter\n").problems(promql_uses("rate(quiet_total[5m])")), "no samples and no declaration"
+    assert Exposition("# TYPE quiet counter\n").problems(promql_uses("rate(quiet_total[5m])")), (
+        "no samples and no declaration"
+    )
 
 
 def test_prometheus_configs_point_at_the_services() -> None:
@@ -294,7 +344,10 @@ def test_prometheus_configs_point_at_the_services() -> None:
         static = yaml.safe_load(f)
     jobs = {j["job_name"]: j for j in static["scrape_configs"]}
     frontend_port = build_parser().get_default("http_port")
-    assert _ports(jobs["kvroute-frontend"]) == {frontend_port} and jobs["kvroute-frontend"].get("metrics_path", "/metrics") == "/metrics"
+    assert (
+        _ports(jobs["kvroute-frontend"]) == {frontend_port}
+        and jobs["kvroute-frontend"].get("metrics_path", "/metrics") == "/metrics"
+    )
     assert _ports(jobs["kvroute-indexer"]) == {indexer_parser().get_default("port")}
     assert jobs["kvroute-indexer"].get("metrics_path", "/metrics") == "/metrics"
     assert "/metrics" in frontend_document()["paths"] and "/metrics" in indexer_document()["paths"]
@@ -320,6 +373,7 @@ def _ports(job: dict[str, Any]) -> set[int]:
 
 # ---- against running services ---------------------------------------------------------------------
 
+
 def _scrape(url: str) -> str:
     r = httpx.get(url + "/metrics", timeout=5)
     r.raise_for_status()
@@ -340,28 +394,117 @@ def test_every_dashboard_query_reads_exported_metrics() -> None:
     with contextlib.ExitStack() as stack:
         port, ev, rp, port2, fport, iport = free_ports(6)
         murl, murl2 = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port2}"
-        stack.enter_context(service(["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
-                                     "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}", "--replay-endpoint", f"tcp://127.0.0.1:{rp}"],
-                                    ready_url=murl + "/health", timeout=90))
-        stack.enter_context(service(["-m", "mocker", "--host", "127.0.0.1", "--port", str(port2), "--no-kv-events", "--max-model-len", "512"],
-                                    ready_url=murl2 + "/health", timeout=90))
+        stack.enter_context(
+            service(
+                [
+                    "-m",
+                    "mocker",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--max-model-len",
+                    "512",
+                    "--kv-events-endpoint",
+                    f"tcp://127.0.0.1:{ev}",
+                    "--replay-endpoint",
+                    f"tcp://127.0.0.1:{rp}",
+                ],
+                ready_url=murl + "/health",
+                timeout=90,
+            )
+        )
+        stack.enter_context(
+            service(
+                [
+                    "-m",
+                    "mocker",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port2),
+                    "--no-kv-events",
+                    "--max-model-len",
+                    "512",
+                ],
+                ready_url=murl2 + "/health",
+                timeout=90,
+            )
+        )
         url, iurl = f"http://127.0.0.1:{fport}", f"http://127.0.0.1:{iport}"
-        stack.enter_context(service(["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), "--router-mode", "kv",
-                                     "--router-queue-threshold", "4", "--health-check-interval", "0.5",
-                                     "--worker", f"id=1,url={murl},kv_events_endpoint=tcp://127.0.0.1:{ev},replay_endpoint=tcp://127.0.0.1:{rp}",
-                                     "--worker", f"id=2,url={murl2}"],
-                                    ready=lambda: len(httpx.get(url + "/v1/models", timeout=2).json()["data"]) == 1, timeout=90))
-        stack.enter_context(service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(iport), "--block-size", "16",
-                                     "--model-name", MODEL, "--workers", f"1=tcp://127.0.0.1:{ev}"], ready_url=iurl + "/health", timeout=90))
-        wait_until(lambda: all(w["healthy"] for w in httpx.get(url + "/admin/workers", timeout=2).json()["workers"]), 30, what="healthy workers")
+        stack.enter_context(
+            service(
+                [
+                    "-m",
+                    "frontend",
+                    "--http-host",
+                    "127.0.0.1",
+                    "--http-port",
+                    str(fport),
+                    "--router-mode",
+                    "kv",
+                    "--router-queue-threshold",
+                    "4",
+                    "--health-check-interval",
+                    "0.5",
+                    "--worker",
+                    f"id=1,url={murl},kv_events_endpoint=tcp://127.0.0.1:{ev},replay_endpoint=tcp://127.0.0.1:{rp}",
+                    "--worker",
+                    f"id=2,url={murl2}",
+                ],
+                ready=lambda: len(httpx.get(url + "/v1/models", timeout=2).json()["data"]) == 1,
+                timeout=90,
+            )
+        )
+        stack.enter_context(
+            service(
+                [
+                    "-m",
+                    "indexer",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(iport),
+                    "--block-size",
+                    "16",
+                    "--model-name",
+                    MODEL,
+                    "--workers",
+                    f"1=tcp://127.0.0.1:{ev}",
+                ],
+                ready_url=iurl + "/health",
+                timeout=90,
+            )
+        )
+        wait_until(
+            lambda: all(w["healthy"] for w in httpx.get(url + "/admin/workers", timeout=2).json()["workers"]),
+            30,
+            what="healthy workers",
+        )
         _traffic(url, iurl)
         # the scrape-time and asynchronous series (KV events, parity, decomposition) have caught up
-        front = wait_until(lambda: (t := _scrape(url)) and _value(t, "dynamo_kvrouter_kv_cache_events_applied") > 0
-                           and _value(t, "kvroute_router_decomposed_requests_total") > 0
-                           and _value(t, "kvroute_hash_parity_checks_total") > 0
-                           and _value(t, "dynamo_frontend_requests_total", status="error") > 0 and t, 30, what="frontend series")
-        idx = wait_until(lambda: (t := _scrape(iurl)) and _value(t, "kvroute_kv_events_received_total") > 0
-                         and _value(t, "dynamo_kvindexer_errors_total") > 0 and t, 30, what="indexer series")
+        front = wait_until(
+            lambda: (
+                (t := _scrape(url))
+                and _value(t, "dynamo_kvrouter_kv_cache_events_applied") > 0
+                and _value(t, "kvroute_router_decomposed_requests_total") > 0
+                and _value(t, "kvroute_hash_parity_checks_total") > 0
+                and _value(t, "dynamo_frontend_requests_total", status="error") > 0
+                and t
+            ),
+            30,
+            what="frontend series",
+        )
+        idx = wait_until(
+            lambda: (
+                (t := _scrape(iurl))
+                and _value(t, "kvroute_kv_events_received_total") > 0
+                and _value(t, "dynamo_kvindexer_errors_total") > 0
+                and t
+            ),
+            30,
+            what="indexer series",
+        )
 
     declared = declared_frontend_labels()
     frontend_exp, indexer_exp = Exposition(front, declared), Exposition(idx)
@@ -376,14 +519,25 @@ def test_every_dashboard_query_reads_exported_metrics() -> None:
         checked |= uses.metrics
         problems += [f"{where}: {p}" for p in exp.problems(uses)]
         if label is not None and label not in TARGET_LABELS:
-            problems += [f"{where}: label_values lists {label}, which {name} does not have"
-                         for name, _ in uses.selectors if label not in exp.labels.get(name, set())]
+            problems += [
+                f"{where}: label_values lists {label}, which {name} does not have"
+                for name, _ in uses.selectors
+                if label not in exp.labels.get(name, set())
+            ]
     assert not problems, "\n".join(problems)
     # what the dashboard shows of the issue's list (a renamed metric would drop a panel silently otherwise)
-    for must in ("dynamo_frontend_router_queue_pending_requests", "dynamo_frontend_worker_active_prefill_tokens_", "kvroute_hash_parity_mismatch",
-                 "kvroute_router_delivered_cached_tokens_total", "dynamo_frontend_model_migration_total",
-                 "dynamo_frontend_time_to_first_token_seconds_bucket", "dynamo_frontend_inter_token_latency_seconds_bucket",
-                 "dynamo_frontend_request_duration_seconds_bucket", "kvroute_kv_event_gaps_total", "dynamo_kvindexer_requests_total"):
+    for must in (
+        "dynamo_frontend_router_queue_pending_requests",
+        "dynamo_frontend_worker_active_prefill_tokens_",
+        "kvroute_hash_parity_mismatch",
+        "kvroute_router_delivered_cached_tokens_total",
+        "dynamo_frontend_model_migration_total",
+        "dynamo_frontend_time_to_first_token_seconds_bucket",
+        "dynamo_frontend_inter_token_latency_seconds_bucket",
+        "dynamo_frontend_request_duration_seconds_bucket",
+        "kvroute_kv_event_gaps_total",
+        "dynamo_kvindexer_requests_total",
+    ):
         assert any(m.startswith(must.rstrip("_")) for m in checked), must
 
 
@@ -395,11 +549,19 @@ def _traffic(url: str, iurl: str) -> None:
         assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
     with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60) as r:
         assert r.status_code == 200 and b"[DONE]" in r.read()
-    assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi there " * 30, "max_tokens": 3}, timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            url + "/v1/completions", json={"model": MODEL, "prompt": "hi there " * 30, "max_tokens": 3}, timeout=60
+        ).status_code
+        == 200
+    )
     too_long = {**chat, "messages": [{"role": "user", "content": "word " * 2000}]}
     assert httpx.post(url + "/v1/chat/completions", json=too_long, timeout=60).status_code == 400
     assert httpx.post(iurl + "/query", json={}, timeout=10).status_code >= 400
-    assert httpx.post(iurl + "/query", json={"model_name": MODEL, "token_ids": list(range(64))}, timeout=10).status_code < 500
+    assert (
+        httpx.post(iurl + "/query", json={"model_name": MODEL, "token_ids": list(range(64))}, timeout=10).status_code
+        < 500
+    )
 
 
 def test_monitoring_component_ships_the_dashboard() -> None:
@@ -409,8 +571,14 @@ def test_monitoring_component_ships_the_dashboard() -> None:
     with open(os.path.join(GRAFANA, "kvroute.json"), encoding="utf-8") as f:
         text = f.read()
     for overlay in ("production", "standalone-services"):
-        maps = [o for o in render(overlay) if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvroute-grafana-dashboard"]
+        maps = [
+            o
+            for o in render(overlay)
+            if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kvroute-grafana-dashboard"
+        ]
         assert len(maps) == 1, overlay
         assert maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert maps[0]["data"] == {"kvroute.json": text}
-    assert not any(o["metadata"]["name"] == "kvroute-grafana-dashboard" for o in render("dev")), "dev has no monitoring component"
+    assert not any(o["metadata"]["name"] == "kvroute-grafana-dashboard" for o in render("dev")), (
+        "dev has no monitoring component"
+    )

@@ -191,7 +191,9 @@ def test_dump_has_the_reference_shape_and_restores_to_the_same_answers() -> None
     assert set(stored["blocks"][0]) == {"block_hash", "tokens_hash", "mm_extra_info"}
     tiers = [e["storage_tier"] for e in events]
     assert tiers.index("host_pinned") > max(i for i, t in enumerate(tiers) if t == "device")
-    assert [e["event"]["event_id"] for e in events if e["storage_tier"] == "device"] == list(range(tiers.count("device")))
+    assert [e["event"]["event_id"] for e in events if e["storage_tier"] == "device"] == list(
+        range(tiers.count("device"))
+    )
 
     copy = KvIndex(BS)
     assert copy.restore_events(events) == len(events)
@@ -201,12 +203,19 @@ def test_dump_has_the_reference_shape_and_restores_to_the_same_answers() -> None
 
 def test_restore_accepts_removed_and_cleared_events_and_rejects_garbage() -> None:
     ix = _populated()
-    apply_router_event(ix, {"worker_id": 2, "event": {"event_id": 0, "dp_rank": 1, "data": {"removed": {"block_hashes": [12]}}}})
+    apply_router_event(
+        ix, {"worker_id": 2, "event": {"event_id": 0, "dp_rank": 1, "data": {"removed": {"block_hashes": [12]}}}}
+    )
     assert (2, 1) not in ix.find_matches(q(11, 12, 14)) or ix.find_matches(q(11, 12, 14))[(2, 1)] == 1
     apply_router_event(ix, {"worker_id": 1, "event": {"event_id": 1, "dp_rank": 0, "data": "cleared"}})
     apply_router_event(ix, {"worker_id": 3, "event": {"event_id": 2, "dp_rank": 0, "data": {"cleared": None}}})
     assert ix.find_matches(q(11, 12, 13)) == {(2, 1): 1}
-    for bad in ({}, {"worker_id": "x"}, {"worker_id": 1, "event": {"data": {"stored": {"blocks": "no"}}}}, {"worker_id": 1, "storage_tier": "moon", "event": {}}):
+    for bad in (
+        {},
+        {"worker_id": "x"},
+        {"worker_id": 1, "event": {"data": {"stored": {"blocks": "no"}}}},
+        {"worker_id": 1, "storage_tier": "moon", "event": {}},
+    ):
         with pytest.raises(ValueError):
             apply_router_event(ix, bad)
 

@@ -22,10 +22,10 @@ import random
 import httpx
 import pytest
 import zmq
-from support import free_port, free_ports, reference_installed, service, wait_until
 
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, encode_batch_legacy, seq_frame
 from kvroute_common.hashing import list_to_i64, local_block_hashes, sequence_hashes
+from support import free_port, free_ports, reference_installed, service, wait_until
 
 pytestmark = pytest.mark.skipif(not reference_installed(), reason="reference dynamo (ai-dynamo-runtime) not installed")
 
@@ -41,7 +41,9 @@ MEDIUMS = [None, None, None, None, "GPU", "CPU", "CPU_TIER1", "DISK", "CPU_TIER2
 class Pub:
     """One engine stream: a real PUB socket with its own sequence numbers."""
 
-    def __init__(self, ctx: zmq.Context, instance_id: int, dp_rank: int, port: int, legacy: bool = False, override: bool = False):
+    def __init__(
+        self, ctx: zmq.Context, instance_id: int, dp_rank: int, port: int, legacy: bool = False, override: bool = False
+    ):
         self.instance_id, self.dp_rank, self.port = instance_id, dp_rank, port
         self.legacy, self.override = legacy, override
         self.sock = ctx.socket(zmq.PUB)
@@ -163,12 +165,19 @@ def test_reference_and_ours_agree_on_random_rounds() -> None:
         ):
             for base in (ref, ours):
                 for p in pubs:
-                    body = {"instance_id": p.instance_id, "endpoint": p.endpoint, "model_name": MODEL, "block_size": BS, "dp_rank": p.dp_rank}
+                    body = {
+                        "instance_id": p.instance_id,
+                        "endpoint": p.endpoint,
+                        "model_name": MODEL,
+                        "block_size": BS,
+                        "dp_rank": p.dp_rank,
+                    }
                     r = client.post(f"{base}/register", json=body)
                     assert r.status_code == 201, r.text
 
             # Warm-up: both subscriptions live (ZMQ slow joiners), then start from an empty state.
             for p in pubs:
+
                 def seen(p: Pub = p) -> bool:
                     p.send([BlockStored([1], None, _marker_tokens(0), BS, None, None, None)])
                     return all(_holds_marker(client, b, p, 0, p.dp_rank) for b in (ref, ours))
@@ -176,7 +185,11 @@ def test_reference_and_ours_agree_on_random_rounds() -> None:
                 wait_until(seen, timeout=30, interval=0.1, what=f"publisher {p.instance_id}:{p.dp_rank} seen by both")
             for p in pubs:
                 p.send([AllBlocksCleared()])
-            wait_until(lambda: all(not _query(client, b, _marker_tokens(0))["scores"] for b in (ref, ours)), timeout=20, what="warm-up cleared")
+            wait_until(
+                lambda: all(not _query(client, b, _marker_tokens(0))["scores"] for b in (ref, ours)),
+                timeout=20,
+                what="warm-up cleared",
+            )
 
             prompts = make_prompts(rng)
             checked = 0
@@ -218,7 +231,9 @@ def test_reference_and_ours_agree_on_random_rounds() -> None:
                 env={"KVROUTE_INDEXER_RECOVERY_DELAY": "0"},
             ):
                 for prompt in prompts:
-                    assert _query(client, rec, prompt.tokens, prompt.lora) == _query(client, ref, prompt.tokens, prompt.lora)
+                    assert _query(client, rec, prompt.tokens, prompt.lora) == _query(
+                        client, ref, prompt.tokens, prompt.lora
+                    )
     finally:
         for p in pubs:
             p.sock.close(linger=0)

@@ -14,7 +14,6 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from support import free_ports
 
 from indexer.core import KvIndex
 from indexer.listener import ACTIVE, validate_endpoint
@@ -22,6 +21,7 @@ from indexer.normalize import EventApplier
 from indexer.registry import IndexerRegistry
 from indexer.wire import REPLAY_END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_batch, seq_frame
 from kvroute_common.hashing import local_block_hashes
+from support import free_ports
 
 BS = 4
 MODEL = "m"
@@ -44,7 +44,9 @@ def stored(exts: list[int], parent: int | None = None, blocks: list[int] | None 
 # ----------------------------------------------------------------------------- normalisation
 
 
-def _apply(*events, dp_rank: int | None = 0, index: KvIndex | None = None, applier: EventApplier | None = None) -> EventApplier:
+def _apply(
+    *events, dp_rank: int | None = 0, index: KvIndex | None = None, applier: EventApplier | None = None
+) -> EventApplier:
     applier = applier or EventApplier(index or KvIndex(BS), 7, 0)
     applier.apply_batch(decode_batch(encode_batch(list(events), dp_rank)))
     return applier
@@ -74,7 +76,13 @@ def test_filters_drop_what_the_reference_drops() -> None:
     )
     for b in (1, 2, 3, 4, 5, 6, 8):
         assert a.index.tier_matches(local(b)) == {}, b
-    _apply(stored([9], group_idx=0), stored([10], group_idx=1), stored([11], kv_cache_spec_kind="mla_attention", group_idx=3), stored([12], group_idx=3), applier=a)
+    _apply(
+        stored([9], group_idx=0),
+        stored([10], group_idx=1),
+        stored([11], kv_cache_spec_kind="mla_attention", group_idx=3),
+        stored([12], group_idx=3),
+        applier=a,
+    )
     assert a.index.find_matches(local(9)) and a.index.find_matches(local(11)) and a.index.find_matches(local(12))
     assert a.index.find_matches(local(10)) == {}  # group 1 was learned as sliding_window
 
@@ -133,7 +141,14 @@ async def until(pred: Callable[[], object], timeout: float = 10.0, what: str = "
 class Engine:
     """A fake engine's publisher: real PUB socket plus a replay ROUTER serving its buffer."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, pub_port: int, replay_port: int, answer_replays: bool = True, old_reply: bool = False):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        pub_port: int,
+        replay_port: int,
+        answer_replays: bool = True,
+        old_reply: bool = False,
+    ):
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{pub_port}")

@@ -13,9 +13,9 @@ import json
 import random
 
 import pytest
-from support import reference_installed
 
 from indexer.core import KvIndex
+from support import reference_installed
 
 pytestmark = pytest.mark.skipif(not reference_installed(), reason="reference dynamo (ai-dynamo-runtime) not installed")
 

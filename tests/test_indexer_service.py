@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import zmq
-from support import free_port, free_ports, service, wait_until
 
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, seq_frame
 from kvroute_common.hashing import list_to_i64, local_block_hashes
+from support import free_port, free_ports, service, wait_until
 
 BS = 4
 FAST_RECOVERY = {"KVROUTE_INDEXER_RECOVERY_DELAY": "0.2"}
@@ -39,14 +39,25 @@ def post(url: str, body: object, **kw) -> httpx.Response:
 
 
 def reg_body(instance_id: int, port: int, model: str = "svc", **kw) -> dict:
-    return {"instance_id": instance_id, "endpoint": f"tcp://127.0.0.1:{port}", "model_name": model, "block_size": BS, **kw}
+    return {
+        "instance_id": instance_id,
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "model_name": model,
+        "block_size": BS,
+        **kw,
+    }
 
 
 def test_health_metrics_and_unknown_routes(base: str) -> None:
     r = httpx.get(f"{base}/health")
     assert r.status_code == 200 and r.content == b""
     metrics = httpx.get(f"{base}/metrics").text
-    for name in ("dynamo_kvindexer_models", "dynamo_kvindexer_workers", "dynamo_kvindexer_listeners", "dynamo_kvindexer_requests_total"):
+    for name in (
+        "dynamo_kvindexer_models",
+        "dynamo_kvindexer_workers",
+        "dynamo_kvindexer_listeners",
+        "dynamo_kvindexer_requests_total",
+    ):
         assert name in metrics
     r = httpx.get(f"{base}/nope")
     assert r.status_code == 404 and r.json() == {"error": "route not found"}
@@ -62,11 +73,16 @@ def test_register_conflicts_and_validation(base: str) -> None:
     r = post(f"{base}/register", reg_body(101, p, "other"))
     assert r.status_code == 409 and "instance 101 is already registered for model=reg" in r.json()["error"]
     r = post(f"{base}/register", {**reg_body(102, p, "reg"), "block_size": 32})
-    assert r.status_code == 409 and r.json()["error"] == "block_size mismatch for model=reg tenant_id=default: existing=4, requested=32"
+    assert (
+        r.status_code == 409
+        and r.json()["error"] == "block_size mismatch for model=reg tenant_id=default: existing=4, requested=32"
+    )
     r = post(f"{base}/register", {**reg_body(103, p, "reg"), "endpoint": "garbage"})
     assert r.status_code == 400 and r.json() == {"error": "invalid ZMQ endpoint `garbage`: missing scheme"}
     r = post(f"{base}/register", {**reg_body(103, p, "reg"), "replay_endpoint": "bad"})
-    assert r.status_code == 400 and r.json() == {"error": "invalid replay endpoint `bad`: invalid ZMQ endpoint `bad`: missing scheme"}
+    assert r.status_code == 400 and r.json() == {
+        "error": "invalid replay endpoint `bad`: invalid ZMQ endpoint `bad`: missing scheme"
+    }
     r = post(f"{base}/register", {**reg_body(104, p, "zero"), "block_size": 0})
     assert r.status_code == 400 and "block_size" in r.json()["error"]
     r = post(f"{base}/register", {"instance_id": 1, "model_name": "x", "block_size": 4})
@@ -83,7 +99,13 @@ def test_register_conflicts_and_validation(base: str) -> None:
 def test_workers_unregister_and_tenant_aliases(base: str) -> None:
     p1, p2 = free_ports(2)
     assert post(f"{base}/register", reg_body(201, p1, "wk", routing_group="g1")).status_code == 201
-    assert post(f"{base}/register", reg_body(201, p2, "wk", tenant_id="g1", dp_rank=1, replay_endpoint=f"tcp://127.0.0.1:{p2}")).status_code == 201
+    assert (
+        post(
+            f"{base}/register",
+            reg_body(201, p2, "wk", tenant_id="g1", dp_rank=1, replay_endpoint=f"tcp://127.0.0.1:{p2}"),
+        ).status_code
+        == 201
+    )
     items = httpx.get(f"{base}/workers", params={"model_name": "wk", "tenant_id": "g1"}).json()
     assert len(items) == 1
     w = items[0]
@@ -99,7 +121,9 @@ def test_workers_unregister_and_tenant_aliases(base: str) -> None:
     assert r.status_code == 404 and r.json() == {"error": "instance 201 is registered for model=wk tenant_id=g1"}
     r = post(f"{base}/unregister", {"instance_id": 201, "model_name": "wk", "tenant_id": "g1", "dp_rank": 7})
     assert r.status_code == 404 and r.json() == {"error": "instance 201 dp_rank 7 not found"}
-    assert post(f"{base}/unregister", {"instance_id": 201, "model_name": "wk", "tenant_id": "g1", "dp_rank": 1}).json() == {"status": "ok"}
+    assert post(
+        f"{base}/unregister", {"instance_id": 201, "model_name": "wk", "tenant_id": "g1", "dp_rank": 1}
+    ).json() == {"status": "ok"}
     assert list(httpx.get(f"{base}/workers", params={"model_name": "wk"}).json()[0]["listeners"]) == ["0"]
     assert post(f"{base}/unregister", {"instance_id": 201, "model_name": "wk"}).status_code == 200
     r = post(f"{base}/query", {"token_ids": toks(1), "model_name": "wk", "tenant_id": "g1"})
@@ -119,9 +143,15 @@ def test_query_validation(base: str) -> None:
     # 8 MiB on the query routes: a 3 MiB body is fine there (it would be 413 elsewhere).
     body = json.dumps({"token_ids": [7] * (1024 * 1024), "model_name": "qv"}).encode()
     assert 2 * 1024 * 1024 < len(body) <= 8 * 1024 * 1024
-    assert httpx.post(f"{base}/query", content=body, headers={"content-type": "application/json"}, timeout=30).status_code == 200
+    assert (
+        httpx.post(f"{base}/query", content=body, headers={"content-type": "application/json"}, timeout=30).status_code
+        == 200
+    )
     huge = b'{"pad":"' + b"x" * (8 * 1024 * 1024) + b'"}'
-    assert httpx.post(f"{base}/query", content=huge, headers={"content-type": "application/json"}, timeout=30).status_code == 413
+    assert (
+        httpx.post(f"{base}/query", content=huge, headers={"content-type": "application/json"}, timeout=30).status_code
+        == 413
+    )
 
 
 def test_peers_api(base: str) -> None:
@@ -186,13 +216,18 @@ def test_end_to_end_and_peer_recovery() -> None:
             }
             wait_until(lambda: _scores(a, toks(1, 2, 3, 4)) == expected, timeout=20, what="events applied on A")
             local = local_block_hashes(toks(1, 2, 3, 4), BS)
-            assert post(f"{a}/query_by_hash", {"block_hashes": list_to_i64(local), "model_name": "default"}).json() == expected
+            assert (
+                post(f"{a}/query_by_hash", {"block_hashes": list_to_i64(local), "model_name": "default"}).json()
+                == expected
+            )
             dump = httpx.get(f"{a}/dump").json()
             assert set(dump) == {"default:default"} and dump["default:default"]["block_size"] == BS
 
             # B recovers from the first reachable peer (the dead one is skipped), then both follow live events.
             with service(
-                indexer_args(b_port, "--block-size", str(BS), "--workers", workers, "--peers", f"http://127.0.0.1:{dead},{a}"),
+                indexer_args(
+                    b_port, "--block-size", str(BS), "--workers", workers, "--peers", f"http://127.0.0.1:{dead},{a}"
+                ),
                 ready_url=f"{b}/health",
                 env=FAST_RECOVERY,
             ):
@@ -205,7 +240,11 @@ def test_end_to_end_and_peer_recovery() -> None:
                     "frequencies": [],
                     "instances": {"2": {"longest_matched": 8, "gpu": 8, "dp": {"1": 8}, "cpu": 8, "disk": 8}},
                 }
-                wait_until(lambda: _scores(a, toks(1, 2, 3, 4)) == gone and _scores(b, toks(1, 2, 3, 4)) == gone, timeout=20, what="clear on both")
+                wait_until(
+                    lambda: _scores(a, toks(1, 2, 3, 4)) == gone and _scores(b, toks(1, 2, 3, 4)) == gone,
+                    timeout=20,
+                    what="clear on both",
+                )
     finally:
         for p in pubs:
             p.sock.close(linger=0)
@@ -219,11 +258,15 @@ def test_min_initial_workers_gate_counts_recovered_workers() -> None:
     a = f"http://127.0.0.1:{a_port}"
     b = f"http://127.0.0.1:{b_port}"
     try:
-        with service(indexer_args(a_port, "--block-size", str(BS), "--workers", f"5={pub.endpoint}"), ready_url=f"{a}/health"):
+        with service(
+            indexer_args(a_port, "--block-size", str(BS), "--workers", f"5={pub.endpoint}"), ready_url=f"{a}/health"
+        ):
             _live(pub, [a], "5")
             # B registers one worker itself and needs two: the second one comes from A's dump (worker 5).
             with service(
-                indexer_args(b_port, "--block-size", str(BS), "--workers", f"6=tcp://127.0.0.1:{free_port()}", "--peers", a),
+                indexer_args(
+                    b_port, "--block-size", str(BS), "--workers", f"6=tcp://127.0.0.1:{free_port()}", "--peers", a
+                ),
                 ready_url=f"{b}/health",
                 env={**FAST_RECOVERY, "DYN_ROUTER_MIN_INITIAL_WORKERS": "2"},
             ):
@@ -253,14 +296,20 @@ def test_raw_http_keepalive_pipelining_chunked_and_continue(base: str) -> None:
     """The query routes (answered by FastJsonRoutes before Starlette) keep HTTP/1.1 semantics on uvicorn."""
     assert post(f"{base}/register", reg_body(401, free_port(), "raw")).status_code == 201
     q = json.dumps({"token_ids": toks(1, 2), "model_name": "raw"}).encode()
-    req = b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(q), q)
+    req = b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(q),
+        q,
+    )
     peers = b"GET /peers HTTP/1.1\r\nhost: x\r\n\r\n"
     # pipelined: a hot route, an ASGI route, a hot route again -> three answers in order
     out = _raw(base, req + peers + req, expect_responses=3)
     assert out.count(b"HTTP/1.1 200 OK") == 3
     assert out.index(b'"scores"') < out.index(b"[") < out.rindex(b'"scores"')
     # chunked request body
-    chunked = b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(q), q)
+    chunked = (
+        b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (len(q), q)
+    )
     assert b'{"scores":{}' in _raw(base, chunked)
     # Expect: 100-continue gets its interim answer before the final one
     cont = _raw(base, req.replace(b"host: x\r\n", b"host: x\r\nexpect: 100-continue\r\n"))
@@ -268,7 +317,9 @@ def test_raw_http_keepalive_pipelining_chunked_and_continue(base: str) -> None:
     # wrong content type on a hot route, then malformed HTTP (a JSON error too)
     text = req.replace(b"application/json", b"text/plain")
     assert b"HTTP/1.1 415" in _raw(base, text)
-    assert _raw(base, b"NOT HTTP\r\n\r\n").startswith(b"HTTP/1.1 400") and b'{"error":' in _raw(base, b"NOT HTTP\r\n\r\n")
+    assert _raw(base, b"NOT HTTP\r\n\r\n").startswith(b"HTTP/1.1 400") and b'{"error":' in _raw(
+        base, b"NOT HTTP\r\n\r\n"
+    )
     # HTTP/1.0 without keep-alive: answer then close
     assert b"connection: close" in _raw(base, req.replace(b"HTTP/1.1\r\n", b"HTTP/1.0\r\n", 1))
 

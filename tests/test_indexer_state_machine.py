@@ -166,7 +166,9 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 IndexMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("KVROUTE_STATE_EXAMPLES", "300")), stateful_step_count=25, deadline=None,
+    max_examples=int(os.environ.get("KVROUTE_STATE_EXAMPLES", "300")),
+    stateful_step_count=25,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_index_state_machine = IndexMachine.TestCase

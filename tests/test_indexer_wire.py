@@ -25,7 +25,15 @@ BIG = (1 << 64) - 5  # engine hashes >= 2**63 are common (low 64 bits of a diges
 
 
 def _stored(**kw) -> BlockStored:
-    args = dict(block_hashes=[1, BIG], parent_block_hash=None, token_ids=list(range(32)), block_size=16, lora_id=None, medium=None, lora_name=None)
+    args = dict(
+        block_hashes=[1, BIG],
+        parent_block_hash=None,
+        token_ids=list(range(32)),
+        block_size=16,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
     args.update(kw)
     return BlockStored(**args)
 
@@ -36,20 +44,46 @@ def test_encoding_is_vllm_033_layout() -> None:
     assert raw[0] == 1.5 and raw[2] == 2 and len(raw) == 3  # array_like batch [ts, events, dp_rank]
     stored, removed, cleared = raw[1]
     # tagged map-form events; defaulted trailing fields omitted (omit_defaults), required ones kept
-    assert list(stored) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"]
+    assert list(stored) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ]
     assert stored["type"] == "BlockStored" and stored["block_hashes"] == [1, BIG]
     assert removed == {"type": "BlockRemoved", "block_hashes": [5], "medium": "CPU"}
     assert cleared == {"type": "AllBlocksCleared"}
-    full = msgspec.msgpack.decode(encode_batch([_stored(group_idx=0, kv_cache_spec_kind="full_attention", locality="LOCAL")], 0))
+    full = msgspec.msgpack.decode(
+        encode_batch([_stored(group_idx=0, kv_cache_spec_kind="full_attention", locality="LOCAL")], 0)
+    )
     assert list(full[1][0])[-3:] == ["group_idx", "kv_cache_spec_kind", "locality"]
 
 
 def test_map_form_round_trip() -> None:
-    batch = decode_batch(encode_batch([_stored(medium="CPU", lora_name="a", parent_block_hash=BIG - 1), BlockRemoved([BIG], None), AllBlocksCleared()], 3, ts=2.0))
+    batch = decode_batch(
+        encode_batch(
+            [
+                _stored(medium="CPU", lora_name="a", parent_block_hash=BIG - 1),
+                BlockRemoved([BIG], None),
+                AllBlocksCleared(),
+            ],
+            3,
+            ts=2.0,
+        )
+    )
     assert batch.ts == 2.0 and batch.dp_rank == 3
     stored, removed, cleared = batch.events
     assert isinstance(stored, Stored) and stored.block_hashes == [1, BIG] and stored.parent_block_hash == BIG - 1
-    assert stored.token_ids == list(range(32)) and stored.block_size == 16 and stored.medium == "CPU" and stored.lora_name == "a"
+    assert (
+        stored.token_ids == list(range(32))
+        and stored.block_size == 16
+        and stored.medium == "CPU"
+        and stored.lora_name == "a"
+    )
     assert isinstance(removed, Removed) and removed.block_hashes == [BIG]
     assert isinstance(cleared, Cleared)
 
@@ -64,7 +98,22 @@ def test_array_form_and_mixed_batches_decode() -> None:
             [
                 ["BlockStored", [9], None, list(range(16)), 16],  # 5 elements: no lora_id slot
                 {"type": "BlockRemoved", "block_hashes": [9], "unknown_key": {"x": 1}},
-                ["BlockStored", [10], 9, list(range(16)), 16, None, "GPU", None, None, 0, "full_attention", None, "LOCAL", "x"],
+                [
+                    "BlockStored",
+                    [10],
+                    9,
+                    list(range(16)),
+                    16,
+                    None,
+                    "GPU",
+                    None,
+                    None,
+                    0,
+                    "full_attention",
+                    None,
+                    "LOCAL",
+                    "x",
+                ],
                 ["AllBlocksCleared", "extra"],
                 ["Ignored"],
             ],
@@ -85,7 +134,11 @@ def test_negative_hashes_are_reinterpreted_as_u64() -> None:
 
 def test_eagle_token_pairs_are_flattened() -> None:
     pairs = [[i, i + 1] for i in range(16)]
-    batch = decode_batch(msgspec.msgpack.encode([0.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": pairs, "block_size": 16}], 0]))
+    batch = decode_batch(
+        msgspec.msgpack.encode(
+            [0.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": pairs, "block_size": 16}], 0]
+        )
+    )
     ev = batch.events[0]
     assert ev.eagle and ev.token_ids == list(range(17))
 
@@ -121,7 +174,16 @@ def test_any_bad_event_rejects_the_whole_batch(events: list) -> None:
         decode_batch(msgspec.msgpack.encode([0.0, [good, *events], 0]))
 
 
-@pytest.mark.parametrize("payload", [b"", b"\xc1", msgspec.msgpack.encode({"ts": 0.0, "events": []}), msgspec.msgpack.encode([0.0, [], 0, 1]), msgspec.msgpack.encode("x")])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",
+        msgspec.msgpack.encode({"ts": 0.0, "events": []}),
+        msgspec.msgpack.encode([0.0, [], 0, 1]),
+        msgspec.msgpack.encode("x"),
+    ],
+)
 def test_malformed_batches_are_rejected(payload: bytes) -> None:
     with pytest.raises(WireError):
         decode_batch(payload)

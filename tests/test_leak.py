@@ -16,23 +16,48 @@ from tests.support import REPO_ROOT
 
 
 def test_index_blocks_reads_device_stored_events_per_worker_rank():
-    dump = {"m:default": {"block_size": 16, "events": [
-        {"worker_id": 3, "storage_tier": "device", "event": {"dp_rank": 1, "data": {"stored": {"blocks": [
-            {"block_hash": 10, "tokens_hash": 11}, {"block_hash": 12, "tokens_hash": 13}]}}}},
-        {"worker_id": 3, "storage_tier": "host_pinned", "event": {"dp_rank": 1, "data": {"stored": {"blocks": [
-            {"block_hash": 20, "tokens_hash": 21}]}}}},
-    ]}}
+    dump = {
+        "m:default": {
+            "block_size": 16,
+            "events": [
+                {
+                    "worker_id": 3,
+                    "storage_tier": "device",
+                    "event": {
+                        "dp_rank": 1,
+                        "data": {
+                            "stored": {
+                                "blocks": [{"block_hash": 10, "tokens_hash": 11}, {"block_hash": 12, "tokens_hash": 13}]
+                            }
+                        },
+                    },
+                },
+                {
+                    "worker_id": 3,
+                    "storage_tier": "host_pinned",
+                    "event": {"dp_rank": 1, "data": {"stored": {"blocks": [{"block_hash": 20, "tokens_hash": 21}]}}},
+                },
+            ],
+        }
+    }
     assert index_blocks(dump) == {(3, 1): {(10, 11), (12, 13)}}
 
 
 def test_leak_short(tmp_path):
     out = tmp_path / "leak"
-    proc = subprocess.run([sys.executable, "-m", "bench", "leak", "--requests", "300", "--out", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "leak", "--requests", "300", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     report = json.loads((out / "leak.json").read_text())
     assert report["ok"] and sum(report["outcomes"].values()) == 300
     assert report["faults_injected"] >= 1
-    assert report["outcomes"].get("cancelled_before_first_byte", 0) + report["outcomes"].get("cancelled_mid_stream", 0) > 0
+    assert (
+        report["outcomes"].get("cancelled_before_first_byte", 0) + report["outcomes"].get("cancelled_mid_stream", 0) > 0
+    )
     assert report["loads_nonzero"] == [] and not any(report["gauges"].values())
     assert report["index_diff"] == {} and report["index_blocks"] == report["mocker_blocks"] > 0

@@ -12,8 +12,10 @@ from kvroute_common.tokenizer import chat_prompt_token_ids, completion_prompt_to
 from support import free_port, free_port_block, service, wait_until
 
 MODEL = "kvroute-demo"
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega router cache block prefix worker").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega router cache block prefix worker"
+).split()
 
 
 def long_text(n_words: int, salt: int) -> str:
@@ -24,9 +26,22 @@ def long_text(n_words: int, salt: int) -> str:
 def mocker():
     port = free_port()
     zmq_base = free_port_block(4)
-    args = ["-m", "mocker", "--port", str(port), "--data-parallel-size", "2", "--num-gpu-blocks", "2048",
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint", f"tcp://127.0.0.1:{zmq_base + 2}",
-            "--seed", "7"]
+    args = [
+        "-m",
+        "mocker",
+        "--port",
+        str(port),
+        "--data-parallel-size",
+        "2",
+        "--num-gpu-blocks",
+        "2048",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{zmq_base}",
+        "--replay-endpoint",
+        f"tcp://127.0.0.1:{zmq_base + 2}",
+        "--seed",
+        "7",
+    ]
     with service(args, ready_url=f"http://127.0.0.1:{port}/health", timeout=60):
         yield f"http://127.0.0.1:{port}"
 
@@ -60,11 +75,19 @@ def test_chat_non_stream_fixed_length(client, tok):
 
 def test_stream_equals_non_stream_and_reports_usage(client):
     msgs = [{"role": "user", "content": "deterministic output please " + long_text(20, 3)}]
-    full = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=9,
-                                          extra_body={"ignore_eos": True})
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=9, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    full = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_completion_tokens=9, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_completion_tokens=9,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -79,8 +102,14 @@ def test_completions_text_and_token_prompts(client, tok):
     assert r.object == "text_completion" and r.usage.completion_tokens == 5
     assert r.usage.prompt_tokens == len(completion_prompt_token_ids(tok, "Once upon a time"))
     ids = tok.encode("a token id prompt", add_special_tokens=False)
-    stream = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=ids,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 4
@@ -93,8 +122,14 @@ def test_repeated_prompt_is_cached_and_faster(client, tok):
 
     def ttft():
         t0 = time.perf_counter()
-        stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, stream=True,
-                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         first = None
         usage = None
         for c in stream:
@@ -118,11 +153,15 @@ def test_stop_strings_and_min_tokens(client):
     words = base.choices[0].text.split(" ")
     stop_word = " " + words[5]
     cut = base.choices[0].text.index(stop_word)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=[stop_word],
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, stop=[stop_word], extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base.choices[0].text[:cut]
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=stop_word, stream=True,
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, stop=stop_word, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == base.choices[0].text[:cut]
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=400, extra_body={"min_tokens": 300})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 301  # EOS right after min_tokens
@@ -162,13 +201,24 @@ def _metric(text: str, name: str, **labels) -> float | None:
 def test_dp_rank_header_and_metrics(mocker, client):
     before = httpx.get(mocker + "/metrics").text
     p1 = _metric(before, "vllm:prompt_tokens_total", engine="1") or 0.0
-    r = client.completions.create(model=MODEL, prompt=long_text(40, 5), max_tokens=2,
-                                  extra_headers={"X-data-parallel-rank": "1"}, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=long_text(40, 5),
+        max_tokens=2,
+        extra_headers={"X-data-parallel-rank": "1"},
+        extra_body={"ignore_eos": True},
+    )
     text = httpx.get(mocker + "/metrics").text
     assert _metric(text, "vllm:prompt_tokens_total", engine="1", model_name=MODEL) == p1 + r.usage.prompt_tokens
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total",
-                 "vllm:time_to_first_token_seconds_count"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
+    ):
         assert _metric(text, name, engine="0") is not None, name
         assert _metric(text, name, engine="1") is not None, name
     assert _metric(text, "vllm:cache_config_info", engine="1", block_size="16", num_gpu_blocks="2048") == 1.0
@@ -220,15 +270,30 @@ def test_preemption_under_memory_pressure_keeps_outputs():
 
     port = free_port()
     zmq_base = free_port_block(2)
-    args = ["-m", "mocker", "--port", str(port), "--num-gpu-blocks", "40", "--speedup-ratio", "20",
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{zmq_base}", "--replay-endpoint", f"tcp://127.0.0.1:{zmq_base + 1}"]
+    args = [
+        "-m",
+        "mocker",
+        "--port",
+        str(port),
+        "--num-gpu-blocks",
+        "40",
+        "--speedup-ratio",
+        "20",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{zmq_base}",
+        "--replay-endpoint",
+        f"tcp://127.0.0.1:{zmq_base + 1}",
+    ]
     url = f"http://127.0.0.1:{port}"
     with service(args, ready_url=url + "/health", timeout=60):
         prompts = [long_text(60, 100 + i) for i in range(6)]
 
         def run(prompt: str) -> dict:
-            r = httpx.post(url + "/v1/completions", timeout=120,
-                           json={"model": MODEL, "prompt": prompt, "max_tokens": 100, "ignore_eos": True})
+            r = httpx.post(
+                url + "/v1/completions",
+                timeout=120,
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 100, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
             return r.json()
 

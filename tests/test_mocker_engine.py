@@ -7,10 +7,10 @@ import random
 import pytest
 
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
+from kvroute_common.hashing import block_hashes
 from mocker.engine import FINISH_LENGTH, FINISH_STOP, RankScheduler, Sequence, sequence_rng
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
-from kvroute_common.hashing import block_hashes
 
 BS = 4
 EOS = 3
@@ -161,8 +161,14 @@ def test_priority_orders_admission():
     s = make(max_seqs=1)
     order = []
     for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
-        r = Sequence(rid, [1] * 5, 1, lambda t, reason, rid=rid: reason and order.append(rid),
-                     sequence_rng(0, None, [1]), priority=prio)
+        r = Sequence(
+            rid,
+            [1] * 5,
+            1,
+            lambda t, reason, rid=rid: reason and order.append(rid),
+            sequence_rng(0, None, [1]),
+            priority=prio,
+        )
         s.add(r)
     run_to_completion(s)
     assert order == ["high", "mid", "low"]

@@ -76,9 +76,23 @@ def run_mocker(dp: int = 2, num_gpu_blocks: int = 4096, extra: tuple[str, ...] =
     port = free_port()
     pub = free_port_block(dp)
     rep = free_port_block(dp)
-    args = ["-m", "mocker", "--port", str(port), "--data-parallel-size", str(dp), "--num-gpu-blocks",
-            str(num_gpu_blocks), "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
-            "--replay-endpoint", f"tcp://127.0.0.1:{rep}", "--speedup-ratio", "10", *extra]
+    args = [
+        "-m",
+        "mocker",
+        "--port",
+        str(port),
+        "--data-parallel-size",
+        str(dp),
+        "--num-gpu-blocks",
+        str(num_gpu_blocks),
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{pub}",
+        "--replay-endpoint",
+        f"tcp://127.0.0.1:{rep}",
+        "--speedup-ratio",
+        "10",
+        *extra,
+    ]
     with service(args, ready_url=f"http://127.0.0.1:{port}/health", timeout=60):
         yield {"url": f"http://127.0.0.1:{port}", "pub": pub, "replay": rep, "dp": dp}
 
@@ -86,8 +100,11 @@ def run_mocker(dp: int = 2, num_gpu_blocks: int = 4096, extra: tuple[str, ...] =
 @contextlib.contextmanager
 def run_indexer(kind: str):
     port = free_port()
-    args = ["-m", "indexer", "--host", "127.0.0.1", "--port", str(port)] if kind == "ours" else \
-        ["-m", "dynamo.indexer", "--port", str(port), "--threads", "1"]
+    args = (
+        ["-m", "indexer", "--host", "127.0.0.1", "--port", str(port)]
+        if kind == "ours"
+        else ["-m", "dynamo.indexer", "--port", str(port), "--threads", "1"]
+    )
     with service(args, ready_url=f"http://127.0.0.1:{port}/health", timeout=60):
         yield f"http://127.0.0.1:{port}"
 
@@ -98,16 +115,28 @@ def prompt_text(n_words: int) -> str:
 
 
 def complete(m: dict, prompt: str, rank: int, max_tokens: int = 1) -> dict:
-    r = httpx.post(m["url"] + "/v1/completions", timeout=60, headers={"X-data-parallel-rank": str(rank)},
-                   json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+    r = httpx.post(
+        m["url"] + "/v1/completions",
+        timeout=60,
+        headers={"X-data-parallel-rank": str(rank)},
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def register(indexer: str, m: dict, rank: int) -> None:
-    r = httpx.post(indexer + "/register", json={
-        "instance_id": INSTANCE, "endpoint": f"tcp://127.0.0.1:{m['pub'] + rank}", "model_name": MODEL,
-        "block_size": BS, "dp_rank": rank, "replay_endpoint": f"tcp://127.0.0.1:{m['replay'] + rank}"})
+    r = httpx.post(
+        indexer + "/register",
+        json={
+            "instance_id": INSTANCE,
+            "endpoint": f"tcp://127.0.0.1:{m['pub'] + rank}",
+            "model_name": MODEL,
+            "block_size": BS,
+            "dp_rank": rank,
+            "replay_endpoint": f"tcp://127.0.0.1:{m['replay'] + rank}",
+        },
+    )
     assert r.status_code == 201, r.text
 
 
@@ -151,8 +180,12 @@ def connect_listener(indexer: str, m: dict, rank: int) -> None:
     raise AssertionError("the indexer never received events")
 
 
-INDEXERS = ["ours", pytest.param("reference", marks=pytest.mark.skipif(not reference_installed(),
-                                                                       reason="ai-dynamo-runtime not installed"))]
+INDEXERS = [
+    "ours",
+    pytest.param(
+        "reference", marks=pytest.mark.skipif(not reference_installed(), reason="ai-dynamo-runtime not installed")
+    ),
+]
 
 
 @pytest.mark.parametrize("kind", INDEXERS)
@@ -180,8 +213,11 @@ def test_indexer_mirrors_mocker_cache_including_evictions(kind):
 
         # reset: AllBlocksCleared empties the worker in the index
         assert httpx.post(m["url"] + "/reset_prefix_cache").status_code == 200
-        wait_until(lambda: not indexer_blocks(idx, 0) and not indexer_blocks(idx, 1), timeout=20,
-                   what="index cleared after reset_prefix_cache")
+        wait_until(
+            lambda: not indexer_blocks(idx, 0) and not indexer_blocks(idx, 1),
+            timeout=20,
+            what="index cleared after reset_prefix_cache",
+        )
 
 
 @pytest.mark.parametrize("kind", INDEXERS)
@@ -193,8 +229,12 @@ def test_late_indexer_replays_from_ring(kind):
         with run_indexer(kind) as idx:
             register(idx, m, 0)
             # the next live batch has seq > 0: the indexer sees the gap and replays 0.. from the ring
-            wait_until(lambda: (complete(m, prompt_text(20), 0), index_matches(idx, m, 0))[1], timeout=30,
-                       interval=0.3, what="late indexer to catch up through replay")
+            wait_until(
+                lambda: (complete(m, prompt_text(20), 0), index_matches(idx, m, 0))[1],
+                timeout=30,
+                interval=0.3,
+                what="late indexer to catch up through replay",
+            )
             tok = load_tokenizer(None)
             first = completion_prompt_token_ids(tok, early[0])
             assert query(idx, first) == {"0": len(first) // BS * BS}

@@ -27,14 +27,21 @@ MODEL = "rec-model"
 class RecordingWorker:
     def __init__(self, port: int) -> None:
         self.seen: list[tuple[dict, dict]] = []  # (headers, body)
-        app = Starlette(routes=[
-            Route("/health", lambda r: PlainTextResponse("")),
-            Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": [{"id": MODEL}]})),
-            Route("/metrics", lambda r: PlainTextResponse('vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n')),
-            Route("/v1/chat/completions", self.generate, methods=["POST"]),
-            Route("/v1/completions", self.generate, methods=["POST"]),
-        ])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        app = Starlette(
+            routes=[
+                Route("/health", lambda r: PlainTextResponse("")),
+                Route("/v1/models", lambda r: JSONResponse({"object": "list", "data": [{"id": MODEL}]})),
+                Route(
+                    "/metrics",
+                    lambda r: PlainTextResponse('vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n'),
+                ),
+                Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                Route("/v1/completions", self.generate, methods=["POST"]),
+            ]
+        )
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
 
     async def generate(self, request: Request):
@@ -44,8 +51,15 @@ class RecordingWorker:
         if not body.get("stream"):
             choice = {"index": 0, "finish_reason": "stop", "stop_reason": "END"}
             choice.update({"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"})
-            return JSONResponse({"id": "x", "object": "chat.completion", "model": MODEL, "choices": [choice],
-                                 "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+            return JSONResponse(
+                {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "model": MODEL,
+                    "choices": [choice],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+                }
+            )
 
         async def gen():
             for i, fin in ((0, None), (1, "stop")):
@@ -57,7 +71,7 @@ class RecordingWorker:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    def __enter__(self) -> "RecordingWorker":
+    def __enter__(self) -> RecordingWorker:
         self.thread.start()
         wait_until(lambda: self.server.started, 30, what="recording worker")
         return self
@@ -72,8 +86,22 @@ def fw():
     wport, fport = free_ports(2)
     with RecordingWorker(wport) as worker:
         url = f"http://127.0.0.1:{fport}"
-        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(fport), "--router-mode", "kv",
-                "--worker", f"id=7,url=http://127.0.0.1:{wport}", "--health-check-interval", "0.5", "--log-level", "warning"]
+        args = [
+            "-m",
+            "frontend",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(fport),
+            "--router-mode",
+            "kv",
+            "--worker",
+            f"id=7,url=http://127.0.0.1:{wport}",
+            "--health-check-interval",
+            "0.5",
+            "--log-level",
+            "warning",
+        ]
         with service(args, ready_url=url + "/health", timeout=90):
             wait_until(lambda: httpx.get(url + "/health").status_code == 200, 60, what="frontend ready")
             with httpx.Client(base_url=url, timeout=30) as client:
@@ -107,25 +135,31 @@ def test_greed_sampling_makes_the_worker_decode_greedily(fw):
 
 def test_use_raw_prompt(fw):
     client, worker = fw
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "raw text", "max_tokens": 2, "nvext": {"use_raw_prompt": True}})
+    r = client.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "raw text", "max_tokens": 2, "nvext": {"use_raw_prompt": True}},
+    )
     assert r.status_code == 200, r.text  # completions prompts are never templated: honoured as is
     assert worker.seen[-1][1]["prompt"] == "raw text"
     refused(client.post("/v1/chat/completions", json=chat({"use_raw_prompt": True})), "use_raw_prompt")
 
 
-@pytest.mark.parametrize("nvext, word", [
-    ({"max_thinking_tokens": 64}, "max_thinking_tokens"),
-    ({"metadata_upload": {"url": "s3://bucket/x"}}, "metadata_upload"),
-    ({"routing_constraints": {"required_taints": ["gpu-a"]}}, "required_taints"),
-    ({"routing_constraints": {"preferred_taints": {"fast": 0.5}}}, "preferred_taints"),
-    ({"extra_fields": ["routed_experts"]}, "routed_experts"),
-    ({"extra_fields": ["engine_data"]}, "engine_data"),
-    ({"extra_fields": ["completion_token_ids"]}, "completion_token_ids"),
-    ({"extra_fields": ["prompt_logprobs"]}, "prompt_logprobs"),
-    ({"annotations": ["query_instance_id:abc"]}, "query_instance_id"),
-    ({"annotations": ["nonsense"]}, "unknown annotation"),
-    ({"annotations": ["formatted_prompt"]}, "stream=true"),  # unary: nowhere to send the event
-])
+@pytest.mark.parametrize(
+    "nvext, word",
+    [
+        ({"max_thinking_tokens": 64}, "max_thinking_tokens"),
+        ({"metadata_upload": {"url": "s3://bucket/x"}}, "metadata_upload"),
+        ({"routing_constraints": {"required_taints": ["gpu-a"]}}, "required_taints"),
+        ({"routing_constraints": {"preferred_taints": {"fast": 0.5}}}, "preferred_taints"),
+        ({"extra_fields": ["routed_experts"]}, "routed_experts"),
+        ({"extra_fields": ["engine_data"]}, "engine_data"),
+        ({"extra_fields": ["completion_token_ids"]}, "completion_token_ids"),
+        ({"extra_fields": ["prompt_logprobs"]}, "prompt_logprobs"),
+        ({"annotations": ["query_instance_id:abc"]}, "query_instance_id"),
+        ({"annotations": ["nonsense"]}, "unknown annotation"),
+        ({"annotations": ["formatted_prompt"]}, "stream=true"),  # unary: nowhere to send the event
+    ],
+)
 def test_unsupported_fields_are_a_clear_400_and_book_nothing(fw, nvext, word):
     client, worker = fw
     n = len(worker.seen)
@@ -143,7 +177,9 @@ def test_stop_reason_extra_field(fw):
     client, _ = fw
     r = client.post("/v1/chat/completions", json=chat({"extra_fields": ["stop_reason"]}))
     assert r.status_code == 200 and r.json()["nvext"] == {"stop_reason": "END"}
-    with client.stream("POST", "/v1/chat/completions", json=chat({"extra_fields": ["stop_reason", "worker_id"]}, stream=True)) as s:
+    with client.stream(
+        "POST", "/v1/chat/completions", json=chat({"extra_fields": ["stop_reason", "worker_id"]}, stream=True)
+    ) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert events[-1]["nvext"]["stop_reason"] == "END" and events[-1]["nvext"]["worker_id"]["decode_worker_id"] == 7
     assert "nvext" not in events[0]
@@ -151,7 +187,9 @@ def test_stop_reason_extra_field(fw):
 
 def test_annotations_are_sse_events_before_the_stream(fw):
     client, _ = fw
-    with client.stream("POST", "/v1/chat/completions", json=chat({"annotations": ["formatted_prompt", "token_ids"]}, stream=True)) as s:
+    with client.stream(
+        "POST", "/v1/chat/completions", json=chat({"annotations": ["formatted_prompt", "token_ids"]}, stream=True)
+    ) as s:
         assert s.status_code == 200
         text = s.read().decode()
     events = text.split("\n\n")
@@ -172,7 +210,9 @@ def test_request_id_header(fw):
     r = client.post("/v1/chat/completions", json=chat(), headers={"x-dynamo-request-id": rid.upper()})
     assert r.status_code == 200 and r.headers["x-dynamo-request-id"] == rid
     assert worker.seen[-1][0]["x-request-id"] == rid
-    with client.stream("POST", "/v1/chat/completions", json=chat(stream=True), headers={"x-dynamo-request-id": rid}) as s:
+    with client.stream(
+        "POST", "/v1/chat/completions", json=chat(stream=True), headers={"x-dynamo-request-id": rid}
+    ) as s:
         assert s.headers["x-dynamo-request-id"] == rid
         s.read()
     r = client.post("/v1/chat/completions", json=chat(), headers={"x-dynamo-request-id": "not-a-uuid"})
@@ -182,11 +222,16 @@ def test_request_id_header(fw):
 
 def test_metadata_headers_reach_the_worker_within_limits(fw):
     client, worker = fw
-    r = client.post("/v1/chat/completions", json=chat(), headers={"x-dynamo-meta-policy-class": "gold", "x-dynamo-meta-team": "a"})
+    r = client.post(
+        "/v1/chat/completions", json=chat(), headers={"x-dynamo-meta-policy-class": "gold", "x-dynamo-meta-team": "a"}
+    )
     assert r.status_code == 200
     seen = worker.seen[-1][0]
     assert seen["x-dynamo-meta-policy-class"] == "gold" and seen["x-dynamo-meta-team"] == "a"
     n = len(worker.seen)
-    refused(client.post("/v1/chat/completions", json=chat(), headers={f"x-dynamo-meta-k{i}": "v" for i in range(65)}), "at most 64")
+    refused(
+        client.post("/v1/chat/completions", json=chat(), headers={f"x-dynamo-meta-k{i}": "v" for i in range(65)}),
+        "at most 64",
+    )
     refused(client.post("/v1/chat/completions", json=chat(), headers={"x-dynamo-meta-big": "v" * 70000}), "bytes")
     assert len(worker.seen) == n

@@ -23,11 +23,14 @@ from typing import Any
 
 import httpx
 import pytest
-
 import schemathesis  # the test extra; a missing tool fails the run
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance, status_code_conformance
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from support import free_port, free_ports, service, wait_until
 
@@ -39,7 +42,13 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 
 # the worker each standalone service is started with (the documents' example model)
-TRACKER_SEED = {"model_name": "llama-3-8b", "worker_id": 7, "dp_rank": 0, "tenant_id": "default", "routing_group": "default"}
+TRACKER_SEED = {
+    "model_name": "llama-3-8b",
+    "worker_id": 7,
+    "dp_rank": 0,
+    "tenant_id": "default",
+    "routing_group": "default",
+}
 INDEXER_SEED = {"model_name": "llama-3-8b", "instance_id": 1, "tenant_id": "default", "routing_group": "default"}
 
 _CLOSED_PORT = free_port()  # nothing listens here: connects are refused at once
@@ -110,9 +119,24 @@ def _load(url: str) -> Any:
 def tracker_service():
     port, sync_port = free_ports(2)
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port), "--replica-sync-bind", f"tcp://127.0.0.1:{sync_port}"]
+    args = [
+        "-m",
+        "slot_tracker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--replica-sync-bind",
+        f"tcp://127.0.0.1:{sync_port}",
+    ]
     with service(args, ready_url=f"{url}/health") as proc:
-        seed = {"worker_id": TRACKER_SEED["worker_id"], "model_name": TRACKER_SEED["model_name"], "block_size": 16, "dp_start": 0, "dp_size": 2}
+        seed = {
+            "worker_id": TRACKER_SEED["worker_id"],
+            "model_name": TRACKER_SEED["model_name"],
+            "block_size": 16,
+            "dp_start": 0,
+            "dp_size": 2,
+        }
         yield url, (f"{url}/register", seed)
         assert proc.poll() is None, "the slot tracker died during the run"
         for row in httpx.get(f"{url}/loads", timeout=10).json():  # what the fuzzer booked, never below 0
@@ -140,9 +164,16 @@ def test_slot_tracker_conforms(case, tracker_service):
 def indexer_service():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], ready_url=f"{url}/health") as proc:
-        seed = {"instance_id": INDEXER_SEED["instance_id"], "model_name": INDEXER_SEED["model_name"], "block_size": 16,
-                "endpoint": f"tcp://127.0.0.1:{_CLOSED_PORT}"}
+    with service(
+        ["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        ready_url=f"{url}/health",
+    ) as proc:
+        seed = {
+            "instance_id": INDEXER_SEED["instance_id"],
+            "model_name": INDEXER_SEED["model_name"],
+            "block_size": 16,
+            "endpoint": f"tcp://127.0.0.1:{_CLOSED_PORT}",
+        }
         yield url, (f"{url}/register", seed)
         assert proc.poll() is None, "the indexer died during the run"
 
@@ -172,13 +203,36 @@ def frontend_url():
         workers = []
         for worker_id in WORKER_IDS:
             port, events, replay = free_ports(3)
-            stack.enter_context(service(
-                ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, "--speedup-ratio", "0",
-                 "--num-gpu-blocks", "4096", "--kv-events-endpoint", f"tcp://127.0.0.1:{events}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
-                 "--log-level", "warning"],
-                ready_url=f"http://127.0.0.1:{port}/health", timeout=90))
-            workers.append(f"id={worker_id},url=http://127.0.0.1:{port},kv_events_endpoint=tcp://127.0.0.1:{events},"
-                           f"replay_endpoint=tcp://127.0.0.1:{replay}")
+            stack.enter_context(
+                service(
+                    [
+                        "-m",
+                        "mocker",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--served-model-name",
+                        MODEL,
+                        "--speedup-ratio",
+                        "0",
+                        "--num-gpu-blocks",
+                        "4096",
+                        "--kv-events-endpoint",
+                        f"tcp://127.0.0.1:{events}",
+                        "--replay-endpoint",
+                        f"tcp://127.0.0.1:{replay}",
+                        "--log-level",
+                        "warning",
+                    ],
+                    ready_url=f"http://127.0.0.1:{port}/health",
+                    timeout=90,
+                )
+            )
+            workers.append(
+                f"id={worker_id},url=http://127.0.0.1:{port},kv_events_endpoint=tcp://127.0.0.1:{events},"
+                f"replay_endpoint=tcp://127.0.0.1:{replay}"
+            )
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
@@ -189,9 +243,14 @@ def frontend_url():
         yield url
         assert proc.poll() is None, "the frontend died during the run"
         # nothing generated may leave a booking behind on the real workers
-        wait_until(lambda: all(row["active_prefill_tokens"] == 0 and row["active_decode_blocks"] == 0
-                               for row in httpx.get(f"{url}/loads", params={"model_name": MODEL}, timeout=5).json()),
-                   30, what="all loads back to 0")
+        wait_until(
+            lambda: all(
+                row["active_prefill_tokens"] == 0 and row["active_decode_blocks"] == 0
+                for row in httpx.get(f"{url}/loads", params={"model_name": MODEL}, timeout=5).json()
+            ),
+            30,
+            what="all loads back to 0",
+        )
 
 
 @pytest.fixture
@@ -222,10 +281,22 @@ def test_documents_are_served_on_every_service(tracker_service, indexer_service,
         assert doc["openapi"].startswith("3.1")
         titles[url] = doc["info"]["title"]
         assert "/openapi.json" in doc["paths"]
-    assert titles == {tracker_url: "kvroute slot tracker", indexer_url: "kvroute indexer", frontend_url: "kvroute frontend"}
+    assert titles == {
+        tracker_url: "kvroute slot tracker",
+        indexer_url: "kvroute indexer",
+        frontend_url: "kvroute frontend",
+    }
     front = httpx.get(f"{frontend_url}/openapi.json", timeout=10).json()["paths"]
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/admin/workers", "/busy_threshold",
-                 "/potential_loads", "/metrics"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/admin/workers",
+        "/busy_threshold",
+        "/potential_loads",
+        "/metrics",
+    ):
         assert path in front
 
 
@@ -235,7 +306,11 @@ def test_documents_are_served_on_every_service(tracker_service, indexer_service,
 def test_v1_framework_errors_are_openai_shaped(frontend_url):
     """A /v1 path no route matches (a model id with a newline, an unknown route) or a wrong method gets
     the OpenAI error body, like every other /v1 error; other paths keep {"error": "..."}."""
-    for method, path, status in (("GET", "/v1/models/a%0Ab", 404), ("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405)):
+    for method, path, status in (
+        ("GET", "/v1/models/a%0Ab", 404),
+        ("GET", "/v1/nope", 404),
+        ("GET", "/v1/chat/completions", 405),
+    ):
         r = httpx.request(method, f"{frontend_url}{path}", timeout=10)
         assert r.status_code == status, (path, r.text)
         body = r.json()
@@ -248,7 +323,10 @@ def test_v1_framework_errors_are_openai_shaped(frontend_url):
 
 def test_admin_workers_refuses_ids_beyond_64_bits(frontend_url):
     """Found by schemathesis: an id (or alias) over 2**64-1 was accepted and its answer failed to encode (500)."""
-    for body in ({"id": 1 << 70, "url": "http://127.0.0.1:9"}, {"instance_id": str(1 << 66), "url": "http://127.0.0.1:9"}):
+    for body in (
+        {"id": 1 << 70, "url": "http://127.0.0.1:9"},
+        {"instance_id": str(1 << 66), "url": "http://127.0.0.1:9"},
+    ):
         r = httpx.post(f"{frontend_url}/admin/workers", params={"wait": "false"}, json=body, timeout=10)
         assert r.status_code == 400 and "out of range" in r.json()["error"], r.text
     assert all(w["id"] < 1 << 64 for w in httpx.get(f"{frontend_url}/admin/workers", timeout=10).json()["workers"])

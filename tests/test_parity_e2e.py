@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_extensions_e2e import MODEL, metric, metric_sum, run_frontend, run_mocker, words
 
 from support import REPO_ROOT, wait_until
-from test_extensions_e2e import MODEL, metric, metric_sum, run_frontend, run_mocker, words
 
 BLOCK = 16
 
@@ -29,7 +29,8 @@ def _other_template_dir(root: Path) -> str:
     shutil.copytree(src, dst)
     conf = json.loads((dst / "tokenizer_config.json").read_text())
     conf["chat_template"] = conf["chat_template"].replace(
-        "{{ bos_token }}", "{{ bos_token }}{{ '<|im_start|>system\\nYou are another deployment.<|im_end|>\\n' }}", 1)
+        "{{ bos_token }}", "{{ bos_token }}{{ '<|im_start|>system\\nYou are another deployment.<|im_end|>\\n' }}", 1
+    )
     (dst / "tokenizer_config.json").write_text(json.dumps(conf))
     return str(dst)
 
@@ -44,8 +45,11 @@ def cluster(tmp_path_factory):
 
 
 def chat(content: str, system: str, **extra) -> dict:
-    body = {"model": MODEL, "max_tokens": 2,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}],
+    }
     body.update(extra)
     return body
 
@@ -94,20 +98,34 @@ def test_parity_alarm_fires_for_mismatched_workers_only(cluster):
 
     wait_until(lambda: alarms()[2] == 1.0 and alarms()[3] == 1.0, timeout=30, what="alarms for workers 2 and 3")
     # the events re-checks (after the grace period) name worker 3's block size
-    wait_until(lambda: "32-token" in (workers(url)[3]["hash_parity"].get("likely_cause") or ""), timeout=30, what="worker 3's cause")
+    wait_until(
+        lambda: "32-token" in (workers(url)[3]["hash_parity"].get("likely_cause") or ""),
+        timeout=30,
+        what="worker 3's cause",
+    )
     # worker 1 has evidence, and it matches
-    wait_until(lambda: (workers(url)[1].get("hash_parity") or {}).get("window_matches", 0) >= 6, timeout=30, what="worker 1 matches")
+    wait_until(
+        lambda: (workers(url)[1].get("hash_parity") or {}).get("window_matches", 0) >= 6,
+        timeout=30,
+        what="worker 1 matches",
+    )
     assert alarms()[1] == 0.0
     rows = workers(url)
     p1, p2, p3 = (rows[w]["hash_parity"] for w in (1, 2, 3))
     assert p1["mismatch"] is False and p1["matches"] >= 6 and "likely_cause" not in p1
     assert p2["mismatch"] is True and "tokenizer or chat template" in p2["likely_cause"], p2
-    assert p2["prompt_tokens_router_vs_engine"][0] < p2["prompt_tokens_router_vs_engine"][1]  # the engine's template adds tokens
+    assert (
+        p2["prompt_tokens_router_vs_engine"][0] < p2["prompt_tokens_router_vs_engine"][1]
+    )  # the engine's template adds tokens
     assert p3["mismatch"] is True and "block size" in p3["likely_cause"] and "32-token" in p3["likely_cause"], p3
     text = scrape(url)
     assert metric_sum(text, "kvroute_hash_parity_checks_total", worker="1", source="events", result="mismatch") == 0
-    assert metric(text, "kvroute_hash_parity_checks_total", worker="1", source="events", result="match") >= 1  # the cold request
-    assert metric(text, "kvroute_hash_parity_checks_total", worker="1", source="usage", result="match") >= 5  # predicted hits
+    assert (
+        metric(text, "kvroute_hash_parity_checks_total", worker="1", source="events", result="match") >= 1
+    )  # the cold request
+    assert (
+        metric(text, "kvroute_hash_parity_checks_total", worker="1", source="usage", result="match") >= 5
+    )  # predicted hits
     assert metric(text, "kvroute_hash_parity_checks_total", worker="2", source="events", result="mismatch") >= 4
     # worker 3 stores new 32-token blocks only while its prompts grow past the shared prefix: fewer events checks
     assert metric(text, "kvroute_hash_parity_checks_total", worker="3", source="events", result="mismatch") >= 1
@@ -136,7 +154,12 @@ def test_stream_usage_is_asked_of_the_engine_and_stripped_unless_the_client_aske
     url = cluster
     system = words(60, seed="usage-strip")
     _, usage, raw = send(url, chat("first", system, stream=True))
-    assert usage is None and b'"usage"' not in raw and b'"choices":[]' not in raw and raw.rstrip().endswith(b"data: [DONE]")
+    assert (
+        usage is None
+        and b'"usage"' not in raw
+        and b'"choices":[]' not in raw
+        and raw.rstrip().endswith(b"data: [DONE]")
+    )
     _, usage, raw = send(url, chat("second", system, stream=True, stream_options={"include_usage": True}))
     assert usage is not None and usage["prompt_tokens"] > 0 and "cached_tokens" in usage["prompt_tokens_details"]
     # the client's stream is otherwise the same shape: content chunks, one finish_reason
@@ -147,7 +170,9 @@ def test_routing_record_on_the_real_request(cluster):
     url = cluster
     system = words(80, seed="routing-record")
     for stream in (False, True):
-        ext, _, _ = send(url, chat(f"record {stream}", system, stream=stream, nvext={"extra_fields": ["routing", "worker_id"]}))
+        ext, _, _ = send(
+            url, chat(f"record {stream}", system, stream=stream, nvext={"extra_fields": ["routing", "worker_id"]})
+        )
         rec = ext["routing"]
         assert rec["model"] == MODEL and rec["router_mode"] == "kv" and rec["block_size"] == BLOCK
         assert {c["worker_id"] for c in rec["candidates"]} == {1, 2, 3}
@@ -156,7 +181,11 @@ def test_routing_record_on_the_real_request(cluster):
         assert ext["worker_id"]["decode_worker_id"] == rec["worker_id"]  # the record is the decision actually routed
         assert chosen[0]["cost"] == min(c["cost"] for c in rec["candidates"])  # temperature 0
         for c in rec["candidates"]:
-            assert c["logit"] == c["cost"] == pytest.approx(rec["overlap_score_weight"] * c["prefill_blocks"] + c["decode_blocks"])
+            assert (
+                c["logit"]
+                == c["cost"]
+                == pytest.approx(rec["overlap_score_weight"] * c["prefill_blocks"] + c["decode_blocks"])
+            )
             assert c["prefill_tokens"] == rec["isl"] - c["overlap_blocks"] * BLOCK
         assert rec["overlap_blocks"] == chosen[0]["overlap_blocks"] <= rec["available_overlap_blocks"]
     # the /admin/route dry run answers in the same shape
@@ -168,7 +197,13 @@ def test_hit_rate_decomposition_adds_up_on_a_known_workload(cluster):
     """Three requests sharing a prefix: cold on worker 1, warm on worker 1 (captured = available =
     delivered), then worker 1 loaded so the router trades reuse for load (captured < available)."""
     url = cluster
-    names = ("prompt_tokens", "available_cached_tokens", "captured_cached_tokens", "delivered_cached_tokens", "decomposed_requests")
+    names = (
+        "prompt_tokens",
+        "available_cached_tokens",
+        "captured_cached_tokens",
+        "delivered_cached_tokens",
+        "decomposed_requests",
+    )
 
     def counters() -> dict[str, float]:
         text = scrape(url)
@@ -188,20 +223,45 @@ def test_hit_rate_decomposition_adds_up_on_a_known_workload(cluster):
     run("one", False, {"backend_instance_id": 1})
     assert records[0]["overlap_blocks"] == 0 and usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
     probe = chat("two", system)
-    wait_until(lambda: next(c for c in httpx.post(f"{url}/admin/route", json=probe, timeout=10).json()["candidates"]
-                            if c["worker_id"] == 1)["overlap_blocks"] >= 8, what="worker 1's blocks indexed")
+    wait_until(
+        lambda: (
+            next(
+                c
+                for c in httpx.post(f"{url}/admin/route", json=probe, timeout=10).json()["candidates"]
+                if c["worker_id"] == 1
+            )["overlap_blocks"]
+            >= 8
+        ),
+        what="worker 1's blocks indexed",
+    )
     run("two", True, {})
     assert records[1]["worker_id"] == 1 and records[1]["overlap_blocks"] == records[1]["available_overlap_blocks"] >= 8
-    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == records[1]["overlap_blocks"] * BLOCK  # parity: engine agrees
+    assert (
+        usages[1]["prompt_tokens_details"]["cached_tokens"] == records[1]["overlap_blocks"] * BLOCK
+    )  # parity: engine agrees
     # load worker 1 through the embedded tracker's API: its prefix is still the best, but too busy
-    r = httpx.post(f"{url}/add", json={"model_name": MODEL, "request_id": "decomp-load", "worker_id": 1, "dp_rank": 0,
-                                       "sequence_hashes": [], "new_isl_tokens": 100_000}, timeout=10)
+    r = httpx.post(
+        f"{url}/add",
+        json={
+            "model_name": MODEL,
+            "request_id": "decomp-load",
+            "worker_id": 1,
+            "dp_rank": 0,
+            "sequence_hashes": [],
+            "new_isl_tokens": 100_000,
+        },
+        timeout=10,
+    )
     assert r.status_code == 201, r.text
     try:
         run("three", False, {})
     finally:
         httpx.post(f"{url}/free", json={"model_name": MODEL, "request_id": "decomp-load"}, timeout=10)
-    assert records[2]["worker_id"] != 1 and records[2]["overlap_blocks"] == 0 and records[2]["available_overlap_blocks"] >= 8
+    assert (
+        records[2]["worker_id"] != 1
+        and records[2]["overlap_blocks"] == 0
+        and records[2]["available_overlap_blocks"] >= 8
+    )
 
     expect = {
         "prompt_tokens": sum(r["isl"] for r in records),
@@ -210,8 +270,12 @@ def test_hit_rate_decomposition_adds_up_on_a_known_workload(cluster):
         "delivered_cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages),
         "decomposed_requests": 3,
     }
-    assert [u["prompt_tokens"] for u in usages[:2]] == [r["isl"] for r in records[:2]]  # worker 1 tokenizes as the router does
-    after = wait_until(lambda: (c := counters())["decomposed_requests"] - before["decomposed_requests"] >= 3 and c, what="counted")
+    assert [u["prompt_tokens"] for u in usages[:2]] == [
+        r["isl"] for r in records[:2]
+    ]  # worker 1 tokenizes as the router does
+    after = wait_until(
+        lambda: (c := counters())["decomposed_requests"] - before["decomposed_requests"] >= 3 and c, what="counted"
+    )
     got = {n: after[n] - before[n] for n in names}
     assert got == expect
     assert got["captured_cached_tokens"] < got["available_cached_tokens"]  # the third request traded reuse for load

@@ -32,10 +32,14 @@ def test_stream_body_asks_for_usage_without_reserialising_when_it_can() -> None:
 
 
 def _events(usage: dict) -> list[bytes]:
-    content = [b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"' + t + b'"},"finish_reason":null}],"usage":null}\n\n'
-               for t in (b"a", b"b")]
+    content = [
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"'
+        + t
+        + b'"},"finish_reason":null}],"usage":null}\n\n'
+        for t in (b"a", b"b")
+    ]
     last = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":""},"finish_reason":"length"}],"usage":null}\n\n'
-    use = b'data: ' + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n"
+    use = b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n"
     return [*content, last, use, b"data: [DONE]\n\n"]
 
 
@@ -44,13 +48,18 @@ def _probe() -> RequestProbe:
 
 
 def test_usage_tap_reads_and_strips_usage_across_any_chunking() -> None:
-    usage = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42, "prompt_tokens_details": {"cached_tokens": 32}}
+    usage = {
+        "prompt_tokens": 40,
+        "completion_tokens": 2,
+        "total_tokens": 42,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
     stream = b"".join(_events(usage))
     for cut in range(1, len(stream), 7):  # every way of splitting the stream in two, and small pieces
         for strip in (True, False):
             probe = _probe()
             tap = UsageTap(probe, strip)
-            pieces = [stream[:cut], stream[cut:]] if cut % 2 else [stream[i:i + 5] for i in range(0, len(stream), 5)]
+            pieces = [stream[:cut], stream[cut:]] if cut % 2 else [stream[i : i + 5] for i in range(0, len(stream), 5)]
             out = b"".join(tap.feed(p) for p in pieces) + tap.flush()
             assert (probe.prompt_tokens, probe.cached_tokens) == (40, 32)
             if strip:
@@ -70,7 +79,10 @@ def test_usage_tap_handles_spaced_json_and_leaves_quoted_text_alone() -> None:
     out = tap.feed(text_ev) + tap.feed(usage_ev + b"data: [DONE]\n\n")
     assert (probe.prompt_tokens, probe.cached_tokens) == (5, 0)
     assert out == text_ev.replace(b', "usage": null', b"") + b"data: [DONE]\n\n"
-    assert orjson.loads(out.split(b"\n\n")[0][6:])["choices"][0]["delta"]["content"] == 'say "usage": null, "prompt_tokens"'
+    assert (
+        orjson.loads(out.split(b"\n\n")[0][6:])["choices"][0]["delta"]["content"]
+        == 'say "usage": null, "prompt_tokens"'
+    )
 
 
 def test_usage_tap_with_crlf_events_and_a_stream_without_event_ends() -> None:
@@ -78,7 +90,7 @@ def test_usage_tap_with_crlf_events_and_a_stream_without_event_ends() -> None:
     stream = b"".join(_events(usage)).replace(b"\n\n", b"\r\n\r\n")
     probe = _probe()
     tap = UsageTap(probe, True)
-    out = b"".join(tap.feed(stream[i:i + 9]) for i in range(0, len(stream), 9)) + tap.flush()
+    out = b"".join(tap.feed(stream[i : i + 9]) for i in range(0, len(stream), 9)) + tap.flush()
     assert (probe.prompt_tokens, probe.cached_tokens) == (12, 0)
     assert b"usage" not in out and out.count(b"data: ") == 4 and out.endswith(b"data: [DONE]\r\n\r\n")
     # no event end ever: bytes are held only up to MAX_HELD, then passed on
@@ -88,8 +100,12 @@ def test_usage_tap_with_crlf_events_and_a_stream_without_event_ends() -> None:
 
 
 def test_parse_usage_of_a_body_and_of_an_engine_without_cache_report() -> None:
-    body = orjson.dumps({"choices": [{"message": {"content": "x"}}],
-                         "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}})
+    body = orjson.dumps(
+        {
+            "choices": [{"message": {"content": "x"}}],
+            "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}},
+        }
+    )
     assert parse_usage(body) == (7, 0)
     assert parse_usage(b'{"usage": {"prompt_tokens": 9, "prompt_tokens_details": null}}') == (9, None)
     assert parse_usage(b'{"choices": []}') == (None, None)
@@ -112,6 +128,11 @@ def test_alarm_needs_repeated_mismatches_without_a_match_and_one_match_clears_it
     assert gauge(2) == 1.0 and mon.describe(2)["mismatch"] is True
     assert any("worker 2" in r.getMessage() and "never match" in r.getMessage() for r in caplog.records)
     assert mon.record(2, "events", True, 16) is False and gauge(2) == 0.0  # one match proves parity
-    assert reg.get_sample_value("kvroute_hash_parity_checks_total", {"worker": "2", "source": "events", "result": "mismatch"}) == 4
+    assert (
+        reg.get_sample_value(
+            "kvroute_hash_parity_checks_total", {"worker": "2", "source": "events", "result": "mismatch"}
+        )
+        == 4
+    )
     mon.forget(2)
     assert mon.describe(2) is None and gauge(2) is None

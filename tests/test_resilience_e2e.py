@@ -22,7 +22,6 @@ from collections.abc import Iterator
 
 import httpx
 import openai
-import pytest
 
 from support import free_port, service, wait_until
 
@@ -34,8 +33,20 @@ SLOW = ["--speedup-ratio", "0.2"]  # ~30 ms per decode step: a 40-token stream t
 def mocker(extra: list[str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, "--no-kv-events",
-            "--seed", "3", *(extra or [])]
+    args = [
+        "-m",
+        "mocker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        "--no-kv-events",
+        "--seed",
+        "3",
+        *(extra or []),
+    ]
     with service(args, ready_url=f"{url}/v1/models", timeout=90) as proc:
         yield url, proc
 
@@ -47,7 +58,10 @@ class Frontend:
         self.sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
 
     def loads(self) -> dict[int, tuple[int, int]]:
-        return {r["worker_id"]: (r["active_prefill_tokens"], r["active_decode_blocks"]) for r in self.http.get("/loads").json()}
+        return {
+            r["worker_id"]: (r["active_prefill_tokens"], r["active_decode_blocks"])
+            for r in self.http.get("/loads").json()
+        }
 
     def busy_workers(self) -> list[int]:
         return [w for w, v in self.loads().items() if v != (0, 0)]
@@ -70,8 +84,19 @@ class Frontend:
 @contextlib.contextmanager
 def frontend(workers: list[tuple[int, str]], *flags: str) -> Iterator[Frontend]:
     port = free_port()
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "round_robin",
-            "--health-check-interval", "0.5", *flags]
+    args = [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--router-mode",
+        "round_robin",
+        "--health-check-interval",
+        "0.5",
+        *flags,
+    ]
     for wid, url in workers:
         args += ["--worker", f"id={wid},url={url}"]
     base = f"http://127.0.0.1:{port}"
@@ -106,8 +131,14 @@ def test_killed_worker_mid_stream_migrates_to_another_and_the_client_sees_one_st
         with frontend([(1, url_a)], "--migration-limit", "3") as fe:
             messages = [{"role": "user", "content": "Tell me a long story about routers and caches."}]
             prompt_tokens = httpx.post(f"{url_b}/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
-            stream = fe.sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, stream=True,
-                                                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            stream = fe.sdk.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=40,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             chunks = []
             content_chunks = 0
             for chunk in stream:
@@ -130,7 +161,9 @@ def test_killed_worker_mid_stream_migrates_to_another_and_the_client_sees_one_st
             assert usage[0].completion_tokens == 40
             assert usage[0].prompt_tokens == prompt_tokens
             assert usage[0].total_tokens == prompt_tokens + 40
-            assert fe.metric("dynamo_frontend_model_migration_total", model=MODEL, migration_type="ongoing_request") == 1
+            assert (
+                fe.metric("dynamo_frontend_model_migration_total", model=MODEL, migration_type="ongoing_request") == 1
+            )
             assert fe.metric("dynamo_frontend_requests_total", model=MODEL, status="success") == 1
             fe.assert_idle()
             assert fe.loads().get(1, (0, 0)) == (0, 0)
@@ -158,7 +191,9 @@ def test_killed_worker_with_migration_off_gives_a_clean_error_event() -> None:
             fe.add_worker(2, url_b)
             wait_until(lambda: fe.http.get("/health").status_code == 200, 30, what="worker 2 serving")
             box: dict = {}
-            t = threading.Thread(target=lambda: box.update(r=fe.http.post("/v1/completions", json={**body, "stream": False})))
+            t = threading.Thread(
+                target=lambda: box.update(r=fe.http.post("/v1/completions", json={**body, "stream": False}))
+            )
             t.start()
             wait_until(lambda: fe.busy_workers() == [2], 30, what="the request on worker 2")
             kill(proc_b)
@@ -175,7 +210,12 @@ def test_non_streaming_request_migrates_when_its_worker_dies() -> None:
     with mocker(["--stall-after-tokens", "2"]) as (url_a, proc_a), mocker(SLOW) as (url_b, _):
         with frontend([(1, url_a)], "--migration-limit", "1") as fe:
             box: dict = {}
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "ignore_eos": True}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 30,
+                "ignore_eos": True,
+            }
             t = threading.Thread(target=lambda: box.update(r=fe.http.post("/v1/chat/completions", json=body)))
             t.start()
             wait_until(lambda: fe.busy_workers() == [1], 30, what="the request on worker 1")
@@ -203,9 +243,18 @@ def test_stalled_stream_is_cut_after_the_idle_timeout_and_its_booking_freed() ->
             fe.assert_idle()
             assert fe.metric("dynamo_frontend_requests_total", status="error", error_type="response_timeout") == 1
             # the worker saw the disconnect and dropped the request too
-            wait_until(lambda: "vllm:num_requests_running{" in (t := httpx.get(f"{url}/metrics").text)
-                       and all(float(line.rsplit(" ", 1)[1]) == 0 for line in t.splitlines() if line.startswith("vllm:num_requests_running{")),
-                       30, what="the mocker to drop the stalled request")
+            wait_until(
+                lambda: (
+                    "vllm:num_requests_running{" in (t := httpx.get(f"{url}/metrics").text)
+                    and all(
+                        float(line.rsplit(" ", 1)[1]) == 0
+                        for line in t.splitlines()
+                        if line.startswith("vllm:num_requests_running{")
+                    )
+                ),
+                30,
+                what="the mocker to drop the stalled request",
+            )
 
 
 def test_stalled_stream_migrates_when_migration_is_on() -> None:
@@ -215,8 +264,14 @@ def test_stalled_stream_migrates_when_migration_is_on() -> None:
         with frontend([(1, url_s), (2, url_h)], "--stream-idle-timeout", "2", "--migration-limit", "2") as fe:
             wait_until(lambda: len(fe.loads()) == 2, 30, what="both workers registered")
             for _ in range(2):
-                body = {"model": MODEL, "prompt": "a b c", "max_tokens": 12, "ignore_eos": True, "stream": True,
-                        "stream_options": {"include_usage": True}}
+                body = {
+                    "model": MODEL,
+                    "prompt": "a b c",
+                    "max_tokens": 12,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 with fe.http.stream("POST", "/v1/completions", json=body) as r:
                     events = list(sse_events(r.iter_lines()))
                 assert events[-1] == "[DONE]" and events.count("[DONE]") == 1

@@ -33,6 +33,7 @@ async def until(pred, timeout: float = 5.0) -> None:
 
 # --- router queue bounds -------------------------------------------------------------------------
 
+
 def test_full_queue_rejects_at_once_and_keeps_the_held_requests():
     async def main():
         cap = {"free": False}
@@ -86,19 +87,32 @@ def test_queue_bounds_are_validated():
 
 def test_flags_and_env():
     p = argparse.ArgumentParser()
-    add_router_args(p, environ={"DYN_MIGRATION_LIMIT": "3", "DYN_ROUTER_QUEUE_MAX": "8", "DYN_STREAM_IDLE_TIMEOUT": "30"})
+    add_router_args(
+        p, environ={"DYN_MIGRATION_LIMIT": "3", "DYN_ROUTER_QUEUE_MAX": "8", "DYN_STREAM_IDLE_TIMEOUT": "30"}
+    )
     cfg = RouterConfig.from_args(p.parse_args(["--router-queue-timeout-secs", "2.5"]))
-    assert (cfg.migration_limit, cfg.router_queue_max, cfg.router_queue_timeout_secs, cfg.stream_idle_timeout) == (3, 8, 2.5, 30.0)
+    assert (cfg.migration_limit, cfg.router_queue_max, cfg.router_queue_timeout_secs, cfg.stream_idle_timeout) == (
+        3,
+        8,
+        2.5,
+        30.0,
+    )
     p = argparse.ArgumentParser()
     add_router_args(p, environ={})
     cfg = RouterConfig.from_args(p.parse_args([]))
-    assert (cfg.migration_limit, cfg.router_queue_max, cfg.router_queue_timeout_secs, cfg.stream_idle_timeout) == (0, None, None, None)
+    assert (cfg.migration_limit, cfg.router_queue_max, cfg.router_queue_timeout_secs, cfg.stream_idle_timeout) == (
+        0,
+        None,
+        None,
+        None,
+    )
     for bad in (["--migration-limit", "-1"], ["--router-queue-max", "-2"], ["--stream-idle-timeout", "0"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
 
 
 # --- continuation ---------------------------------------------------------------------------------
+
 
 def test_chat_continuation_is_a_partial_assistant_message_with_fewer_tokens():
     body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "min_tokens": 10}
@@ -136,11 +150,22 @@ def test_tracker_passes_whole_events_and_records_the_text():
 def test_tracker_rewrites_the_continuation_as_the_same_response():
     t = SseTracker(chat=True, prompt_tokens=7)
     t.feed(_ev({"id": "A", "created": 1, "choices": [{"index": 0, "delta": {"content": "Hi"}}]}))
-    t.feed(_ev({"id": "A", "created": 1, "choices": [{"index": 0, "delta": {"content": " there"}}]})[:12])  # torn by the failure
+    t.feed(
+        _ev({"id": "A", "created": 1, "choices": [{"index": 0, "delta": {"content": " there"}}]})[:12]
+    )  # torn by the failure
     t.switch()
     role = _ev({"id": "B", "created": 2, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-    tok = _ev({"id": "B", "created": 2, "choices": [{"index": 0, "delta": {"content": " you"}, "finish_reason": "length"}]})
-    usage = _ev({"id": "B", "created": 2, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}})
+    tok = _ev(
+        {"id": "B", "created": 2, "choices": [{"index": 0, "delta": {"content": " you"}, "finish_reason": "length"}]}
+    )
+    usage = _ev(
+        {
+            "id": "B",
+            "created": 2,
+            "choices": [],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
+        }
+    )
     out = t.feed(role + tok + usage + b"data: [DONE]\n\n")
     events = [e for e in out.split(b"\n\n") if e]
     assert len(events) == 3  # no second role chunk
@@ -153,8 +178,10 @@ def test_tracker_rewrites_the_continuation_as_the_same_response():
 
 # --- idle timeout ---------------------------------------------------------------------------------
 
+
 def test_upstream_idle_timeout_only_after_the_first_bytes():
     """A raw socket server that sends a chunked head and one chunk, then nothing."""
+
     async def main():
         gate = asyncio.Event()
 

@@ -44,7 +44,9 @@ def readme_flags() -> dict[str, str]:
 def guide_router_flags() -> set[str]:
     (path,) = glob.glob(os.path.join(REPO_ROOT, "..", "shared", "seeds", "001_*.txt"))
     text = open(path, encoding="utf-8").read()
-    flags = set(re.findall(r"--(?:no-)?(?:router-[a-z0-9][a-z0-9-]*[a-z0-9]|active-[a-z-]*[a-z]|kv-cache-block-size)", text))
+    flags = set(
+        re.findall(r"--(?:no-)?(?:router-[a-z0-9][a-z0-9-]*[a-z0-9]|active-[a-z-]*[a-z]|kv-cache-block-size)", text)
+    )
     return flags
 
 
@@ -56,18 +58,32 @@ def test_readme_table_lists_every_router_flag_of_the_guide():
 
 
 def test_frontend_help_accepts_every_flag_of_the_table():
-    out = subprocess.run([sys.executable, "-m", "frontend", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "frontend", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     from frontend.cli import build_parser
 
     parser = build_parser()
-    samples = {"--router-mode": "kv", "--router-queue-policy": "wspt", "--router-session-affinity-mode": "soft",
-               "--active-decode-blocks-threshold": "0.5", "--router-session-affinity-ttl-secs": "30",
-               "--router-prune-target-ratio": "0.5", "--router-ttl-secs": "5", "--router-temperature": "0.5",
-               "--router-kv-overlap-score-weight": "2", "--router-queue-threshold": "1.5",
-               "--active-prefill-tokens-threshold-frac": "1.5", "--router-latency-prefill-tokens-per-s": "20000",
-               "--router-latency-window": "50", "--discovery": "static", "--discovery-selector": "kvroute.io/role=worker",
-               "--etcd-endpoints": "http://127.0.0.1:2379", "--discovery-prefix": "/kvroute/"}
+    samples = {
+        "--router-mode": "kv",
+        "--router-queue-policy": "wspt",
+        "--router-session-affinity-mode": "soft",
+        "--active-decode-blocks-threshold": "0.5",
+        "--router-session-affinity-ttl-secs": "30",
+        "--router-prune-target-ratio": "0.5",
+        "--router-ttl-secs": "5",
+        "--router-temperature": "0.5",
+        "--router-kv-overlap-score-weight": "2",
+        "--router-queue-threshold": "1.5",
+        "--active-prefill-tokens-threshold-frac": "1.5",
+        "--router-latency-prefill-tokens-per-s": "20000",
+        "--router-latency-window": "50",
+        "--discovery": "static",
+        "--discovery-selector": "kvroute.io/role=worker",
+        "--etcd-endpoints": "http://127.0.0.1:2379",
+        "--discovery-prefix": "/kvroute/",
+    }
     for flag, env in readme_flags().items():
         assert re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", out.stdout, re.M), f"{flag} not in --help"
         action = parser._option_string_actions[flag]
@@ -93,7 +109,11 @@ def test_block_size_aliases_and_env():
 def test_bad_values_are_rejected():
     from frontend.cli import build_parser
 
-    for args in (["--router-session-affinity-mode", "sticky"], ["--router-event-threads", "0"], ["--router-snapshot-threshold", "-1"]):
+    for args in (
+        ["--router-session-affinity-mode", "sticky"],
+        ["--router-event-threads", "0"],
+        ["--router-snapshot-threshold", "-1"],
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(args)
 
@@ -101,12 +121,27 @@ def test_bad_values_are_rejected():
 def test_jetstream_and_event_thread_flags_log_that_they_have_no_effect(caplog):
     from frontend.cli import build_parser, make_state
 
-    ns = build_parser().parse_args(["--router-durable-kv-events", "--router-reset-states", "--router-snapshot-threshold", "10",
-                                    "--router-event-threads", "4", "--router-session-affinity-mode", "soft"])
+    ns = build_parser().parse_args(
+        [
+            "--router-durable-kv-events",
+            "--router-reset-states",
+            "--router-snapshot-threshold",
+            "10",
+            "--router-event-threads",
+            "4",
+            "--router-session-affinity-mode",
+            "soft",
+        ]
+    )
     with caplog.at_level(logging.WARNING, logger="frontend"):
         state = make_state(ns)
     text = caplog.text
-    for flag in ("--router-durable-kv-events", "--router-reset-states", "--router-snapshot-threshold", "--router-event-threads"):
+    for flag in (
+        "--router-durable-kv-events",
+        "--router-reset-states",
+        "--router-snapshot-threshold",
+        "--router-event-threads",
+    ):
         assert f"{flag}" in text and "no effect" in text, f"{flag} not logged"
     assert state.config.router_session_affinity_mode == "soft"
     caplog.clear()
@@ -126,27 +161,61 @@ def two_frontends():
         for wid in (1, 2):
             port, ev, rp = free_ports(3)
             url = f"http://127.0.0.1:{port}"
-            stack.enter_context(service(["-m", "mocker", "--host", "127.0.0.1", "--port", str(port),
-                                         "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}", "--replay-endpoint", f"tcp://127.0.0.1:{rp}"],
-                                        ready_url=url + "/health", timeout=90))
+            stack.enter_context(
+                service(
+                    [
+                        "-m",
+                        "mocker",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--kv-events-endpoint",
+                        f"tcp://127.0.0.1:{ev}",
+                        "--replay-endpoint",
+                        f"tcp://127.0.0.1:{rp}",
+                    ],
+                    ready_url=url + "/health",
+                    timeout=90,
+                )
+            )
             workers.append(f"id={wid},url={url}")
         urls = {}
         for mode in ("hard", "soft"):
             (port,) = free_ports(1)
             url = f"http://127.0.0.1:{port}"
-            args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv",
-                    "--health-check-interval", "0.5", "--router-session-affinity-ttl-secs", "300",
-                    "--router-session-affinity-mode", mode]
+            args = [
+                "-m",
+                "frontend",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(port),
+                "--router-mode",
+                "kv",
+                "--health-check-interval",
+                "0.5",
+                "--router-session-affinity-ttl-secs",
+                "300",
+                "--router-session-affinity-mode",
+                mode,
+            ]
             for w in workers:
                 args += ["--worker", w]
-            stack.enter_context(service(args, ready=lambda url=url: httpx.get(url + "/v1/models", timeout=2).json()["data"], timeout=90))
+            stack.enter_context(
+                service(args, ready=lambda url=url: httpx.get(url + "/v1/models", timeout=2).json()["data"], timeout=90)
+            )
             urls[mode] = url
         yield urls
 
 
 def _route(url: str, headers: dict) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} hello"}], "max_tokens": 2,
-            "nvext": {"extra_fields": ["worker_id"]}}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} hello"}],
+        "max_tokens": 2,
+        "nvext": {"extra_fields": ["worker_id"]},
+    }
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
 
 
@@ -162,15 +231,31 @@ def test_session_affinity_mode(two_frontends, mode):
     assert _worker(_route(url, {"x-dynamo-session-id": sid, "x-dynamo-worker-instance-id": "1"})) == 1  # binds to 1
     assert _worker(_route(url, {"x-dynamo-session-id": sid})) == 1
     try:  # make worker 1 busy: any decode load exceeds the threshold; hold a stream open on it
-        r = httpx.post(url + "/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 0.0001}, timeout=10)
+        r = httpx.post(
+            url + "/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 0.0001}, timeout=10
+        )
         assert r.status_code == 200, r.text
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "long " * 100}], "max_tokens": 5000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"x-dynamo-worker-instance-id": "1"}, timeout=60) as s:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "long " * 100}],
+            "max_tokens": 5000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers={"x-dynamo-worker-instance-id": "1"}, timeout=60
+        ) as s:
             assert s.status_code == 200, s.read()
             lines = s.iter_lines()  # keep the iterator: dropping it closes the stream
             assert next(lines).startswith("data:")
-            wait_until(lambda: any(row["worker_id"] == 1 and row["active_decode_blocks"] > 0
-                                   for row in httpx.get(url + "/loads", timeout=5).json()), 20, what="worker 1 loaded")
+            wait_until(
+                lambda: any(
+                    row["worker_id"] == 1 and row["active_decode_blocks"] > 0
+                    for row in httpx.get(url + "/loads", timeout=5).json()
+                ),
+                20,
+                what="worker 1 loaded",
+            )
             r = _route(url, {"x-dynamo-session-id": sid})
             if mode == "hard":
                 assert r.status_code == 529, r.text  # the bound worker or nothing
@@ -179,7 +264,9 @@ def test_session_affinity_mode(two_frontends, mode):
         if mode == "soft":  # ...and the session follows to where it ran
             assert _worker(_route(url, {"x-dynamo-session-id": sid})) == 2
         else:
-            wait_until(lambda: _route(url, {"x-dynamo-session-id": sid}).status_code == 200, 30, what="worker 1 free again")
+            wait_until(
+                lambda: _route(url, {"x-dynamo-session-id": sid}).status_code == 200, 30, what="worker 1 free again"
+            )
             assert _worker(_route(url, {"x-dynamo-session-id": sid})) == 1
     finally:
         httpx.post(url + "/busy_threshold", json={"model": MODEL, "active_decode_blocks_threshold": 1.0}, timeout=10)

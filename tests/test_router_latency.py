@@ -6,7 +6,15 @@ import random
 import pytest
 
 from router.config import RouterConfig, add_router_args
-from router.latency import SAME_SPEED_RATIO, LatencyModels, LatencyPrior, RankLatency, formula, score_latency, scoring_models
+from router.latency import (
+    SAME_SPEED_RATIO,
+    LatencyModels,
+    LatencyPrior,
+    RankLatency,
+    formula,
+    score_latency,
+    scoring_models,
+)
 from router.selection import CandidateLoad, choose
 
 

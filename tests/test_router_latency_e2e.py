@@ -10,8 +10,19 @@ import contextlib
 import uuid
 from collections import Counter
 
+from test_frontend_e2e import (
+    MODEL,
+    START_TIMEOUT,
+    WAIT,
+    Frontend,
+    _all_healthy,
+    start_frontend,
+    start_mockers,
+    system_prompt,
+    wait_ready,
+)
+
 from support import wait_until
-from test_frontend_e2e import MODEL, START_TIMEOUT, WAIT, Frontend, _all_healthy, start_frontend, start_mockers, system_prompt, wait_ready
 
 
 def _stream(fe: Frontend, messages: list[dict], pin: int | None = None) -> int:
@@ -19,7 +30,9 @@ def _stream(fe: Frontend, messages: list[dict], pin: int | None = None) -> int:
     nvext: dict = {"extra_fields": ["worker_id"]}
     if pin is not None:
         nvext["backend_instance_id"] = pin
-    stream = fe.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True, extra_body={"nvext": nvext})
+    stream = fe.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, stream=True, extra_body={"nvext": nvext}
+    )
     worker = None
     for chunk in stream:
         nvext = (chunk.model_extra or {}).get("nvext") or {}
@@ -30,13 +43,20 @@ def _stream(fe: Frontend, messages: list[dict], pin: int | None = None) -> int:
 
 
 def _prompt(words: int = 60) -> list[dict]:
-    return [{"role": "user", "content": f"{uuid.uuid4().hex} " + "describe a quiet harbour town at dawn. " * (words // 6)}]
+    return [
+        {"role": "user", "content": f"{uuid.uuid4().hex} " + "describe a quiet harbour town at dawn. " * (words // 6)}
+    ]
 
 
 def test_latency_mode_learns_speeds_and_keeps_prefixes() -> None:
     with contextlib.ExitStack() as stack:
-        slow, fast = start_mockers(1, stack, ["--speedup-ratio", "0.04"])[0], start_mockers(1, stack, ["--speedup-ratio", "4"])[0]
-        fe = start_frontend(["--router-mode", "latency", "--worker", slow.worker_arg(1), "--worker", fast.worker_arg(2)], stack)
+        slow, fast = (
+            start_mockers(1, stack, ["--speedup-ratio", "0.04"])[0],
+            start_mockers(1, stack, ["--speedup-ratio", "4"])[0],
+        )
+        fe = start_frontend(
+            ["--router-mode", "latency", "--worker", slow.worker_arg(1), "--worker", fast.worker_arg(2)], stack
+        )
         wait_ready([slow, fast], [fe])
         wait_until(lambda: _all_healthy(fe, 2), START_TIMEOUT, what="both workers healthy")
 
@@ -53,7 +73,10 @@ def test_latency_mode_learns_speeds_and_keeps_prefixes() -> None:
                 assert _stream(fe, _prompt(), pin=w) == w
                 streamed += 1
         est = {c["worker_id"]: c["cost"] for c in fe.explain(_prompt())["candidates"]}
-        assert est[1] > 2 * est[2], (est, fe.explain(_prompt())["latency_models"])  # the same prompt is estimated 2x+ slower (~450 vs ~5 ms of prefill) on the slow worker
+        assert est[1] > 2 * est[2], (
+            est,
+            fe.explain(_prompt())["latency_models"],
+        )  # the same prompt is estimated 2x+ slower (~450 vs ~5 ms of prefill) on the slow worker
         models = fe.explain(_prompt())["latency_models"]
         assert models["1:0"]["observations"] == models["2:0"]["observations"] == 4, models
         fe.chat(_prompt())  # non-streaming, sent to the engine as a stream: its real first token is an observation too

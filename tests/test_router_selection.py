@@ -107,7 +107,9 @@ def test_env_then_flag_precedence() -> None:
 
 
 def test_negated_flags_and_legacy_names() -> None:
-    cfg = _parse(["--no-router-track-active-blocks", "--no-router-assume-kv-reuse", "--kv-overlap-score-weight", "2"], {})
+    cfg = _parse(
+        ["--no-router-track-active-blocks", "--no-router-assume-kv-reuse", "--kv-overlap-score-weight", "2"], {}
+    )
     assert not cfg.router_track_active_blocks and not cfg.router_assume_kv_reuse
     assert cfg.router_kv_overlap_score_weight == 2.0
 

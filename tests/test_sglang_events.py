@@ -38,8 +38,24 @@ def wheel() -> zipfile.ZipFile:
     os.makedirs(d, exist_ok=True)
     have = [f for f in os.listdir(d) if f.endswith(".whl")]
     if not have:
-        out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                              f"sglang=={SGLANG_VERSION}", "-d", d], capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                f"sglang=={SGLANG_VERSION}",
+                "-d",
+                d,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, f"cannot download the sglang wheel: {out.stderr[-2000:]}"
         have = [f for f in os.listdir(d) if f.endswith(".whl")]
     return zipfile.ZipFile(os.path.join(d, have[0]))
@@ -74,8 +90,14 @@ def blocks(start: int, n: int) -> list[list[int]]:
 
 
 def stored(sgl, blks: list[list[int]], first_hash: int, parent: int | None):
-    return sgl.BlockStored(block_hashes=[first_hash + i for i in range(len(blks))], parent_block_hash=parent,
-                           token_ids=[t for b in blks for t in b], block_size=BS, lora_id=None, medium="GPU")
+    return sgl.BlockStored(
+        block_hashes=[first_hash + i for i in range(len(blks))],
+        parent_block_hash=parent,
+        token_ids=[t for b in blks for t in b],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+    )
 
 
 def query(indexer: str, tokens: list[int]) -> int:
@@ -86,13 +108,16 @@ def query(indexer: str, tokens: list[int]) -> int:
 
 
 def test_sglang_wire_format_is_what_our_decoder_reads(sgl):
-    from indexer import wire
-
     import msgspec
 
+    from indexer import wire
+
     a = blocks(1000, 2)
-    batch = sgl.KVEventBatch(ts=time.time(), events=[stored(sgl, a, 500, None), sgl.BlockRemoved(block_hashes=[501], medium="GPU"),
-                                                     sgl.AllBlocksCleared()], attn_dp_rank=3)
+    batch = sgl.KVEventBatch(
+        ts=time.time(),
+        events=[stored(sgl, a, 500, None), sgl.BlockRemoved(block_hashes=[501], medium="GPU"), sgl.AllBlocksCleared()],
+        attn_dp_rank=3,
+    )
     payload = msgspec.msgpack.encode(batch)
     raw = msgspec.msgpack.decode(payload)
     assert isinstance(raw, list) and len(raw) == 3 and raw[2] == 3  # [ts, events, attn_dp_rank], events are tagged maps
@@ -107,17 +132,34 @@ def test_sglang_wire_format_is_what_our_decoder_reads(sgl):
 
 def test_sglang_publisher_feeds_our_indexer_with_replay(sgl):
     pub_port, replay_port = free_ports(2)
-    publisher = sgl.ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{pub_port}",
-                                      replay_endpoint=f"tcp://127.0.0.1:{replay_port}", bind=True, buffer_steps=1000)
+    publisher = sgl.ZmqEventPublisher(
+        attn_dp_rank=0,
+        endpoint=f"tcp://127.0.0.1:{pub_port}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        bind=True,
+        buffer_steps=1000,
+    )
     try:
         a = blocks(10_000, 3)
-        publisher.publish(sgl.KVEventBatch(ts=time.time(), events=[stored(sgl, a, 1, None)]))  # seq 0: nobody listens yet
+        publisher.publish(
+            sgl.KVEventBatch(ts=time.time(), events=[stored(sgl, a, 1, None)])
+        )  # seq 0: nobody listens yet
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        with service(["-m", "indexer", "--host", "127.0.0.1", "--port", str(port)], ready_url=url + "/health", timeout=60):
-            r = httpx.post(url + "/register", json={"instance_id": INSTANCE, "endpoint": f"tcp://127.0.0.1:{pub_port}",
-                                                   "model_name": MODEL, "block_size": BS, "dp_rank": 0,
-                                                   "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"})
+        with service(
+            ["-m", "indexer", "--host", "127.0.0.1", "--port", str(port)], ready_url=url + "/health", timeout=60
+        ):
+            r = httpx.post(
+                url + "/register",
+                json={
+                    "instance_id": INSTANCE,
+                    "endpoint": f"tcp://127.0.0.1:{pub_port}",
+                    "model_name": MODEL,
+                    "block_size": BS,
+                    "dp_rank": 0,
+                    "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                },
+            )
             assert r.status_code == 201, r.text
             tokens_a = [t for b in a for t in b]
             # the SUB socket connects asynchronously: publish fresh batches until one arrives; its seq > 0
@@ -135,10 +177,16 @@ def test_sglang_publisher_feeds_our_indexer_with_replay(sgl):
                     pass
             wait_until(lambda: query(url, tokens_a) == 3, timeout=20, what="replayed batch 0")
             # removal of a's last block (SGLang's hash 3), then a full clear
-            publisher.publish(sgl.KVEventBatch(ts=time.time(), events=[sgl.BlockRemoved(block_hashes=[3], medium="GPU")]))
+            publisher.publish(
+                sgl.KVEventBatch(ts=time.time(), events=[sgl.BlockRemoved(block_hashes=[3], medium="GPU")])
+            )
             wait_until(lambda: query(url, tokens_a) == 2, timeout=20, what="BlockRemoved applied")
             publisher.publish(sgl.KVEventBatch(ts=time.time(), events=[sgl.AllBlocksCleared()]))
-            wait_until(lambda: query(url, tokens_a) == 0 and query(url, seen[-1]) == 0, timeout=20, what="AllBlocksCleared applied")
+            wait_until(
+                lambda: query(url, tokens_a) == 0 and query(url, seen[-1]) == 0,
+                timeout=20,
+                what="AllBlocksCleared applied",
+            )
     finally:
         publisher.shutdown()
 
@@ -164,10 +212,15 @@ def test_sglang_priority_polarity_matches_what_the_frontend_sends(wheel):
 
     fields = wheel.read("sglang/srt/arg_groups/fields/schedule.py").decode()
     tree = ast.parse(fields)
-    default = next(n.value.value for n in ast.walk(tree)
-                   if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == "schedule_low_priority_values_first")
+    default = next(
+        n.value.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == "schedule_low_priority_values_first"
+    )
     assert default is False
-    sort, cls_src = _function_from_wheel(wheel, "sglang/srt/managers/schedule_policy.py", "SchedulePolicy", "_sort_by_priority_and_fcfs")
+    sort, cls_src = _function_from_wheel(
+        wheel, "sglang/srt/managers/schedule_policy.py", "SchedulePolicy", "_sort_by_priority_and_fcfs"
+    )
     assert "self.priority_sign = 1 if schedule_low_priority_values_first else -1" in cls_src
     priority_sign = 1 if default else -1
 

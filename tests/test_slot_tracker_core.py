@@ -97,7 +97,11 @@ def test_lifecycle_rules_42():
     with pytest.raises(SlotTrackerError) as e:
         t.add("x", 1, 0, [9, 9, 9], 5)
     assert e.value.status == 409 and e.value.message.startswith("Request x already exists")
-    assert (t.active_prefill_tokens(1, 0), t.active_decode_blocks(1, 0), t.active_requests(1, 0)) == (30, 2, 1)  # unchanged
+    assert (t.active_prefill_tokens(1, 0), t.active_decode_blocks(1, 0), t.active_requests(1, 0)) == (
+        30,
+        2,
+        1,
+    )  # unchanged
     t.prefill_complete("x")
     t.prefill_complete("x")  # repeat is a no-op
     assert t.active_prefill_tokens(1, 0) == 0 and t.active_decode_blocks(1, 0) == 2
@@ -127,7 +131,11 @@ def test_registration_rules():
         ((1, "m", "default", 16, 4294967295, 1), 400, "dp range overflows u32: start=4294967295 size=1"),
         ((1, "m", "default", 16, 4294967295, 2), 400, "dp range overflows u32: start=4294967295 size=2"),
         ((1, "m", "default", 16, 0, 4097), 400, "dp_size 4097 exceeds the maximum 4096"),
-        ((1, "m", "default", 16, 4294967295, 5000), 400, "dp_size 5000 exceeds the maximum 4096"),  # checked before overflow
+        (
+            (1, "m", "default", 16, 4294967295, 5000),
+            400,
+            "dp_size 5000 exceeds the maximum 4096",
+        ),  # checked before overflow
         ((1, "m", "default", 0, 0, 5000), 400, "block_size must be greater than 0"),
     ]
     for args, status, msg in cases:
@@ -145,7 +153,10 @@ def test_registration_rules():
         reg.register(2, "m", "default", 32, 0, 1)
     assert e.value.status == 409 and "existing=16, requested=32" in e.value.message
     reg.register(1, "m", "t2", 32, 0, 1)  # worker ids scoped per (model, tenant)
-    assert [(w["worker_id"], w["tenant_id"], w["block_size"]) for w in reg.workers()] == [(1, "default", 16), (1, "t2", 32)]
+    assert [(w["worker_id"], w["tenant_id"], w["block_size"]) for w in reg.workers()] == [
+        (1, "default", 16),
+        (1, "t2", 32),
+    ]
     assert [w["tenant_id"] for w in reg.workers(tenant_id="t2")] == ["t2"]
     assert reg.workers(model_name="zz") == []
 
@@ -185,8 +196,23 @@ def test_loads_listing_sorted_including_idle_slots():
     reg.register(2, "m", "default", 16, 1, 2)
     reg.register(5, "a", "z", 8, 0, 1)
     reg.get("m", "default").add("r", 2, 2, [4, 5, 6], 7)
-    rows = [(l["model_name"], l["tenant_id"], l["worker_id"], l["dp_rank"], l["active_prefill_tokens"], l["active_decode_blocks"]) for l in reg.loads()]
-    assert rows == [("a", "z", 5, 0, 0, 0), ("m", "default", 2, 1, 0, 0), ("m", "default", 2, 2, 7, 3), ("m", "default", 9, 0, 0, 0)]
+    rows = [
+        (
+            l["model_name"],
+            l["tenant_id"],
+            l["worker_id"],
+            l["dp_rank"],
+            l["active_prefill_tokens"],
+            l["active_decode_blocks"],
+        )
+        for l in reg.loads()
+    ]
+    assert rows == [
+        ("a", "z", 5, 0, 0, 0),
+        ("m", "default", 2, 1, 0, 0),
+        ("m", "default", 2, 2, 7, 3),
+        ("m", "default", 9, 0, 0, 0),
+    ]
     assert [l["worker_id"] for l in reg.loads(model_name="m", tenant_id="default")] == [2, 2, 9]
 
 
@@ -225,7 +251,11 @@ def test_observer_sees_local_changes_only():
     t.free("a")
     t.free("a")  # unknown now: nothing to tell
     t.add("b", 1, 0, [1], 0, notify=False)
-    assert [(e.kind, e.request_id, e.worker_id, e.dp_rank) for e in seen] == [("add", "a", 1, 0), ("prefill_complete", "a", 1, 0), ("free", "a", 1, 0)]
+    assert [(e.kind, e.request_id, e.worker_id, e.dp_rank) for e in seen] == [
+        ("add", "a", 1, 0),
+        ("prefill_complete", "a", 1, 0),
+        ("free", "a", 1, 0),
+    ]
     assert list(seen[0].sequence_hashes) == [1, 2] and seen[0].new_isl_tokens == 3 and seen[0].block_size == 16
 
 

@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from support import free_ports, reference_installed, service
 
 from kvroute_common.hashing import list_to_i64, sequence_hashes
+from support import free_ports, reference_installed, service
 
-pytestmark = pytest.mark.skipif(not reference_installed(), reason="reference `dynamo` (ai-dynamo-runtime 1.6.1) not importable")
+pytestmark = pytest.mark.skipif(
+    not reference_installed(), reason="reference `dynamo` (ai-dynamo-runtime 1.6.1) not importable"
+)
 
 OPS = int(os.environ.get("KVROUTE_DIFF_OPS", "3000"))
 SEEDS = [int(s) for s in os.environ.get("KVROUTE_DIFF_SEEDS", "1122,4242").split(",")]
@@ -155,7 +157,13 @@ class Generator:
         else:
             worker, rank = rng.randrange(1, 7), rng.randrange(0, 4)
         local = self.local_path((model, tenant))
-        fields = {"model_name": model, "request_id": self.request_id((model, tenant)), "worker_id": worker, "dp_rank": rank, "sequence_hashes": chained(local)}
+        fields = {
+            "model_name": model,
+            "request_id": self.request_id((model, tenant)),
+            "worker_id": worker,
+            "dp_rank": rank,
+            "sequence_hashes": chained(local),
+        }
         if rng.random() < 0.7:
             fields["new_isl_tokens"] = rng.choice([0, rng.randrange(1, 500)])
         ours, ref = self.bodies(fields, spelled)
@@ -192,7 +200,15 @@ class Generator:
 
     def invalid(self) -> Op:
         rng = self.rng
-        valid = rng.choice([self.register, self.add, self.potential_loads, lambda: self.by_request("/free"), lambda: self.by_request("/prefill_complete")])()
+        valid = rng.choice(
+            [
+                self.register,
+                self.add,
+                self.potential_loads,
+                lambda: self.by_request("/free"),
+                lambda: self.by_request("/prefill_complete"),
+            ]
+        )()
         kind = rng.randrange(16)
         if kind == 0:  # malformed JSON
             return Op(valid.method, valid.path, valid.ours[:-3], valid.ref[:-3])
@@ -216,12 +232,27 @@ class Generator:
             ours, ref = self.bodies({"model_name": model, "sequence_hashes": [1, bad]}, spelled)
             return Op("POST", rng.choice(["/potential_loads"]), ours, ref)
         if kind == 5:  # no or wrong content type
-            return Op(valid.method, valid.path, valid.ours, valid.ref, content_type=rng.choice([None, "text/plain", "application/x-www-form-urlencoded"]))
+            return Op(
+                valid.method,
+                valid.path,
+                valid.ours,
+                valid.ref,
+                content_type=rng.choice([None, "text/plain", "application/x-www-form-urlencoded"]),
+            )
         if kind == 6:  # unknown route
-            return Op(rng.choice(["GET", "POST", "PUT", "DELETE"]), rng.choice(["/nope", "/register/", "/v1/loads", "/Loads"]), valid.ours, valid.ref)
+            return Op(
+                rng.choice(["GET", "POST", "PUT", "DELETE"]),
+                rng.choice(["/nope", "/register/", "/v1/loads", "/Loads"]),
+                valid.ours,
+                valid.ref,
+            )
         if kind == 7:  # wrong method on a known route
             path = rng.choice(["/register", "/add", "/free", "/loads", "/workers", "/health", "/potential_loads"])
-            method = rng.choice(["POST", "PUT", "OPTIONS"]) if path in ("/loads", "/workers", "/health") else rng.choice(["GET", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+            method = (
+                rng.choice(["POST", "PUT", "OPTIONS"])
+                if path in ("/loads", "/workers", "/health")
+                else rng.choice(["GET", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+            )
             return Op(method, path, b"{}", b"{}")
         if kind == 8:  # JSON of the wrong shape
             body = rng.choice([b"[]", b"null", b"1", b'"x"', b"true"])
@@ -242,12 +273,19 @@ class Generator:
             if rng.random() < 0.5:
                 return Op("GET", "/peers", note="DOC-PEER-ROUTES")
             path = rng.choice(["/register_peer", "/deregister_peer"])
-            return Op("POST", path, b'{"url":"tcp://127.0.0.1:5"}', b'{"url":"tcp://127.0.0.1:5"}', note="DOC-PEER-ROUTES")
+            return Op(
+                "POST", path, b'{"url":"tcp://127.0.0.1:5"}', b'{"url":"tcp://127.0.0.1:5"}', note="DOC-PEER-ROUTES"
+            )
         if kind == 13:  # DOC-JSON-ERRORS: repeated query parameter
-            return Op("GET", rng.choice(["/loads", "/workers"]), params="model_name=m1&model_name=m2", note="DOC-JSON-ERRORS")
+            return Op(
+                "GET", rng.choice(["/loads", "/workers"]), params="model_name=m1&model_name=m2", note="DOC-JSON-ERRORS"
+            )
         if kind == 14:  # out-of-range integers
             ours, ref = json.loads(valid.ours), json.loads(valid.ref)
-            name = rng.choice([k for k in ref if k in ("worker_id", "dp_rank", "dp_start", "dp_size", "block_size", "new_isl_tokens")] or ["x"])
+            name = rng.choice(
+                [k for k in ref if k in ("worker_id", "dp_rank", "dp_start", "dp_size", "block_size", "new_isl_tokens")]
+                or ["x"]
+            )
             ours[name] = ref[name] = rng.choice([1 << 32, 1 << 64, -(1 << 63)])
             return Op(valid.method, valid.path, json.dumps(ours).encode(), json.dumps(ref).encode())
         return Op("GET", "/health")
@@ -311,7 +349,10 @@ def normalise(op: Op, r: httpx.Response, reference: bool) -> tuple[int, object]:
             return r.status_code, "<error>"  # text/plain in 1.6.1
         assert r.headers.get("content-type", "").startswith("application/json"), (op, r.status_code, r.headers, r.text)
         body = r.json()
-        assert isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str) and body["error"], (op, r.text)
+        assert isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str) and body["error"], (
+            op,
+            r.text,
+        )
         return r.status_code, "<error>"  # error texts may differ
     assert r.headers.get("content-type", "").startswith("application/json"), (op, r.headers)
     body = r.json()
@@ -332,8 +373,14 @@ def servers():
     ours_port, ref_port = free_ports(2)
     ours_url, ref_url = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{ref_port}"
     with contextlib.ExitStack() as stack:
-        stack.enter_context(service(["-m", "dynamo.slot_tracker", "--port", str(ref_port)], ready_url=f"{ref_url}/health"))
-        stack.enter_context(service(["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(ours_port)], ready_url=f"{ours_url}/health"))
+        stack.enter_context(
+            service(["-m", "dynamo.slot_tracker", "--port", str(ref_port)], ready_url=f"{ref_url}/health")
+        )
+        stack.enter_context(
+            service(
+                ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(ours_port)], ready_url=f"{ours_url}/health"
+            )
+        )
         yield ours_url, ref_url
 
 
@@ -354,7 +401,9 @@ def test_random_operations_agree_with_the_reference(servers, seed):
                 r_ref = send(ref, op, op.ref)
                 r_ours = send(ours, op, op.ours)
                 gen.learn(op, r_ref.status_code)
-                counts[f"{op.method} {op.path} {r_ref.status_code}"] = counts.get(f"{op.method} {op.path} {r_ref.status_code}", 0) + 1
+                counts[f"{op.method} {op.path} {r_ref.status_code}"] = (
+                    counts.get(f"{op.method} {op.path} {r_ref.status_code}", 0) + 1
+                )
                 if op.note == "DOC-PEER-ROUTES":
                     # the document's peer routes: absent in 1.6.1, served by ours (sync disabled here)
                     assert r_ref.status_code == 404
@@ -362,7 +411,9 @@ def test_random_operations_agree_with_the_reference(servers, seed):
                     assert normalise(op, r_ours, reference=False) == expected, (i, op)
                     continue
                 got, want = normalise(op, r_ours, reference=False), normalise(op, r_ref, reference=True)
-                assert got == want, f"op {i} (seed {seed}): {op}\nours: {r_ours.status_code} {r_ours.text[:500]}\nreference: {r_ref.status_code} {r_ref.text[:500]}"
+                assert got == want, (
+                    f"op {i} (seed {seed}): {op}\nours: {r_ours.status_code} {r_ours.text[:500]}\nreference: {r_ref.status_code} {r_ref.text[:500]}"
+                )
                 if i % 200 == 199:  # full-state comparison now and then
                     for path in ("/workers", "/loads"):
                         listing = Op("GET", path)
@@ -383,8 +434,34 @@ def test_non_chained_hashes_named_difference(servers):
     results = {}
     for name, url, tenant_key in (("ours", ours_url, "tenant_id"), ("reference", ref_url, "routing_group")):
         with httpx.Client(base_url=url, timeout=30.0) as c:
-            assert c.post("/register", json={"worker_id": 1, "model_name": "nonchained", tenant_key: "x", "block_size": 16, "dp_start": 0, "dp_size": 1}).status_code == 201
+            assert (
+                c.post(
+                    "/register",
+                    json={
+                        "worker_id": 1,
+                        "model_name": "nonchained",
+                        tenant_key: "x",
+                        "block_size": 16,
+                        "dp_start": 0,
+                        "dp_size": 1,
+                    },
+                ).status_code
+                == 201
+            )
             for rid, path in (("a", [1, 2, 3]), ("b", [1, 4, 3])):
-                assert c.post("/add", json={"model_name": "nonchained", tenant_key: "x", "request_id": rid, "worker_id": 1, "dp_rank": 0, "sequence_hashes": path}).status_code == 201
+                assert (
+                    c.post(
+                        "/add",
+                        json={
+                            "model_name": "nonchained",
+                            tenant_key: "x",
+                            "request_id": rid,
+                            "worker_id": 1,
+                            "dp_rank": 0,
+                            "sequence_hashes": path,
+                        },
+                    ).status_code
+                    == 201
+                )
             results[name] = c.get("/loads", params={"model_name": "nonchained"}).json()[0]["active_decode_blocks"]
     assert results == {"ours": 5, "reference": 3}  # [1],[1,2],[1,2,3],[1,4],[1,4,3] vs 1.6.1's shortcut

@@ -7,10 +7,10 @@ import itertools
 
 import httpx
 import pytest
-from support import free_ports, reference_installed, service, wait_until
 
-from slot_tracker.core import LifecycleEvent, SlotRegistry, SlotTrackerError
+from slot_tracker.core import LifecycleEvent, SlotRegistry
 from slot_tracker.replica_sync import TOPIC, ReplicaSync, decode_event, encode_event, validate_endpoint
+from support import free_ports, reference_installed, service, wait_until
 
 # Captured from the 1.6.1 reference (`python -m dynamo.slot_tracker --replica-sync-port`) after
 # /add {model m, worker 7, rank 1, hashes [1, -2, 3], new_isl_tokens 48}: our encoder must produce these bytes.
@@ -36,7 +36,13 @@ def test_wire_format_is_the_references_byte_for_byte():
     free = LifecycleEvent("free", "m", "default", 16, "r1", 7, 1, (), 0)
     assert encode_event(free, REFERENCE_ROUTER_ID) == REFERENCE_FREE
     env = decode_event(REFERENCE_ADD)
-    assert (env.model_name, env.routing_group, env.block_size, env.event.request_id, env.event.router_id) == ("m", "default", 16, "r1", REFERENCE_ROUTER_ID)
+    assert (env.model_name, env.routing_group, env.block_size, env.event.request_id, env.event.router_id) == (
+        "m",
+        "default",
+        16,
+        "r1",
+        REFERENCE_ROUTER_ID,
+    )
     assert env.event.data.AddRequest.token_sequence == [1, (1 << 64) - 2, 3]
 
 
@@ -57,9 +63,10 @@ def test_apply_rules_own_events_unknown_topology_and_never_creating_workers():
     other.register(7, "m", "default", 32, 0, 1)  # different block size, and no rank 1
     s2 = ReplicaSync(other, "tcp://127.0.0.1:1")
     assert s2.apply(env) is False
-    assert other.workers() == [{"worker_id": 7, "model_name": "m", "tenant_id": "default", "block_size": 32, "dp_start": 0, "dp_size": 1}]
+    assert other.workers() == [
+        {"worker_id": 7, "model_name": "m", "tenant_id": "default", "block_size": 32, "dp_start": 0, "dp_size": 1}
+    ]
     assert s2.apply(decode_event(REFERENCE_ADD.replace(b"\xa1m", b"\xa1n"))) is False  # unknown model
-
 
 
 def test_dropped_peer_events_are_logged_once_per_unknown_topology(caplog):
@@ -71,7 +78,9 @@ def test_dropped_peer_events_are_logged_once_per_unknown_topology(caplog):
     env = decode_event(REFERENCE_ADD)
     assert sync.apply(env) is False and sync.apply(env) is False and sync.apply(decode_event(REFERENCE_FREE)) is False
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 1 and "model 'm'" in msgs[0] and "worker 7 rank 1" in msgs[0] and "not registered here" in msgs[0]
+    assert (
+        len(msgs) == 1 and "model 'm'" in msgs[0] and "worker 7 rank 1" in msgs[0] and "not registered here" in msgs[0]
+    )
     reg.register(7, "m", "default", 32, 0, 2)  # registered now, with another block size: a second, different warning
     assert sync.apply(env) is False
     assert len(caplog.records) == 2 and "block size registered here is 32" in caplog.records[1].getMessage()
@@ -121,7 +130,18 @@ class Replica:
 def start_replica(stack, http_port: int, pub_port: int, peers: list[int]) -> Replica:
     url = f"http://127.0.0.1:{http_port}"
     pub = f"tcp://127.0.0.1:{pub_port}"
-    args = ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(http_port), "--replica-sync-bind", pub, "--replica-sync-advertise", pub]
+    args = [
+        "-m",
+        "slot_tracker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http_port),
+        "--replica-sync-bind",
+        pub,
+        "--replica-sync-advertise",
+        pub,
+    ]
     if peers:
         args += ["--replica-sync-peers", ",".join(f"tcp://127.0.0.1:{p}" for p in peers)]
     stack.enter_context(service(args, ready_url=f"{url}/health"))
@@ -140,13 +160,22 @@ def wait_linked(src: Replica, dst: Replica, model: str) -> None:
             return True
         rid = f"probe-{next(_probe)}"
         ids.append(rid)
-        assert src.post("/add", {"model_name": model, "request_id": rid, "worker_id": 1, "dp_rank": 0, "sequence_hashes": []}).status_code == 201
+        assert (
+            src.post(
+                "/add", {"model_name": model, "request_id": rid, "worker_id": 1, "dp_rank": 0, "sequence_hashes": []}
+            ).status_code
+            == 201
+        )
         return False
 
     wait_until(probe, timeout=30, interval=0.1, what=f"{src.url} -> {dst.url} subscription")
     for rid in ids:
         assert src.post("/free", {"model_name": model, "request_id": rid}).status_code == 200
-    wait_until(lambda: dst.requests(model, 1, 0) == 0 and src.requests(model, 1, 0) == 0, timeout=30, what="probes freed on both")
+    wait_until(
+        lambda: dst.requests(model, 1, 0) == 0 and src.requests(model, 1, 0) == 0,
+        timeout=30,
+        what="probes freed on both",
+    )
 
 
 def test_two_replicas_share_lifecycle_events():
@@ -158,12 +187,30 @@ def test_two_replicas_share_lifecycle_events():
         b = start_replica(stack, http_b, pub_b, [pub_a])
         assert a.http.get("/peers").json() == [b.pub]
         for r in (a, b):
-            assert r.post("/register", {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 2}).status_code == 201
+            assert (
+                r.post(
+                    "/register", {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 2}
+                ).status_code
+                == 201
+            )
         wait_linked(a, b, "m")
         wait_linked(b, a, "m")
 
         # add on A appears on B; prefill_complete on B reaches A; free on B removes it on A
-        assert a.post("/add", {"model_name": "m", "request_id": "r1", "worker_id": 1, "dp_rank": 1, "sequence_hashes": [5, -6, 7], "new_isl_tokens": 40}).status_code == 201
+        assert (
+            a.post(
+                "/add",
+                {
+                    "model_name": "m",
+                    "request_id": "r1",
+                    "worker_id": 1,
+                    "dp_rank": 1,
+                    "sequence_hashes": [5, -6, 7],
+                    "new_isl_tokens": 40,
+                },
+            ).status_code
+            == 201
+        )
         wait_until(lambda: b.load("m", 1, 1) == (40, 3), timeout=30, what="add replicated to B")
         assert b.post("/prefill_complete", {"model_name": "m", "request_id": "r1"}).status_code == 200
         wait_until(lambda: a.load("m", 1, 1) == (0, 3), timeout=30, what="prefill_complete replicated to A")
@@ -172,13 +219,44 @@ def test_two_replicas_share_lifecycle_events():
         assert b.load("m", 1, 1) == (0, 0)
 
         # events for topology B does not have are dropped, and never create workers
-        assert a.post("/register", {"worker_id": 2, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}).status_code == 201
-        assert a.post("/register", {"worker_id": 1, "model_name": "m2", "block_size": 16, "dp_start": 0, "dp_size": 1}).status_code == 201
-        assert b.post("/register", {"worker_id": 1, "model_name": "m2", "block_size": 32, "dp_start": 0, "dp_size": 1}).status_code == 201
-        assert a.post("/add", {"model_name": "m", "request_id": "w2", "worker_id": 2, "dp_rank": 0, "sequence_hashes": [1]}).status_code == 201
-        assert a.post("/add", {"model_name": "m2", "request_id": "bs", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [1]}).status_code == 201
+        assert (
+            a.post(
+                "/register", {"worker_id": 2, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}
+            ).status_code
+            == 201
+        )
+        assert (
+            a.post(
+                "/register", {"worker_id": 1, "model_name": "m2", "block_size": 16, "dp_start": 0, "dp_size": 1}
+            ).status_code
+            == 201
+        )
+        assert (
+            b.post(
+                "/register", {"worker_id": 1, "model_name": "m2", "block_size": 32, "dp_start": 0, "dp_size": 1}
+            ).status_code
+            == 201
+        )
+        assert (
+            a.post(
+                "/add", {"model_name": "m", "request_id": "w2", "worker_id": 2, "dp_rank": 0, "sequence_hashes": [1]}
+            ).status_code
+            == 201
+        )
+        assert (
+            a.post(
+                "/add", {"model_name": "m2", "request_id": "bs", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [1]}
+            ).status_code
+            == 201
+        )
         # a marker sent after them on the same connection: once it arrives, the earlier ones were handled
-        assert a.post("/add", {"model_name": "m", "request_id": "marker", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [9]}).status_code == 201
+        assert (
+            a.post(
+                "/add",
+                {"model_name": "m", "request_id": "marker", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [9]},
+            ).status_code
+            == 201
+        )
         wait_until(lambda: b.load("m", 1, 0) == (0, 1), timeout=30, what="marker replicated")
         assert [w["worker_id"] for w in b.http.get("/workers", params={"model_name": "m"}).json()] == [1]
         assert b.load("m2", 1, 0) == (0, 0)
@@ -193,11 +271,18 @@ def test_dynamic_peers_via_the_api():
         a = start_replica(stack, http_a, pub_a, [])
         c = start_replica(stack, http_c, pub_c, [])
         for r in (a, c):
-            assert r.post("/register", {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}).status_code == 201
+            assert (
+                r.post(
+                    "/register", {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}
+                ).status_code
+                == 201
+            )
         assert c.http.get("/peers").json() == []
         assert c.post("/register_peer", {"url": a.pub}).status_code == 201
         assert c.post("/register_peer", {"url": a.pub}).status_code == 200  # already present
-        assert c.post("/replica_sync/register_peer", {"endpoint": "tcp://127.0.0.1:1"}).status_code == 201  # 1.6.1 spelling
+        assert (
+            c.post("/replica_sync/register_peer", {"endpoint": "tcp://127.0.0.1:1"}).status_code == 201
+        )  # 1.6.1 spelling
         assert c.http.get("/peers").json() == sorted([a.pub, "tcp://127.0.0.1:1"])
         assert c.http.get("/replica_sync/peers").json() == c.http.get("/peers").json()
         assert c.post("/register_peer", {"url": c.pub}).status_code == 400  # own advertised endpoint
@@ -219,14 +304,37 @@ def test_interoperates_with_the_reference_replica():
     with contextlib.ExitStack() as stack:
         a = start_replica(stack, http_a, pub_a, [pub_r])
         ref_url = f"http://127.0.0.1:{http_r}"
-        stack.enter_context(service(["-m", "dynamo.slot_tracker", "--port", str(http_r), "--replica-sync-port", str(pub_r)], ready_url=f"{ref_url}/health"))
+        stack.enter_context(
+            service(
+                ["-m", "dynamo.slot_tracker", "--port", str(http_r), "--replica-sync-port", str(pub_r)],
+                ready_url=f"{ref_url}/health",
+            )
+        )
         ref = Replica(ref_url, f"tcp://127.0.0.1:{pub_r}")
         assert ref.post("/replica_sync/register_peer", {"endpoint": a.pub}).status_code == 201
         for r in (a, ref):
-            assert r.post("/register", {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}).status_code == 201
+            assert (
+                r.post(
+                    "/register", {"worker_id": 1, "model_name": "m", "block_size": 16, "dp_start": 0, "dp_size": 1}
+                ).status_code
+                == 201
+            )
         wait_linked(a, ref, "m")
         wait_linked(ref, a, "m")
-        assert ref.post("/add", {"model_name": "m", "request_id": "x", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [1, -2], "new_isl_tokens": 7}).status_code == 201
+        assert (
+            ref.post(
+                "/add",
+                {
+                    "model_name": "m",
+                    "request_id": "x",
+                    "worker_id": 1,
+                    "dp_rank": 0,
+                    "sequence_hashes": [1, -2],
+                    "new_isl_tokens": 7,
+                },
+            ).status_code
+            == 201
+        )
         wait_until(lambda: a.load("m", 1, 0) == (7, 2), timeout=30, what="reference add reaches ours")
         assert a.post("/free", {"model_name": "m", "request_id": "x"}).status_code == 200
         wait_until(lambda: ref.load("m", 1, 0) == (0, 0), timeout=30, what="our free reaches the reference")
@@ -268,7 +376,9 @@ def test_siblings_send_a_burst_as_one_msgpack_array_frame():
     events += [LifecycleEvent("free", "m", "default", 16, f"r{i}", 7, i % 2, (), 0) for i in range(0, n, 2)]
     pub = Capture()
     src._publish_batch(pub, events)  # type: ignore[arg-type]
-    assert len(pub.messages) == -(-len(events) // MAX_BATCH) and all(len(m) == 2 and m[0] == TOPIC for m in pub.messages)
+    assert len(pub.messages) == -(-len(events) // MAX_BATCH) and all(
+        len(m) == 2 and m[0] == TOPIC for m in pub.messages
+    )
     assert src.stats["published"] == len(events)
     for frames in pub.messages:
         dst._receive(frames)

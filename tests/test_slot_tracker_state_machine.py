@@ -40,7 +40,9 @@ class SlotTrackerMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.registry = SlotRegistry(expiry_secs=EXPIRY, clock=lambda: self.now)
         self.workers: dict[int, tuple[int, int]] = {}  # worker -> (dp_start, dp_size)
-        self.requests: dict[str, tuple[tuple[int, int], list[int], int, float]] = {}  # rid -> (slot, path, prefill, added)
+        self.requests: dict[
+            str, tuple[tuple[int, int], list[int], int, float]
+        ] = {}  # rid -> (slot, path, prefill, added)
 
     # ---- helpers
     def tracker(self):
@@ -70,8 +72,14 @@ class SlotTrackerMachine(RuleBasedStateMachine):
         del self.workers[worker]
         self.requests = {rid: r for rid, r in self.requests.items() if r[0][0] != worker}
 
-    @rule(rid=st.sampled_from(REQUESTS), worker=st.sampled_from(WORKERS), rank=st.integers(0, 4), path=hashes,
-          isl=st.integers(0, 50), alias=as_sent)
+    @rule(
+        rid=st.sampled_from(REQUESTS),
+        worker=st.sampled_from(WORKERS),
+        rank=st.integers(0, 4),
+        path=hashes,
+        isl=st.integers(0, 50),
+        alias=as_sent,
+    )
     def add(self, rid: str, worker: int, rank: int, path: list[int], isl: int, alias: bool) -> None:
         tracker = self.tracker()
         if tracker is None:
@@ -165,7 +173,9 @@ class SlotTrackerMachine(RuleBasedStateMachine):
 
 
 SlotTrackerMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("KVROUTE_STATE_EXAMPLES", "300")), stateful_step_count=30, deadline=None,
+    max_examples=int(os.environ.get("KVROUTE_STATE_EXAMPLES", "300")),
+    stateful_step_count=30,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_slot_tracker_state_machine = SlotTrackerMachine.TestCase

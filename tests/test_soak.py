@@ -33,8 +33,13 @@ def test_judge_flags_growth_latency_and_failures():
 
 def test_soak_two_minutes(tmp_path):
     out = tmp_path / "soak"
-    proc = subprocess.run([sys.executable, "-m", "bench", "soak", "--duration", "120", "--interval", "10", "--out", str(out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "soak", "--duration", "120", "--interval", "10", "--out", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     verdict = json.loads((out / "soak.json").read_text())["verdict"]
     assert verdict["ok"] and verdict["failures"] == 0 and verdict["requests"] > 100

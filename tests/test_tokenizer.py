@@ -87,14 +87,17 @@ def test_chat_content_parts_joined_with_newline_like_vllm(tok):
 
 
 def test_chat_token_ids_match_transformers(tok):
-    msgs = [{"role": "user", "content": "What is a KV cache?"}, {"role": "assistant", "content": "A cache."},
-            {"role": "user", "content": "Tell me more <|im_end|> please"}]
+    msgs = [
+        {"role": "user", "content": "What is a KV cache?"},
+        {"role": "assistant", "content": "A cache."},
+        {"role": "user", "content": "Tell me more <|im_end|> please"},
+    ]
     ids = chat_prompt_token_ids(tok, msgs)
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert ids == tok(text, add_special_tokens=False)["input_ids"]
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # BOS from the template only
     tail = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    assert ids[-len(tail):] == tail
+    assert ids[-len(tail) :] == tail
 
 
 def test_chat_request_body_arguments_like_vllm(tok):
@@ -105,8 +108,14 @@ def test_chat_request_body_arguments_like_vllm(tok):
     no_gen = chat_request_token_ids(tok, {"messages": msgs, "add_generation_prompt": False})
     assert no_gen == chat_prompt_token_ids(tok, msgs, add_generation_prompt=False) != chat_prompt_token_ids(tok, msgs)
     # explicit field wins over chat_template_kwargs; tools dropped with tool_choice "none"
-    kw = chat_template_kwargs({"chat_template_kwargs": {"add_generation_prompt": True, "x": 1},
-                               "add_generation_prompt": False, "tools": [{"type": "function"}], "tool_choice": "none"})
+    kw = chat_template_kwargs(
+        {
+            "chat_template_kwargs": {"add_generation_prompt": True, "x": 1},
+            "add_generation_prompt": False,
+            "tools": [{"type": "function"}],
+            "tool_choice": "none",
+        }
+    )
     assert kw == {"add_generation_prompt": False, "x": 1}
     assert chat_template_kwargs({"tools": [{"type": "function"}]})["tools"] == [{"type": "function"}]
     for bad in ({"messages": msgs, "chat_template_kwargs": 3}, {"messages": msgs, "add_generation_prompt": "no"}, {}):
@@ -127,8 +136,13 @@ def test_completion_prompts(tok):
 
 
 def test_bad_messages_rejected(tok):
-    for bad in ([], "hi", [{"content": "x"}], [{"role": "user", "content": 5}],
-                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]):
+    for bad in (
+        [],
+        "hi",
+        [{"content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    ):
         with pytest.raises(PromptError):
             chat_prompt_token_ids(tok, bad)
 
@@ -138,7 +152,16 @@ def test_fast_encoder_is_exact_on_random_text(tok):
     assert enc.fast
     rng = random.Random(7)
     alphabet = list("abc XYZ019\t\n\r  .,;'\"()<>|_-ünï☃€😀") + [
-        "<|im_start|>", "<|im_end|>", "<|startoftext|>", "<|endoftext|>", "<|pad|>", "<|im_", "  \n", "\r\n", "word "]
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|startoftext|>",
+        "<|endoftext|>",
+        "<|pad|>",
+        "<|im_",
+        "  \n",
+        "\r\n",
+        "word ",
+    ]
     for _ in range(1500):
         s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80)))
         for special in (False, True):
@@ -148,11 +171,21 @@ def test_fast_encoder_is_exact_on_random_text(tok):
 
 
 def test_loads_offline_without_network(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path),
-               HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
-    code = ("from kvroute_common.tokenizer import load_tokenizer, chat_prompt_token_ids as c;"
-            "t=load_tokenizer(None); print(len(c(t,[{'role':'user','content':'hi'}])))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(tmp_path),
+        HTTPS_PROXY="http://127.0.0.1:9",
+        HTTP_PROXY="http://127.0.0.1:9",
+    )
+    code = (
+        "from kvroute_common.tokenizer import load_tokenizer, chat_prompt_token_ids as c;"
+        "t=load_tokenizer(None); print(len(c(t,[{'role':'user','content':'hi'}])))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip().splitlines()[-1]) > 5
 
@@ -171,8 +204,13 @@ def test_build_script_reproduces_committed_files():
     built_with = cfg["kvroute_build"]["python"]
     if built_with != ".".join(map(str, sys.version_info[:3])):
         pytest.skip(f"tokenizer built with Python {built_with}; the corpus is this Python's stdlib")
-    out = subprocess.run([sys.executable, "-m", "kvroute_common.build_tokenizer", "--check"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute_common.build_tokenizer", "--check"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["identical"] is True
 

@@ -15,7 +15,14 @@ from .base import DiscoveryBackend, DiscoveryTarget
 
 BACKENDS = ("static", "file", "kubernetes", "etcd")
 
-__all__ = ["BACKENDS", "DiscoveryBackend", "DiscoveryTarget", "add_discovery_args", "build_backends", "replica_advertise"]
+__all__ = [
+    "BACKENDS",
+    "DiscoveryBackend",
+    "DiscoveryTarget",
+    "add_discovery_args",
+    "build_backends",
+    "replica_advertise",
+]
 
 
 def add_discovery_args(p: argparse.ArgumentParser) -> None:
@@ -24,19 +31,43 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("discovery")
     env = os.environ.get
-    g.add_argument("--discovery", "--discovery-backend", dest="discovery", choices=BACKENDS, default=env("DYN_DISCOVERY_BACKEND") or None,
-                   help="where workers come from [env DYN_DISCOVERY_BACKEND; default static, or file with --workers-file]; "
-                        "--worker flags are added with any backend")
-    g.add_argument("--discovery-namespace", default=env("DYN_DISCOVERY_NAMESPACE") or None,
-                   help="kubernetes: namespace of the worker EndpointSlices [env DYN_DISCOVERY_NAMESPACE; default the pod's own, else default]")
-    g.add_argument("--discovery-selector", default=env("DYN_DISCOVERY_SELECTOR") or DEFAULT_SELECTOR,
-                   help=f"kubernetes: label selector of the worker Services' EndpointSlices [env DYN_DISCOVERY_SELECTOR; default {DEFAULT_SELECTOR}]")
-    g.add_argument("--etcd-endpoints", default=env("DYN_ETCD_ENDPOINTS") or None, metavar="URLS",
-                   help="etcd: comma-separated client URLs, e.g. http://etcd:2379 [env DYN_ETCD_ENDPOINTS]")
-    g.add_argument("--discovery-prefix", default=env("DYN_DISCOVERY_PREFIX") or DEFAULT_PREFIX,
-                   help=f"etcd: key prefix of workers/ and peers/ [env DYN_DISCOVERY_PREFIX; default {DEFAULT_PREFIX}]")
-    g.add_argument("--discovery-lease-ttl", type=int, default=int(env("DYN_DISCOVERY_LEASE_TTL") or DEFAULT_LEASE_TTL), metavar="SECONDS",
-                   help=f"etcd: lease TTL of this frontend's replica-sync peer entry [env DYN_DISCOVERY_LEASE_TTL; default {DEFAULT_LEASE_TTL}]")
+    g.add_argument(
+        "--discovery",
+        "--discovery-backend",
+        dest="discovery",
+        choices=BACKENDS,
+        default=env("DYN_DISCOVERY_BACKEND") or None,
+        help="where workers come from [env DYN_DISCOVERY_BACKEND; default static, or file with --workers-file]; "
+        "--worker flags are added with any backend",
+    )
+    g.add_argument(
+        "--discovery-namespace",
+        default=env("DYN_DISCOVERY_NAMESPACE") or None,
+        help="kubernetes: namespace of the worker EndpointSlices [env DYN_DISCOVERY_NAMESPACE; default the pod's own, else default]",
+    )
+    g.add_argument(
+        "--discovery-selector",
+        default=env("DYN_DISCOVERY_SELECTOR") or DEFAULT_SELECTOR,
+        help=f"kubernetes: label selector of the worker Services' EndpointSlices [env DYN_DISCOVERY_SELECTOR; default {DEFAULT_SELECTOR}]",
+    )
+    g.add_argument(
+        "--etcd-endpoints",
+        default=env("DYN_ETCD_ENDPOINTS") or None,
+        metavar="URLS",
+        help="etcd: comma-separated client URLs, e.g. http://etcd:2379 [env DYN_ETCD_ENDPOINTS]",
+    )
+    g.add_argument(
+        "--discovery-prefix",
+        default=env("DYN_DISCOVERY_PREFIX") or DEFAULT_PREFIX,
+        help=f"etcd: key prefix of workers/ and peers/ [env DYN_DISCOVERY_PREFIX; default {DEFAULT_PREFIX}]",
+    )
+    g.add_argument(
+        "--discovery-lease-ttl",
+        type=int,
+        default=int(env("DYN_DISCOVERY_LEASE_TTL") or DEFAULT_LEASE_TTL),
+        metavar="SECONDS",
+        help=f"etcd: lease TTL of this frontend's replica-sync peer entry [env DYN_DISCOVERY_LEASE_TTL; default {DEFAULT_LEASE_TTL}]",
+    )
 
 
 def replica_advertise(bind: str, advertise: str | None) -> str:
@@ -82,6 +113,12 @@ def build_backends(ns: argparse.Namespace, worker_specs: list, replica_endpoint:
             raise ValueError("--discovery etcd needs --etcd-endpoints (or DYN_ETCD_ENDPOINTS)")
         if ns.discovery_lease_ttl < 2:
             raise ValueError("--discovery-lease-ttl must be >= 2 seconds")
-        backends.append(EtcdDiscovery(parse_endpoints(ns.etcd_endpoints), normalize_prefix(ns.discovery_prefix),
-                                      ns.discovery_lease_ttl, replica_endpoint))
+        backends.append(
+            EtcdDiscovery(
+                parse_endpoints(ns.etcd_endpoints),
+                normalize_prefix(ns.discovery_prefix),
+                ns.discovery_lease_ttl,
+                replica_endpoint,
+            )
+        )
     return backends

@@ -40,12 +40,12 @@ def normalize_prefix(prefix: str) -> str:
     return prefix if prefix.endswith("/") else prefix + "/"
 
 
-def _start_once(task: "asyncio.Task | None", run: Any) -> asyncio.Task:
+def _start_once(task: asyncio.Task | None, run: Any) -> asyncio.Task:
     """The background loop of a registration or a watch: started once, however often asked."""
     return task if task is not None else asyncio.get_running_loop().create_task(run())
 
 
-async def _cancel(task: "asyncio.Task | None") -> None:
+async def _cancel(task: asyncio.Task | None) -> None:
     """Stop a background loop and wait until it has stopped (returns the new, empty task slot)."""
     if task is not None:
         task.cancel()
@@ -192,8 +192,14 @@ class EtcdDiscovery(DiscoveryBackend):
     name = "etcd"
     source = "etcd"
 
-    def __init__(self, endpoints: list[str], prefix: str = DEFAULT_PREFIX, lease_ttl: int = DEFAULT_LEASE_TTL,
-                 peer_endpoint: str | None = None, peer_name: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: list[str],
+        prefix: str = DEFAULT_PREFIX,
+        lease_ttl: int = DEFAULT_LEASE_TTL,
+        peer_endpoint: str | None = None,
+        peer_name: str | None = None,
+    ) -> None:
         self.endpoints = endpoints
         self.prefix = normalize_prefix(prefix)
         self.lease_ttl = lease_ttl
@@ -215,11 +221,18 @@ class EtcdDiscovery(DiscoveryBackend):
         self.workers.start()
         if self.peer_endpoint and target.replica_sync is not None:
             pp = self.prefix + PEERS
-            self.peers = PrefixWatch(self.client, pp, lambda items: call_safely(
-                lambda: target.set_peers(self.source, parse_peer_entries(items)), "etcd peers"))
+            self.peers = PrefixWatch(
+                self.client,
+                pp,
+                lambda items: call_safely(
+                    lambda: target.set_peers(self.source, parse_peer_entries(items)), "etcd peers"
+                ),
+            )
             self.peers.start()
             name = self.peer_name or f"{target.replica_sync.router_id:016x}"
-            self.registration = EtcdRegistration(self.client, pp + name, json.dumps({"endpoint": self.peer_endpoint}), self.lease_ttl)
+            self.registration = EtcdRegistration(
+                self.client, pp + name, json.dumps({"endpoint": self.peer_endpoint}), self.lease_ttl
+            )
             self.registration.start()
 
     async def stop(self) -> None:
@@ -232,10 +245,18 @@ class EtcdDiscovery(DiscoveryBackend):
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"backend": self.name, "endpoints": self.endpoints, "prefix": self.prefix}
         if self.workers is not None:
-            out["watch"] = {"keys": len(self.workers.items), "relists": self.workers.relists, "last_error": self.workers.last_error}
+            out["watch"] = {
+                "keys": len(self.workers.items),
+                "relists": self.workers.relists,
+                "last_error": self.workers.last_error,
+            }
         if self.registration is not None:
-            out["peer_registration"] = {"key": self.registration.key, "endpoint": self.peer_endpoint,
-                                        "registered": self.registration.registered.is_set(), "last_error": self.registration.last_error}
+            out["peer_registration"] = {
+                "key": self.registration.key,
+                "endpoint": self.peer_endpoint,
+                "registered": self.registration.registered.is_set(),
+                "last_error": self.registration.last_error,
+            }
         return out
 
 

@@ -92,7 +92,9 @@ class EtcdClient:
             self._current = idx
             data = _json(resp.text)
             if resp.status_code != 200 or "error" in data:
-                raise EtcdError(f"etcd {path}: {resp.status_code} {data.get('message') or data.get('error') or resp.text[:200]}")
+                raise EtcdError(
+                    f"etcd {path}: {resp.status_code} {data.get('message') or data.get('error') or resp.text[:200]}"
+                )
             return data.get("result", data)
         raise EtcdError(f"no etcd endpoint reachable ({', '.join(self.endpoints)}): {last!r}")
 
@@ -133,8 +135,13 @@ class EtcdClient:
 
         Ends (returns) only if the server closes the stream cleanly; the caller relists either way.
         """
-        body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix)),
-                                   "start_revision": str(start_revision)}}
+        body = {
+            "create_request": {
+                "key": _b64(prefix),
+                "range_end": _b64(prefix_range_end(prefix)),
+                "start_revision": str(start_revision),
+            }
+        }
         url = self.endpoints[self._current] + "/v3/watch"
         timeout = httpx.Timeout(self.timeout, read=None)  # a quiet prefix sends nothing for a long time
         async with self._http.stream("POST", url, json=body, timeout=timeout) as resp:
@@ -153,8 +160,12 @@ class EtcdClient:
                     raise EtcdError(f"etcd watch canceled: {result.get('cancel_reason', '')}")
                 for ev in result.get("events") or []:
                     kv = ev.get("kv") or {}
-                    yield WatchEvent("delete" if ev.get("type") == "DELETE" else "put", _unb64(kv.get("key")).decode(),
-                                     _unb64(kv.get("value")), int(kv.get("mod_revision") or 0))
+                    yield WatchEvent(
+                        "delete" if ev.get("type") == "DELETE" else "put",
+                        _unb64(kv.get("key")).decode(),
+                        _unb64(kv.get("value")),
+                        int(kv.get("mod_revision") or 0),
+                    )
 
 
 def _json(text: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..workers import WorkerSpec, WorkersFileWatcher
+from ..workers import WorkersFileWatcher, WorkerSpec
 from .base import DiscoveryBackend, DiscoveryTarget
 
 

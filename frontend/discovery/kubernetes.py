@@ -146,8 +146,14 @@ class EndpointSliceWatch:
     ``{name: slice}`` (raw JSON dicts); it may make blocking API calls.
     """
 
-    def __init__(self, api_client: Any, namespace: str, selector: str, on_slices: Callable[[dict[str, dict[str, Any]]], None],
-                 watch_timeout: int = WATCH_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        namespace: str,
+        selector: str,
+        on_slices: Callable[[dict[str, dict[str, Any]]], None],
+        watch_timeout: int = WATCH_TIMEOUT_SECONDS,
+    ) -> None:
         from kubernetes import client
 
         self.api = client.DiscoveryV1Api(api_client)
@@ -172,8 +178,9 @@ class EndpointSliceWatch:
             w.stop()
 
     def _list(self) -> None:
-        resp = self.api.list_namespaced_endpoint_slice(self.namespace, label_selector=self.selector, _preload_content=False,
-                                                       _request_timeout=(5, 30))
+        resp = self.api.list_namespaced_endpoint_slice(
+            self.namespace, label_selector=self.selector, _preload_content=False, _request_timeout=(5, 30)
+        )
         doc = json.loads(resp.data)
         self.slices = {s["metadata"]["name"]: s for s in doc.get("items") or []}
         self.resource_version = (doc.get("metadata") or {}).get("resourceVersion")
@@ -183,9 +190,15 @@ class EndpointSliceWatch:
         from kubernetes import watch
 
         self._watch = w = watch.Watch()
-        stream = w.stream(self.api.list_namespaced_endpoint_slice, self.namespace, label_selector=self.selector,
-                          resource_version=self.resource_version, allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout,
-                          _request_timeout=(5, self.watch_timeout + 30))
+        stream = w.stream(
+            self.api.list_namespaced_endpoint_slice,
+            self.namespace,
+            label_selector=self.selector,
+            resource_version=self.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=self.watch_timeout,
+            _request_timeout=(5, self.watch_timeout + 30),
+        )
         for event in stream:  # an ERROR event (410 Gone) is raised by the client as ApiException
             if self._stop.is_set():
                 return
@@ -239,8 +252,13 @@ class KubernetesDiscovery(DiscoveryBackend):
     name = "kubernetes"
     source = "kubernetes"
 
-    def __init__(self, namespace: str | None = None, selector: str = DEFAULT_SELECTOR, peer_endpoint: str | None = None,
-                 peer_selector: str = FRONTEND_SELECTOR) -> None:
+    def __init__(
+        self,
+        namespace: str | None = None,
+        selector: str = DEFAULT_SELECTOR,
+        peer_endpoint: str | None = None,
+        peer_selector: str = FRONTEND_SELECTOR,
+    ) -> None:
         self.namespace = namespace or default_namespace()
         self.selector = selector
         self.peer_endpoint = peer_endpoint
@@ -271,6 +289,7 @@ class KubernetesDiscovery(DiscoveryBackend):
         self.workers = EndpointSliceWatch(api_client, self.namespace, self.selector, on_workers)
         self.workers.start()
         if self.peer_endpoint and target.replica_sync is not None:
+
             def on_peers(slices: dict[str, dict[str, Any]]) -> None:
                 peers = self._peer_endpoints(slices)
                 loop.call_soon_threadsafe(call_safely, lambda: target.set_peers(self.source, peers), "kubernetes peers")
@@ -338,8 +357,13 @@ class KubernetesDiscovery(DiscoveryBackend):
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"backend": self.name, "namespace": self.namespace, "selector": self.selector}
         if self.workers is not None:
-            out["watch"] = {"slices": len(self.workers.slices), "resource_version": self.workers.resource_version,
-                            "relists": self.workers.relists, "expired": self.workers.expired, "last_error": self.workers.last_error}
+            out["watch"] = {
+                "slices": len(self.workers.slices),
+                "resource_version": self.workers.resource_version,
+                "relists": self.workers.relists,
+                "expired": self.workers.expired,
+                "last_error": self.workers.last_error,
+            }
         if self.peers is not None:
             out["peer_selector"] = self.peer_selector
         return out

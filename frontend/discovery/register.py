@@ -20,15 +20,34 @@ from .etcd_client import parse_endpoints
 
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="python -m frontend register",
-                                description="Register one worker in etcd under a lease and keep it alive (a worker sidecar).")
-    p.add_argument("--etcd-endpoints", default=env("DYN_ETCD_ENDPOINTS"), metavar="URLS",
-                   help="comma-separated etcd client URLs [env DYN_ETCD_ENDPOINTS]")
-    p.add_argument("--discovery-prefix", default=env("DYN_DISCOVERY_PREFIX") or DEFAULT_PREFIX,
-                   help=f"key prefix [env DYN_DISCOVERY_PREFIX; default {DEFAULT_PREFIX}]")
-    p.add_argument("--discovery-lease-ttl", type=int, default=int(env("DYN_DISCOVERY_LEASE_TTL") or DEFAULT_LEASE_TTL), metavar="SECONDS",
-                   help=f"the worker leaves this long after this process dies [env DYN_DISCOVERY_LEASE_TTL; default {DEFAULT_LEASE_TTL}]")
-    p.add_argument("--worker", required=True, metavar="SPEC", help="the worker, as the frontend's --worker: id=1,url=http://host:8001[,...]")
+    p = argparse.ArgumentParser(
+        prog="python -m frontend register",
+        description="Register one worker in etcd under a lease and keep it alive (a worker sidecar).",
+    )
+    p.add_argument(
+        "--etcd-endpoints",
+        default=env("DYN_ETCD_ENDPOINTS"),
+        metavar="URLS",
+        help="comma-separated etcd client URLs [env DYN_ETCD_ENDPOINTS]",
+    )
+    p.add_argument(
+        "--discovery-prefix",
+        default=env("DYN_DISCOVERY_PREFIX") or DEFAULT_PREFIX,
+        help=f"key prefix [env DYN_DISCOVERY_PREFIX; default {DEFAULT_PREFIX}]",
+    )
+    p.add_argument(
+        "--discovery-lease-ttl",
+        type=int,
+        default=int(env("DYN_DISCOVERY_LEASE_TTL") or DEFAULT_LEASE_TTL),
+        metavar="SECONDS",
+        help=f"the worker leaves this long after this process dies [env DYN_DISCOVERY_LEASE_TTL; default {DEFAULT_LEASE_TTL}]",
+    )
+    p.add_argument(
+        "--worker",
+        required=True,
+        metavar="SPEC",
+        help="the worker, as the frontend's --worker: id=1,url=http://host:8001[,...]",
+    )
     p.add_argument("--log-level", default=env("DYN_LOG", "info"))
     return p
 
