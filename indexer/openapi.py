@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from indexer.service import PeerRequest, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest
+from indexer.requests import PeerRequest, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest
 from kvroute_common import openapi as oa
 
 _U64 = {"type": "integer", "minimum": 0, "maximum": oa.U64_MAX}

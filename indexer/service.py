@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
-import msgspec
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -23,8 +22,10 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from indexer.core import KvIndex
+from indexer.openapi import build_document
 from indexer.registry import DEFAULT_TENANT, IndexerRegistry, RegistryError
-from kvroute_common.constants import I64, U32, U64, U64_MAX
+from indexer.requests import PeerRequest, QueryByHashRequest, QueryRequest, RegisterRequest, UnregisterRequest
+from kvroute_common.constants import U64_MAX
 from kvroute_common.drain import Drain
 from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
 from kvroute_common.hashing import local_block_hashes
@@ -39,54 +40,13 @@ from kvroute_common.http import (
     raw_json_response,
     read_json,
 )
+from kvroute_common.openapi import openapi_route
 from kvroute_common.security import AccessPolicy, service_classifier
 
 QUERY_BODY_LIMIT = 8 * MiB
 BODY_LIMIT = 2 * MiB
 ACCESS = service_classifier(["/query", "/query_by_hash"])
 """Who may call what with tokens set: reads (GET, the queries) need an API key, writes the admin token."""
-
-
-class RegisterRequest(msgspec.Struct, forbid_unknown_fields=False):
-    instance_id: U64
-    endpoint: str
-    model_name: str
-    block_size: U32
-    tenant_id: str | None = None
-    routing_group: str | None = None
-    dp_rank: U32 = 0
-    replay_endpoint: str | None = None
-    additional_salt: str | None = None
-    additionalsalt: str | None = None
-
-
-class UnregisterRequest(msgspec.Struct):
-    instance_id: U64
-    model_name: str
-    tenant_id: str | None = None
-    routing_group: str | None = None
-    dp_rank: U32 | None = None
-
-
-class QueryRequest(msgspec.Struct):
-    token_ids: list[int]  # range (u32) checked by the hashing: cheaper than a per-item constraint
-    model_name: str
-    tenant_id: str | None = None
-    routing_group: str | None = None
-    lora_name: str | None = None
-    cache_salt: str | None = None
-
-
-class QueryByHashRequest(msgspec.Struct):
-    block_hashes: list[I64]
-    model_name: str
-    tenant_id: str | None = None
-    routing_group: str | None = None
-    cache_salt: str | None = None
-
-
-class PeerRequest(msgspec.Struct):
-    url: str
 
 
 def tenant_of(tenant_id: str | None, routing_group: str | None) -> str:
@@ -361,7 +321,7 @@ def build_app(
         return metrics.render()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Any):  # type: ignore[no-untyped-def]
+    async def lifespan(app: Any) -> AsyncIterator[None]:
         try:
             yield
         finally:
@@ -371,8 +331,6 @@ def build_app(
         metrics.observe(path, "POST", status, seconds)
 
     routes = indexer_routes(registry, peers, metrics)
-    from indexer.openapi import build_document
-    from kvroute_common.openapi import openapi_route
 
     routes += [
         Route("/health", health, methods=["GET"]),

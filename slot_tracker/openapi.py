@@ -11,7 +11,7 @@ from typing import Any
 
 from kvroute_common import openapi as oa
 from slot_tracker.core import MAX_DP_SIZE
-from slot_tracker.service import AddBody, PeerBody, PotentialLoadsBody, RegisterBody, RequestBody, UnregisterBody
+from slot_tracker.requests import AddBody, PeerBody, PotentialLoadsBody, RegisterBody, RequestBody, UnregisterBody
 
 _U64 = {"type": "integer", "minimum": 0, "maximum": oa.U64_MAX}
 

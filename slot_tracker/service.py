@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
-from kvroute_common.constants import DEFAULT_TENANT, I64, U32, U64  # U64: upper bound checked in _u64
 from kvroute_common.drain import Drain
 from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
 from kvroute_common.http import (
@@ -38,8 +36,18 @@ from kvroute_common.http import (
     route,
 )
 from kvroute_common.http import _is_json_content_type as is_json_content_type
+from kvroute_common.openapi import openapi_route
 from kvroute_common.security import AccessPolicy, service_classifier
 from slot_tracker.core import U64_MAX, SlotRegistry, SlotTrackerError
+from slot_tracker.openapi import build_document
+from slot_tracker.requests import (
+    AddBody,
+    PeerBody,
+    PotentialLoadsBody,
+    RegisterBody,
+    RequestBody,
+    UnregisterBody,
+)
 
 if TYPE_CHECKING:
     from slot_tracker.replica_sync import ReplicaSync
@@ -48,88 +56,13 @@ BODY_LIMIT = 2 * MiB
 ACCESS = service_classifier(["/potential_loads"])
 """Who may call what with tokens set: reads (GET, /potential_loads) need an API key, writes the admin token."""
 
-_UNSET = msgspec.UNSET
-OptStr = str | msgspec.UnsetType  # absent allowed, null refused (422) as in the reference
-
-
-class _Tenanted(msgspec.Struct):
-    def tenant(self) -> str:
-        tenant_id = self.tenant_id  # type: ignore[attr-defined]
-        group = self.routing_group  # type: ignore[attr-defined]
-        if tenant_id is _UNSET:
-            return DEFAULT_TENANT if group is _UNSET else group
-        if group is not _UNSET and group != tenant_id:
-            raise ApiError(
-                422,
-                f"Failed to deserialize the JSON body into the target type: tenant_id {tenant_id!r} and its alias routing_group {group!r} differ",
-            )
-        return tenant_id
-
-
-class RegisterBody(_Tenanted):
-    worker_id: U64
-    model_name: str
-    block_size: U32
-    dp_start: U32
-    dp_size: U32
-    tenant_id: OptStr = _UNSET
-    routing_group: OptStr = _UNSET
-
-
-class UnregisterBody(_Tenanted):
-    worker_id: U64
-    model_name: str
-    tenant_id: OptStr = _UNSET
-    routing_group: OptStr = _UNSET
-
-
-class AddBody(_Tenanted):
-    model_name: str
-    request_id: str
-    worker_id: U64
-    dp_rank: U32
-    sequence_hashes: list[I64]
-    new_isl_tokens: U64 = 0
-    tenant_id: OptStr = _UNSET
-    routing_group: OptStr = _UNSET
-
-
-class RequestBody(_Tenanted):
-    model_name: str
-    request_id: str
-    tenant_id: OptStr = _UNSET
-    routing_group: OptStr = _UNSET
-
-
-class PotentialLoadsBody(_Tenanted):
-    model_name: str
-    sequence_hashes: list[I64]
-    new_isl_tokens: U64 = 0
-    tenant_id: OptStr = _UNSET
-    routing_group: OptStr = _UNSET
-
-
-class PeerBody(msgspec.Struct):
-    url: OptStr = _UNSET
-    endpoint: OptStr = _UNSET
-
-    def peer(self) -> str:
-        if self.url is not _UNSET:
-            if self.endpoint is not _UNSET and self.endpoint != self.url:
-                raise ApiError(
-                    422, "Failed to deserialize the JSON body into the target type: url and its alias endpoint differ"
-                )
-            return self.url
-        if self.endpoint is not _UNSET:
-            return self.endpoint
-        raise ApiError(422, "Failed to deserialize the JSON body into the target type: missing field `url`")
-
 
 def _u64(value: int, field: str) -> int:
     if value > U64_MAX:
         raise ApiError(
             422,
-            f"Failed to deserialize the JSON body into the target type: invalid value: integer `{value}`, expected u64 - at `$.{field}`",
+            f"Failed to deserialize the JSON body into the target type: invalid value: integer `{value}`, expected "
+            f"u64 - at `$.{field}`",
         )
     return value
 
@@ -279,7 +212,7 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
     async def peers(request: Request) -> Response:
         return json_response([] if replica_sync is None else replica_sync.peers())
 
-    routes = [
+    routes: list[BaseRoute] = [
         route("/health", health, ["GET"]),
         route("/register", register, ["POST"]),
         route("/unregister", unregister, ["POST"]),
@@ -312,7 +245,7 @@ def build_app(
     interval = sweep_interval if sweep_interval is not None else min(30.0, max(registry.expiry_secs / 10.0, 0.05))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async def sweep() -> None:
             while True:
                 await asyncio.sleep(interval)
@@ -329,9 +262,6 @@ def build_app(
                 await task
             if replica_sync is not None:
                 await replica_sync.stop()
-
-    from kvroute_common.openapi import openapi_route
-    from slot_tracker.openapi import build_document
 
     app = json_service(tracker_routes(registry, replica_sync) + [openapi_route(build_document())], lifespan=lifespan)
     app.router.redirect_slashes = False  # the reference answers 404 for /register/, not a redirect
