@@ -11,7 +11,8 @@ only come from a new publisher on the same endpoint (one PUB never goes backward
 already covered are above it), so the engine restarted with an empty cache. The listener then drops
 that rank's blocks, forgets the watermark and treats the batch as the first ever (seq > 0: replay
 from 0 from the new engine). The 1.6.1 reference skips such batches as stale, which leaves the old
-engine's blocks credited until the new sequence passes the old watermark (a restarted engine that publishes past the old watermark before we reconnect looks like an ordinary gap).
+engine's blocks credited until the new sequence passes the old watermark (a restarted engine that publishes past the
+old watermark before we reconnect looks like an ordinary gap).
 
 Unlike the 1.6.1 reference, whose replay receive has no timeout (a silent ROUTER wedges that
 listener forever), a replay that gets no answer within ``replay_timeout`` is abandoned: the
@@ -31,6 +32,7 @@ import zmq.asyncio
 
 from indexer.normalize import EventApplier
 from indexer.wire import WireError, decode_batch, seq_frame
+from kvroute_common.zmq_recv import drain_forever
 
 log = logging.getLogger("indexer.listener")
 
@@ -197,36 +199,16 @@ class Listener:
             await self.ready.wait()  # the start-up gate: recovery first, then drain live events
         self._set_status(ACTIVE)
         sub = self._sub
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        fd = sub.getsockopt(zmq.FD)
-        loop.add_reader(fd, wake.set)
+        assert sub is not None
+        in_order, on_message = self._in_order, self._on_message
         try:
-            while True:
-                n = 0
-                while n < 512:  # then give the event loop (HTTP queries) a turn
-                    try:
-                        frames = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    n += 1
-                    if not self._in_order(frames):  # the common case is handled without a coroutine
-                        await self._on_message(frames)
-                if n == 512:
-                    await asyncio.sleep(0)
-                    continue
-                # ZMQ's FD is edge-triggered: re-check EVENTS after arming, then sleep until it fires.
-                wake.clear()
-                if sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    continue
-                await wake.wait()
+            # the common case is handled without a coroutine
+            await drain_forever(sub, lambda frames: None if in_order(frames) else on_message(frames))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # pragma: no cover - unexpected socket failure
             log.exception("listener %s failed", self.endpoint)
             self._set_status(FAILED, f"recv loop: {type(exc).__name__}: {exc}")
-        finally:
-            loop.remove_reader(fd)
 
     def _in_order(self, frames: list[bytes]) -> bool:
         """Apply ``frames`` if it is the next batch in sequence; False if it needs the full path."""
@@ -307,7 +289,7 @@ class Listener:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", seq_frame(start)])
             while True:
-                if not await dealer.poll(int(self.replay_timeout * 1000), zmq.POLLIN):
+                if not await dealer.poll(int(self.replay_timeout * 1000)):  # POLLIN
                     self.replay_timeouts += 1
                     self.last_error = (
                         f"replay from seq {start} via {self.replay_endpoint} timed out after {self.replay_timeout:g}s; "

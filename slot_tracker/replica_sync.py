@@ -1,6 +1,7 @@
 """Replica sync: slot trackers share lifecycle events (add / prefill complete / free) over ZMQ PUB/SUB.
 
-Best effort by design (as Dynamo's slot-tracker documentation describes replica synchronization): a bounded queue drops new events when
+Best effort by design (as Dynamo's slot-tracker documentation describes replica synchronization): a bounded queue
+drops new events when
 full instead of blocking HTTP handlers; there is no acknowledgement, replay or snapshot. Each
 process picks a random non-zero 64-bit id and ignores events carrying it. A replica applies an
 event only to a worker rank it already has registered (same model, tenant and block size):
@@ -22,6 +23,7 @@ import msgspec
 import zmq
 
 from kvroute_common.constants import U64_MAX
+from kvroute_common.zmq_recv import drain_forever
 from slot_tracker.core import LifecycleEvent, SlotRegistry, SlotTrackerError
 
 log = logging.getLogger("slot_tracker.replica_sync")
@@ -307,31 +309,7 @@ class ReplicaSync:
 
     async def _receive_loop(self) -> None:
         assert self._sub is not None
-        sub = self._sub
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        fd = sub.getsockopt(zmq.FD)
-        loop.add_reader(fd, wake.set)
-        try:
-            while True:
-                n = 0
-                while n < 512:  # then give the event loop (HTTP requests) a turn
-                    try:
-                        frames = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    n += 1
-                    self._receive(frames)
-                if n == 512:
-                    await asyncio.sleep(0)
-                    continue
-                # ZMQ's FD is edge-triggered: re-check EVENTS after arming, then sleep until it fires
-                wake.clear()
-                if sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    continue
-                await wake.wait()
-        finally:
-            loop.remove_reader(fd)
+        await drain_forever(self._sub, self._receive)
 
     def _receive(self, frames: list[bytes]) -> None:
         """One message: ``[TOPIC, event]`` (the reference's), ``[TOPIC, array of events]`` (our siblings,
