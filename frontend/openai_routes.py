@@ -160,6 +160,14 @@ class RequestContext:
         "prefill",
         "soft_target",
     )
+    # set by the route before the request is routed
+    t_start: float
+    chat: bool
+    endpoint: str
+    stream: bool
+    body: dict[str, Any]
+    out_body: bytes
+    tokens: list[int]
 
     def __init__(self) -> None:
         self.kind = "chat"  # chat | completions | responses | embeddings (see _KINDS)
@@ -383,6 +391,7 @@ class OpenAIRoutes:
         attempts = 0
         # a prompt prefilled on a prefill worker is routed load-only (frontend/disagg.py)
         router = state.router if ctx.prefill is None else state.disagg_decode_router
+        previous: Lease | None = None  # the attempt this one re-sends (its TTFT and hooks are the request's)
         while True:
             attempts += 1
             salt = ctx.hints.cache_salt if ctx.hints is not None else None
@@ -420,6 +429,8 @@ class OpenAIRoutes:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
             lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
+            if previous is not None:
+                lease.inherit(previous)
             # embeddings leave no KV cache behind: no hash-parity evidence to collect
             ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
             if state.config.router_track_output_blocks:
@@ -439,10 +450,12 @@ class OpenAIRoutes:
                 raise
             if response is _MIGRATE:  # the worker failed before answering: the same request goes elsewhere
                 lease.release(final=False)
+                previous = lease
                 continue
             if response is _RETRY:
                 if attempts < 3 and pinned_worker is None:
                     lease.release(final=False)
+                    previous = lease
                     continue
                 lease.status, lease.error_type = "error", "unavailable"
                 lease.release()
@@ -481,7 +494,7 @@ class OpenAIRoutes:
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
                 raise
-            asyncio.current_task().uncancel()
+            _current_task().uncancel()
             lease.client_gone()
             lease.release()
             if session is not None:
@@ -543,7 +556,7 @@ class OpenAIRoutes:
                 migrator,
             )
             if hints is not None and hints.annotations:
-                proxy.preamble = self._annotations(ctx)
+                proxy.preamble = self._annotations(ctx, hints)
             return proxy
         if as_stream:
             return await self._reassemble(ctx, lease, upstream, rewriter, watch)
@@ -561,20 +574,20 @@ class OpenAIRoutes:
             rewriter.finished(lease)
         return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank, client_id)
 
-    def _annotations(self, ctx: RequestContext) -> bytes:
+    def _annotations(self, ctx: RequestContext, hints: RequestHints) -> bytes:
         """nvext.annotations as SSE events ahead of the stream (formatted prompt, prompt token ids)."""
         from .hints import annotation_events
 
-        text = None
-        if "formatted_prompt" in ctx.hints.annotations:
+        text: str | None = None
+        if "formatted_prompt" in (hints.annotations or ()):
             from kvroute_common.tokenizer import chat_template_kwargs, render_chat_prompt
 
             if ctx.chat:
                 text = render_chat_prompt(ctx.entry.tokenizer, ctx.body["messages"], **chat_template_kwargs(ctx.body))
             else:
                 prompt = ctx.body.get("prompt")
-                text = prompt if isinstance(prompt, str) else ctx.entry.tokenizer.decode(ctx.tokens)
-        return annotation_events(ctx.hints, text, ctx.tokens)
+                text = prompt if isinstance(prompt, str) else str(ctx.entry.tokenizer.decode(ctx.tokens))
+        return annotation_events(hints, text, ctx.tokens)
 
     async def _reassemble(
         self, ctx: RequestContext, lease: Lease, upstream: Any, rewriter: ResponseRewriter | None, watch: Any
@@ -602,7 +615,7 @@ class OpenAIRoutes:
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()
                 raise
-            asyncio.current_task().uncancel()
+            _current_task().uncancel()
             lease.client_gone()
             lease.release()
             return Response(b"", status_code=499)
@@ -625,9 +638,8 @@ class OpenAIRoutes:
         if asm.error is not None:
             code = asm.error.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
-            msg = (
-                asm.error.get("message") if isinstance(asm.error.get("message"), str) else f"worker {worker.id} failed"
-            )
+            message = asm.error.get("message")
+            msg = message if isinstance(message, str) else f"worker {worker.id} failed"
             _lease_abort(lease, status)
             return openai_error_response(
                 status if status < 500 else 500, msg if status < 500 else "Internal server error"
@@ -837,9 +849,11 @@ class ResponseRewriter:
         self.collector = None
         self._buf = b""
         h = ctx.hints
+        assert h is not None, "a response is rewritten only for requests with hints (RequestContext.rewrite)"
+        self.hints = h
         self.routing = wants_routing(h)
         self.want_nvext = h.want_worker_id or h.want_timing or h.want_stop_reason or self.routing
-        if ctx.hints.speculative_prefill and routes.state.speculative is not None:
+        if h.speculative_prefill and routes.state.speculative is not None:
             from .speculative import TurnTextCollector
 
             self.collector = TurnTextCollector()
@@ -847,7 +861,7 @@ class ResponseRewriter:
     def _nvext(self, stop_reason: Any = None) -> dict | None:
         from .hints import response_nvext
 
-        h = self.ctx.hints
+        h = self.hints
         if not self.want_nvext:
             return None
         timing = self.ctx.timing
@@ -981,7 +995,7 @@ class _watch_disconnect:
 
     def __init__(self, receive: Any) -> None:
         self.gone = False
-        self._owner = asyncio.current_task()
+        self._owner = _current_task()
         self.task = asyncio.get_running_loop().create_task(self._run(receive))
 
     async def _run(self, receive: Any) -> None:
@@ -1026,6 +1040,13 @@ def _record_routed(state: FrontendState, mm: Any, decision: Any) -> None:
     if isl:
         m.router_kv_hit_rate.observe(decision.cached_tokens / isl)
     state.worker_gauges(decision.worker.id, decision.dp_rank)[1].set(isl)
+
+
+def _current_task() -> asyncio.Task[Any]:
+    """The running task (a coroutine of a request handler always has one)."""
+    task = asyncio.current_task()
+    assert task is not None
+    return task
 
 
 def _lease_abort(lease: Lease, status: int) -> None:

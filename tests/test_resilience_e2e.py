@@ -26,6 +26,7 @@ import openai
 from support import free_port, service, wait_until
 
 MODEL = "resilience-model"
+QUEUE_GAUGES = ("dynamo_frontend_queued_requests", "dynamo_frontend_inflight_requests", "dynamo_frontend_active_requests")
 SLOW = ["--speedup-ratio", "0.2"]  # ~30 ms per decode step: a 40-token stream takes over a second
 
 
@@ -219,6 +220,10 @@ def test_non_streaming_request_migrates_when_its_worker_dies() -> None:
             t = threading.Thread(target=lambda: box.update(r=fe.http.post("/v1/chat/completions", json=body)))
             t.start()
             wait_until(lambda: fe.busy_workers() == [1], 30, what="the request on worker 1")
+            # its first tokens arrived (the unary answer is reassembled from the engine's stream)
+            wait_until(
+                lambda: fe.metric("dynamo_frontend_time_to_first_token_seconds_count") >= 1, 30, what="first token"
+            )
             fe.add_worker(2, url_b)
             kill(proc_a)
             t.join(60)
@@ -228,6 +233,9 @@ def test_non_streaming_request_migrates_when_its_worker_dies() -> None:
             assert out["usage"]["completion_tokens"] == 30 and out["choices"][0]["finish_reason"] == "length"
             assert fe.metric("dynamo_frontend_model_migration_total", migration_type="new_request") == 1
             fe.assert_idle()
+            # the first attempt had its first token: the request leaves the queued gauge once, not twice
+            for gauge in QUEUE_GAUGES:
+                assert fe.metric(gauge) == 0, gauge
 
 
 def test_stalled_stream_is_cut_after_the_idle_timeout_and_its_booking_freed() -> None:
