@@ -101,8 +101,7 @@ class AdminRoutes:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise ApiError(422, f"Failed to deserialize the JSON body into the target type: {name}: invalid type")
         if decode is None and prefill is None and frac is None:
-            t = st.thresholds.get(model) or BusyThresholds()
-            return json_response(t.to_dict(model))
+            return json_response((st.thresholds.get(model) or BusyThresholds()).to_dict(model))
         try:
             validate_update(decode, prefill, frac)
         except ValueError as exc:
@@ -125,7 +124,10 @@ class AdminRoutes:
     # ---- worker registration API ----------------------------------------------------------------
     async def workers_list(self, request: Request) -> Response:
         st = self.state
-        events = {e["instance_id"]: e for e in st.events.workers()} if st.events is not None else {}
+        kv_events = st.events
+        events: dict[int, dict[str, Any]] = (
+            {e["instance_id"]: e for e in kv_events.workers()} if kv_events is not None else {}
+        )
         rows = []
         for w in sorted(st.pool.workers.values(), key=lambda w: w.id):
             row = w.describe()
@@ -134,7 +136,7 @@ class AdminRoutes:
                 row["kv_events"] = {
                     "status": ev["status"],
                     "listeners": ev["listeners"],
-                    "health": st.events.health(w.id),
+                    "health": kv_events.health(w.id) if kv_events is not None else None,
                 }
             parity = st.parity.describe(w.id)
             if parity is not None:

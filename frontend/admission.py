@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from router.queue import PendingQueue, QueuePolicy
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from frontend.hints import RequestHints
 
 CapacityCheck = Callable[[str, "RequestHints", float], bool]
-Receive = Callable[[], Awaitable[dict]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 
 class ClientDisconnected(Exception):
@@ -214,8 +214,8 @@ class AdmissionQueue:
 
         Cheap when nothing is held. ``model=None`` re-checks every model."""
         if model is None:
-            for m, q in self._queues.items():
-                if q:
+            for m, held in self._queues.items():
+                if held:
                     self._schedule_drain(m)
             return
         q = self._queues.get(model)

@@ -93,8 +93,8 @@ def engine_kind(metrics_text: str) -> str:
 
 def apply_models(cap: EngineCapacity, models_json: Any) -> None:
     data = models_json.get("data") if isinstance(models_json, dict) else None
-    lens = [
-        m.get("max_model_len") for m in data or [] if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)
+    lens: list[int] = [
+        m["max_model_len"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)
     ]
     if lens:
         cap.set("max_model_len", min(lens), "/v1/models")

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers-file",
         default=os.environ.get("KVROUTE_WORKERS_FILE"),
         metavar="FILE",
-        help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read when it changes',
+        help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read '
+        "when it changes",
     )
     g.add_argument(
         "--model-path",
@@ -81,13 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout",
         type=float,
         default=None,
-        help="seconds to wait for a worker's response (streaming: its headers) before answering 504 [default: no limit]",
+        help="seconds to wait for a worker's response (streaming: its headers) before answering 504 [default: no "
+        "limit]",
     )
     g.add_argument(
         "--replica-sync-bind",
         default=os.environ.get("KVROUTE_REPLICA_SYNC_BIND"),
         metavar="ENDPOINT",
-        help="--router-replica-sync transport: ZMQ PUB endpoint to bind (e.g. tcp://*:8092); other replicas list it as a peer",
+        help="--router-replica-sync transport: ZMQ PUB endpoint to bind (e.g. tcp://*:8092); other replicas list it "
+        "as a peer",
     )
     g.add_argument(
         "--replica-sync-advertise",
@@ -226,8 +229,9 @@ def make_state(ns: argparse.Namespace):
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     for backend in state.discovery:
-        if getattr(backend, "watcher", None) is not None:  # the file backend: GET /admin/workers shows its state
-            state.file_watcher = backend.watcher
+        watcher = getattr(backend, "watcher", None)
+        if watcher is not None:  # the file backend: GET /admin/workers shows its state
+            state.file_watcher = watcher
     return state
 
 
@@ -251,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.replica_sync_bind or ns.replica_sync_peers.strip():
             raise SystemExit(
                 "--workers N > 1 shares load among its own processes (private replica-sync endpoints): "
-                "drop --replica-sync-bind / --replica-sync-peers (replica sync with other hosts and --workers is not supported yet)"
+                "drop --replica-sync-bind / --replica-sync-peers (replica sync with other hosts and --workers is not "
+                "supported yet)"
             )
         return supervise(argv, ns.workers, ns.http_host, ns.http_port, ns.drain_timeout, [])
     for noisy in ("httpx", "httpcore"):

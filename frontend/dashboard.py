@@ -96,7 +96,9 @@ class Dashboard:
 
     def _ranks(self) -> list[dict[str, Any]]:
         st = self.state
-        events = {e["instance_id"]: e for e in st.events.workers()} if st.events is not None else {}
+        events: dict[int, dict[str, Any]] = (
+            {e["instance_id"]: e for e in st.events.workers()} if st.events is not None else {}
+        )
         rows = []
         entries = [(e, "decode" if e.name in st.prefill_models else "both") for e in st.models.values()]
         entries += [(e, "prefill") for e in st.prefill_models.values()]

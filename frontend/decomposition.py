@@ -45,7 +45,7 @@ class HitRateDecomposition:
 
     def totals(self) -> dict[str, int]:
         """Token sums over all models since start (the dashboard's decomposition series)."""
-        return dict(zip(("prompt", "available", "captured", "delivered", "requests"), self._totals))
+        return dict(zip(("prompt", "available", "captured", "delivered", "requests"), self._totals, strict=True))
 
     def observe(self, model: str, isl: int, available: int, captured: int, delivered: int) -> None:
         """One request's tokens: ``available >= captured`` by construction; delivered is the engine's."""

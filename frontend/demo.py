@@ -71,7 +71,8 @@ Try it:
   python - <<'EOF'
 from openai import OpenAI
 client = OpenAI(base_url="{url}/v1", api_key="not-needed")
-reply = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32)
+reply = client.chat.completions.create(model="{model}", "
+    "messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32)
 print(reply.choices[0].message.content)
 EOF
 

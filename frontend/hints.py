@@ -1,7 +1,8 @@
 """Per-request routing hints: the ``nvext`` body extension, the routing headers and session identity.
 
 One parse per request turns the body's ``nvext`` object (removed from the body so the worker never
-sees it) and the request headers into a flat :class:`RequestHints`. Rules (the router guide's nvext fields and headers, as the reference frontend applies them):
+sees it) and the request headers into a flat :class:`RequestHints`. Rules (the router guide's nvext fields and
+headers, as the reference frontend applies them):
 
 - ``nvext`` is validated strictly: unknown fields (also inside ``agent_hints``) or wrong types are a
   400 ``invalid nvext: ...``.

@@ -1,4 +1,5 @@
-"""Prometheus metrics with the reference frontend's names, labels and buckets (the reference frontend's exposition, so its dashboards work unchanged).
+"""Prometheus metrics with the reference frontend's names, labels and buckets (the reference frontend's exposition,
+so its dashboards work unchanged).
 
 Each frontend owns its own ``CollectorRegistry`` (several frontends can live in one test process).
 Per-worker load gauges are read from the embedded slot tracker when /metrics is scraped instead

@@ -16,7 +16,8 @@ Two failure points, counted in ``dynamo_frontend_model_migration_total{model, mi
 Why text continuation rather than token ids: it works with any OpenAI-compatible engine (vLLM,
 SGLang, the mocker) on both endpoints. Chat requests continue the generated text as a partial
 assistant message (``continue_final_message``, vLLM's and the chat template's way of resuming a
-turn); completions append it to the prompt (a token-id prompt gets the text's token ids). The router tokenizes the continued body exactly as the
+turn); completions append it to the prompt (a token-id prompt gets the text's token ids). The router tokenizes the
+continued body exactly as the
 engine will, so the new booking and the prefix lookup are for the tokens the new worker computes
 (the prompt plus the generated tokens, mostly cached where the prompt was). ``max_tokens`` (and
 ``min_tokens``) are reduced by the tokens already produced.

@@ -146,6 +146,9 @@ class _EmptyTracker:
     def prefill_complete(self, request_id):
         return None
 
+    def add_output_block(self, request_id, expected_output_tokens=None, generated_tokens=0):
+        return False
+
     def free(self, request_id):
         return False
 

@@ -20,9 +20,11 @@ from .workers import _ALIASES, _INT_FIELDS, _STR_FIELDS
 
 _INT_STR = {"type": "string", "description": "an integer; unparsable values are ignored"}
 
-# statuses of the /v1 generation routes (frontend/openai_routes.py, frontend/request_router.py); a worker's 4xx passes through
+# statuses of the /v1 generation routes (frontend/openai_routes.py, frontend/request_router.py); a worker's 4xx
+# passes through
 _V1_ERRORS = {
-    400: "invalid request: not a JSON object, no model, bad messages / prompt, bad nvext, or the engine refused a field",
+    400: "invalid request: not a JSON object, no model, bad messages / prompt, bad nvext, or the engine refused a "
+    "field",
     404: "model not served",
     413: "body over the limit",
     422: "the engine refused the request's shape",
@@ -445,7 +447,8 @@ def frontend_paths() -> dict[str, Any]:
         "/live": {"get": {"summary": "liveness", "responses": {"200": health, "503": not_ready}}},
         "/metrics": {
             "get": {
-                "summary": "Prometheus metrics (dynamo_frontend_*, dynamo_component_router_*, dynamo_router_overhead_*)",
+                "summary": "Prometheus metrics (dynamo_frontend_*, dynamo_component_router_*, "
+                "dynamo_router_overhead_*)",
                 "responses": {
                     "200": {"description": "text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}
                 },
@@ -553,7 +556,8 @@ def build_document() -> dict[str, Any]:
     schemas.update(_SCHEMAS)
     return oa.document(
         "kvroute frontend",
-        'KV-aware OpenAI-compatible proxy (python -m frontend). /v1 errors are OpenAI-shaped; every other error is {"error": "..."}.',
+        "KV-aware OpenAI-compatible proxy (python -m frontend). /v1 errors are OpenAI-shaped; every other error is "
+        '{"error": "..."}.',
         paths,
         schemas,
     )

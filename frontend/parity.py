@@ -268,7 +268,8 @@ class WorkerParity:
             )
         if self.cached_not_multiple is not None:
             return (
-                f"block size mismatch: the engine reported {self.cached_not_multiple} cached tokens, not a multiple of the "
+                f"block size mismatch: the engine reported {self.cached_not_multiple} cached tokens, not a multiple "
+                "of the "
                 f"router's block size {block_size}"
             )
         if self.prompt_len_mismatch is not None:

@@ -167,7 +167,7 @@ class StreamProxy:
                 else:
                     lease.fail(500, "internal")
                     self.on_failure(lease, exc)
-                if mig is not None and not tracker.finished:
+                if mig is not None and tracker is not None and not tracker.finished:
                     if tap is not None:  # the continuation's usage is not this routing decision's evidence
                         tap.probe = None
                     upstream, self.lease = await mig.resume(lease, exc)

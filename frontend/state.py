@@ -24,8 +24,14 @@ from .request_router import RequestRouter
 from .workers import Worker, WorkerPool, WorkersFileWatcher
 
 if TYPE_CHECKING:
+    from indexer.registry import IndexerRegistry
+    from router.session import SessionTable
+    from slot_tracker.replica_sync import ReplicaSync
+
+    from .admission import AdmissionQueue
+    from .discovery import DiscoveryBackend
     from .hints import RequestHints
-    from .speculative import SendFn
+    from .speculative import SendFn, SpeculativePrefiller
 
 log = logging.getLogger("frontend")
 
@@ -66,7 +72,7 @@ class FrontendState:
 
             slot_registry = SlotRegistry()
         self.slots = slot_registry
-        self.events = None  # IndexerRegistry, created on first use inside the loop
+        self.events: IndexerRegistry | None = None  # created on first use inside the loop
         self.models: dict[str, ModelEntry] = {}
         # disaggregated serving: per model, the prefill-role workers (frontend/disagg.py routes them)
         self.prefill_models: dict[str, ModelEntry] = {}
@@ -90,14 +96,14 @@ class FrontendState:
             self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout
         )
         self.file_watcher: WorkersFileWatcher | None = None
-        self.discovery: list = []  # frontend.discovery backends, started with the state
-        self.replica_sync = None
+        self.discovery: list[DiscoveryBackend] = []  # started with the state
+        self.replica_sync: ReplicaSync | None = None
         self._ids = itertools.count(1)
         self._id_prefix = f"kvr-{self.metrics.router_id[:8]}-"
         self.shutting_down = False
-        self.admission = None
-        self.sessions = None
-        self.speculative = None
+        self.admission: AdmissionQueue | None = None
+        self.sessions: SessionTable | None = None
+        self.speculative: SpeculativePrefiller | None = None
         self._bg: set[asyncio.Task] = set()
         self._unregistering: dict[int, asyncio.Task] = {}  # worker id -> its KV-event listeners stopping
         self._init_extensions()
@@ -304,7 +310,8 @@ class FrontendState:
             return
         msg = (
             f"kv routing for model {model} uses the built-in tokenizer but worker {worker.id} ({worker.spec.url}) is "
-            f"{'a ' + engine + ' engine' if engine != 'unknown' else 'not the kvroute mocker'}: its KV blocks will not match "
+            f"{'a ' + engine + ' engine' if engine != 'unknown' else 'not the kvroute mocker'}: its KV blocks will "
+            "not match "
             "the router's hashes (no prefix hits). Give --model-path (or model_path=) with the served model's tokenizer"
         )
         if msg not in worker.warnings:
@@ -514,9 +521,11 @@ class FrontendState:
                 log.exception("tracker expiry failed")
 
     async def _session_reaper(self) -> None:
+        sessions = self.sessions
+        assert sessions is not None  # started only with session affinity on
         while True:
-            await asyncio.sleep(self.sessions.reap_interval_secs)
-            self.sessions.expire()
+            await asyncio.sleep(sessions.reap_interval_secs)
+            sessions.expire()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

@@ -164,7 +164,8 @@ class Supervisor:
         alive = 0
         for i, proc in enumerate(self.children):
             if proc is None:
-                if self.stopping is None and self.restart_at[i] is not None and now >= self.restart_at[i]:
+                at = self.restart_at[i]
+                if self.stopping is None and at is not None and now >= at:
                     self._spawn(i)
                     alive += 1
                 continue

@@ -17,6 +17,7 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
+from typing import cast, overload
 from urllib.parse import urlsplit
 
 import httptools
@@ -66,6 +67,10 @@ class UpstreamResponse:
         self._headers_fut: asyncio.Future | None = loop.create_future() if stream else None
         self._done_fut: asyncio.Future | None = None if stream else loop.create_future()
 
+    @overload
+    def header(self, name: bytes, default: bytes) -> bytes: ...
+    @overload
+    def header(self, name: bytes, default: None = None) -> bytes | None: ...
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         name = name.lower()
         for k, v in self.headers:
@@ -157,13 +162,14 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.parser = None
+        self.parser: httptools.HttpResponseParser | None = None
         self.resp: UpstreamResponse | None = None
         self.lost = False
 
     # asyncio.Protocol
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # a stream connection's transport (uvloop's does not subclass asyncio.Transport)
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -177,6 +183,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         resp.received_any = True
+        assert self.parser is not None  # set by send() together with resp
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -191,12 +198,14 @@ class _Connection(asyncio.Protocol):
             self.resp = None
             resp._fail(UpstreamProtocolError("worker closed the connection" + (f": {exc}" if exc else "")))
 
-    # httptools callbacks
+    # httptools callbacks: they run inside data_received's feed_data, so resp and parser are set
     def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.resp is not None
         self.resp.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         resp = self.resp
+        assert resp is not None and self.parser is not None
         resp.status = self.parser.get_status_code()
         f = resp._headers_fut
         if f is not None and not f.done():
@@ -204,12 +213,14 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         resp = self.resp
+        assert resp is not None
         resp._chunks.append(body)
         if resp._waiter is not None:
             resp._wake()
 
     def on_message_complete(self) -> None:
         resp = self.resp
+        assert resp is not None and self.parser is not None
         self.resp = None
         resp.complete = True
         resp._conn = None
@@ -228,6 +239,7 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes, resp: UpstreamResponse) -> None:
         self.resp = resp
         self.parser = httptools.HttpResponseParser(self)
+        assert self.transport is not None  # connection_made ran before the pool handed it out
         self.transport.write(data)
 
     def abort(self) -> None:
@@ -268,7 +280,7 @@ class UpstreamPool:
         idle = self._idle
         while idle:
             conn = idle.pop()
-            if not conn.lost and not conn.transport.is_closing():
+            if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
                 return conn
         return None
 
@@ -308,6 +320,7 @@ class UpstreamPool:
             resp = UpstreamResponse(conn, loop, stream)
             conn.send(data, resp)
             fut = resp._headers_fut if stream else resp._done_fut
+            assert fut is not None  # UpstreamResponse creates the one this mode waits on
             try:
                 if self.timeout is None:
                     await fut

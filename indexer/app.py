@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-protocol",
         choices=PROTOCOLS,
         default="fast",
-        help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = query routes answered in the protocol + one write per response; coalescing = one write only; httptools = stock",
+        help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = query routes answered in the protocol + one "
+        "write per response; coalescing = one write only; httptools = stock",
     )
     add_security_args(p)  # --api-key: reads (GET, the queries); --admin-token: writes (also sent to --peers); TLS
     add_drain_arg(p)

@@ -48,6 +48,10 @@ class ApproxIndex:
         self.index = index if index is not None else KvIndex(block_size)
         self._expiry: OrderedDict[Key, float] = OrderedDict()
 
+    def blocks_per_worker(self) -> dict[tuple[int, int], int]:
+        """Predicted blocks per (worker, rank)."""
+        return self.index.blocks_per_worker()
+
     @property
     def size(self) -> int:
         """Number of predicted (worker, rank, block) entries."""
@@ -68,7 +72,7 @@ class ApproxIndex:
         if first_new < n:
             parent = seq_hashes[first_new - 1] if first_new else None
             self.index.apply_stored(
-                worker_id, dp_rank, parent, list(zip(seq_hashes[first_new:], local_hashes[first_new:n]))
+                worker_id, dp_rank, parent, list(zip(seq_hashes[first_new:], local_hashes[first_new:n], strict=True))
             )
         deadline = now + self.ttl_secs
         move = expiry.move_to_end

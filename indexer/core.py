@@ -247,7 +247,7 @@ class _Run:
             self.promote(w)
         self.locals.extend(locs)
         self.exts.extend(exts)
-        self.index.update(zip(exts, range(old, old + len(exts))))
+        self.index.update(zip(exts, range(old, old + len(exts)), strict=True))
 
 
 class KvIndex:
@@ -314,7 +314,7 @@ class KvIndex:
         if parent_ext_hash is not None and parent_ext_hash in exts:
             return False
         if tier != DEVICE:
-            self._lower[tier].store(w, parent_ext_hash, list(zip(exts, locs)))
+            self._lower[tier].store(w, parent_ext_hash, list(zip(exts, locs, strict=True)))
             return True
         lookup = self._lookup.get(w)
         if lookup is None:

@@ -1,4 +1,5 @@
-"""Engine KV events -> index operations (the reference indexer's normalisation: storage medium to tier, local vs external hashes, groups, salt).
+"""Engine KV events -> index operations (the reference indexer's normalisation: storage medium to tier, local vs
+external hashes, groups, salt).
 
 The engine's own block hashes are kept only as *external* hashes (parent links, removals); the
 *local* hashes used for matching are recomputed here from the event's token ids with

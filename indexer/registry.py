@@ -139,7 +139,8 @@ class IndexerRegistry:
         if part is not None and part.block_size != block_size:
             raise RegistryError(
                 409,
-                f"block_size mismatch for {_where(model_name, tenant_id)}: existing={part.block_size}, requested={block_size}",
+                f"block_size mismatch for {_where(model_name, tenant_id)}: existing={part.block_size}, "
+                f"requested={block_size}",
             )
         part = self._ensure_partition(model_name, tenant_id, block_size)
         if inst is None:
@@ -279,7 +280,9 @@ class IndexerRegistry:
                 lv = [str(inst.instance_id), str(r)]
                 h = lst.health()
                 for key, fam in fams.items():
-                    fam.add_metric(lv, h[key])
+                    value = h[key]
+                    assert isinstance(value, int | float)
+                    fam.add_metric(lv, value)
                 if lst.last_event_wall is not None:
                     last.add_metric(lv, lst.last_event_wall)
         return [*fams.values(), last]
@@ -301,7 +304,8 @@ class IndexerRegistry:
     # -- dump / restore
 
     def dump(self) -> dict[str, Any]:
-        """Every partition as ``{"model:tenant": {"block_size": n, "events": [...]}}`` (the reference's ``/dump`` shape)."""
+        """Every partition as ``{"model:tenant": {"block_size": n, "events": [...]}}`` (the reference's ``/dump``
+        shape)."""
         return {
             f"{p.model_name}:{p.tenant_id}": {"block_size": p.block_size, "events": p.index.dump_events()}
             for p in self.partitions.values()

@@ -191,7 +191,8 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
 class _StoredMapTyped(_StoredMap, tag="BlockStored", tag_field="type", gc=False):
     """_StoredMap with plain token ids: lets a whole map-form batch decode in one pass."""
 
-    token_ids: list[Token]  # overrides the Raw field in place (same position, same tag)
+    # overrides the Raw field in place (same position, same tag); msgspec decodes by the subclass's type
+    token_ids: list[Token]  # type: ignore[assignment]
 
 
 class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
@@ -376,12 +377,12 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     except (msgspec.DecodeError, msgspec.ValidationError):
         pass  # array-form or Eagle events, a 2-element batch, or garbage: the general path decides
     else:
-        events = []
-        for ev in typed:
-            out = _normalised(ev, ev.token_ids if type(ev) is _StoredMapTyped else [], False)
+        normalised: list[Stored | Removed | Cleared] = []
+        for item in typed:
+            out = _normalised(item, item.token_ids if type(item) is _StoredMapTyped else [], False)
             if out is not None:
-                events.append(out)
-        return DecodedBatch(ts, events, dp_rank)
+                normalised.append(out)
+        return DecodedBatch(ts, normalised, dp_rank)
     try:
         try:
             ts, raw_events, dp_rank = _batch3.decode(payload)

@@ -22,6 +22,7 @@ import os
 import sys
 import sysconfig
 import tempfile
+from typing import Any
 
 VOCAB_SIZE = 16384
 BOS_TOKEN = "<|startoftext|>"
@@ -120,7 +121,7 @@ def build(out_dir: str) -> dict:
         }
         for t in SPECIAL_TOKENS
     }
-    config = {
+    config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": 131072,
         "bos_token": BOS_TOKEN,

@@ -33,7 +33,7 @@ log = logging.getLogger("kvroute.drain")
 DEFAULT_DRAIN_TIMEOUT = 30.0
 
 
-def add_drain_arg(parser: argparse.ArgumentParser) -> None:
+def add_drain_arg(parser: argparse._ActionsContainer) -> None:
     """``--drain-timeout`` (env ``DYN_DRAIN_TIMEOUT``)."""
     raw = os.environ.get("DYN_DRAIN_TIMEOUT")
     try:

@@ -233,7 +233,7 @@ class _HeaderHoldingTransport:
 
 if HttpToolsProtocol is not None:
 
-    class HeaderCoalescingProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
+    class HeaderCoalescingProtocol(HttpToolsProtocol):
         """uvicorn's httptools protocol with one write per (small) response.
 
         The header block is held until the first body write, the end of the response or a close;
@@ -254,7 +254,7 @@ if HttpToolsProtocol is not None:
             self.transport.write(_json_answer(self.server_state, 400, _MALFORMED, close=True))
             self.transport.close()
 
-    class FastJsonProtocol(HeaderCoalescingProtocol):  # type: ignore[misc,valid-type]
+    class FastJsonProtocol(HeaderCoalescingProtocol):
         """``HeaderCoalescingProtocol`` that answers the app's ``FastJsonRoutes`` in the parser callbacks.
 
         Under uvicorn every request costs an ASGI scope, a RequestResponseCycle, an asyncio task and

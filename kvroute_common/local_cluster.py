@@ -1,4 +1,5 @@
-"""A local kvroute cluster: start mocker workers and a frontend as real processes, wait until they serve, stop them cleanly.
+"""A local kvroute cluster: start mocker workers and a frontend as real processes, wait until they serve, stop them
+cleanly.
 
 Used by the replay benchmark (fresh, cold workers for every router mode), the one-command demo and
 any other benchmark that needs a running system. Every child runs in its own session (so a Ctrl-C in
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -223,7 +225,7 @@ class Cluster:
     # -- readiness --------------------------------------------------------------------------------
     def wait_workers_ready(self, timeout: float = 90.0) -> None:
         for w in self.workers:
-            _wait(lambda w=w: _get_ok(f"{w.url}/health"), timeout, f"worker {w.worker_id} at {w.url}", w.child)
+            _wait(functools.partial(_get_ok, f"{w.url}/health"), timeout, f"worker {w.worker_id} at {w.url}", w.child)
 
     def wait_frontend_ready(self, model: str = DEFAULT_MODEL, timeout: float = 90.0) -> None:
         """Ready = the frontend lists ``model`` and reports every started worker healthy.

@@ -270,7 +270,7 @@ def outgoing_token(policy: AccessPolicy | None, ns: argparse.Namespace, environ:
     return None
 
 
-def ssl_options(ns: argparse.Namespace) -> dict[str, str]:
+def ssl_options(ns: argparse.Namespace) -> dict[str, Any]:
     """uvicorn's ``ssl_certfile``/``ssl_keyfile`` from the flags ({} for plain HTTP); both or neither."""
     cert, key = ns.ssl_certfile, ns.ssl_keyfile
     if not cert and not key:

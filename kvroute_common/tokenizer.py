@@ -353,6 +353,7 @@ class PromptEncoder:
                     if segment in self._segments:
                         self._segments.move_to_end(segment)
                 return list(hit)
+        assert self.piece_re is not None  # this path runs only with the fast path set up
         pieces = self.piece_re.findall(segment)
         cache = self._pieces
         missing = [p for p in set(pieces) if p not in cache]
@@ -361,7 +362,7 @@ class PromptEncoder:
             with self._lock:
                 if len(cache) + len(missing) > self.PIECE_CACHE_MAX:
                     cache.clear()
-                for p, e in zip(missing, encs):
+                for p, e in zip(missing, encs, strict=True):
                     cache[p] = e.ids
         out: list[int] = []
         get = cache.get

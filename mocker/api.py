@@ -218,6 +218,17 @@ class Params:
         "remote_decode",
         "remote_tokens",
     )
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    stop: list[str]
+    stop_token_ids: frozenset[int]
+    priority: int
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    remote_decode: bool  # compute the prompt here for a decode engine (kv_transfer_params)
+    remote_tokens: int  # prompt tokens whose KV came from a prefill engine
 
 
 def _transfer(m: Mocker, body: dict, p: Params, prompt_len: int) -> None:

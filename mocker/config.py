@@ -31,7 +31,7 @@ class MockerConfig:
     speedup_ratio: float = 1.0
     seed: int | None = None
     log_level: str = "warning"
-    timeout_keep_alive: float = 5.0
+    timeout_keep_alive: int = 5
     stall_after_tokens: int | None = None
     server_info: bool = True
     role: str = "both"  # disaggregated serving: prefill | decode | both
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--timeout-keep-alive",
-        type=float,
+        type=int,
         default=d.timeout_keep_alive,
         help="seconds an idle HTTP keep-alive connection stays open (uvicorn's and vLLM's default: 5)",
     )

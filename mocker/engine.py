@@ -5,7 +5,8 @@ pass (running sequences first, one decode token each or the next prefill chunk, 
 sequences by priority within the token budget, preempting the lowest-priority newest running
 sequence when blocks run out, and registers the blocks the step fills in the prefix cache, as
 vLLM does at scheduling) and ``commit()`` applies it once the simulated time has passed (samples
-one token for every sequence whose known tokens are all computed). ``EngineRank`` drives it from asyncio: it sleeps for the modelled step time, so an
+one token for every sequence whose known tokens are all computed). ``EngineRank`` drives it from asyncio: it sleeps
+for the modelled step time, so an
 idle or busy engine costs almost no CPU.
 
 Generated tokens are deterministic: each sequence draws from its own RNG seeded by the engine
@@ -442,7 +443,7 @@ def sequence_rng(engine_seed: int, request_seed: int | None, prompt: list[int]) 
 class EngineRank:
     """asyncio driver of one rank's scheduler: plan, sleep the modelled time, commit, publish."""
 
-    def __init__(self, rank: int, scheduler: RankScheduler, publish: Callable[[list], None] | None) -> None:
+    def __init__(self, rank: int, scheduler: RankScheduler, publish: Callable[[list], object] | None) -> None:
         self.rank = rank
         self.scheduler = scheduler
         self.publish = publish

@@ -71,7 +71,7 @@ class KvEventPublisher:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.next_seq = 0
         # plain (synchronous) socket: PUB never blocks and publish() is called from the engine step
-        self._pub = zmq.Context.instance().socket(zmq.PUB)
+        self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         if should_bind(self.endpoint):

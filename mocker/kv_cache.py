@@ -117,6 +117,7 @@ class KvCache:
             if b.seq_hash is not None:
                 if self.cached.get(b.seq_hash) is b:
                     del self.cached[b.seq_hash]
+                    assert b.ext_hash is not None  # a cached block has all its hashes
                     removed.append(b.ext_hash)
                 b.seq_hash = b.local_hash = b.ext_hash = b.parent_ext = None
             b.ref = 1

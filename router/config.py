@@ -305,7 +305,8 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         ("DYN_ROUTER_QUEUE_THRESHOLD",),
         _positive_optional_float,
         None,
-        "hold requests while every rank's prefill tokens exceed this fraction of max_num_batched_tokens (unset = no queue)",
+        "hold requests while every rank's prefill tokens exceed this fraction of max_num_batched_tokens (unset = no "
+        "queue)",
     ),
     (
         "--router-queue-policy",
@@ -386,7 +387,8 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         ("DYN_ROUTER_QUEUE_MAX",),
         _nonneg_optional_int,
         None,
-        "requests the router queue may hold per model; a request arriving at a full queue gets 529 + Retry-After (unset = unbounded)",
+        "requests the router queue may hold per model; a request arriving at a full queue gets 529 + Retry-After "
+        "(unset = unbounded)",
     ),
     (
         "--router-queue-timeout-secs",
@@ -402,7 +404,8 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         ("DYN_STREAM_IDLE_TIMEOUT",),
         _positive_optional_float,
         None,
-        "seconds a worker may go silent mid-stream (after its first byte) before the stream is cut or migrated (unset = off)",
+        "seconds a worker may go silent mid-stream (after its first byte) before the stream is cut or migrated "
+        "(unset = off)",
     ),
     (
         "--router-latency-prefill-tokens-per-s",
@@ -426,7 +429,8 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         ("DYN_ROUTER_DURABLE_KV_EVENTS",),
         bool,
         False,
-        "JetStream mode (deprecated in the guide): accepted, no effect: no NATS here; KV events come over ZMQ with gap replay",
+        "JetStream mode (deprecated in the guide): accepted, no effect: no NATS here; KV events come over ZMQ with "
+        "gap replay",
     ),
     (
         "--router-reset-states",
@@ -448,7 +452,8 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
 
 # flags that need NATS JetStream, which kvroute does not run: dest -> why they have no effect
 JETSTREAM_FLAGS: dict[str, str] = {
-    "router_durable_kv_events": "--router-durable-kv-events selects NATS JetStream for KV events; kvroute takes KV events "
+    "router_durable_kv_events": "--router-durable-kv-events selects NATS JetStream for KV events; kvroute takes KV "
+    "events "
     "over ZMQ from the workers (gap replay rebuilds state), so it has no effect",
     "router_reset_states": "--router-reset-states purges the JetStream stream and object store; kvroute runs neither, "
     "so it has no effect (restarting the frontend already starts from the workers' state)",

@@ -203,7 +203,10 @@ def scoring_models(models: LatencyModels, keys: list[WorkerRank], ref_tokens: fl
     est = [m.predict(ref_tokens, 0.0) for m in own]
     median = sorted(range(len(own)), key=est.__getitem__)[(len(own) - 1) // 2]
     mid, mid_est = own[median], est[median]
-    return [m if e > mid_est * SAME_SPEED_RATIO or e * SAME_SPEED_RATIO < mid_est else mid for m, e in zip(own, est)]
+    return [
+        m if e > mid_est * SAME_SPEED_RATIO or e * SAME_SPEED_RATIO < mid_est else mid
+        for m, e in zip(own, est, strict=True)
+    ]
 
 
 def score_latency(
@@ -224,7 +227,7 @@ def score_latency(
     loads = list(loads)
     scoring = scoring_models(models, [(load.worker_id, load.dp_rank) for load in loads], max(isl_tokens, block_size))
     best = max(overlaps.values(), default=0) if recompute_weight else 0
-    for load, model in zip(loads, scoring):
+    for load, model in zip(loads, scoring, strict=True):
         key = (load.worker_id, load.dp_rank)
         overlap = overlaps.get(key, 0)
         new_tokens = isl_tokens - overlap * block_size
@@ -257,6 +260,7 @@ def formula(c: WorkerCost, model: RankLatency) -> str:
     """Debug line per candidate: the estimate and its terms."""
     name = f"worker_{c.worker_id}" + (f"_dp{c.dp_rank}" if c.dp_rank else "")
     return (
-        f"Latency for {name}: {c.cost:.1f} ms = {model.base_s * 1e3:.1f} + {c.prefill_tokens} tok / {model.tokens_per_s:.0f} tok/s "
+        f"Latency for {name}: {c.cost:.1f} ms = {model.base_s * 1e3:.1f} + {c.prefill_tokens} tok / "
+        f"{model.tokens_per_s:.0f} tok/s "
         f"+ {c.decode_blocks:.0f} decode blocks x {model.s_per_block * 1e6:.2f} us (cached_blocks: {c.overlap_blocks})"
     )

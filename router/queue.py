@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 
-class QueuePolicy(str, Enum):
+class QueuePolicy(StrEnum):
     FCFS = "fcfs"
     LCFS = "lcfs"
     WSPT = "wspt"

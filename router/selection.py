@@ -103,7 +103,7 @@ def choose(costs: Sequence[WorkerCost], temperature: float = 0.0, rng: random.Ra
     weights = softmax_weights([c.cost for c in costs], temperature, lo, hi)
     u = r.random()
     acc = 0.0
-    for c, w in zip(costs, weights):
+    for c, w in zip(costs, weights, strict=True):
         acc += w
         if u <= acc:
             return c

@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--http-protocol",
         choices=["fast", "coalescing", "httptools"],
         default="fast",
-        help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = hot route answered in the protocol + one write per response; coalescing = one write only; httptools = stock",
+        help="uvicorn HTTP protocol (kvroute_common.fast_http): fast = hot route answered in the protocol + one "
+        "write per response; coalescing = one write only; httptools = stock",
     )
     add_security_args(p)  # --api-key: reads (GET, /potential_loads); --admin-token: writes; TLS
     add_drain_arg(p)

@@ -216,7 +216,8 @@ class SlotTracker:
             s = existing.slot
             raise SlotTrackerError(
                 409,
-                f"Request {request_id} already exists (assigned to worker WorkerWithDpRank {{ worker_id: {s.worker_id}, dp_rank: {s.dp_rank} }})",
+                f"Request {request_id} already exists (assigned to worker WorkerWithDpRank "
+                f"{{ worker_id: {s.worker_id}, dp_rank: {s.dp_rank} }})",
             )
         slot_nodes = slot.nodes
         bit = slot.bit
@@ -485,7 +486,8 @@ class SlotRegistry:
             if tracker.block_size != block_size:
                 raise SlotTrackerError(
                     409,
-                    f"block_size mismatch for model={model_name} tenant_id={tenant_id}: existing={tracker.block_size}, requested={block_size}",
+                    f"block_size mismatch for model={model_name} tenant_id={tenant_id}: "
+                    f"existing={tracker.block_size}, requested={block_size}",
                 )
             if worker_id in tracker.workers:
                 raise SlotTrackerError(

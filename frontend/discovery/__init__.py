@@ -43,12 +43,14 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--discovery-namespace",
         default=env("DYN_DISCOVERY_NAMESPACE") or None,
-        help="kubernetes: namespace of the worker EndpointSlices [env DYN_DISCOVERY_NAMESPACE; default the pod's own, else default]",
+        help="kubernetes: namespace of the worker EndpointSlices [env DYN_DISCOVERY_NAMESPACE; default the pod's "
+        "own, else default]",
     )
     g.add_argument(
         "--discovery-selector",
         default=env("DYN_DISCOVERY_SELECTOR") or DEFAULT_SELECTOR,
-        help=f"kubernetes: label selector of the worker Services' EndpointSlices [env DYN_DISCOVERY_SELECTOR; default {DEFAULT_SELECTOR}]",
+        help="kubernetes: label selector of the worker Services' EndpointSlices [env DYN_DISCOVERY_SELECTOR; "
+        f"default {DEFAULT_SELECTOR}]",
     )
     g.add_argument(
         "--etcd-endpoints",
@@ -66,7 +68,8 @@ def add_discovery_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=int(env("DYN_DISCOVERY_LEASE_TTL") or DEFAULT_LEASE_TTL),
         metavar="SECONDS",
-        help=f"etcd: lease TTL of this frontend's replica-sync peer entry [env DYN_DISCOVERY_LEASE_TTL; default {DEFAULT_LEASE_TTL}]",
+        help="etcd: lease TTL of this frontend's replica-sync peer entry [env DYN_DISCOVERY_LEASE_TTL; default "
+        f"{DEFAULT_LEASE_TTL}]",
     )
 
 

@@ -46,12 +46,11 @@ def _start_once(task: asyncio.Task | None, run: Any) -> asyncio.Task:
 
 
 async def _cancel(task: asyncio.Task | None) -> None:
-    """Stop a background loop and wait until it has stopped (returns the new, empty task slot)."""
+    """Stop a background loop and wait until it has stopped."""
     if task is not None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    return None
 
 
 class EtcdRegistration:
@@ -103,7 +102,8 @@ class EtcdRegistration:
 
     async def stop(self) -> None:
         """Leave at once (revoke the lease) instead of waiting for it to expire."""
-        self._task = await _cancel(self._task)
+        await _cancel(self._task)
+        self._task = None
         if self.lease:
             with contextlib.suppress(EtcdError):
                 await self.client.revoke(self.lease)
@@ -153,7 +153,8 @@ class PrefixWatch:
         self._task = _start_once(self._task, self.run)
 
     async def stop(self) -> None:
-        self._task = await _cancel(self._task)
+        await _cancel(self._task)
+        self._task = None
 
 
 def parse_worker_entries(items: dict[str, bytes], prefix: str) -> list[WorkerSpec]:

@@ -178,7 +178,8 @@ class EndpointSliceWatch:
             w.stop()
 
     def _list(self) -> None:
-        resp = self.api.list_namespaced_endpoint_slice(
+        # with _preload_content=False the client returns the raw urllib3 response, not the model its stubs name
+        resp: Any = self.api.list_namespaced_endpoint_slice(
             self.namespace, label_selector=self.selector, _preload_content=False, _request_timeout=(5, 30)
         )
         doc = json.loads(resp.data)
@@ -310,7 +311,9 @@ class KubernetesDiscovery(DiscoveryBackend):
         from kubernetes.client.exceptions import ApiException
 
         try:
-            resp = self._core.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=(5, 30))
+            resp: Any = self._core.read_namespaced_pod(
+                name, namespace, _preload_content=False, _request_timeout=(5, 30)
+            )
         except ApiException as exc:
             if exc.status == 404:  # gone between the slice update and now: the next update drops it
                 return None

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=int(env("DYN_DISCOVERY_LEASE_TTL") or DEFAULT_LEASE_TTL),
         metavar="SECONDS",
-        help=f"the worker leaves this long after this process dies [env DYN_DISCOVERY_LEASE_TTL; default {DEFAULT_LEASE_TTL}]",
+        help="the worker leaves this long after this process dies [env DYN_DISCOVERY_LEASE_TTL; default "
+        f"{DEFAULT_LEASE_TTL}]",
     )
     p.add_argument(
         "--worker",
