@@ -1,0 +1,452 @@
+"""kvroute in front of real vLLM engines (vLLM 0.32's CPU build, the tiny model with kvroute's tokenizer).
+
+Two engines (worker 1 serves LoRA adapters a1 and a2, worker 2 serves a1) and one engine with
+``--data-parallel-size 2`` are started once for the session and shared by every test here; each test
+starts its own frontend (a few seconds) and uses prompts of its own, so no test depends on another's
+cache contents. What is shown against the real engines:
+
+- chat and completions, streaming and not, and ``/v1/responses`` pass through;
+- capacity and engine are read from the engines themselves;
+- on a scripted sequence with shared system prompts and growing conversations the overlap kvroute
+  predicted equals the ``cached_tokens`` vLLM reports, on every request, and a repeated prefix goes to
+  the engine holding it; the hash-parity alarm stays at 0;
+- a client that leaves mid-stream makes vLLM abort and kvroute free its load;
+- an engine killed mid-stream (``--migration-limit``) still gives the client one complete stream, and
+  once restarted on its ports its old blocks are dropped and relearnt;
+- a KV-event batch lost on the way is recovered through vLLM's own replay socket;
+- with two DP ranks both ranks' events are applied and requests follow their prefix to the right rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import zmq
+
+from kvroute_common.real_engines.vllm_cpu import BLOCK_SIZE, SERVED_NAME, VllmEngine, start_engines
+from support import free_port, service, wait_until
+
+MODEL = SERVED_NAME
+WAIT = 60.0  # seconds for anything the engines do (2 cores shared by three engines and the frontend)
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def vllm_engines(vllm_python: str, tiny_model: str) -> Iterator[dict[str, Any]]:
+    """Worker 1 (adapters a1, a2), worker 2 (adapter a1) and a DP-2 engine, started side by side."""
+    loras = {name: os.path.join(tiny_model, "loras", name) for name in ("a1", "a2")}
+    one = VllmEngine(vllm_python, tiny_model, loras=loras)
+    two = VllmEngine(vllm_python, tiny_model, loras={"a1": loras["a1"]})
+    dp2 = VllmEngine(vllm_python, tiny_model, dp_size=2)
+    start_engines([one, two, dp2])
+    try:
+        yield {"pair": [one, two], "dp2": dp2, "model_dir": tiny_model}
+    finally:
+        for e in (one, two, dp2):
+            e.stop()
+
+
+class Kvroute:
+    """A frontend process in front of real engines, with the calls the tests make."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=WAIT)
+        self.sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=WAIT)
+
+    def workers(self) -> dict[int, dict[str, Any]]:
+        return {w["id"]: w for w in self.http.get("/admin/workers").json()["workers"]}
+
+    def route(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /admin/route``: the decision ``body`` would get now (nothing booked or sent)."""
+        r = self.http.post("/admin/route", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def overlap(self, body: dict[str, Any], worker: int, rank: int = 0) -> int:
+        for c in self.route(body)["candidates"]:
+            if (c["worker_id"], c["dp_rank"]) == (worker, rank):
+                return int(c["overlap_blocks"])
+        return 0
+
+    def loads(self) -> list[tuple[int, int, int, int]]:
+        return [
+            (r["worker_id"], r["dp_rank"], r["active_prefill_tokens"], r["active_decode_blocks"])
+            for r in self.http.get("/loads").json()
+        ]
+
+    def idle(self) -> bool:
+        return all(p == 0 and d == 0 for _, _, p, d in self.loads())
+
+    def metric(self, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def chat(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
+        """A unary chat completion with its routing record (``nvext.extra_fields: ["routing"]``)."""
+        body = {**body, "nvext": {"extra_fields": ["routing"]}}
+        r = self.http.post("/v1/chat/completions", json=body, headers=headers or {})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@contextlib.contextmanager
+def kvroute(model_dir: str, workers: list[str], *flags: str) -> Iterator[Kvroute]:
+    port = free_port()
+    args = [
+        "-m",
+        "frontend",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--router-mode",
+        "kv",
+        "--model-path",
+        model_dir,
+        "--kv-cache-block-size",
+        str(BLOCK_SIZE),
+        "--health-check-interval",
+        "0.5",
+        *flags,
+    ]
+    for spec in workers:
+        args += ["--worker", spec]
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        rows = httpx.get(f"{url}/admin/workers", timeout=2).json()["workers"]
+        return len(rows) == len(workers) and all(
+            w["healthy"] and w.get("kv_events", {"status": "active"})["status"] == "active" for w in rows
+        )
+
+    with service(args, ready=ready, timeout=WAIT):
+        fe = Kvroute(url)
+        try:
+            yield fe
+        finally:
+            fe.http.close()
+
+
+@pytest.fixture
+def pair(vllm_engines: dict[str, Any]) -> Iterator[tuple[Kvroute, list[VllmEngine]]]:
+    """A kv-mode frontend over the two-engine pair (workers 1 and 2)."""
+    engines = vllm_engines["pair"]
+    with kvroute(vllm_engines["model_dir"], [e.worker_spec(i + 1) for i, e in enumerate(engines)]) as fe:
+        yield fe, engines
+
+
+def system_prompt(tag: str, sentences: int = 24) -> str:
+    """A system prompt of its own (about 10 tokens per sentence), so no test hits another's blocks."""
+    return " ".join(
+        f"Rule {i} of the {tag} agent: answer briefly and cite the file you read." for i in range(sentences)
+    )
+
+
+def cached_tokens(response: dict[str, Any]) -> int:
+    return int((response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def expected_cached(overlap_blocks: int, prompt_tokens: int) -> int:
+    """vLLM recomputes at least the prompt's last token: a fully cached, block-aligned prompt hits
+    one block less than it holds."""
+    return min(overlap_blocks, (prompt_tokens - 1) // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def wait_indexed(fe: Kvroute, body: dict[str, Any], worker: int, prompt_tokens: int, rank: int = 0) -> None:
+    """Until the frontend's index holds every full block of ``body``'s prompt on ``worker``: the
+    engine's KV events for the request have been applied."""
+    full = prompt_tokens // BLOCK_SIZE
+    wait_until(lambda: fe.overlap(body, worker, rank) >= full, WAIT, what=f"{full} blocks indexed on {worker}:{rank}")
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+def test_chat_and_completions_stream_and_unary_through_kvroute(pair: tuple[Kvroute, list[VllmEngine]]) -> None:
+    fe, _ = pair
+    messages = [{"role": "user", "content": "Say something about caches."}]
+    chat = fe.sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage is not None
+    assert chat.usage.completion_tokens == 8 and chat.choices[0].message.content
+
+    stream = fe.sdk.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert len({c.id for c in chunks}) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+    comp = fe.sdk.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=6, extra_body={"ignore_eos": True}
+    )
+    assert comp.choices[0].finish_reason == "length" and comp.usage is not None and comp.usage.completion_tokens == 6
+    text = "".join(
+        c.choices[0].text
+        for c in fe.sdk.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=6, stream=True, extra_body={"ignore_eos": True}
+        )
+        if c.choices
+    )
+    assert text
+    wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
+def test_responses_api_is_passed_through(pair: tuple[Kvroute, list[VllmEngine]]) -> None:
+    fe, _ = pair
+    out = fe.sdk.responses.create(model=MODEL, input="Name a color.", max_output_tokens=8)
+    assert out.status in ("completed", "incomplete") and out.output
+    wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
+def test_capacity_and_engine_are_read_from_the_engines(pair: tuple[Kvroute, list[VllmEngine]]) -> None:
+    fe, engines = pair
+    rows = fe.workers()
+    for wid, engine in ((1, engines[0]), (2, engines[1])):
+        info = next(
+            line
+            for line in httpx.get(f"{engine.url}/metrics").text.splitlines()
+            if line.startswith("vllm:cache_config_info{")
+        )
+        blocks = int(info.split('num_gpu_blocks="')[1].split('"')[0])
+        row = rows[wid]
+        assert row["engine"] == "vllm" and row["engine_detected"] == "vllm"
+        assert row["block_size"] == BLOCK_SIZE and row["num_gpu_blocks"] == blocks
+        assert row["max_model_len"] == engine.max_model_len
+        assert row["kv_events"]["status"] == "active"
+    assert {m.id for m in fe.sdk.models.list().data} >= {MODEL}
+
+
+def test_predicted_overlap_equals_vllm_cached_tokens_and_prefixes_follow_their_engine(
+    pair: tuple[Kvroute, list[VllmEngine]],
+) -> None:
+    """Three agents (system prompts) with conversations growing over three turns, interleaved. Before
+    each request the previous one's KV events are in the index, so the prediction is exact."""
+    fe, _ = pair
+    systems = [system_prompt(f"overlap-{k}") for k in range(3)]
+    conversations: list[list[dict[str, str]]] = [
+        [{"role": "system", "content": systems[k % 3]}] for k in range(6)
+    ]  # two conversations per agent
+    home: dict[int, int] = {}  # agent -> the worker that first computed its system prompt
+    checked = 0
+    for turn in range(3):
+        for k, messages in enumerate(conversations):
+            messages.append({"role": "user", "content": f"Turn {turn} of conversation {k}: list the files."})
+            body = {"model": MODEL, "messages": messages, "max_tokens": 4, "ignore_eos": True}
+            out = fe.chat(body)
+            record = out["nvext"]["routing"]
+            prompt_tokens = out["usage"]["prompt_tokens"]
+            worker = record["worker_id"]
+            assert cached_tokens(out) == expected_cached(record["overlap_blocks"], prompt_tokens), (
+                turn,
+                k,
+                record,
+                out["usage"],
+            )
+            agent = k % 3
+            if agent in home:  # its system prompt is cached there: the prefix follows its engine
+                assert record["overlap_blocks"] > 0
+                best = max(c["overlap_blocks"] for c in record["candidates"])
+                assert record["overlap_blocks"] == best
+            else:
+                home[agent] = worker
+            checked += 1
+            wait_indexed(fe, body, worker, prompt_tokens)
+            # the assistant's answer becomes part of the next turn's prompt
+            messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"] or "ok"})
+    assert checked == 18
+    assert fe.metric("kvroute_hash_parity_mismatch") == 0
+    assert fe.metric("kvroute_hash_parity_checks_total", result="match") > 0
+    wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
+def test_client_leaving_mid_stream_aborts_vllm_and_frees_kvroute(pair: tuple[Kvroute, list[VllmEngine]]) -> None:
+    fe, engines = pair
+    body = {
+        "model": MODEL,
+        "prompt": system_prompt("disconnect") + " Now write a very long story.",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with fe.http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen == 3:
+                assert not fe.idle()
+                break
+    wait_until(lambda: sum(e.metric("vllm:num_requests_running") for e in engines) == 0, WAIT, what="vLLM aborted it")
+    wait_until(fe.idle, WAIT, what="kvroute's loads back at 0")
+    assert fe.metric("dynamo_frontend_disconnected_clients") >= 1
+
+
+def test_engine_killed_mid_stream_migrates_and_its_restart_drops_and_relearns_blocks(
+    vllm_engines: dict[str, Any],
+) -> None:
+    engines: list[VllmEngine] = vllm_engines["pair"]
+    specs = [e.worker_spec(i + 1) for i, e in enumerate(engines)]
+    with kvroute(vllm_engines["model_dir"], specs, "--migration-limit", "2") as fe:
+        # a prefix computed on worker 2 (pinned), indexed there
+        held = {"model": MODEL, "messages": [{"role": "system", "content": system_prompt("restart")}], "max_tokens": 2}
+        out = fe.chat(held, headers={"x-dynamo-worker-instance-id": "2"})
+        assert out["nvext"]["routing"]["worker_id"] == 2
+        wait_indexed(fe, held, 2, out["usage"]["prompt_tokens"])
+
+        # a long stream pinned nowhere: find its engine, kill that engine after a few chunks
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell a long story about migrating streams."}],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        chunks: list[dict[str, Any]] = []
+        victim: VllmEngine | None = None
+        with fe.http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 5 and victim is None:
+                    victim = next(e for e in engines if e.metric("vllm:num_requests_running") > 0)
+                    victim.kill()
+        assert victim is not None
+        assert all("error" not in c for c in chunks), [c for c in chunks if "error" in c]
+        assert len({c["id"] for c in chunks}) == 1
+        finishes = [
+            c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]
+        ]
+        assert finishes == ["length"]
+        assert chunks[-1]["usage"]["completion_tokens"] == 200
+        assert fe.metric("dynamo_frontend_model_migration_total") >= 1
+        wait_until(fe.idle, WAIT, what="loads back at 0 after the migration")
+
+        # the killed engine comes back on the same ports: worker 2's old blocks go, then are relearnt
+        killed = engines.index(victim) + 1
+        victim.start().wait_ready()
+        wait_until(lambda: fe.workers()[killed]["healthy"], WAIT, what=f"worker {killed} healthy again")
+        if killed == 2:
+            wait_until(lambda: fe.overlap(held, 2) == 0, WAIT, what="worker 2's old blocks dropped")
+            out = fe.chat(held, headers={"x-dynamo-worker-instance-id": "2"})
+            assert cached_tokens(out) == 0  # the engine really lost them
+            wait_indexed(fe, held, 2, out["usage"]["prompt_tokens"])
+        wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
+class _DroppingRelay:
+    """A ZMQ hop between an engine's KV-event PUB and the frontend that loses chosen batches."""
+
+    def __init__(self, upstream: str) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(upstream)
+        self.pub = self.ctx.socket(zmq.PUB)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.drop_next = threading.Event()
+        self.forwarded = 0
+        self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self.sub.recv_multipart()
+            if self.drop_next.is_set():
+                self.drop_next.clear()
+                self.dropped += 1
+                continue
+            self.pub.send_multipart(frames)
+            self.forwarded += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sub.close(0)
+        self.pub.close(0)
+        self.ctx.term()
+
+
+def test_a_lost_kv_event_batch_is_recovered_from_vllms_replay_socket(vllm_engines: dict[str, Any]) -> None:
+    engine: VllmEngine = vllm_engines["pair"][0]
+    relay = _DroppingRelay(engine.kv_endpoint())
+    try:
+        spec = f"id=1,url={engine.url},kv_events_endpoint={relay.endpoint},replay_endpoint={engine.replay_endpoint()}"
+        with kvroute(vllm_engines["model_dir"], [spec]) as fe:
+
+            def send(tag: str) -> tuple[dict[str, Any], int]:
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "system", "content": system_prompt(tag)}],
+                    "max_tokens": 1,
+                }
+                return body, fe.chat(body)["usage"]["prompt_tokens"]
+
+            first, n1 = send("replay-a")
+            wait_indexed(fe, first, 1, n1)  # events flow through the relay
+            relay.drop_next.set()
+            lost, n2 = send("replay-b")
+            wait_until(lambda: relay.dropped == 1, WAIT, what="one batch dropped")
+            assert fe.overlap(lost, 1) == 0  # the frontend has not seen it
+            third, n3 = send("replay-c")  # its batch shows the gap: the frontend asks vLLM's replay socket
+            wait_indexed(fe, third, 1, n3)
+            wait_indexed(fe, lost, 1, n2)
+            health = fe.workers()[1]["kv_events"]["health"]["0"]
+            assert health["gaps"] >= 1 and health["replays"] >= 1 and health["batches_missed"] >= 1
+    finally:
+        relay.close()
+
+
+def test_two_dp_ranks_both_apply_events_and_prefixes_follow_their_rank(vllm_engines: dict[str, Any]) -> None:
+    engine: VllmEngine = vllm_engines["dp2"]
+    with kvroute(vllm_engines["model_dir"], [engine.worker_spec(1)]) as fe:
+        bodies = []
+        for rank in (0, 1):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "system", "content": system_prompt(f"dp-{rank}")}],
+                "max_tokens": 2,
+            }
+            out = fe.chat(body, headers={"x-dynamo-dp-rank": str(rank)})
+            assert out["nvext"]["routing"]["dp_rank"] == rank
+            wait_indexed(fe, body, 1, out["usage"]["prompt_tokens"], rank)
+            bodies.append(body)
+        health = fe.workers()[1]["kv_events"]["health"]
+        assert health["0"]["batches_applied"] > 0 and health["1"]["batches_applied"] > 0
+        for rank, body in enumerate(bodies):  # unpinned now: each prefix goes back to its rank
+            out = fe.chat(body)
+            record = out["nvext"]["routing"]
+            assert (record["worker_id"], record["dp_rank"]) == (1, rank), record
+            assert record["overlap_blocks"] > 0
+            assert cached_tokens(out) == expected_cached(record["overlap_blocks"], out["usage"]["prompt_tokens"])
+        wait_until(fe.idle, WAIT, what="loads back at 0")
