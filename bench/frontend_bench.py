@@ -95,11 +95,11 @@ def bench_decision(
     system = text[:24000]  # ~6k tokens shared by every request
     # background cache state: every rank holds a few unrelated 4k-token documents; two hold the system prompt
     for n, (w, r) in enumerate(ranks):
-        for d in range(4):
+        for _ in range(4):
             off = rng.randrange(0, len(text) - 20000)
             ids = tok(text[off : off + 16000], add_special_tokens=False)["input_ids"]
             local, seq = block_hashes(ids, bs)
-            index.apply_stored(w, r, None, list(zip(seq, local)))
+            index.apply_stored(w, r, None, list(zip(seq, local, strict=True)))
         if n < 2:
             from kvroute_common.tokenizer import chat_prompt_token_ids
 
@@ -107,7 +107,7 @@ def bench_decision(
                 tok, [{"role": "system", "content": system}, {"role": "user", "content": "warm"}]
             )
             local, seq = block_hashes(ids, bs)
-            index.apply_stored(w, r, None, list(zip(seq, local)))
+            index.apply_stored(w, r, None, list(zip(seq, local, strict=True)))
     tracker = entry.tracker
     for i in range(32):  # requests in flight
         w, r = ranks[i % len(ranks)]
@@ -244,7 +244,7 @@ def _stream_once(client: Any, url: str, body: dict) -> tuple[float, float, list[
     last = None
     gaps = []
     with client.stream("POST", url, json=body) as r:
-        for chunk in r.iter_raw():
+        for _chunk in r.iter_raw():
             now = time.perf_counter()
             if ttft is None:
                 ttft = now - t0

@@ -151,7 +151,7 @@ def send_interleaved(pubs: list[Publisher], per_pub: list[list[bytes]]) -> None:
     """Round-robin over the publishers, as concurrent engines would publish."""
     longest = max(len(p) for p in per_pub)
     for j in range(longest):
-        for pub, payloads in zip(pubs, per_pub):
+        for pub, payloads in zip(pubs, per_pub, strict=True):
             if j < len(payloads):
                 pub.send_payload(payloads[j])
 
@@ -189,7 +189,7 @@ def ingest_branching(
     )
     per_pub = [branch_payloads(pub, i, per_worker, 10**5 * (instance % 50) + 1000 * i) for i, pub in enumerate(pubs)]
     final = toks_for(6 * 10**6 + instance, 1)
-    for pub, payloads in zip(pubs, per_pub):
+    for pub, payloads in zip(pubs, per_pub, strict=True):
         payloads.extend(pub.store_chain(final))
     total = n_workers * (BRANCH_SYSTEMS * BRANCH_SYSTEM_BLOCKS + per_worker * BRANCH_CONT_BLOCKS + 1)
     gc.collect()
@@ -295,7 +295,7 @@ def populate(ctx: zmq.Context, urls: list[str], n_workers: int = 4, prompts_per_
             for p in pub.store_chain(toks_for(1000 * (i + 1) + k, 64, shared=16)):
                 pub.send_payload(p)
     final = toks_for(10**6 + 1, 1)
-    for i, pub in enumerate(pubs):
+    for pub in pubs:
         for p in pub.store_chain(final):
             pub.send_payload(p)
     for i in range(n_workers):
@@ -475,7 +475,9 @@ def main() -> int:
     ]:
         r, o = results["reference"][metric], results["ours"][metric]
         # each round measures the two services back to back: the median of those ratios cancels drift best
-        paired = statistics.median(b / a for a, b in zip(samples["reference"][metric], samples["ours"][metric]) if a)
+        paired = statistics.median(
+            b / a for a, b in zip(samples["reference"][metric], samples["ours"][metric], strict=True) if a
+        )
         results["ours"][f"{metric}_paired_ratio"] = paired
         print(f"{metric:28} {r:11.1f} {o:11.1f} {o / r if r else float('nan'):9.2f} {paired:7.2f}")
     print(f"KvIndex tracemalloc: {mem:.0f} bytes per stored block = {mem * 1e6 / 2**20:.0f} MiB per million blocks")

@@ -48,7 +48,8 @@ def plot_report(report: dict, path: str) -> None:
 
 
 def plot_summary(reports: list[dict], path: str) -> None:
-    """Side by side over runs (trace x load): TTFT p50 and p90 relative to round_robin, hit rate as a share of the oracle."""
+    """Side by side over runs (trace x load): TTFT p50 and p90 relative to round_robin, hit rate as a share of
+    the oracle."""
     labels: list[str] = []
     for r in reports:
         for m in r["modes"]:
@@ -75,7 +76,7 @@ def plot_summary(reports: list[dict], path: str) -> None:
         ("p90", "TTFT p90 / round_robin's", None),
         ("hit", "hit rate, % of the oracle", 95.0),
     ]
-    for ax, (what, title, goal) in zip(axes, panels):
+    for ax, (what, title, goal) in zip(axes, panels, strict=True):
         for j, label in enumerate(labels):
             xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(runs))]
             ax.bar(

@@ -68,7 +68,6 @@ def simulate(
     models = LatencyModels(prior, block_size)
     policy = name
     decisions: dict[str, tuple[int, int, float]] = {}
-    pending_first: list[tuple[float, str]] = []
 
     def on_first(seq: Sequence, _elapsed: float) -> None:
         rid = seq.request_id
@@ -237,8 +236,10 @@ def main(argv: Seq[str] | None = None) -> int:
             for r in rows:
                 ratio = f"{r['ttft_ms']['p50'] / rr['ttft_ms']['p50']:.2f}x rr" if rr else ""
                 print(
-                    f"  speedup {speed:g} {r['policy']:>12}: hit {r['hit_rate']:.1%} ({r['hit_rate'] / orc:.0%} of oracle), "
-                    f"TTFT p50/p90/p99 {r['ttft_ms']['p50']}/{r['ttft_ms']['p90']}/{r['ttft_ms']['p99']} ms {ratio} [{r['cpu_s']} s]"
+                    f"  speedup {speed:g} {r['policy']:>12}: hit {r['hit_rate']:.1%} ({r['hit_rate'] / orc:.0%} of "
+                    "oracle), "
+                    f"TTFT p50/p90/p99 {r['ttft_ms']['p50']}/{r['ttft_ms']['p90']}/{r['ttft_ms']['p99']} ms {ratio} "
+                    f"[{r['cpu_s']} s]"
                 )
     return 0
 

@@ -227,25 +227,28 @@ def main(argv: list[str] | None = None) -> int:
     if "reference" in summary:
         summary["ratio_ours_over_reference"] = round(summary["ours"]["rps"] / summary["reference"]["rps"], 3)
         # rounds run back to back, so a paired ratio is less exposed to other load on the machine
-        paired = [o["rps"] / r["rps"] for o, r in zip(results["ours"], results["reference"])]
+        paired = [o["rps"] / r["rps"] for o, r in zip(results["ours"], results["reference"], strict=True)]
         summary["paired_ratios"] = [round(x, 3) for x in paired]
         summary["median_paired_ratio"] = round(statistics.median(paired), 3)
     if ns.json:
         print(json.dumps(summary, indent=2))
         return 0
     print(
-        f"POST /potential_loads, {QUERY_BLOCKS} hashes, {WORKERS * RANKS} ranks x {REQUESTS_PER_RANK} active requests; wrk -t{ns.threads} -c{ns.connections} -d{ns.duration}s, best of {ns.rounds}"
+        f"POST /potential_loads, {QUERY_BLOCKS} hashes, {WORKERS * RANKS} ranks x {REQUESTS_PER_RANK} active "
+        f"requests; wrk -t{ns.threads} -c{ns.connections} -d{ns.duration}s, best of {ns.rounds}"
     )
     print(f"{'service':<10} {'req/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>11}   runs (req/s)")
     for name, s in summary.items():
         if isinstance(s, dict):
             print(
-                f"{name:<10} {s['rps']:>10.0f} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['cpu_us_per_req']:>11.1f}   {', '.join(f'{x:.0f}' for x in s['all_rps'])}"
+                f"{name:<10} {s['rps']:>10.0f} {s['p50_ms']:>8.2f} {s['p99_ms']:>8.2f} {s['cpu_us_per_req']:>11.1f}  "
+                f" {', '.join(f'{x:.0f}' for x in s['all_rps'])}"
             )
     if "ratio_ours_over_reference" in summary:
         print(f"ratio ours/reference (best of each): {summary['ratio_ours_over_reference']:.2f}x (target >= 0.40x)")
         print(
-            f"paired ratios per round: {', '.join(f'{x:.2f}' for x in summary['paired_ratios'])}; median {summary['median_paired_ratio']:.2f}x"
+            f"paired ratios per round: {', '.join(f'{x:.2f}' for x in summary['paired_ratios'])}; median "
+            f"{summary['median_paired_ratio']:.2f}x"
         )
     return 0
 

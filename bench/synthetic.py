@@ -41,7 +41,8 @@ class SyntheticConfig:
             f"{self.sessions} sessions x {self.turns} turns, {self.system_prompts} shared system prompts of "
             f"{self.system_tokens} tokens, user messages ~{self.user_tokens} tokens, history replies "
             f"{self.reply_tokens} tokens, {self.output_tokens} generated tokens per request, sessions start "
-            f"over {self.start_window_s:g} s, think time {self.think_min_s:g} s + Exp({self.think_s:g} s), seed {self.seed}"
+            f"over {self.start_window_s:g} s, think time {self.think_min_s:g} s + Exp({self.think_s:g} s), seed "
+            f"{self.seed}"
         )
 
 

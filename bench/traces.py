@@ -23,7 +23,8 @@ import numpy as np
 from kvroute_common.hashing import block_hashes
 
 MOONCAKE_BLOCK_TOKENS = 512
-# Token ids drawn for synthetic content: inside the offline tokenizer's 16k vocabulary (and any real one), clear of the low special ids.
+# Token ids drawn for synthetic content: inside the offline tokenizer's 16k vocabulary (and any real one), clear of
+# the low special ids.
 VOCAB_LOW = 1000
 VOCAB_HIGH = 16000
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +130,8 @@ class Scaling:
         window = f"{self.window_s:g} s" if self.window_s is not None else "all"
         parts = [
             f"trace time [{self.start_s:g} s, +{window}] replayed {self.rate_scale:g}x faster",
-            f"each 512-token trace block -> {self.tokens_per_block} tokens (lengths x{self.tokens_per_block / MOONCAKE_BLOCK_TOKENS:g})",
+            f"each 512-token trace block -> {self.tokens_per_block} tokens (lengths "
+            f"x{self.tokens_per_block / MOONCAKE_BLOCK_TOKENS:g})",
         ]
         if self.max_prompt_tokens:
             parts.append(f"prompts cut to {self.max_prompt_tokens} tokens")

@@ -33,8 +33,9 @@ def check_mode(m: dict, requests: int) -> None:
 
 def test_replay_cli_starts_cold_clusters_per_mode_and_writes_outputs(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "bench", "replay", "--trace", "synthetic", "--modes", "kv,round_robin", "--workers", "2",
-           "--variant", "none", "--num-gpu-blocks", "256", "--speedup-ratio", "10", "--max-duration", "60", "--out-dir", str(out), *TINY_SYNTHETIC]  # fmt: skip
+    cmd = [sys.executable, "-m", "bench", "replay", "--trace", "synthetic", "--modes", "kv,round_robin",
+           "--workers", "2", "--variant", "none", "--num-gpu-blocks", "256", "--speedup-ratio", "10",
+           "--max-duration", "60", "--out-dir", str(out), *TINY_SYNTHETIC]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "oracle" in run.stdout and "[kv]" in run.stdout and "[round_robin]" in run.stdout  # progress output
@@ -62,8 +63,9 @@ def test_replay_against_a_running_frontend_with_a_mooncake_slice(tmp_path):
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     opts = MockerOptions(num_gpu_blocks=256, speedup_ratio=10)
     with start_cluster(2, opts, router_mode="kv", log_dir=str(tmp_path / "logs")) as cluster:
-        args = ["--trace", str(trace), "--url", cluster.frontend_url, "--label", "kv-external", "--out-dir", str(tmp_path / "out"),
-                "--window", "0", "--rate-scale", "4", "--tokens-per-block", "32", "--output-scale", "0.1"]  # fmt: skip
+        args = ["--trace", str(trace), "--url", cluster.frontend_url, "--label", "kv-external",
+                "--out-dir", str(tmp_path / "out"), "--window", "0", "--rate-scale", "4", "--tokens-per-block", "32",
+                "--output-scale", "0.1"]  # fmt: skip
         for w in cluster.workers:
             args += ["--metrics-url", w.metrics_url]
         assert replay_main(args) == 0
@@ -116,9 +118,9 @@ def test_mooncake_replay_runs_from_a_clean_copy_without_shared(tmp_path):
     shutil.copytree(REPO_ROOT, clone, ignore=shutil.ignore_patterns(".git", "__pycache__", "out", ".benchmarks"))
     assert not (tmp_path / "shared").exists()
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "bench", "replay", "--trace", "mooncake_synthetic", "--modes", "latency", "--variant", "none",
-           "--workers", "1", "--max-requests", "12", "--num-gpu-blocks", "1024", "--speedup-ratio", "10", "--max-duration", "60",
-           "--out-dir", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "bench", "replay", "--trace", "mooncake_synthetic", "--modes", "latency",
+           "--variant", "none", "--workers", "1", "--max-requests", "12", "--num-gpu-blocks", "1024",
+           "--speedup-ratio", "10", "--max-duration", "60", "--out-dir", str(out)]  # fmt: skip
     run = subprocess.run(cmd, cwd=clone, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out / "mooncake_synthetic.json").read_text())
@@ -134,8 +136,8 @@ def test_disaggregated_row(tmp_path):
     )
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "bench", "replay", "--trace", "synthetic", "--modes", "kv", "--workers", "2",
-           "--variant", "kv-disagg=kv,prefill=1", "--num-gpu-blocks", "256", "--speedup-ratio", "10", "--max-duration", "60",
-           "--out-dir", str(out), *TINY_SYNTHETIC]  # fmt: skip
+           "--variant", "kv-disagg=kv,prefill=1", "--num-gpu-blocks", "256", "--speedup-ratio", "10",
+           "--max-duration", "60", "--out-dir", str(out), *TINY_SYNTHETIC]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (js,) = [p for p in os.listdir(out) if p.endswith(".json")]

@@ -4,6 +4,7 @@ the synthetic generator, counters and statistics (no processes; fast)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 
@@ -145,7 +146,7 @@ def test_synthetic_generator_is_deterministic_and_multi_turn():
     systems = set()
     for turns in by_session.values():
         assert len(turns) == 3
-        for prev, nxt in zip(turns, turns[1:]):
+        for prev, nxt in itertools.pairwise(turns):
             assert nxt[: len(prev)] == prev and len(nxt) > len(prev) + 10  # history grows by reply + new message
         systems.add(tuple(turns[0][:64]))
     assert 1 <= len(systems) <= 2  # sessions share the system prompts
@@ -320,7 +321,8 @@ def test_distinct_blocks_counts_prefix_paths_once():
 
 
 def test_offline_routing_simulation_compares_cost_models():
-    """bench.routing_sim: the replay's schedule through the real router cores and the mocker's scheduler in virtual time."""
+    """bench.routing_sim: the replay's schedule through the real router cores and the mocker's scheduler in
+    virtual time."""
     from bench.routing_sim import simulate, ttft_floor_ms
 
     t = synthetic_trace(

@@ -139,7 +139,7 @@ def _compare(page: RenderedPage, snap: dict[str, Any]) -> None:
             "kv_events": r["kv_events"] or "off",
         }, r
     assert [rid for rid, _ in page.recent] == [d["request_id"] for d in snap["recent"]]
-    for (_, shown), d in zip(page.recent, snap["recent"]):
+    for (_, shown), d in zip(page.recent, snap["recent"], strict=True):
         assert shown == {"isl": str(d["isl"]), "chosen": f"w{d['worker_id']}/{d['dp_rank']}"}
 
 
@@ -204,7 +204,9 @@ def test_dashboard_in_a_browser_matches_its_data_under_load() -> None:
             for _ in range(3):
                 first = c.get(f"{url}/dashboard/data").json()["time"]
                 wait_until(
-                    lambda: c.get(f"{url}/dashboard/data").json()["time"] - first >= 1.0, 10, what="a second of data"
+                    lambda first=first: c.get(f"{url}/dashboard/data").json()["time"] - first >= 1.0,
+                    10,
+                    what="a second of data",
                 )
             live = None
             for _ in range(6):  # render until a snapshot caught requests in flight (the load keeps them coming)

@@ -90,7 +90,8 @@ def test_demo_children_die_with_it_even_when_it_is_killed(tmp_path):
     log_path = tmp_path / "demo.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--workers", "1", "--log-dir", str(tmp_path / "logs")],
+            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--workers", "1"]
+            + ["--log-dir", str(tmp_path / "logs")],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip

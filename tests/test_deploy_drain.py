@@ -128,7 +128,9 @@ def test_a_stream_longer_than_the_drain_timeout_is_cut_and_the_process_exits_0()
 def _raw_partial_post(port: int, path: str, body: bytes, sent: int) -> socket.socket:
     """A request whose body is only partly sent: in flight until the rest follows."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
     sock.sendall(head + body[:sent])
     return sock
 

@@ -88,7 +88,9 @@ def cluster():
         disagg = frontend(stack, [sglang_like.spec(12, "role=prefill"), vllm_like.spec(11, "role=decode")])
         for url, n in ((agg, 3), (disagg, 2)):
             wait_until(
-                lambda: sum(w["healthy"] for w in httpx.get(url + "/admin/workers", timeout=10).json()["workers"]) == n,
+                lambda url=url, n=n: (
+                    sum(w["healthy"] for w in httpx.get(url + "/admin/workers", timeout=10).json()["workers"]) == n
+                ),
                 timeout=60,
                 what="workers healthy",
             )

@@ -132,7 +132,7 @@ def _held_order(policy: str, specs: list[tuple[str, RequestHints, int]]) -> list
             await until(lambda: sim.aq.depth(MODEL) == len(tasks))
         sim.finish("first")
         for i in range(len(specs)):
-            await until(lambda: len(sim.order) == i + 2)
+            await until(lambda i=i: len(sim.order) == i + 2)
             await settle()
             assert len(sim.order) == i + 2  # exactly one released per freed slot
             assert sim.aq.depth(MODEL) == len(specs) - i - 1
@@ -188,7 +188,7 @@ def test_many_notifies_release_only_what_capacity_allows():
         await settle(50)
         assert sim.order[2] == "h0" and sim.aq.depth(MODEL) == 4 and sim.max_seen == 2
         for name in ["r2", "h0", "h1", "h2", "h3", "h4"]:
-            await until(lambda: name in sim.order)
+            await until(lambda name=name: name in sim.order)
             sim.finish(name)
         await asyncio.gather(*running, *held)
         assert sim.order[2:] == ["h0", "h1", "h2", "h3", "h4"] and sim.max_seen == 2

@@ -46,7 +46,8 @@ class Mocker:
     def spec(self, worker_id: int | None = None, events: bool = True) -> str:
         s = f"id={worker_id or self.worker_id},url={self.url},dp_size={self.dp}"
         if events:
-            s += f",kv_events_endpoint=tcp://127.0.0.1:{self.events_base},replay_endpoint=tcp://127.0.0.1:{self.events_base + self.dp}"
+            s += f",kv_events_endpoint=tcp://127.0.0.1:{self.events_base}"
+            s += f",replay_endpoint=tcp://127.0.0.1:{self.events_base + self.dp}"
         return s
 
 

@@ -64,7 +64,10 @@ def queue_mocker():
     ]
     url = f"http://127.0.0.1:{port}"
     with service(args, ready_url=f"{url}/v1/models", timeout=90):
-        yield f"id=7,url={url},max_num_batched_tokens=8192,kv_events_endpoint=tcp://127.0.0.1:{base},replay_endpoint=tcp://127.0.0.1:{base + 1}"
+        yield (
+            f"id=7,url={url},max_num_batched_tokens=8192,kv_events_endpoint=tcp://127.0.0.1:{base},"
+            f"replay_endpoint=tcp://127.0.0.1:{base + 1}"
+        )
 
 
 @contextlib.contextmanager
@@ -160,7 +163,7 @@ class Driver:
         for name, kw in specs:
             tasks.append(asyncio.create_task(self.request(name, **kw)))
             n = len(tasks) - 2
-            await self.until(lambda: self._depth_is(n), f"{n} held requests")
+            await self.until(lambda n=n: self._depth_is(n), f"{n} held requests")
         assert not self.done, "a request finished while the rank was supposed to be busy"
         return release, tasks
 

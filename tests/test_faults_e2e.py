@@ -385,7 +385,7 @@ def test_standalone_tracker_restarted_under_load_converges_again_and_the_fronten
 
     def traffic() -> None:
         with httpx.Client(timeout=60) as client:
-            for i in range(100_000):  # bounded by `stop`, and by the count
+            for _ in range(100_000):  # bounded by `stop`, and by the count
                 if stop.is_set():
                     return
                 try:

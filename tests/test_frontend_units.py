@@ -113,7 +113,10 @@ def test_workers_document_json_and_yaml() -> None:
 
 
 def test_cache_config_info_parsing() -> None:
-    text = '# HELP x\nvllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="2048",max_num_batched_tokens="8192"} 1.0\n'
+    text = (
+        '# HELP x\nvllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="2048",'
+        'max_num_batched_tokens="8192"} 1.0\n'
+    )
     assert parse_cache_config_info(text) == {"block_size": 16, "num_gpu_blocks": 2048, "max_num_batched_tokens": 8192}
     assert parse_cache_config_info("nothing here") == {}
 

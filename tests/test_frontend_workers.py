@@ -113,7 +113,7 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
         pids = sorted(clients)
         assert sup.pid not in pids  # the supervisor serves nothing itself
         for pid, c in clients.items():
-            wait_until(lambda: c.get("/health").status_code == 200, START, what=f"process {pid} ready")
+            wait_until(lambda c=c: c.get("/health").status_code == 200, START, what=f"process {pid} ready")
             # each process routes and proxies on its own connection
             r = c.post(
                 "/v1/chat/completions",
@@ -129,7 +129,9 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
         for src, dst, rid in ((a, b, "share-1"), (b, a, "share-2")):
             # the chat requests above were freed locally; their frees reach the sibling over replica sync
             wait_until(
-                lambda: _decode_blocks(clients[dst]) == 0, WAIT, what=f"process {dst} to see earlier requests freed"
+                lambda dst=dst: _decode_blocks(clients[dst]) == 0,
+                WAIT,
+                what=f"process {dst} to see earlier requests freed",
             )
             r = clients[src].post(
                 "/add",
@@ -143,9 +145,13 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
                 },
             )
             assert r.status_code == 201, r.text
-            wait_until(lambda: _decode_blocks(clients[dst]) == 3, WAIT, what=f"process {dst} to see {src}'s booking")
+            wait_until(
+                lambda dst=dst: _decode_blocks(clients[dst]) == 3, WAIT, what=f"process {dst} to see {src}'s booking"
+            )
             assert clients[src].post("/free", json={"model_name": MODEL, "request_id": rid}).status_code == 200
-            wait_until(lambda: _decode_blocks(clients[dst]) == 0, WAIT, what=f"process {dst} to see the booking freed")
+            wait_until(
+                lambda dst=dst: _decode_blocks(clients[dst]) == 0, WAIT, what=f"process {dst} to see the booking freed"
+            )
 
         # a process that dies is started again
         os.kill(b, signal.SIGKILL)
@@ -165,7 +171,7 @@ def test_two_processes_serve_share_load_restart_and_stop_on_sigterm() -> None:
         sup.send_signal(signal.SIGTERM)
         assert sup.wait(timeout=60) == 0
         for pid in (a, new_pid):
-            wait_until(lambda: not _pid_alive(pid), WAIT, what=f"process {pid} gone")
+            wait_until(lambda pid=pid: not _pid_alive(pid), WAIT, what=f"process {pid} gone")
         with contextlib.suppress(httpx.TransportError):
             httpx.get(f"{url}/live", timeout=2.0)
             raise AssertionError("something still answers on the port")

@@ -290,7 +290,8 @@ def test_dashboard_structure() -> None:
 
 def test_extractor_finds_names_and_labels() -> None:
     expr = (
-        'histogram_quantile(0.9, sum by (le, model) (rate(a_seconds_bucket{model=~"$model", instance=~"$instance"}[$__rate_interval])))'
+        "histogram_quantile(0.9, sum by (le, model) "
+        '(rate(a_seconds_bucket{model=~"$model", instance=~"$instance"}[$__rate_interval])))'
         ' / on (instance) group_left (region) max by (instance, region) (b_info{job="x"}) + time() - c_total offset 5m'
         ' + count without (q) ({__name__="d", e!="f"}) + vector(1)'
     )
@@ -313,7 +314,8 @@ def test_extractor_finds_names_and_labels() -> None:
 
 def test_checker_rejects_made_up_metrics_and_labels() -> None:
     text = (
-        '# TYPE req counter\nreq_total{model="m"} 1\n# TYPE lat histogram\nlat_bucket{le="1"} 1\nlat_bucket{le="+Inf"} 1\n'
+        '# TYPE req counter\nreq_total{model="m"} 1\n# TYPE lat histogram\nlat_bucket{le="1"} 1\n'
+        'lat_bucket{le="+Inf"} 1\n'
         "lat_sum 1\nlat_count 1\n# TYPE quiet counter\n"
     )
     exp = Exposition(text, declared={"quiet": ("reason",)})

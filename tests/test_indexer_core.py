@@ -141,7 +141,8 @@ def test_lower_tier_existing_edge_wins() -> None:
 
 
 def test_divergent_external_hashes_still_extend_their_own_chain() -> None:
-    """Our answer to the reference's first-inserter quirk (it keeps only the first inserter's external hash of a position): B uses its own hashes."""
+    """Our answer to the reference's first-inserter quirk (it keeps only the first inserter's external hash of
+    a position): B uses its own hashes."""
     ix = KvIndex(BS)
     ix.apply_stored(1, 0, None, [(11, 101), (12, 102)])
     ix.apply_stored(2, 0, None, [(21, 101), (22, 102)])  # same tokens, B's engine names them 21, 22

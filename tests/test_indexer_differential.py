@@ -7,7 +7,8 @@ mediums (device, host, disk, external, and an unknown one that both drop), LoRA-
 parents the worker does not hold, removals of unknown blocks, AllBlocksCleared.
 
 External hashes are content-derived (as in a fleet whose engines share PYTHONHASHSEED), so the
-reference's first-inserter quirk (only the first inserter's external hash of a position is known), which we deliberately do not copy, never shows here.
+reference's first-inserter quirk (only the first inserter's external hash of a position is known), which we
+deliberately do not copy, never shows here.
 The reference runs with --threads 1 (its single-threaded radix tree), which we reproduce; its
 default multi-thread tree differs from it on some removal / re-store sequences (REFERENCE_THREADS).
 Streams publish one after the other (each waits for its round marker) so both services apply one
@@ -205,7 +206,7 @@ def test_reference_and_ours_agree_on_random_rounds() -> None:
                     # (the tree's run boundaries, hence removal effects, depend on it).
                     p.send([BlockStored([10_000 + rnd], None, _marker_tokens(rnd), BS, None, None, None)], dp_rank=dp)
                     wait_until(
-                        lambda p=p, dp=dp: all(_holds_marker(client, b, p, rnd, dp) for b in (ref, ours)),
+                        lambda p=p, dp=dp, rnd=rnd: all(_holds_marker(client, b, p, rnd, dp) for b in (ref, ours)),
                         timeout=30,
                         what=f"round {rnd} marker of {p.instance_id}:{dp}",
                     )

@@ -307,8 +307,8 @@ def test_raw_http_keepalive_pipelining_chunked_and_continue(base: str) -> None:
     assert out.index(b'"scores"') < out.index(b"[") < out.rindex(b'"scores"')
     # chunked request body
     chunked = (
-        b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
-        % (len(q), q)
+        b"POST /query HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+        b"\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(q), q)
     )
     assert b'{"scores":{}' in _raw(base, chunked)
     # Expect: 100-continue gets its interim answer before the final one

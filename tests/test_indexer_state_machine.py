@@ -109,7 +109,7 @@ class IndexMachine(RuleBasedStateMachine):
             return
         assert ok is True
         prev = parent
-        for ext, local in zip(exts, locs):
+        for ext, local in zip(exts, locs, strict=True):
             held[ext] = (prev, local)
             prev = ext
 

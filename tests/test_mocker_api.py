@@ -301,6 +301,6 @@ def test_preemption_under_memory_pressure_keeps_outputs():
             together = list(pool.map(run, prompts))
         preemptions = _metric(httpx.get(url + "/metrics").text, "vllm:num_preemptions_total", engine="0")
         assert preemptions and preemptions > 0
-        for prompt, res in zip(prompts, together):
+        for prompt, res in zip(prompts, together, strict=True):
             assert res["usage"]["completion_tokens"] == 100 and res["choices"][0]["finish_reason"] == "length"
             assert run(prompt)["choices"][0]["text"] == res["choices"][0]["text"]

@@ -118,7 +118,7 @@ def test_preemption_when_out_of_blocks_and_everyone_finishes():
         seqs.append((r, c))
     run_to_completion(s)
     assert s.stats.preemptions > 0
-    for r, c in seqs:
+    for _, c in seqs:
         assert c.reason == FINISH_LENGTH and len(c.tokens) == 12
     assert s.kv.num_free == 8
 

@@ -1,5 +1,5 @@
-"""Every remaining nvext field and header of the router guide (and the reference frontend's behaviour): honoured (the worker
-sees the effect, the client the response fields) or refused with an OpenAI-style 400; none ignored.
+"""Every remaining nvext field and header of the router guide (and the reference frontend's behaviour): honoured
+(the worker sees the effect, the client the response fields) or refused with an OpenAI-style 400; none ignored.
 
 The worker is a small in-process OpenAI-style server that records the body and headers it receives;
 the frontend is the real `python -m frontend` process."""
@@ -66,7 +66,8 @@ class RecordingWorker:
                 choice = {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": fin}
                 if fin:
                     choice["stop_reason"] = "END"
-                yield f"data: {json.dumps({'object': 'chat.completion.chunk', 'model': MODEL, 'choices': [choice]})}\n\n".encode()
+                chunk = {"object": "chat.completion.chunk", "model": MODEL, "choices": [choice]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")

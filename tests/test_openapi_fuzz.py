@@ -300,7 +300,7 @@ def test_documents_are_served_on_every_service(tracker_service, indexer_service,
         assert path in front
 
 
-# ------------------------------------------------------------------------------------------ regressions found by the run
+# ----------------------------------------------------------------------------------------- regressions found by the run
 
 
 def test_v1_framework_errors_are_openai_shaped(frontend_url):

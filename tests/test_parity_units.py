@@ -72,8 +72,14 @@ def test_usage_tap_reads_and_strips_usage_across_any_chunking() -> None:
 
 
 def test_usage_tap_handles_spaced_json_and_leaves_quoted_text_alone() -> None:
-    usage_ev = b'data: {"id": "c", "choices": [], "usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}}\n\n'
-    text_ev = b'data: {"id": "c", "choices": [{"delta": {"content": "say \\"usage\\": null, \\"prompt_tokens\\""}}], "usage": null}\n\n'
+    usage_ev = (
+        b'data: {"id": "c", "choices": [], "usage": {"prompt_tokens": 5, '
+        b'"prompt_tokens_details": {"cached_tokens": 0}}}\n\n'
+    )
+    text_ev = (
+        b'data: {"id": "c", "choices": [{"delta": {"content": "say \\"usage\\": null, \\"prompt_tokens\\""}}], '
+        b'"usage": null}\n\n'
+    )
     probe = _probe()
     tap = UsageTap(probe, True)
     out = tap.feed(text_ev) + tap.feed(usage_ev + b"data: [DONE]\n\n")

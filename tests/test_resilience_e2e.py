@@ -26,7 +26,11 @@ import openai
 from support import free_port, service, wait_until
 
 MODEL = "resilience-model"
-QUEUE_GAUGES = ("dynamo_frontend_queued_requests", "dynamo_frontend_inflight_requests", "dynamo_frontend_active_requests")
+QUEUE_GAUGES = (
+    "dynamo_frontend_queued_requests",
+    "dynamo_frontend_inflight_requests",
+    "dynamo_frontend_active_requests",
+)
 SLOW = ["--speedup-ratio", "0.2"]  # ~30 ms per decode step: a 40-token stream takes over a second
 
 

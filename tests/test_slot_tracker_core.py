@@ -1,4 +1,5 @@
-"""Slot tracker core: tables verified on the 1.6.1 binaries (decode blocks as distinct prompt-path prefixes, prefill tokens per slot) and the lifecycle rules."""
+"""Slot tracker core: tables verified on the 1.6.1 binaries (decode blocks as distinct prompt-path prefixes, prefill
+tokens per slot) and the lifecycle rules."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def one_slot_tracker(clock=None):
 
 
 def test_active_decode_blocks_count_distinct_path_prefixes_43():
-    """Decode blocks (verified on 1.6.1): r1 [1,2,3] + r2 [1,2,4,5] => 5; + r3 [7,7,8] => 8; + r4 [4,5] => 10; free r2 => 8."""
+    """Decode blocks (verified on 1.6.1): r1 [1,2,3] + r2 [1,2,4,5] => 5; + r3 [7,7,8] => 8; + r4 [4,5] => 10;
+    free r2 => 8."""
     _, t = one_slot_tracker()
     t.add("r1", 1, 0, [1, 2, 3])
     t.add("r2", 1, 0, [1, 2, 4, 5])
@@ -53,7 +55,8 @@ def test_active_decode_blocks_count_distinct_path_prefixes_43():
     ],
 )
 def test_potential_decode_blocks_table_44(query, d, expected):
-    """Prefill tokens (verified on 1.6.1): slot with r1 [1,2,3] isl 40 and r2 [1,2,4,5] isl 10 (50 tokens / 5 blocks)."""
+    """Prefill tokens (verified on 1.6.1): slot with r1 [1,2,3] isl 40 and r2 [1,2,4,5] isl 10 (50 tokens /
+    5 blocks)."""
     reg, t = one_slot_tracker()
     t.add("r1", 1, 0, [1, 2, 3], 40)
     t.add("r2", 1, 0, [1, 2, 4, 5], 10)
@@ -80,7 +83,7 @@ def test_document_example_projection():
     t = reg.get("llama-3-8b", "default")
     t.add("req-123", 7, 0, [101, (-22) & ((1 << 64) - 1), 303], 48)
     t.add("req-124", 7, 0, [101], 0)
-    loads = {(l[0], l[1]): l for l in t.potential_loads([101, (-22) & ((1 << 64) - 1), 303, 404], 48)}
+    loads = {(row[0], row[1]): row for row in t.potential_loads([101, (-22) & ((1 << 64) - 1), 303, 404], 48)}
     assert loads[(7, 0)] == (7, 0, 96, 4, 2)
     assert loads[(7, 1)] == (7, 1, 48, 4, 0)
 
@@ -198,14 +201,14 @@ def test_loads_listing_sorted_including_idle_slots():
     reg.get("m", "default").add("r", 2, 2, [4, 5, 6], 7)
     rows = [
         (
-            l["model_name"],
-            l["tenant_id"],
-            l["worker_id"],
-            l["dp_rank"],
-            l["active_prefill_tokens"],
-            l["active_decode_blocks"],
+            row["model_name"],
+            row["tenant_id"],
+            row["worker_id"],
+            row["dp_rank"],
+            row["active_prefill_tokens"],
+            row["active_decode_blocks"],
         )
-        for l in reg.loads()
+        for row in reg.loads()
     ]
     assert rows == [
         ("a", "z", 5, 0, 0, 0),
@@ -213,7 +216,7 @@ def test_loads_listing_sorted_including_idle_slots():
         ("m", "default", 2, 2, 7, 3),
         ("m", "default", 9, 0, 0, 0),
     ]
-    assert [l["worker_id"] for l in reg.loads(model_name="m", tenant_id="default")] == [2, 2, 9]
+    assert [row["worker_id"] for row in reg.loads(model_name="m", tenant_id="default")] == [2, 2, 9]
 
 
 def test_stale_expiry_is_absolute_age_since_add_45():

@@ -412,7 +412,8 @@ def test_random_operations_agree_with_the_reference(servers, seed):
                     continue
                 got, want = normalise(op, r_ours, reference=False), normalise(op, r_ref, reference=True)
                 assert got == want, (
-                    f"op {i} (seed {seed}): {op}\nours: {r_ours.status_code} {r_ours.text[:500]}\nreference: {r_ref.status_code} {r_ref.text[:500]}"
+                    f"op {i} (seed {seed}): {op}\nours: {r_ours.status_code} {r_ours.text[:500]}\nreference: "
+                    f"{r_ref.status_code} {r_ref.text[:500]}"
                 )
                 if i % 200 == 199:  # full-state comparison now and then
                     for path in ("/workers", "/loads"):

@@ -58,7 +58,8 @@ def test_document_examples_verbatim(client):
         client,
         "POST",
         "/register",
-        '{\n "worker_id": 7,\n "model_name": "llama-3-8b",\n "tenant_id": "default",\n "block_size": 16,\n "dp_start": 0,\n "dp_size": 2\n}',
+        '{\n "worker_id": 7,\n "model_name": "llama-3-8b",\n "tenant_id": "default",\n "block_size": 16,\n'
+        ' "dp_start": 0,\n "dp_size": 2\n}',
     )
     assert (r.status_code, r.json()) == (201, {"status": "ok"})
     assert client.get("/workers", params={"model_name": "llama-3-8b"}).json() == [
@@ -71,7 +72,10 @@ def test_document_examples_verbatim(client):
             "dp_size": 2,
         }
     ]
-    add = '{\n "model_name": "llama-3-8b",\n "tenant_id": "default",\n "request_id": "req-123",\n "worker_id": 7,\n "dp_rank": 0,\n "sequence_hashes": [101, -22, 303],\n "new_isl_tokens": 48\n}'
+    add = (
+        '{\n "model_name": "llama-3-8b",\n "tenant_id": "default",\n "request_id": "req-123",\n "worker_id": 7,\n'
+        ' "dp_rank": 0,\n "sequence_hashes": [101, -22, 303],\n "new_isl_tokens": 48\n}'
+    )
     r = raw(client, "POST", "/add", add)
     assert (r.status_code, r.json()) == (201, {"status": "ok"})
     is_error(raw(client, "POST", "/add", add), 409)  # duplicate request id
@@ -105,7 +109,10 @@ def test_document_examples_verbatim(client):
         },
     )
     assert r.status_code == 201
-    pl = '{\n "model_name": "llama-3-8b",\n "tenant_id": "default",\n "sequence_hashes": [101, -22, 303, 404],\n "new_isl_tokens": 48\n}'
+    pl = (
+        '{\n "model_name": "llama-3-8b",\n "tenant_id": "default",\n "sequence_hashes": [101, -22, 303, 404],\n'
+        ' "new_isl_tokens": 48\n}'
+    )
     r = raw(client, "POST", "/potential_loads", pl)
     assert r.status_code == 200
     rows = sorted(r.json(), key=lambda x: (x["worker_id"], x["dp_rank"]))
@@ -294,7 +301,7 @@ def test_routing_group_alias_and_tenant_scoping(client):
         == 201
     )
     loads = client.get("/loads", params={"model_name": m}).json()
-    assert [(l["tenant_id"], l["active_prefill_tokens"], l["active_decode_blocks"]) for l in loads] == [
+    assert [(row["tenant_id"], row["active_prefill_tokens"], row["active_decode_blocks"]) for row in loads] == [
         ("default", 0, 1),
         ("g1", 5, 2),
     ]
@@ -312,7 +319,7 @@ def test_listings_sorted(client):
             == 201
         )
     assert [w["worker_id"] for w in client.get("/workers", params={"model_name": m}).json()] == [2, 5, 9]
-    assert [(l["worker_id"], l["dp_rank"]) for l in client.get("/loads", params={"model_name": m}).json()] == [
+    assert [(row["worker_id"], row["dp_rank"]) for row in client.get("/loads", params={"model_name": m}).json()] == [
         (2, 1),
         (2, 2),
         (5, 1),
@@ -427,8 +434,8 @@ def test_one_write_protocol_keeps_http_semantics(base_url):
     body = b'{"model_name":"nope","sequence_hashes":[]}'
     r = _raw_http(
         base_url,
-        b"POST /potential_loads HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-        % (len(body), body),
+        b"POST /potential_loads HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
         expect_close=True,
     )
     assert r.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404") and r.endswith(b'"}')
