@@ -254,7 +254,8 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
                 'Share of finished requests with status="error".',
                 [
                     (
-                        f"({rate('dynamo_frontend_requests_total', errors)} or vector(0)) / {rate('dynamo_frontend_requests_total', FM)}",
+                        f"({rate('dynamo_frontend_requests_total', errors)} or vector(0)) / "
+                        f"{rate('dynamo_frontend_requests_total', FM)}",
                         "errors",
                     )
                 ],
@@ -272,7 +273,8 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
                 "Engine-reported cached prompt tokens over prompt tokens (hit-rate decomposition: delivered / prompt).",
                 [
                     (
-                        f"{rate('kvroute_router_delivered_cached_tokens_total', FM)} / {rate('kvroute_router_prompt_tokens_total', FM)}",
+                        f"{rate('kvroute_router_delivered_cached_tokens_total', FM)} / "
+                        f"{rate('kvroute_router_prompt_tokens_total', FM)}",
                         "reuse",
                     )
                 ],
@@ -428,7 +430,8 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
                 "Prompt tokens predicted cached on the chosen worker over all prompt tokens.",
                 [
                     (
-                        f"{rate('dynamo_frontend_cached_tokens_sum', FM, 'model')} / {rate('dynamo_frontend_input_sequence_tokens_sum', FM, 'model')}",
+                        f"{rate('dynamo_frontend_cached_tokens_sum', FM, 'model')} / "
+                        f"{rate('dynamo_frontend_input_sequence_tokens_sum', FM, 'model')}",
                         "{{model}}",
                     )
                 ],
@@ -567,7 +570,8 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
             ),
             stat(
                 "Model capacity",
-                "What the workers report: total KV blocks, max batched tokens, block size, max sequences, context length.",
+                "What the workers report: total KV blocks, max batched tokens, block size, max sequences, context "
+                "length.",
                 [
                     (agg(f"dynamo_frontend_model_{m}", FM, "model", "max"), f"{{{{model}}}} {label}")
                     for m, label in (
@@ -590,7 +594,8 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
             ts(
                 "Cached prompt tokens: available, captured, delivered",
                 "Prompt tokens per second, and the cached share at each step: "
-                "available (best eligible worker's predicted overlap), captured (chosen worker's predicted overlap), delivered (engine-reported).",
+                "available (best eligible worker's predicted overlap), captured (chosen worker's predicted overlap), "
+                "delivered (engine-reported).",
                 [
                     (rate(f"kvroute_router_{m}_total", FM), label)
                     for m, label in (
@@ -604,7 +609,8 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
             ts(
                 "Decomposition ratios",
                 "Choice quality = captured / available (below 1: load balancing traded reuse away); prediction "
-                "quality = delivered / captured (below 1: stale index, evictions or a hash mismatch); reuse = delivered / prompt; "
+                "quality = delivered / captured (below 1: stale index, evictions or a hash mismatch); reuse = "
+                "delivered / prompt; "
                 "opportunity = available / prompt.",
                 [
                     (f"{rate(f'kvroute_router_{a}_total', FM)} / {rate(f'kvroute_router_{b}_total', FM)}", label)
@@ -721,7 +727,8 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
             ts(
                 "Parity checks by source and result",
                 "Evidence per second: events (the prompt's blocks in the index after the request), "
-                "usage (predicted vs engine-reported cached tokens), prompt_tokens (engine counted another prompt length).",
+                "usage (predicted vs engine-reported cached tokens), prompt_tokens (engine counted another prompt "
+                "length).",
                 [(rate("kvroute_hash_parity_checks_total", F, "source, result"), "{{source}} {{result}}")],
                 w=6,
                 h=6,
@@ -731,7 +738,8 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
                 "Share of a worker's parity checks that mismatched.",
                 [
                     (
-                        f"{rate('kvroute_hash_parity_checks_total', mismatched, 'worker')} / {rate('kvroute_hash_parity_checks_total', F, 'worker')}",
+                        f"{rate('kvroute_hash_parity_checks_total', mismatched, 'worker')} / "
+                        f"{rate('kvroute_hash_parity_checks_total', F, 'worker')}",
                         "worker {{worker}}",
                     )
                 ],
