@@ -68,7 +68,18 @@ def validate_update(decode: object, prefill: object, frac: object) -> None:
 class ModelEntry:
     """One served model. Exists while at least one registered worker serves it."""
 
-    __slots__ = ("name", "block_size", "tokenizer", "workers", "thresholds", "approx", "_slots", "_events")
+    __slots__ = (
+        "name",
+        "block_size",
+        "tokenizer",
+        "workers",
+        "thresholds",
+        "approx",
+        "base",
+        "lora_name",
+        "_slots",
+        "_events",
+    )
 
     def __init__(
         self,
@@ -79,8 +90,13 @@ class ModelEntry:
         events: IndexerRegistry | None,
         approx: ApproxIndex | None,
         thresholds: BusyThresholds,
+        base: str | None = None,
     ) -> None:
         self.name = name
+        # a LoRA adapter of model ``base``: its blocks are the base model's KV cache, hashed with the
+        # adapter's name as the engine's events are, and its requests load the base model's workers
+        self.base = base or name
+        self.lora_name = name if base is not None and base != name else None
         self.block_size = block_size
         self.tokenizer = tokenizer
         self.workers: dict[int, Worker] = {}
@@ -92,7 +108,7 @@ class ModelEntry:
     @property
     def tracker(self) -> SlotTracker | _EmptyTracker:
         """This model's slot tracker (the registry owns it; an external /unregister may drop it)."""
-        t = self._slots.get(self.name, TENANT)
+        t = self._slots.get(self.base, TENANT)
         return _EMPTY_TRACKER if t is None else t
 
     @property
@@ -101,7 +117,7 @@ class ModelEntry:
         if self.approx is not None:
             return self.approx
         if self._events is not None:
-            return self._events.index(self.name, TENANT)
+            return self._events.index(self.base, TENANT)
         return None
 
     def known_worker_ids(self) -> set[int]:

@@ -337,6 +337,10 @@ _SCHEMAS: dict[str, Any] = {
         ],
         "properties": {
             "model": {"type": "string"},
+            "lora_name": {
+                "type": ["string", "null"],
+                "description": "the LoRA adapter the model is (blocks hashed with its name), null for a base model",
+            },
             "isl": {"type": "integer"},
             "block_size": {"type": "integer"},
             "router_mode": {"type": "string"},

@@ -100,7 +100,7 @@ class RequestRouter:
         index = entry.index if (kv and use_overlap) else None
 
         local = (
-            local_block_hashes(tokens, bs, None, cache_salt)
+            local_block_hashes(tokens, bs, entry.lora_name, cache_salt)
             if (index is not None or cfg.router_track_active_blocks)
             else []
         )
@@ -195,7 +195,7 @@ class RequestRouter:
         index = entry.index if self.config.router_mode == "kv" else None
         if index is None or not tokens:
             return 0
-        overlaps = index.find_matches(local_block_hashes(tokens, entry.block_size, None, cache_salt))
+        overlaps = index.find_matches(local_block_hashes(tokens, entry.block_size, entry.lora_name, cache_salt))
         return max(overlaps.values(), default=0) * entry.block_size
 
     # ------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ def routing_record(config: Any, entry: ModelEntry, decision: Decision) -> dict[s
     ]
     return {
         "model": entry.name,
+        "lora_name": entry.lora_name,
         "isl": decision.isl,
         "block_size": bs,
         "router_mode": config.router_mode,

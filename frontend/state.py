@@ -292,7 +292,13 @@ class FrontendState:
         return self.events
 
     def _tokenizer_path(self, model: str, worker: Worker) -> str | None:
-        return self.model_paths.get(model) or worker.spec.model_path or self.model_path
+        base = worker.adapters.get(model)  # a LoRA adapter tokenizes as its base model
+        return (
+            self.model_paths.get(model)
+            or (self.model_paths.get(base) if base else None)
+            or worker.spec.model_path
+            or self.model_path
+        )
 
     def _tokenizer_for(self, model: str, worker: Worker) -> Any:
         from kvroute_common.tokenizer import load_tokenizer
@@ -349,10 +355,11 @@ class FrontendState:
         if entry is None:
             return
         entry.workers.pop(worker.id, None)
-        try:
-            self.slots.unregister(worker.id, model, TENANT)
-        except Exception as exc:
-            log.debug("tracker unregister %s/%s: %s", worker.id, model, exc)
+        if entry.lora_name is None:  # an adapter's requests are booked in its base model's tracker
+            try:
+                self.slots.unregister(worker.id, model, TENANT)
+            except Exception as exc:
+                log.debug("tracker unregister %s/%s: %s", worker.id, model, exc)
         if entry.approx is not None:
             entry.approx.remove_worker(worker.id)
         if not entry.workers:  # the model's last worker: the model is gone (404)
@@ -397,7 +404,14 @@ class FrontendState:
                         cfg.active_prefill_tokens_threshold_frac,
                     )
                 entry = table[model] = ModelEntry(
-                    model, bs, tokenizer, self.slots, self._events_registry(), approx, thresholds
+                    model,
+                    bs,
+                    tokenizer,
+                    self.slots,
+                    self._events_registry(),
+                    approx,
+                    thresholds,
+                    base=worker.adapters.get(model),
                 )
             elif worker.block_size and cfg.kv_cache_block_size is None and worker.block_size != entry.block_size:
                 worker.last_error = f"block size {worker.block_size} differs from model {model}'s {entry.block_size}"
@@ -405,9 +419,9 @@ class FrontendState:
                 continue
             entry.workers[worker.id] = worker
             self._check_tokenizer_fit(model, worker)
-            try:
+            try:  # an adapter's requests load its base model's tracker: one engine, one KV cache
                 self.slots.register(
-                    worker.id, model, TENANT, entry.block_size, worker.spec.dp_start, worker.spec.dp_size
+                    worker.id, entry.base, TENANT, entry.block_size, worker.spec.dp_start, worker.spec.dp_size
                 )
             except Exception as exc:  # already registered (health came back) or registered externally
                 log.debug("tracker register %s/%s: %s", worker.id, model, exc)
@@ -441,7 +455,7 @@ class FrontendState:
                 events.register(
                     instance_id=worker.id,
                     endpoint=spec.rank_endpoint(spec.kv_events_endpoint, r),
-                    model_name=entry.name,
+                    model_name=entry.base,
                     tenant_id=TENANT,
                     block_size=entry.block_size,
                     dp_rank=r,
@@ -454,13 +468,14 @@ class FrontendState:
         """A worker that is gone or unhealthy: forget its cached blocks (they may not survive)."""
         events = self.events
         if events is not None and worker.id in events.instances:
-            model = events.instances[worker.id].model_name
+            registered = events.instances[worker.id].model_name
 
             async def unregister() -> None:
                 try:
-                    await events.unregister(worker.id, model)
+                    await events.unregister(worker.id, registered)
+                    log.info("worker %s: KV-event stream stopped, its cached blocks forgotten", worker.id)
                 except Exception as exc:
-                    log.debug("indexer unregister %s: %s", worker.id, exc)
+                    log.warning("worker %s: could not stop its KV-event stream: %s", worker.id, exc)
 
             self._unregistering[worker.id] = self._spawn(unregister())
         for model in worker.attached_models:

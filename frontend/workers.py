@@ -212,6 +212,8 @@ class Worker:
     client: httpx.AsyncClient  # control plane: health checks and discovery
     upstream: UpstreamPool  # request path
     models: list[str] = field(default_factory=list)
+    # LoRA adapters among the models: adapter -> the base model it applies to (/v1/models' parent)
+    adapters: dict[str, str] = field(default_factory=dict)
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     max_num_batched_tokens: int | None = None
@@ -238,6 +240,7 @@ class Worker:
             "source": self.source,
             "healthy": self.healthy,
             "models": list(self.models),
+            "adapters": dict(self.adapters),
             "block_size": self.block_size,
             "num_gpu_blocks": self.num_gpu_blocks,
             "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -250,6 +253,21 @@ class Worker:
             "warnings": list(self.warnings),
             "last_error": self.last_error,
         }
+
+
+def lora_adapters(models: list[Any]) -> dict[str, str]:
+    """LoRA adapters in an OpenAI ``/v1/models`` list: entries whose ``parent`` is another served model
+    (vLLM lists ``--lora-modules`` and adapters loaded at runtime this way)."""
+    ids = {m.get("id") for m in models if isinstance(m, dict)}
+    return {
+        m["id"]: m["parent"]
+        for m in models
+        if isinstance(m, dict)
+        and isinstance(m.get("id"), str)
+        and isinstance(m.get("parent"), str)
+        and m["parent"] in ids
+        and m["parent"] != m["id"]
+    }
 
 
 def make_client(url: str, timeout: float | None = None) -> httpx.AsyncClient:
@@ -397,6 +415,7 @@ class WorkerPool:
             models = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
             if not models:
                 raise ValueError("worker serves no model")
+            worker.adapters = lora_adapters(data)
         from .capacity import read_capacity, unknown_capacity_message
 
         cap = await read_capacity(

@@ -262,3 +262,34 @@ def test_metric_buckets_are_the_references() -> None:
     ]
     assert m.ITL_BUCKETS == [0, 0.0019, 0.0035, 0.0067, 0.013, 0.024, 0.045, 0.084, 0.16, 0.3, 0.56, 1.1, 2]
     assert m.KV_HIT_RATE_BUCKETS[:3] == [0.0, 0.05, 0.1] and m.KV_HIT_RATE_BUCKETS[-1] == 1.0
+
+
+def test_lora_adapters_are_the_models_listed_with_a_served_parent() -> None:
+    from frontend.workers import lora_adapters
+
+    data = [
+        {"id": "base", "parent": None},
+        {"id": "a1", "parent": "base"},
+        {"id": "a2", "parent": "base"},
+        {"id": "stray", "parent": "not-served"},  # a parent this engine does not serve: not an adapter here
+        {"id": "self", "parent": "self"},
+        "garbage",
+    ]
+    assert lora_adapters(data) == {"a1": "base", "a2": "base"}
+    assert lora_adapters([]) == {}
+
+
+def test_an_adapter_entry_hashes_with_its_name_and_books_on_its_base_model() -> None:
+    from frontend.models import BusyThresholds, ModelEntry
+    from kvroute_common.hashing import local_block_hashes
+    from slot_tracker.core import SlotRegistry
+
+    slots = SlotRegistry()
+    slots.register(1, "base", "default", 4, 0, 1)
+    base = ModelEntry("base", 4, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
+    adapter = ModelEntry("a1", 4, None, slots, None, None, BusyThresholds(), base="base")  # type: ignore[arg-type]
+    assert (base.base, base.lora_name) == ("base", None)
+    assert (adapter.base, adapter.lora_name) == ("base", "a1")
+    assert adapter.tracker is base.tracker is slots.get("base", "default")
+    tokens = list(range(16))
+    assert local_block_hashes(tokens, 4, adapter.lora_name) != local_block_hashes(tokens, 4, base.lora_name)
