@@ -93,7 +93,11 @@ class FrontendState:
         ):
             router.decisions, router.label = self.decisions, label
         self.pool = WorkerPool(
-            self._worker_changed, self._worker_removed, health_interval=health_interval, request_timeout=request_timeout
+            self._worker_changed,
+            self._worker_removed,
+            health_interval=health_interval,
+            request_timeout=request_timeout,
+            event_sources=config.kv_aware and config.uses_indexer and config.router_kv_events,
         )
         self.file_watcher: WorkersFileWatcher | None = None
         self.discovery: list[DiscoveryBackend] = []  # started with the state

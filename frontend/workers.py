@@ -20,8 +20,9 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -203,11 +204,52 @@ def parse_cache_config_info(metrics_text: str) -> dict[str, int]:
     return out
 
 
+def event_sources_spec(spec: WorkerSpec, sources: Any) -> tuple[WorkerSpec, str | None]:
+    """``spec`` completed from the engine's ``GET /kv_event_sources`` (vLLM: its KV-event publisher
+    config per DP rank), and a warning when the engine publishes no KV events.
+
+    What the spec states takes precedence; an endpoint bound to ``*`` or ``0.0.0.0`` is reached at the
+    worker's own host; the ranks are the keys (rank r publishes on the base port + r)."""
+    if spec.kv_events_endpoint:
+        return spec, None
+    ranks = {}
+    if isinstance(sources, dict):
+        for key, cfg in sources.items():
+            if str(key).isdigit() and isinstance(cfg, dict):
+                ranks[int(key)] = cfg
+    first = ranks.get(min(ranks)) if ranks else None
+    if (
+        first is None
+        or not first.get("enable_kv_cache_events")
+        or first.get("publisher") != "zmq"
+        or not isinstance(first.get("endpoint"), str)
+    ):
+        return spec, (
+            f"worker {spec.id} ({spec.url}) publishes no KV events (no zmq publisher in /kv_event_sources): it is "
+            "served, but kv routing sees no cached blocks on it (start the engine with --kv-events-config, or give "
+            "kv_events_endpoint)"
+        )
+    host = urlsplit(spec.url).hostname or "127.0.0.1"
+
+    def reachable(endpoint: Any) -> str | None:
+        if not isinstance(endpoint, str) or not endpoint:
+            return None
+        return re.sub(r"^(\w+://)(\*|0\.0\.0\.0|\[::\])(?=:\d+$)", lambda m: m.group(1) + host, endpoint)
+
+    changes: dict[str, Any] = {
+        "kv_events_endpoint": reachable(first["endpoint"]),
+        "replay_endpoint": spec.replay_endpoint or reachable(first.get("replay_endpoint")),
+    }
+    if spec.dp_size == 1 and spec.dp_start == 0 and len(ranks) > 1:  # the defaults: the engine's ranks
+        changes["dp_start"], changes["dp_size"] = min(ranks), len(ranks)
+    return replace(spec, **changes), None
+
+
 @dataclass(slots=True)
 class Worker:
     """Runtime state of one worker."""
 
-    spec: WorkerSpec
+    spec: WorkerSpec  # as configured, completed from what the engine exposes (kv_event_sources)
     source: str  # "cli" | "file" | "api"
     client: httpx.AsyncClient  # control plane: health checks and discovery
     upstream: UpstreamPool  # request path
@@ -229,6 +271,11 @@ class Worker:
     last_error: str | None = None
     # set once the frontend has attached the worker to its models (tracker/indexer registration)
     attached_models: list[str] = field(default_factory=list)
+    configured: WorkerSpec | None = None  # the spec as given (flags, file, API, discovery)
+
+    def __post_init__(self) -> None:
+        if self.configured is None:
+            self.configured = self.spec
 
     @property
     def id(self) -> int:
@@ -295,8 +342,11 @@ class WorkerPool:
         health_timeout: float = 5.0,
         failures_to_unhealthy: int = 2,
         request_timeout: float | None = None,
+        event_sources: bool = False,
     ) -> None:
         self.workers: dict[int, Worker] = {}
+        # kv mode with KV events: a worker given without its endpoints gets them from the engine
+        self.event_sources = event_sources
         self._on_change = on_change
         self._on_removed = on_removed
         self.health_interval = health_interval
@@ -312,7 +362,7 @@ class WorkerPool:
         """Add or replace a worker; discovery runs in the background."""
         old = self.workers.get(spec.id)
         if old is not None:
-            if old.spec == spec:
+            if old.configured == spec:
                 old.source = source
                 return old
             self.remove(spec.id)
@@ -344,7 +394,7 @@ class WorkerPool:
                 self.remove(wid)
         for spec in specs:
             existing = self.workers.get(spec.id)
-            if existing is not None and existing.source != source and existing.spec != spec:
+            if existing is not None and existing.source != source and existing.configured != spec:
                 log.warning(
                     "worker %s from %s shadows the %s entry; keeping %s",
                     spec.id,
@@ -438,7 +488,38 @@ class WorkerPool:
             worker.capacity_warned = True
             log.warning(unknown_capacity_message(worker.id, cap))
         worker.max_num_seqs = cap.get("max_num_seqs")
+        await self._read_event_sources(worker)
         worker.discovered = True
+
+    async def _read_event_sources(self, worker: Worker) -> None:
+        """A worker given without its KV-event endpoints gets them from the engine (re-read on every
+        rediscovery: an engine restarted with another configuration is followed)."""
+        configured = worker.configured or worker.spec
+        if configured.kv_events_endpoint or not self.event_sources:
+            worker.spec = configured
+            return
+        sources: Any = None
+        try:
+            resp = await worker.client.get("/kv_event_sources", timeout=self.health_timeout)
+            if resp.status_code == 200:
+                sources = resp.json()
+        except (httpx.HTTPError, ValueError):
+            sources = None
+        spec, warning = event_sources_spec(configured, sources)
+        if spec != worker.spec:
+            log.info(
+                "worker %s: KV events from the engine: %s (replay %s), %d DP rank(s)",
+                worker.id,
+                spec.kv_events_endpoint,
+                spec.replay_endpoint,
+                spec.dp_size,
+            )
+        worker.spec = spec
+        if warning is not None and warning not in worker.warnings:
+            worker.warnings.append(warning)
+            log.warning(warning)
+        elif warning is None:
+            worker.warnings = [w for w in worker.warnings if "publishes no KV events" not in w]
 
     def mark_failed(self, worker: Worker, error: str, unreachable: bool = True) -> None:
         """A dispatch could not reach the worker (or lost it): take it out until a health check passes."""

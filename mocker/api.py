@@ -831,6 +831,23 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
             }
         )
 
+    async def kv_event_sources(request: Request) -> Response:
+        """vLLM's ``GET /kv_event_sources``: the KV-event publisher config of each DP rank (bind addresses,
+        as configured), so a router given only this engine's URL finds its events."""
+        from .events import offset_endpoint
+
+        out = {}
+        for rank in range(cfg.data_parallel_size):
+            replay = offset_endpoint(cfg.replay_endpoint, rank) if cfg.replay_endpoint else None
+            out[str(rank)] = {
+                "enable_kv_cache_events": cfg.kv_events,
+                "publisher": "zmq" if cfg.kv_events else "null",
+                "endpoint": offset_endpoint(cfg.kv_events_endpoint, rank),
+                "replay_endpoint": replay,
+                "topic": "",
+            }
+        return json_response(out)
+
     async def priorities(request: Request) -> Response:
         """Mocker-only: the ``priority`` field of the most recent generation requests, oldest first."""
         return json_response({"priorities": list(m.received_priorities)})
@@ -853,6 +870,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/reset_prefix_cache", handler(reset_prefix_cache), methods=["POST"]),
+        Route("/kv_event_sources", handler(kv_event_sources), methods=["GET"]),
         Route("/mocker/kv_blocks", handler(kv_blocks), methods=["GET"]),
         Route("/mocker/priorities", handler(priorities), methods=["GET"]),
     ]
