@@ -77,19 +77,20 @@ def bench_decision(
     bs = 16
     slots = SlotRegistry()
     index = KvIndex(bs)
-    entry = ModelEntry(MODEL, bs, tok, slots, _Events(index), None, BusyThresholds())
+    events = _Events(index)  # a stand-in registry: the decision only asks it for the index
+    entry = ModelEntry(MODEL, bs, tok, slots, events, None, BusyThresholds())  # type: ignore[arg-type]
     for wid in range(1, workers + 1):
-        w = Worker(
+        worker = Worker(
             spec=WorkerSpec(id=wid, url=f"http://127.0.0.1:{9000 + wid}", dp_size=dp_size),
             source="cli",
-            client=None,
-            upstream=None,
-        )  # type: ignore[arg-type]
-        w.healthy = True
-        w.discovered = True
-        w.num_gpu_blocks = 4096
-        w.max_num_batched_tokens = 8192
-        entry.workers[wid] = w
+            client=None,  # type: ignore[arg-type]  # the decision never reaches the network
+            upstream=None,  # type: ignore[arg-type]
+        )
+        worker.healthy = True
+        worker.discovered = True
+        worker.num_gpu_blocks = 4096
+        worker.max_num_batched_tokens = 8192
+        entry.workers[wid] = worker
         slots.register(wid, MODEL, "default", bs, 0, dp_size)
     ranks = [(w, r) for w in range(1, workers + 1) for r in range(dp_size)]
     system = text[:24000]  # ~6k tokens shared by every request
@@ -215,6 +216,7 @@ def bench_cpu(
         req.update(stream=True, max_tokens=stream_tokens, ignore_eos=True)
     body = json.dumps(req).encode()
     with start_cluster(n_workers, opts, router_mode=router_mode, frontend_args=["--log-level", "warning"]) as cluster:
+        assert cluster.frontend is not None and cluster.frontend_url is not None  # start_cluster waited for it
         fe_pid = cluster.frontend.proc.pid
         asyncio.run(_hammer(cluster.frontend_url, body, 300, concurrency))  # warm-up
         c0 = _cpu_seconds(fe_pid)
@@ -264,7 +266,7 @@ def bench_latency(requests: int = 60, max_tokens: int = 64) -> dict[str, Any]:
     out: dict[str, Any] = {"bench": "latency", "requests": requests, "max_tokens": max_tokens}
     with start_cluster(1, opts, router_mode="kv", frontend_args=["--log-level", "warning"]) as cluster:
         direct_url = cluster.workers[0].url + "/v1/chat/completions"
-        fe_url = cluster.frontend_url + "/v1/chat/completions"
+        fe_url = f"{cluster.frontend_url}/v1/chat/completions"
         results: dict[str, dict[str, list[float]]] = {
             "direct": {"ttft": [], "total": [], "gaps": []},
             "frontend": {"ttft": [], "total": [], "gaps": []},

@@ -103,7 +103,10 @@ def _wrk(url: str, body: bytes, duration: float, connections: int, threads: int)
         out, _ = proc.communicate(timeout=duration + 60)
     finally:
         os.unlink(script)
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    found = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if found is None:
+        raise RuntimeError(f"wrk reported no Requests/sec:\n{out}")
+    rps = float(found.group(1))
     lat = {m.group(1): m.group(2) for m in re.finditer(r"^\s+(50|90|99)%\s+(\S+)", out, re.M)}
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return rps, {"latency": lat, "raw_tail": out.strip().splitlines()[-1]}, int(errors.group(1)) if errors else 0
@@ -263,6 +266,7 @@ def bench_scale(
             )
             mock_pids = [w.child.proc.pid for w in cluster.workers]
             upstream_pids = lambda: mock_pids  # noqa: E731
+        assert cluster.frontend is not None and cluster.frontend_url is not None  # started above
         top = cluster.frontend.proc.pid
         _serving_pids(cluster.frontend_url, processes)
         fe_pids = [top, *_children(top)] if processes > 1 else [top]

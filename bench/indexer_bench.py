@@ -19,6 +19,7 @@ Needs ``wrk`` (apt-get install wrk) and ai-dynamo-runtime (the reference).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -136,10 +137,7 @@ def connect_publishers(ctx: zmq.Context, urls: list[str], n: int, model: str, fi
     hello = toks_for(9 * 10**6 + first_instance, 1)
     for i, pub in enumerate(pubs):
         wait_until(
-            lambda pub=pub, i=i: (
-                [pub.send_payload(p) for p in pub.store_chain(hello)]
-                and all(marker_seen(u, hello, first_instance + i, model) for u in urls)
-            ),
+            functools.partial(_resend_until, pub, hello, urls, first_instance + i, model),
             timeout=60,
             interval=0.1,
             what="publishers connected",
@@ -167,7 +165,7 @@ def populate_branching(ctx: zmq.Context, urls: list[str], n_workers: int = 32, c
             pub.send_payload(p)
     for i in range(n_workers):
         wait_until(
-            lambda i=i: all(marker_seen(u, final, BRANCH_FIRST_INSTANCE + i, BRANCH_MODEL) for u in urls),
+            functools.partial(_seen_everywhere, urls, final, BRANCH_FIRST_INSTANCE + i, BRANCH_MODEL),
             timeout=120,
             what="branching population applied",
         )
@@ -198,7 +196,7 @@ def ingest_branching(
     send_interleaved(pubs, per_pub)
     for i in range(n_workers):
         wait_until(
-            lambda i=i: marker_seen(url, final, base + i, model),
+            functools.partial(marker_seen, url, final, base + i, model),
             timeout=600,
             interval=0.005,
             what="branching ingest marker",
@@ -217,6 +215,18 @@ def ingest_branching(
 
 def query(url: str, tokens: list[int], model: str = MODEL) -> dict:
     return httpx.post(f"{url}/query", json={"token_ids": tokens, "model_name": model}, timeout=30).json()
+
+
+def _seen_everywhere(urls: list[str], marker: list[int], instance: int, model: str) -> bool:
+    return all(marker_seen(u, marker, instance, model) for u in urls)
+
+
+def _resend_until(pub: Publisher, marker: list[int], urls: list[str], instance: int, model: str) -> bool:
+    """Publish the marker again and tell whether every indexer holds it (a SUB that joins late misses
+    what was sent before: resend until it arrives)."""
+    for p in pub.store_chain(marker):
+        pub.send_payload(p)
+    return _seen_everywhere(urls, marker, instance, model)
 
 
 def marker_seen(url: str, marker: list[int], instance: int, model: str = MODEL) -> bool:
@@ -278,10 +288,7 @@ def populate(ctx: zmq.Context, urls: list[str], n_workers: int = 4, prompts_per_
     marker = toks_for(10**6, 1)
     for i, pub in enumerate(pubs):
         wait_until(
-            lambda pub=pub, i=i: (
-                [pub.send_payload(p) for p in pub.store_chain(marker)]
-                and all(marker_seen(u, marker, i + 1) for u in urls)
-            ),
+            functools.partial(_resend_until, pub, marker, urls, i + 1, MODEL),
             timeout=30,
             interval=0.1,
             what="publishers connected",
@@ -299,7 +306,9 @@ def populate(ctx: zmq.Context, urls: list[str], n_workers: int = 4, prompts_per_
         for p in pub.store_chain(final):
             pub.send_payload(p)
     for i in range(n_workers):
-        wait_until(lambda i=i: all(marker_seen(u, final, i + 1) for u in urls), timeout=120, what="population applied")
+        wait_until(
+            functools.partial(_seen_everywhere, urls, final, i + 1, MODEL), timeout=120, what="population applied"
+        )
     for pub in pubs:
         pub.sock.close(linger=0)
     return hot
@@ -316,7 +325,7 @@ def ingest(ctx: zmq.Context, url: str, pid: int, n_blocks: int, instance: int) -
     assert r.status_code == 201, r.text
     hello = toks_for(2 * 10**6, 1)
     wait_until(
-        lambda: [pub.send_payload(p) for p in pub.store_chain(hello)] and marker_seen(url, hello, instance, model),
+        functools.partial(_resend_until, pub, hello, [url], instance, model),
         timeout=30,
         interval=0.1,
         what="ingest publisher connected",

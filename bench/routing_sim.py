@@ -24,7 +24,7 @@ from bench.replay import build_trace, gpu_blocks_for, parse_loads, percentile
 from bench.replay import parser as replay_parser
 from bench.traces import Trace, oracle
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
-from mocker.engine import RankScheduler, Sequence
+from mocker.engine import RankScheduler, Sequence, Step
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
 from router.latency import LatencyModels, LatencyPrior, score_latency
@@ -93,7 +93,7 @@ def simulate(
         )
         for w in range(workers)
     ]
-    busy_until = [None] * workers  # (end time, step) of the step in flight per rank
+    busy_until: list[Step | None] = [None] * workers  # the step in flight per rank
     events: list[tuple[float, int, int, int]] = []  # (time, kind 0=step end 1=arrival, order, index)
     for r in trace.requests:
         heapq.heappush(events, (r.arrival_s, 1, r.index, r.index))
@@ -115,9 +115,10 @@ def simulate(
         t, kind, _, idx = heapq.heappop(events)
         clock.now = t
         if kind == 0:
-            step = busy_until[idx]
+            done = busy_until[idx]
+            assert done is not None  # a step-end event exists only for a step in flight
             busy_until[idx] = None
-            ranks[idx].commit(step)
+            ranks[idx].commit(done)
             kick(idx)
             continue
         req = trace.requests[idx]
@@ -145,7 +146,7 @@ def simulate(
             else:
                 costs = score_candidates(loads, overlaps, isl, block_size, 4.0 if policy == "kv-w4" else 1.0)
             c = choose(costs, 0.0, rng)
-            w, overlap, work, dec = c.worker_id, c.overlap_blocks, c.prefill_tokens, c.decode_blocks
+            w, overlap, work, dec = c.worker_id, c.overlap_blocks, c.prefill_tokens, int(c.decode_blocks)
         new = max(0, isl - overlap * block_size)
         tracker.add(rid, w, 0, seq_h, new)
         decisions[rid] = (w, work, dec)
@@ -171,7 +172,7 @@ def simulate(
         "completed": len(vals),
         "requests": len(trace.requests),
         "hit_rate": hits / queries if queries else None,
-        "ttft_ms": {f"p{p}": round(1e3 * percentile(vals, p), 1) for p in (50, 90, 99)} if vals else None,
+        "ttft_ms": {f"p{p}": round(1e3 * (percentile(vals, p) or 0.0), 1) for p in (50, 90, 99)} if vals else None,
         "latency_models": models.snapshot() if policy == "latency" else None,
     }
 
@@ -192,7 +193,7 @@ def ttft_floor_ms(trace: Trace, block_size: int, speedup: float, p: float = 50) 
             hit += 1
         seen.update(seq)
         out.append(perf.step_seconds(len(r.tokens) - hit * block_size, 0, 0.0) * 1e3)
-    return round(percentile(out, p), 1)
+    return round(percentile(out, p) or 0.0, 1)
 
 
 def main(argv: Seq[str] | None = None) -> int:

@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 
@@ -146,18 +147,26 @@ def run_wrk(url: str, lua_path: str, duration: int, connections: int, threads: i
         text=True,
         check=True,
     ).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    rps = float(_search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     lat = {m.group(1): _ms(m.group(2)) for m in re.finditer(r"^\s+(50|99)%\s+([\d.]+\w+)", out, re.M)}
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if errors:
         raise RuntimeError(f"wrk saw {errors.group(1)} error responses from {url}:\n{out}")
-    total = int(re.search(r"(\d+) requests in", out).group(1))
+    total = int(_search(r"(\d+) requests in", out).group(1))
     cpu_us = (cpu_seconds(pid) - cpu0) * 1e6 / max(total, 1) if pid else None
     return {"rps": rps, "p50_ms": lat.get("50"), "p99_ms": lat.get("99"), "cpu_us_per_req": cpu_us, "raw": out}
 
 
+def _search(pattern: str, text: str) -> re.Match[str]:
+    """``re.search`` that fails with the text when wrk's report lacks a line we read."""
+    m = re.search(pattern, text)
+    if m is None:
+        raise RuntimeError(f"no {pattern!r} in wrk's output:\n{text}")
+    return m
+
+
 def _ms(text: str) -> float:
-    value, unit = re.match(r"([\d.]+)(\w+)", text).groups()
+    value, unit = _search(r"([\d.]+)(\w+)", text).groups()
     return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}[unit]
 
 
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.unlink(lua)
     best = {name: max(runs, key=lambda r: r["rps"]) for name, runs in results.items()}
-    summary = {
+    summary: dict[str, Any] = {
         name: {
             "rps": b["rps"],
             "p50_ms": b["p50_ms"],

@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = MockerOptions(speedup_ratio=0.0, num_gpu_blocks=8192)
         cluster = start_cluster(2, opts, "kv", frontend_args=fe_args + ["--log-level", "warning"])
         try:
+            assert cluster.frontend_url is not None  # start_cluster waits for the frontend
             r = asyncio.run(_run_mode(cluster.frontend_url, chars, args.big, args.rate, args.idle_secs))
         finally:
             cluster.stop()

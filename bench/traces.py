@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -172,7 +173,7 @@ class BlockTokens:
 
 def read_mooncake(path: str) -> list[dict]:
     """Rows of a Mooncake JSONL trace (plain or gzip), validated (clear error naming the line on bad input)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     with _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
