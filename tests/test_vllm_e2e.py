@@ -91,7 +91,7 @@ class Kvroute:
     def metric(self, name: str, **labels: str) -> float:
         total = 0.0
         for line in self.http.get("/metrics").text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
@@ -308,17 +308,23 @@ def test_engine_killed_mid_stream_migrates_and_its_restart_drops_and_relearns_bl
     engines: list[VllmEngine] = vllm_engines["pair"]
     specs = [e.worker_spec(i + 1) for i, e in enumerate(engines)]
     with kvroute(vllm_engines["model_dir"], specs, "--migration-limit", "2") as fe:
-        # a prefix computed on worker 2 (pinned), indexed there
+        # a prefix computed on both workers (pinned), indexed on both
         held = {"model": MODEL, "messages": [{"role": "system", "content": system_prompt("restart")}], "max_tokens": 2}
-        out = fe.chat(held, headers={"x-dynamo-worker-instance-id": "2"})
-        assert out["nvext"]["routing"]["worker_id"] == 2
-        wait_indexed(fe, held, 2, out["usage"]["prompt_tokens"])
+        held_blocks = 0
+        for wid in (1, 2):
+            out = fe.chat(held, headers={"x-dynamo-worker-instance-id": str(wid)})
+            assert out["nvext"]["routing"]["worker_id"] == wid
+            wait_indexed(fe, held, wid, out["usage"]["prompt_tokens"])
+            held_blocks = out["usage"]["prompt_tokens"] // BLOCK_SIZE
 
         # a long stream pinned nowhere: find its engine, kill that engine after a few chunks
         body = {
             "model": MODEL,
-            "messages": [{"role": "user", "content": "Tell a long story about migrating streams."}],
-            "max_tokens": 200,
+            "messages": [
+                {"role": "system", "content": system_prompt("migrate")},
+                {"role": "user", "content": "Tell a long story about migrating streams."},
+            ],
+            "max_tokens": 1500,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -332,7 +338,8 @@ def test_engine_killed_mid_stream_migrates_and_its_restart_drops_and_relearns_bl
                     continue
                 chunks.append(json.loads(line[6:]))
                 if len(chunks) == 5 and victim is None:
-                    victim = next(e for e in engines if e.metric("vllm:num_requests_running") > 0)
+                    (serving,) = {w for w, _, _, d in fe.loads() if d}  # the worker holding its blocks
+                    victim = engines[serving - 1]
                     victim.kill()
         assert victim is not None
         assert all("error" not in c for c in chunks), [c for c in chunks if "error" in c]
@@ -341,19 +348,26 @@ def test_engine_killed_mid_stream_migrates_and_its_restart_drops_and_relearns_bl
             c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]
         ]
         assert finishes == ["length"]
-        assert chunks[-1]["usage"]["completion_tokens"] == 200
+        assert chunks[-1]["usage"]["completion_tokens"] == 1500
         assert fe.metric("dynamo_frontend_model_migration_total") >= 1
         wait_until(fe.idle, WAIT, what="loads back at 0 after the migration")
 
-        # the killed engine comes back on the same ports: worker 2's old blocks go, then are relearnt
+        # the killed engine comes back on the same ports: its old blocks go, then are relearnt; the
+        # other worker's stay
         killed = engines.index(victim) + 1
+        survivor = 3 - killed
         victim.start().wait_ready()
         wait_until(lambda: fe.workers()[killed]["healthy"], WAIT, what=f"worker {killed} healthy again")
-        if killed == 2:
-            wait_until(lambda: fe.overlap(held, 2) == 0, WAIT, what="worker 2's old blocks dropped")
-            out = fe.chat(held, headers={"x-dynamo-worker-instance-id": "2"})
-            assert cached_tokens(out) == 0  # the engine really lost them
-            wait_indexed(fe, held, 2, out["usage"]["prompt_tokens"])
+        try:
+            wait_until(lambda: fe.overlap(held, killed) == 0, WAIT, what=f"worker {killed}'s old blocks dropped")
+        except TimeoutError:
+            raise AssertionError(
+                json.dumps(fe.workers()[killed], indent=1) + json.dumps(fe.route(held), indent=1)
+            ) from None
+        assert fe.overlap(held, survivor) == held_blocks
+        out = fe.chat(held, headers={"x-dynamo-worker-instance-id": str(killed)})
+        assert cached_tokens(out) == 0  # the engine really lost them
+        wait_indexed(fe, held, killed, out["usage"]["prompt_tokens"])
         wait_until(fe.idle, WAIT, what="loads back at 0")
 
 
@@ -449,4 +463,75 @@ def test_two_dp_ranks_both_apply_events_and_prefixes_follow_their_rank(vllm_engi
             assert (record["worker_id"], record["dp_rank"]) == (1, rank), record
             assert record["overlap_blocks"] > 0
             assert cached_tokens(out) == expected_cached(record["overlap_blocks"], out["usage"]["prompt_tokens"])
+        wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
+def test_lora_adapters_are_routed_by_their_own_blocks_and_only_to_engines_serving_them(
+    pair: tuple[Kvroute, list[VllmEngine]],
+) -> None:
+    """Worker 1 serves adapters a1 and a2, worker 2 only a1 (``--lora-modules``). An adapter's blocks
+    are hashed with its name, as vLLM keys them: the overlap kvroute predicts equals the engine's
+    cached tokens for adapter requests, and base-model blocks never count for an adapter (nor the
+    other way round)."""
+    fe, _ = pair
+    rows = fe.workers()
+    assert rows[1]["adapters"] == {"a1": MODEL, "a2": MODEL} and rows[2]["adapters"] == {"a1": MODEL}
+
+    messages = [{"role": "system", "content": system_prompt("lora")}, {"role": "user", "content": "Which files?"}]
+    base = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    out = fe.chat(base)
+    base_worker = out["nvext"]["routing"]["worker_id"]
+    wait_indexed(fe, base, base_worker, out["usage"]["prompt_tokens"])
+
+    a1 = {**base, "model": "a1"}
+    first = fe.chat(a1)  # the base model's blocks are not the adapter's: nothing is cached for it
+    record = first["nvext"]["routing"]
+    assert record["lora_name"] == "a1" and record["overlap_blocks"] == 0 and cached_tokens(first) == 0
+    wait_indexed(fe, a1, record["worker_id"], first["usage"]["prompt_tokens"])
+    again = fe.chat(a1)
+    record = again["nvext"]["routing"]
+    assert record["overlap_blocks"] > 0
+    assert cached_tokens(again) == expected_cached(record["overlap_blocks"], again["usage"]["prompt_tokens"])
+    assert fe.overlap(base, record["worker_id"]) == (
+        out["usage"]["prompt_tokens"] // BLOCK_SIZE if record["worker_id"] == base_worker else 0
+    )
+
+    for i in range(4):  # a2 exists on worker 1 only
+        body = {"model": "a2", "messages": [{"role": "user", "content": f"adapter two, request {i}"}], "max_tokens": 2}
+        record = fe.chat(body)["nvext"]["routing"]
+        assert record["worker_id"] == 1 and [c["worker_id"] for c in record["candidates"]] == [1]
+    r = fe.http.post("/v1/chat/completions", json={**base, "model": "a3"})
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+    # an adapter request in flight loads the engine's (base model's) tracker on the worker serving it
+    stream = {**a1, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with fe.http.stream("POST", "/v1/chat/completions", json=stream, headers={"x-dynamo-worker-instance-id": "2"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                busy = [(w, d) for w, _, _, d in fe.loads() if d]
+                assert busy and all(w == 2 for w, _ in busy), busy
+                break
+    wait_until(fe.idle, WAIT, what="loads back at 0")
+    assert fe.metric("kvroute_hash_parity_mismatch") == 0
+
+
+def test_workers_given_by_url_alone_read_their_event_sources_from_vllm(vllm_engines: dict[str, Any]) -> None:
+    """``--worker id=N,url=...`` only: the KV-event and replay endpoints and the DP size come from
+    vLLM's ``GET /kv_event_sources`` (bound to ``*``, reached at the worker's host)."""
+    one: VllmEngine = vllm_engines["pair"][0]
+    dp2: VllmEngine = vllm_engines["dp2"]
+    with kvroute(vllm_engines["model_dir"], [f"id=1,url={one.url}", f"id=2,url={dp2.url}"]) as fe:
+        rows = fe.workers()
+        assert rows[1]["kv_events_endpoint"] == one.kv_endpoint() and rows[1]["dp_size"] == 1
+        assert rows[1]["replay_endpoint"] == one.replay_endpoint()
+        assert rows[2]["kv_events_endpoint"] == dp2.kv_endpoint() and rows[2]["dp_size"] == 2
+        assert set(rows[2]["kv_events"]["listeners"]) == {"0", "1"}
+        for worker, rank in ((1, 0), (2, 0), (2, 1)):
+            messages = [{"role": "system", "content": system_prompt(f"url-only-{worker}-{rank}")}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+            headers = {"x-dynamo-worker-instance-id": str(worker), "x-dynamo-dp-rank": str(rank)}
+            out = fe.chat(body, headers=headers)
+            assert (out["nvext"]["routing"]["worker_id"], out["nvext"]["routing"]["dp_rank"]) == (worker, rank)
+            wait_indexed(fe, body, worker, out["usage"]["prompt_tokens"], rank)
         wait_until(fe.idle, WAIT, what="loads back at 0")
