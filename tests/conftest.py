@@ -1,12 +1,12 @@
 import os
 import sys
 
+import pytest
+
+from kvroute_common.real_engines import vllm_cpu
+
 # make `tests.support` importable as `support` too, whatever the rootdir
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import pytest  # noqa: E402  (after the path set-up above)
-
-from kvroute_common.real_engines import vllm_cpu  # noqa: E402
 
 
 # ---- real vLLM engines (vLLM's CPU build, KVROUTE_VLLM_PYTHON), shared by every real-engine test ----

@@ -33,7 +33,7 @@ REQUIRE_ENV = "KVROUTE_REQUIRE_VLLM"  # set (CI): a missing vLLM fails the tests
 VERSION = "0.32.0"
 BLOCK_SIZE = 32
 SERVED_NAME = "tiny"
-START_TIMEOUT = 240.0
+START_TIMEOUT = 480.0  # several engines loading side by side on 2 cores
 TINY_MODEL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_model.py")
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
