@@ -201,7 +201,7 @@ class RankScheduler:
         return bool(self.by_id)
 
     def capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.block_size
+        return self.kv.num_usable * self.block_size
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.by_id:
@@ -337,7 +337,7 @@ class RankScheduler:
         num_new = min(total - computed, budget)
         need = self._blocks_for(computed + num_new) - len(hits)
         if need > kv.num_free - kv.num_evictable_in(hits):
-            if not self.running and self._blocks_for(total + 1) > kv.num_blocks:
+            if not self.running and self._blocks_for(total + 1) > kv.num_usable:
                 return None
             return False
         kv.touch(hits)
