@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 
 import pytest
 
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, Stored, decode_batch, encode_batch
+from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Stored, decode_batch, encode_batch
 from kvroute_common.hashing import block_hashes
-from mocker.engine import FINISH_LENGTH, FINISH_STOP, RankScheduler, Sequence, sequence_rng
+from mocker.engine import FINISH_LENGTH, FINISH_STOP, EngineRank, RankScheduler, Sequence, sequence_rng
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
 
@@ -35,6 +36,9 @@ class Collector:
     def __init__(self):
         self.tokens: list[int] = []
         self.reason = None
+
+    def finished(self) -> bool:
+        return self.reason is not None
 
     def __call__(self, token, reason):
         if token is not None:
@@ -315,6 +319,50 @@ def test_events_encode_as_vllm_batches():
     batch = decode_batch(payload)
     assert batch.dp_rank == 1 and len(batch.events) == 1
     assert isinstance(batch.events[0], Stored) and len(batch.events[0].block_hashes) == 2
+
+
+async def _until(predicate: Callable[[], object], max_turns: int = 10_000) -> None:
+    """Let the engine task run until ``predicate`` holds (zero-delay steps: event-loop turns, no clock)."""
+    for _ in range(max_turns):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+def test_events_published_after_the_step_and_a_reset_with_the_next_step():
+    """As vLLM (events taken and published in update_from_output): nothing of a step goes out while
+    it runs, one batch per step once it ran, and a reset's AllBlocksCleared waits for the next step."""
+
+    async def slow_step_publishes_nothing_yet() -> None:
+        published: list[list[KVCacheEvent]] = []
+        er = EngineRank(0, make(speed=1e-4), published.append)  # a step of minutes
+        er.start()
+        r, _ = seq("a", list(range(1, 1 + 2 * BS)), max_tokens=1)
+        er.submit(r)
+        await _until(lambda: er.scheduler.num_running == 1)
+        await asyncio.sleep(0)
+        assert published == [] and len(er.scheduler.kv.cached) == 2  # cached at scheduling, not yet published
+        await er.stop()
+
+    async def reset_waits_for_the_next_step() -> None:
+        published: list[list[KVCacheEvent]] = []
+        er = EngineRank(0, make(speed=0), published.append)
+        er.start()
+        for rid in ("a", "b"):
+            r, c = seq(rid, list(range(1, 1 + 2 * BS)), max_tokens=1)
+            er.submit(r)
+            await _until(c.finished)
+            if rid == "a":
+                assert [[type(e) for e in b] for b in published] == [[BlockStored]]
+                assert er.reset_prefix_cache()
+                await asyncio.sleep(0)
+                assert len(published) == 1  # not published on its own
+        assert [[type(e) for e in b] for b in published] == [[BlockStored], [AllBlocksCleared, BlockStored]]
+        await er.stop()
+
+    asyncio.run(slow_step_publishes_nothing_yet())
+    asyncio.run(reset_waits_for_the_next_step())
 
 
 def test_perf_model():
