@@ -364,14 +364,19 @@ class Normaliser:
         return ("removed", refs, ev.medium, ev.group_idx, ev.locality)
 
     def batch(self, payload: bytes, op: Op) -> list[tuple[Any, ...]]:
-        out: list[tuple[Any, ...]] = []
-        for ev in wire.decode_batch(payload).events:
+        """The batch's DP rank, then its events, each with the keys it carries on the wire (the
+        decoder drops some fields, e.g. ``lora_id``; the keys show that both engines send them)."""
+        decoded = wire.decode_batch(payload)
+        raw = msgspec.msgpack.decode(payload)[1]
+        out: list[tuple[Any, ...]] = [("batch", decoded.dp_rank)]
+        for ev, raw_ev in zip(decoded.events, raw, strict=True):
+            keys = tuple(raw_ev) if isinstance(raw_ev, dict) else ("array-form",)
             if isinstance(ev, wire.Stored):
-                out.append(self.stored(ev, op))
+                out.append((*self.stored(ev, op), keys, raw_ev.get("lora_id")))
             elif isinstance(ev, wire.Removed):
-                out.append(self.removed(ev, op))
+                out.append((*self.removed(ev, op), keys))
             else:
-                out.append(("cleared",))
+                out.append(("cleared", keys))
         return out
 
 
@@ -473,7 +478,8 @@ def recordings(vllm_engine: VllmEngine, mocker_target: Target) -> dict[str, Reco
 def describe(ev: tuple[Any, ...]) -> str:
     if ev[0] == "stored":
         n_gen = sum(1 for t in ev[3] if t == MASK)
-        return f"stored parent={ev[1]} blocks={list(ev[2])} ({n_gen} generated tokens) {dict(ev[4])}"
+        fields = f"{dict(ev[4])} wire keys={ev[5]} lora_id={ev[6]}"
+        return f"stored parent={ev[1]} blocks={list(ev[2])} ({n_gen} generated tokens) {fields}"
     return " ".join(map(str, ev))
 
 
