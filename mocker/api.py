@@ -298,7 +298,7 @@ def _params(m: Mocker, body: dict, prompt_len: int, chat: bool) -> Params:
             "completion). Please reduce the length of the messages or completion.",
             "max_tokens",
         )
-    capacity = m.cfg.num_gpu_blocks * m.cfg.block_size
+    capacity = (m.cfg.num_gpu_blocks - 1) * m.cfg.block_size  # block 0 is the null block, as in vLLM
     if prompt_len + 1 > capacity:
         raise OpenAIError(400, f"the prompt has {prompt_len} tokens but the KV cache holds only {capacity} tokens")
     p.max_tokens = max_tokens

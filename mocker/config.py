@@ -49,6 +49,8 @@ class MockerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.num_gpu_blocks < 2:
+            raise ValueError("--num-gpu-blocks must be >= 2 (block 0 is the null block, as in vLLM)")
         if self.stall_after_tokens is not None and self.stall_after_tokens < 0:
             raise ValueError("--stall-after-tokens must be >= 0")
         if self.speedup_ratio < 0:

@@ -5,9 +5,9 @@ pass (running sequences first, one decode token each or the next prefill chunk, 
 sequences by priority within the token budget, preempting the lowest-priority newest running
 sequence when blocks run out, and registers the blocks the step fills in the prefix cache, as
 vLLM does at scheduling) and ``commit()`` applies it once the simulated time has passed (samples
-one token for every sequence whose known tokens are all computed). ``EngineRank`` drives it from asyncio: it sleeps
-for the modelled step time, so an
-idle or busy engine costs almost no CPU.
+one token for every sequence whose known tokens are all computed). ``EngineRank`` drives it from
+asyncio: it sleeps for the modelled step time, so an idle or busy engine costs almost no CPU, and
+publishes the step's KV events once the step has run (vLLM publishes them in update_from_output).
 
 Generated tokens are deterministic: each sequence draws from its own RNG seeded by the engine
 seed, the request seed and the prompt, from a fixed list of word-like token ids; without
@@ -201,7 +201,7 @@ class RankScheduler:
         return bool(self.by_id)
 
     def capacity_tokens(self) -> int:
-        return self.kv.num_blocks * self.block_size
+        return self.kv.num_usable * self.block_size
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.by_id:
@@ -337,7 +337,7 @@ class RankScheduler:
         num_new = min(total - computed, budget)
         need = self._blocks_for(computed + num_new) - len(hits)
         if need > kv.num_free - kv.num_evictable_in(hits):
-            if not self.running and self._blocks_for(total + 1) > kv.num_blocks:
+            if not self.running and self._blocks_for(total + 1) > kv.num_usable:
                 return None
             return False
         kv.touch(hits)
@@ -475,9 +475,9 @@ class EngineRank:
             self.publish(events)
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.scheduler.reset_prefix_cache()
-        self.flush_events()
-        return ok
+        """Forget the cached blocks. The AllBlocksCleared event is published with the next step's
+        batch, not now: vLLM queues it in the block pool and publishes the queue after a step."""
+        return self.scheduler.reset_prefix_cache()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -490,14 +490,16 @@ class EngineRank:
             started = loop.time()
             try:
                 step = sched.schedule()
-                self.flush_events()  # the step's evictions and newly cached blocks, like vLLM at scheduling
                 if not step.items:
                     # nothing can run now (e.g. memory held by requests that just finished)
+                    self.flush_events()
                     await asyncio.sleep(0.001)
                     continue
                 delay = started + step.seconds - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)
                 sched.commit(step)
+                # one batch per step once it has run (its evictions and newly cached blocks, and an
+                # AllBlocksCleared queued since the last step): vLLM publishes in update_from_output
                 self.flush_events()
             except asyncio.CancelledError:
                 raise

@@ -1,15 +1,23 @@
 """A paged KV cache with prefix caching, modelled on vLLM's block pool (one per DP rank).
 
-* ``num_blocks`` physical blocks of ``block_size`` tokens. A block is *active* while running
-  sequences reference it (``ref > 0``) and *free* otherwise.
+* ``num_blocks`` physical blocks of ``block_size`` tokens, block 0 of which is vLLM's null block
+  (a placeholder never handed out): ``--num-gpu-blocks-override N`` leaves N - 1 usable blocks
+  in vLLM, and so here. A block is *active* while running sequences reference it (``ref > 0``)
+  and *free* otherwise.
 * Full blocks are content-addressed by the chained sequence hash of their tokens
   (``kvroute_common.hashing``), so a new sequence reuses the longest cached prefix. A freed block keeps
   its content until it is reallocated: free blocks form one eviction queue (front = evicted
   first). A sequence's blocks are freed tail first, so within a sequence the leaves go before
   their prefix and across sequences the least recently used goes first (vLLM's order).
-* Every change to what is cached is recorded as a KV event (``BlockStored`` when a full block is
-  first cached, ``BlockRemoved`` when a cached block is reallocated, ``AllBlocksCleared`` on
-  reset) for the engine to publish once per scheduler step.
+* Like vLLM, cached content is not de-duplicated: a block computed while an identical one is
+  cached (the last block of a fully cached prompt, which is always recomputed; identical prompts
+  in flight) is cached too, under the same hash. Lookups find the oldest copy; every copy is
+  evicted, and reported, on its own.
+* Every change to what is cached is recorded as a KV event, with the fields vLLM fills for a
+  plain full-attention model (``group_idx`` 0, ``kv_cache_spec_kind``, one ``extra_keys`` entry per
+  block): ``BlockStored`` when full blocks are cached (one event per sequence and step),
+  ``BlockRemoved`` when a cached block is reallocated (one event per block), ``AllBlocksCleared``
+  on reset. The engine publishes them once per scheduler step.
 
 External block hashes (what the events carry) are ``xxh3_64(le64(sequence_hash), seed)`` with a
 per-process seed, so they look like vLLM's: opaque u64 values unrelated to the router's hashes,
@@ -26,6 +34,8 @@ import xxhash
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 MEDIUM_GPU = "GPU"
+GROUP_IDX = 0  # the single KV cache group of a plain decoder
+SPEC_KIND = "full_attention"  # vLLM's kv_cache_spec_kind of that group
 _pack_u64 = struct.Struct("<Q").pack
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -48,15 +58,17 @@ class KvCache:
     """Block pool + prefix cache of one DP rank. Synchronous; no I/O."""
 
     def __init__(self, num_blocks: int, block_size: int, ext_seed: int, emit_events: bool = True) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError("num_blocks and block_size must be positive")
+        if num_blocks < 2 or block_size <= 0:
+            raise ValueError("num_blocks must be >= 2 (one is the null block) and block_size positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ext_seed = ext_seed
         self.emit_events = emit_events
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self.blocks)
-        self.cached: dict[int, Block] = {}  # sequence hash -> block holding that content
+        # block 0 is the null block: never free, never cached (vLLM's BlockPool.null_block)
+        self.free: OrderedDict[int, Block] = OrderedDict((b.id, b) for b in self.blocks[1:])
+        self.cached: dict[int, Block] = {}  # sequence hash -> oldest block holding that content
+        self.copies: dict[int, list[Block]] = {}  # sequence hash -> younger copies, oldest first
         self.events: list[KVCacheEvent] = []
 
     # -- queries ---------------------------------------------------------------------------
@@ -66,17 +78,22 @@ class KvCache:
         return _xxh3(_pack_u64(seq_hash), self.ext_seed)
 
     @property
+    def num_usable(self) -> int:
+        """Blocks sequences can hold: all but the null block."""
+        return self.num_blocks - 1
+
+    @property
     def num_free(self) -> int:
         return len(self.free)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_usable - len(self.free)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by running sequences (vLLM's kv_cache_usage_perc)."""
-        return self.num_used / self.num_blocks
+        """Fraction of usable blocks referenced by running sequences (vLLM's kv_cache_usage_perc)."""
+        return self.num_used / self.num_usable
 
     def longest_prefix(self, seq_hashes: list[int], max_blocks: int) -> list[Block]:
         """Cached blocks matching the first blocks of ``seq_hashes`` (at most ``max_blocks``)."""
@@ -110,35 +127,50 @@ class KvCache:
         if n > len(self.free):
             return None
         out: list[Block] = []
-        removed: list[int] = []
         popitem = self.free.popitem
         for _ in range(n):
             _, b = popitem(last=False)
             if b.seq_hash is not None:
-                if self.cached.get(b.seq_hash) is b:
-                    del self.cached[b.seq_hash]
-                    assert b.ext_hash is not None  # a cached block has all its hashes
-                    removed.append(b.ext_hash)
-                b.seq_hash = b.local_hash = b.ext_hash = b.parent_ext = None
+                self._evict(b)
             b.ref = 1
             out.append(b)
-        if removed and self.emit_events:
-            self.events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM_GPU))
         return out
+
+    def _evict(self, b: Block) -> None:
+        """Forget a cached block's content (a younger copy, if any, serves lookups from now on)."""
+        h = b.seq_hash
+        assert h is not None and b.ext_hash is not None  # a cached block has all its hashes
+        copies = self.copies.get(h)
+        if self.cached.get(h) is b:
+            if copies:
+                self.cached[h] = copies.pop(0)
+            else:
+                del self.cached[h]
+        elif copies is not None:
+            copies.remove(b)
+        if copies is not None and not copies:
+            del self.copies[h]
+        if self.emit_events:  # one event per block, as vLLM's BlockPool._emit_block_removed_events
+            self.events.append(BlockRemoved(block_hashes=[b.ext_hash], medium=MEDIUM_GPU, group_idx=GROUP_IDX))
+        b.seq_hash = b.local_hash = b.ext_hash = b.parent_ext = None
 
     def release(self, blocks: list[Block]) -> None:
         """Drop one reference from each of a sequence's blocks, tail first (leaves evicted first).
 
-        Blocks without cached content go to the front of the queue: they hold nothing worth
-        keeping, so they are reused before any cached block is evicted.
+        Blocks without cached content go to the front of the queue, the sequence's tail block
+        first (vLLM's free_blocks: prepended in the order freed): they hold nothing worth keeping,
+        so they are reused before any cached block is evicted.
         """
         free = self.free
+        uncached: list[Block] = []
         for b in reversed(blocks):
             b.ref -= 1
             if b.ref == 0:
                 free[b.id] = b
                 if b.seq_hash is None:
-                    free.move_to_end(b.id, last=False)
+                    uncached.append(b)
+        for b in reversed(uncached):
+            free.move_to_end(b.id, last=False)
 
     def cache_blocks(
         self,
@@ -150,51 +182,40 @@ class KvCache:
     ) -> None:
         """Mark ``blocks[start:len(seq_hashes)]`` (now full and computed) as cached content.
 
-        If another block already caches the same content (two identical prompts computed at the
-        same time), the sequence switches to that block and frees its own copy, so every full
-        block a running sequence holds is cached and a parent is never evicted before its child.
-        Consecutive newly cached blocks become one BlockStored event.
+        As vLLM's cache_full_blocks: a block whose content another block already caches is cached
+        as one more copy (block tables are append-only, nothing is de-duplicated), and all the
+        blocks become one BlockStored event whose parent is block ``start - 1``.
         """
         bs = self.block_size
-        pending_hashes: list[int] = []
-        pending_tokens: list[int] = []
-        pending_parent: int | None = None
-        for i in range(start, len(seq_hashes)):
+        end = len(seq_hashes)
+        if start >= end:
+            return
+        hashes: list[int] = []
+        for i in range(start, end):
             b = blocks[i]
+            assert b.seq_hash is None, "only newly allocated blocks become full"
             h = seq_hashes[i]
-            if b.seq_hash is not None:  # reused from the prefix cache
-                continue
-            other = self.cached.get(h)
-            if other is not None:
-                self.touch([other])
-                self.release([b])
-                blocks[i] = other
-                if pending_hashes:
-                    self._stored(pending_hashes, pending_parent, pending_tokens)
-                    pending_hashes, pending_tokens = [], []
-                continue
-            parent_ext = self.ext_hash(seq_hashes[i - 1]) if i > 0 else None
             ext = self.ext_hash(h)
-            b.seq_hash, b.local_hash, b.ext_hash, b.parent_ext = h, local_hashes[i], ext, parent_ext
-            self.cached[h] = b
-            if not pending_hashes:
-                pending_parent = parent_ext
-            pending_hashes.append(ext)
-            pending_tokens.extend(tokens[i * bs : (i + 1) * bs])
-        if pending_hashes:
-            self._stored(pending_hashes, pending_parent, pending_tokens)
-
-    def _stored(self, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
+            b.seq_hash, b.local_hash, b.ext_hash = h, local_hashes[i], ext
+            b.parent_ext = self.ext_hash(seq_hashes[i - 1]) if i > 0 else None
+            if h in self.cached:
+                self.copies.setdefault(h, []).append(b)
+            else:
+                self.cached[h] = b
+            hashes.append(ext)
         if self.emit_events:
             self.events.append(
                 BlockStored(
                     block_hashes=hashes,
-                    parent_block_hash=parent,
-                    token_ids=tokens,
-                    block_size=self.block_size,
+                    parent_block_hash=blocks[start].parent_ext,
+                    token_ids=tokens[start * bs : end * bs],
+                    block_size=bs,
                     lora_id=None,
                     medium=MEDIUM_GPU,
                     lora_name=None,
+                    extra_keys=[None] * len(hashes),
+                    group_idx=GROUP_IDX,
+                    kv_cache_spec_kind=SPEC_KIND,
                 )
             )
 
@@ -205,6 +226,7 @@ class KvCache:
         for b in self.blocks:
             b.seq_hash = b.local_hash = b.ext_hash = b.parent_ext = None
         self.cached.clear()
+        self.copies.clear()
         if self.emit_events:
             self.events.append(AllBlocksCleared())
         return True
@@ -214,7 +236,7 @@ class KvCache:
         return events
 
     def snapshot(self) -> list[dict]:
-        """The cached blocks (for debugging and tests): external, parent and local hashes."""
+        """The cached blocks, copies included (for debugging and tests): external, parent and local hashes."""
         return [
             {
                 "block_hash": b.ext_hash,
@@ -223,5 +245,6 @@ class KvCache:
                 "sequence_hash": b.seq_hash,
                 "active": b.ref > 0,
             }
-            for b in self.cached.values()
+            for h, first in self.cached.items()
+            for b in (first, *self.copies.get(h, ()))
         ]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Callable
 
 import pytest
 
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, encode_batch
+from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, Stored, decode_batch, encode_batch
 from kvroute_common.hashing import block_hashes
-from mocker.engine import FINISH_LENGTH, FINISH_STOP, RankScheduler, Sequence, sequence_rng
+from mocker.engine import FINISH_LENGTH, FINISH_STOP, EngineRank, RankScheduler, Sequence, sequence_rng
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
 
@@ -34,6 +36,9 @@ class Collector:
     def __init__(self):
         self.tokens: list[int] = []
         self.reason = None
+
+    def finished(self) -> bool:
+        return self.reason is not None
 
     def __call__(self, token, reason):
         if token is not None:
@@ -63,6 +68,9 @@ def test_prefix_reuse_and_stored_events_match_prompt_blocks():
     tokens = [t for e in events for t in e.token_ids]
     assert len(hashes) == 4 and tokens == prompt[: 4 * BS]
     assert events[0].parent_block_hash is None and events[0].medium == "GPU" and events[0].block_size == BS
+    # the fields vLLM fills for a plain full-attention model
+    assert all(e.group_idx == 0 and e.kv_cache_spec_kind == "full_attention" for e in events)
+    assert [k for e in events for k in e.extra_keys or ()] == [None] * 4
     local, seqh = block_hashes(prompt, BS)
     assert [b["tokens_hash"] for b in s.kv.snapshot()] == local[:4]
     assert hashes == [s.kv.ext_hash(h) for h in seqh[:4]]
@@ -91,7 +99,7 @@ def test_full_prompt_hit_still_computes_last_token():
 
 
 def test_eviction_is_lru_leaves_first_and_reported():
-    s = make(num_blocks=6)
+    s = make(num_blocks=7)  # 6 usable blocks + the null block
     p1 = list(range(100, 100 + 3 * BS))
     p2 = list(range(300, 300 + 3 * BS))
     for rid, p in (("a", p1), ("b", p2)):
@@ -109,6 +117,19 @@ def test_eviction_is_lru_leaves_first_and_reported():
     assert set(s.kv.cached) >= set(block_hashes(p2, BS)[1]) and block_hashes(p1, BS)[1][0] in s.kv.cached
 
 
+def test_block_zero_is_the_null_block():
+    """vLLM's --num-gpu-blocks-override N leaves N - 1 usable blocks (block 0 is a placeholder);
+    kv_cache_usage_perc counts the usable ones."""
+    s = make(num_blocks=9)
+    assert s.kv.num_usable == s.kv.num_free == 8 and s.kv.num_used == 0 and 0 not in s.kv.free
+    r, _ = seq("a", list(range(1, 1 + 4 * BS)), max_tokens=100, ignore_eos=True)
+    s.add(r)
+    s.commit(s.schedule())
+    assert s.kv.num_used == 4 and s.kv.usage == 4 / 8
+    assert s.capacity_tokens() == 8 * BS
+    assert s.abort("a") and s.kv.num_used == 0
+
+
 def test_preemption_when_out_of_blocks_and_everyone_finishes():
     s = make(num_blocks=8, budget=64)
     seqs = []
@@ -120,7 +141,7 @@ def test_preemption_when_out_of_blocks_and_everyone_finishes():
     assert s.stats.preemptions > 0
     for _, c in seqs:
         assert c.reason == FINISH_LENGTH and len(c.tokens) == 12
-    assert s.kv.num_free == 8
+    assert s.kv.num_free == s.kv.num_usable == 7
 
 
 def test_outputs_are_deterministic_and_preemption_does_not_change_them():
@@ -159,13 +180,21 @@ def test_natural_eos_min_tokens_and_stop_token_ids():
 
 def test_priority_orders_admission():
     s = make(max_seqs=1)
-    order = []
+    order: list[str] = []
+
+    def finished_sink(rid: str) -> Callable[[int | None, str | None], None]:
+        def sink(_token: int | None, reason: str | None) -> None:
+            if reason:
+                order.append(rid)
+
+        return sink
+
     for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
         r = Sequence(
             rid,
             [1] * 5,
             1,
-            lambda t, reason, rid=rid: reason and order.append(rid),
+            finished_sink(rid),
             sequence_rng(0, None, [1]),
             priority=prio,
         )
@@ -207,16 +236,53 @@ def test_prompt_larger_than_cache_is_finished_not_stuck():
     assert c.reason == FINISH_LENGTH and c.tokens == []
 
 
-def test_identical_prompts_in_flight_share_blocks():
+def test_identical_prompts_in_flight_cache_a_copy_like_vllm():
+    """vLLM does not de-duplicate: b, admitted in the same step, hits a's first two blocks (its last
+    block is always recomputed) and caches its own copy of the third, reported again."""
     s = make()
     prompt = list(range(1, 1 + 3 * BS))
     for rid in ("a", "b"):
-        r, _ = seq(rid, prompt, max_tokens=3, ignore_eos=True)
+        r, _ = seq(rid, prompt, max_tokens=1)
         s.add(r)
     run_to_completion(s)
-    hashes = [h for e in stored_events(s.kv) for h in e.block_hashes]
-    assert len(hashes) == len(set(hashes))  # every block stored once
-    assert len(s.kv.cached) == 3
+    events = stored_events(s.kv)
+    ext = [s.kv.ext_hash(h) for h in block_hashes(prompt, BS)[1]]
+    assert [(e.block_hashes, e.parent_block_hash) for e in events] == [(ext, None), (ext[2:], ext[1])]
+    assert len(s.kv.cached) == 3 and len(s.kv.snapshot()) == 4
+
+
+def test_copies_are_evicted_and_reported_one_by_one():
+    """A fully cached prompt sent again recomputes its last block into a copy (vLLM: a second
+    BlockStored of the same hash); lookups use the oldest copy, and each copy's eviction is its
+    own BlockRemoved, so the hash stays cached until the last copy goes."""
+    s = make(num_blocks=5)  # 4 usable
+    prompt = list(range(1, 1 + 2 * BS))
+    for rid in ("a", "b"):
+        r, _ = seq(rid, prompt, max_tokens=1)
+        s.add(r)
+        run_to_completion(s)
+    ext = [s.kv.ext_hash(h) for h in block_hashes(prompt, BS)[1]]
+    assert [(e.block_hashes, e.parent_block_hash) for e in stored_events(s.kv)] == [(ext, None), (ext[1:], ext[0])]
+    assert len(s.kv.snapshot()) == 3
+    h1 = block_hashes(prompt, BS)[1][1]
+    # free queue (front first): a's copy of block 1, b's copy, block 0 (freed last, by b)
+    r, _ = seq("c", list(range(100, 100 + 2 * BS - 1)), max_tokens=1)  # two blocks: one free, one evicted
+    s.add(r)
+    run_to_completion(s)
+    removed = [e for e in s.kv.take_events() if isinstance(e, BlockRemoved)]
+    assert [e.block_hashes for e in removed] == [[ext[1]]]
+    assert all(e.group_idx == 0 and e.medium == "GPU" for e in removed)
+    assert h1 in s.kv.cached and not s.kv.copies  # b's copy now serves lookups
+    r, _ = seq("e", prompt + [7], max_tokens=1)
+    s.add(r)
+    run_to_completion(s)
+    assert r.num_cached_tokens == 2 * BS
+    s.kv.take_events()
+    r, _ = seq("d", list(range(200, 200 + 3 * BS - 1)), max_tokens=1)  # evicts c's block, then b's copy
+    s.add(r)
+    run_to_completion(s)
+    removed = [e for e in s.kv.take_events() if isinstance(e, BlockRemoved)]
+    assert len(removed) == 2 and removed[1].block_hashes == [ext[1]] and h1 not in s.kv.cached
 
 
 def test_random_workload_keeps_accounting_consistent():
@@ -236,7 +302,10 @@ def test_random_workload_keeps_accounting_consistent():
         held = sum(len(q.blocks) for q in s.running)
         assert refs == held
         assert all(b.ref == 0 for b in s.kv.free.values())
-        assert all(s.kv.cached[b.seq_hash] is b for b in s.kv.blocks if b.seq_hash is not None)
+        for b in s.kv.blocks:  # every cached block is its hash's oldest copy or a younger one
+            if b.seq_hash is not None:
+                assert s.kv.cached[b.seq_hash] is b or b in s.kv.copies[b.seq_hash]
+        assert all(c.seq_hash == h for h, cs in s.kv.copies.items() for c in cs) and all(s.kv.copies.values())
     run_to_completion(s)
     assert s.kv.num_used == 0
 
@@ -248,7 +317,52 @@ def test_events_encode_as_vllm_batches():
     run_to_completion(s)
     payload = encode_batch(s.kv.take_events(), 1)
     batch = decode_batch(payload)
-    assert batch.dp_rank == 1 and len(batch.events) == 1 and len(batch.events[0].block_hashes) == 2
+    assert batch.dp_rank == 1 and len(batch.events) == 1
+    assert isinstance(batch.events[0], Stored) and len(batch.events[0].block_hashes) == 2
+
+
+async def _until(predicate: Callable[[], object], max_turns: int = 10_000) -> None:
+    """Let the engine task run until ``predicate`` holds (zero-delay steps: event-loop turns, no clock)."""
+    for _ in range(max_turns):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+def test_events_published_after_the_step_and_a_reset_with_the_next_step():
+    """As vLLM (events taken and published in update_from_output): nothing of a step goes out while
+    it runs, one batch per step once it ran, and a reset's AllBlocksCleared waits for the next step."""
+
+    async def slow_step_publishes_nothing_yet() -> None:
+        published: list[list[KVCacheEvent]] = []
+        er = EngineRank(0, make(speed=1e-4), published.append)  # a step of minutes
+        er.start()
+        r, _ = seq("a", list(range(1, 1 + 2 * BS)), max_tokens=1)
+        er.submit(r)
+        await _until(lambda: er.scheduler.num_running == 1)
+        await asyncio.sleep(0)
+        assert published == [] and len(er.scheduler.kv.cached) == 2  # cached at scheduling, not yet published
+        await er.stop()
+
+    async def reset_waits_for_the_next_step() -> None:
+        published: list[list[KVCacheEvent]] = []
+        er = EngineRank(0, make(speed=0), published.append)
+        er.start()
+        for rid in ("a", "b"):
+            r, c = seq(rid, list(range(1, 1 + 2 * BS)), max_tokens=1)
+            er.submit(r)
+            await _until(c.finished)
+            if rid == "a":
+                assert [[type(e) for e in b] for b in published] == [[BlockStored]]
+                assert er.reset_prefix_cache()
+                await asyncio.sleep(0)
+                assert len(published) == 1  # not published on its own
+        assert [[type(e) for e in b] for b in published] == [[BlockStored], [AllBlocksCleared, BlockStored]]
+        await er.stop()
+
+    asyncio.run(slow_step_publishes_nothing_yet())
+    asyncio.run(reset_waits_for_the_next_step())
 
 
 def test_perf_model():
