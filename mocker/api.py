@@ -86,6 +86,8 @@ class Mocker:
 
     def __init__(self, cfg: MockerConfig) -> None:
         self.cfg = cfg
+        self.adapters = cfg.adapters()  # LoRA adapter -> path
+        self.adapter_ids = {name: i for i, name in enumerate(self.adapters, 1)}
         self.tokenizer = load_tokenizer(cfg.model_path)
         self.started = int(time.time())
         tok = self.tokenizer
@@ -337,9 +339,9 @@ def _check_model(m: Mocker, body: dict) -> str:
     name = m.cfg.served_model_name
     if model is None or model == "":
         return name
-    if model != name:
+    if model != name and model not in m.adapters:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
-    return name
+    return str(model)
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,6 +412,8 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
         priority=p.priority,
     )
     seq.remote_tokens = p.remote_tokens
+    if model in m.adapters:  # its blocks are keyed by the adapter, as vLLM's are
+        seq.lora_name, seq.lora_id = model, m.adapter_ids[model]
     engine = m.ranks[rank]
     engine.submit(seq)
     created = int(time.time())
@@ -729,6 +733,19 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
                         "max_model_len": cfg.max_model_len,
                         "permission": [],
                     }
+                ]
+                + [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": m.started,
+                        "owned_by": cfg.impersonate,
+                        "root": path,
+                        "parent": cfg.served_model_name,
+                        "max_model_len": None,
+                        "permission": [],
+                    }
+                    for name, path in m.adapters.items()
                 ],
             }
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvroute_common.tokenizer import DEFAULT_MODEL_NAME
 
@@ -36,6 +36,13 @@ class MockerConfig:
     server_info: bool = True
     role: str = "both"  # disaggregated serving: prefill | decode | both
     impersonate: str = "vllm"  # vllm | sglang: what /metrics, /v1/models and the server-info endpoint look like
+    # LoRA adapters served beside the model, vLLM's NAME=PATH (the path is only listed: no weights)
+    lora_modules: list[str] = field(default_factory=list)
+    enable_lora: bool = False
+
+    def adapters(self) -> dict[str, str]:
+        """Adapter name -> path, in the order given (vLLM numbers them 1, 2, ... as lora_id)."""
+        return {item.split("=", 1)[0]: item.split("=", 1)[1] for item in self.lora_modules}
 
     def validate(self) -> None:
         for name in (
@@ -57,6 +64,10 @@ class MockerConfig:
             raise ValueError("--speedup-ratio must be >= 0 (0 = no simulated delay)")
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}")
+        for item in self.lora_modules:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path or name == self.served_model_name:
+                raise ValueError(f"--lora-modules {item!r}: give NAME=PATH, NAME not the served model's")
         if self.impersonate not in IMPERSONATE:
             raise ValueError(f"--impersonate must be one of {', '.join(IMPERSONATE)}")
         if not 0 < self.port < 65536:
@@ -152,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
         "kvroute_mocker_info, /server_info) or sglang (sglang:* metrics, owned_by sglang, SGLang's "
         "GET /get_server_info); the engine inside stays the same",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served beside the model (vLLM's syntax): listed in /v1/models with the model as "
+        "parent; their requests' blocks are keyed by the adapter (lora_name in the KV events)",
+    )
+    p.add_argument("--enable-lora", action="store_true", help="accepted for vLLM compatibility (no effect)")
     return p
 
 

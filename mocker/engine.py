@@ -76,6 +76,8 @@ class Sequence:
         "num_preemptions",
         "scheduled_once",
         "remote_tokens",
+        "lora_name",
+        "lora_id",
     )
 
     def __init__(
@@ -118,6 +120,8 @@ class Sequence:
         # disaggregated decode: leading prompt tokens whose KV a prefill engine computed and this
         # engine receives by transfer (vLLM NIXL do_remote_prefill); never recomputed at admission
         self.remote_tokens = 0
+        self.lora_name: str | None = None  # a LoRA adapter's request: its blocks are keyed by the adapter
+        self.lora_id: int | None = None
 
     def update_hashes(self, block_size: int) -> None:
         """Extend the block hashes to every full block of the known tokens."""
@@ -125,7 +129,7 @@ class Sequence:
         have = len(self.seq_hashes)
         if n_full <= have:
             return
-        local = local_block_hashes(self.tokens[have * block_size : n_full * block_size], block_size)
+        local = local_block_hashes(self.tokens[have * block_size : n_full * block_size], block_size, self.lora_name)
         self.local_hashes.extend(local)
         self.seq_hashes.extend(sequence_hashes(local, self.seq_hashes[-1] if have else None))
 
@@ -368,7 +372,13 @@ class RankScheduler:
         if n_full > seq.num_cached_blocks:
             seq.update_hashes(self.block_size)
             self.kv.cache_blocks(
-                seq.blocks, seq.num_cached_blocks, seq.seq_hashes[:n_full], seq.local_hashes, seq.tokens
+                seq.blocks,
+                seq.num_cached_blocks,
+                seq.seq_hashes[:n_full],
+                seq.local_hashes,
+                seq.tokens,
+                seq.lora_name,
+                seq.lora_id,
             )
             seq.num_cached_blocks = n_full
 

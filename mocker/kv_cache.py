@@ -179,6 +179,8 @@ class KvCache:
         seq_hashes: list[int],
         local_hashes: list[int],
         tokens: list[int],
+        lora_name: str | None = None,
+        lora_id: int | None = None,
     ) -> None:
         """Mark ``blocks[start:len(seq_hashes)]`` (now full and computed) as cached content.
 
@@ -210,9 +212,9 @@ class KvCache:
                     parent_block_hash=blocks[start].parent_ext,
                     token_ids=tokens[start * bs : end * bs],
                     block_size=bs,
-                    lora_id=None,
+                    lora_id=lora_id,
                     medium=MEDIUM_GPU,
-                    lora_name=None,
+                    lora_name=lora_name,
                     extra_keys=[None] * len(hashes),
                     group_idx=GROUP_IDX,
                     kv_cache_spec_kind=SPEC_KIND,
