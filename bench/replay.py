@@ -377,32 +377,15 @@ def replay_mode(trace: Trace, mode: str | ModeSpec, opts: RunOptions, progress=p
             progress(
                 f"[{spec.label}] {opts.workers} cold workers + frontend ready in {time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})"
             )
+        assert cluster.frontend_url is not None
         metrics_urls = [w.metrics_url for w in cluster.workers]
-        before = scrape_cache_counters(metrics_urls)
-        results, wall = asyncio.run(
-            run_schedule(
-                cluster.frontend_url,
-                trace,
-                opts.model,
-                opts.max_concurrency,
-                opts.max_duration_s,
-                opts.request_timeout_s,
-                spec.label,
-                progress,
-            )
-        )
-        cluster.check_alive()
-        after = scrape_cache_counters(metrics_urls)
+        summary = measure(trace, cluster.frontend_url, spec.label, metrics_urls, opts, progress, cluster.check_alive)
     finally:
         cluster.stop()
-    summary = summarize(results, wall)
-    summary["mode"] = spec.label
     summary["router_mode"] = spec.router_mode
     summary["frontend_args"] = list(frontend_args)
     if spec.prefill_workers:
         summary["prefill_workers"] = spec.prefill_workers
-    summary["cache"] = cache_delta(before, after)
-    summary["hit_rate"] = summary["cache"]["hit_rate"] if summary["cache"] else None
     return summary
 
 
@@ -413,37 +396,60 @@ def replay_mode_or_failure(trace: Trace, spec: ModeSpec, opts: RunOptions, progr
     except (RuntimeError, TimeoutError, OSError) as exc:
         if progress:
             progress(f"[{spec.label}] run failed: {exc}")
-        n = len(trace.requests)
-        row = summarize([RequestResult(r.index, r.arrival_s, error=f"run failed: {exc}") for r in trace.requests], 0.0)
-        row.update(
-            {
-                "mode": spec.label,
-                "router_mode": spec.router_mode,
-                "frontend_args": list(spec.frontend_args),
-                "cache": None,
-                "hit_rate": None,
-            }
-        )
-        row["requests"] = n
-        return row
+        return failed_row(trace, spec, exc)
 
 
-def replay_url(
-    trace: Trace, url: str, label: str, metrics_urls: Sequence[str], opts: RunOptions, progress=print
+def failed_row(trace: Trace, spec: ModeSpec, exc: BaseException) -> dict:
+    """The row of a mode that could not run: every request failed with the reason (the table keeps it)."""
+    row = summarize([RequestResult(r.index, r.arrival_s, error=f"run failed: {exc}") for r in trace.requests], 0.0)
+    row.update(
+        {
+            "mode": spec.label,
+            "router_mode": spec.router_mode,
+            "frontend_args": list(spec.frontend_args),
+            "cache": None,
+            "hit_rate": None,
+        }
+    )
+    row["requests"] = len(trace.requests)
+    return row
+
+
+def measure(
+    trace: Trace,
+    url: str,
+    label: str,
+    metrics_urls: Sequence[str],
+    opts: RunOptions,
+    progress: Callable[[str], None] | None = print,
+    settle: Callable[[], None] | None = None,
 ) -> dict:
-    """One replay against an already running frontend (its router mode is whatever it was started with)."""
+    """Replay ``trace`` through the frontend at ``url`` between two reads of the workers' cache counters.
+
+    The measurement every setup shares (mockers per mode, an external frontend, real vLLM engines);
+    ``settle`` runs between the replay and the second read (check the workers, wait for them to idle).
+    """
     before = scrape_cache_counters(metrics_urls)
     results, wall = asyncio.run(
         run_schedule(
             url, trace, opts.model, opts.max_concurrency, opts.max_duration_s, opts.request_timeout_s, label, progress
         )
     )
+    if settle is not None:
+        settle()
     after = scrape_cache_counters(metrics_urls)
     summary = summarize(results, wall)
     summary["mode"] = label
     summary["cache"] = cache_delta(before, after) if metrics_urls else None
     summary["hit_rate"] = summary["cache"]["hit_rate"] if summary["cache"] else None
     return summary
+
+
+def replay_url(
+    trace: Trace, url: str, label: str, metrics_urls: Sequence[str], opts: RunOptions, progress=print
+) -> dict:
+    """One replay against an already running frontend (its router mode is whatever it was started with)."""
+    return measure(trace, url, label, metrics_urls, opts, progress)
 
 
 # -- reporting --------------------------------------------------------------------------------------
@@ -700,8 +706,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--output-scale", type=float, default=0.05)
     g.add_argument("--max-output-tokens", type=int, default=8)
     g.add_argument("--max-requests", type=int, default=0)
+    add_synthetic_args(p, SyntheticConfig())
+    return p
+
+
+def add_synthetic_args(p: argparse.ArgumentParser, d: SyntheticConfig) -> None:
+    """The built-in generator's flags (read back by ``build_trace``), with ``d``'s values as defaults:
+    shared with the real-engine benchmark, which needs a smaller workload than the mockers."""
     g = p.add_argument_group("synthetic multi-turn generator")
-    d = SyntheticConfig()
     g.add_argument("--sessions", type=int, default=d.sessions)
     g.add_argument("--turns", type=int, default=d.turns)
     g.add_argument("--system-prompts", type=int, default=d.system_prompts)
@@ -712,7 +724,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--start-window", type=float, default=d.start_window_s)
     g.add_argument("--think-time", type=float, default=d.think_s, help="mean exponential part of the gap between turns")
     g.add_argument("--think-min", type=float, default=d.think_min_s, help="minimum gap between a session's turns")
-    return p
 
 
 def parse_loads(text: str) -> list[float]:
