@@ -187,7 +187,7 @@ async def run_schedule(
             elif not succeeded.is_set() and sum(1 for r in results if r.error) >= fail_fast_errors:
                 aborted.set()  # nothing works: stop now instead of waiting out the time limit
 
-        tasks = [asyncio.create_task(one(req, res)) for req, res in zip(trace.requests, results)]
+        tasks = [asyncio.create_task(one(req, res)) for req, res in zip(trace.requests, results, strict=True)]
         reporter = (
             asyncio.create_task(_report(lambda: done, results, len(tasks), t0, label, progress, progress_every_s))
             if progress
@@ -213,12 +213,14 @@ async def run_schedule(
             res.error = f"cancelled ({why})" if res.sent else f"not sent ({why})"
     if aborted.is_set() and progress:
         progress(
-            f"[{label}] aborted: the first {fail_fast_errors} finished requests all failed, e.g. {next(r.error for r in results if r.error)}"
+            f"[{label}] aborted: the first {fail_fast_errors} finished requests all failed, "
+            f"e.g. {next(r.error for r in results if r.error)}"
         )
     if progress:
         errors = sum(1 for r in results if not r.ok)
         progress(
-            f"[{label}] finished {len(results) - errors}/{len(results)} requests in {wall:.1f} s ({errors} failed or unsent)"
+            f"[{label}] finished {len(results) - errors}/{len(results)} requests in {wall:.1f} s "
+            f"({errors} failed or unsent)"
         )
     return results, wall
 
@@ -305,7 +307,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict:
         "output_tok_per_s": round(sum(r.output_chunks for r in ok) / wall_s, 1) if wall_s > 0 else None,
         "prompt_tok_per_s": round(sum(r.prompt_tokens for r in ok) / wall_s, 1) if wall_s > 0 else None,
         "usage_cached_share": round(
-            sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_tokens for r in cached)), 4
+            sum(r.cached_tokens or 0 for r in cached) / max(1, sum(r.prompt_tokens for r in cached)), 4
         )
         if cached
         else None,
@@ -375,7 +377,8 @@ def replay_mode(trace: Trace, mode: str | ModeSpec, opts: RunOptions, progress=p
     try:
         if progress:
             progress(
-                f"[{spec.label}] {opts.workers} cold workers + frontend ready in {time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})"
+                f"[{spec.label}] {opts.workers} cold workers + frontend ready in "
+                f"{time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})"
             )
         assert cluster.frontend_url is not None
         metrics_urls = [w.metrics_url for w in cluster.workers]
@@ -471,12 +474,14 @@ def verdict(report: dict) -> list[str]:
         if row.get("hit_rate") is not None and orc:
             share = row["hit_rate"] / orc
             parts.append(
-                f"hit rate {row['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} (goal >= {hit_goal:.0%}: {'met' if share >= hit_goal else 'NOT met'})"
+                f"hit rate {row['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} "
+                f"(goal >= {hit_goal:.0%}: {'met' if share >= hit_goal else 'NOT met'})"
             )
         if rr and row["ttft_ms"]["p50"] and rr["ttft_ms"]["p50"]:
             ratio = row["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"]
             parts.append(
-                f"TTFT p50 = {ratio:.2f} x round_robin's (goal <= {ttft_goal:g}: {'met' if ratio <= ttft_goal else 'NOT met'})"
+                f"TTFT p50 = {ratio:.2f} x round_robin's "
+                f"(goal <= {ttft_goal:g}: {'met' if ratio <= ttft_goal else 'NOT met'})"
             )
         if latency and kv_rows and row["ttft_ms"]["p90"]:
             p90s = {k["mode"]: k["ttft_ms"]["p90"] for k in kv_rows if k["ttft_ms"]["p90"]}
@@ -484,7 +489,8 @@ def verdict(report: dict) -> list[str]:
             if best:
                 ok = row["ttft_ms"]["p90"] < best
                 parts.append(
-                    f"TTFT p90 {row['ttft_ms']['p90']:g} ms vs best kv {best:g} ms ({row['ttft_ms']['p90'] / best:.2f}x; goal < every kv weight: {'met' if ok else 'NOT met'})"
+                    f"TTFT p90 {row['ttft_ms']['p90']:g} ms vs best kv {best:g} ms "
+                    f"({row['ttft_ms']['p90'] / best:.2f}x; goal < every kv weight: {'met' if ok else 'NOT met'})"
                 )
         pooled = report.get("pooled_lru")
         if pooled and pooled.get("token_share") and row.get("hit_rate") is not None:
@@ -497,7 +503,8 @@ def verdict(report: dict) -> list[str]:
         if m["completed"] < m["requests"]:
             example = next(iter(m.get("error_examples", {}).values()), "")[:160]
             lines.append(
-                f"{m['mode']}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: {m['errors']} (e.g. {example})"
+                f"{m['mode']}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: "
+                f"{m['errors']} (e.g. {example})"
             )
     return lines
 
@@ -513,7 +520,8 @@ def fmt(v, unit: str = "") -> str:
 def markdown_table(report: dict) -> str:
     orc = report["oracle"]
     rows = [
-        "| mode | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | req/s | out tok/s | cache hit rate (workers' /metrics) | of oracle | completed |",
+        "| mode | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | req/s | out tok/s "
+        "| cache hit rate (workers' /metrics) | of oracle | completed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for m in report["modes"]:
@@ -521,19 +529,23 @@ def markdown_table(report: dict) -> str:
         hit = m.get("hit_rate")
         of = f"{hit / orc['token_share']:.0%}" if hit is not None and orc["token_share"] else "n/a"
         rows.append(
-            f"| {m['mode']} | {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} | {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} "
-            f"| {fmt(m['throughput_rps'])} | {fmt(m['output_tok_per_s'])} | {fmt(hit, '%')} | {of} | {m['completed']}/{m['requests']} |"
+            f"| {m['mode']} | {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} "
+            f"| {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} "
+            f"| {fmt(m['throughput_rps'])} | {fmt(m['output_tok_per_s'])} | {fmt(hit, '%')} | {of} "
+            f"| {m['completed']}/{m['requests']} |"
         )
     pooled = report.get("pooled_lru")
     if pooled:
         rows.append(
-            f"| pooled LRU ({pooled['capacity_blocks']} blocks = all workers' caches as one) | | | | | {fmt(pooled['token_share'], '%')} of prompt tokens "
+            f"| pooled LRU ({pooled['capacity_blocks']} blocks = all workers' caches as one) | | | | "
+            f"| {fmt(pooled['token_share'], '%')} of prompt tokens "
             f"| {pooled['token_share'] / orc['token_share']:.0%} | |"
             if orc["token_share"]
             else "| pooled LRU | | | | | n/a | | |"
         )
     rows.append(
-        f"| oracle (infinite shared cache) | | | | | {fmt(orc['token_share'], '%')} of prompt tokens ({fmt(orc['block_share'], '%')} of full blocks) | 100% | |"
+        f"| oracle (infinite shared cache) | | | | | {fmt(orc['token_share'], '%')} of prompt tokens "
+        f"({fmt(orc['block_share'], '%')} of full blocks) | 100% | |"
     )
     return "\n".join(rows)
 
@@ -544,7 +556,8 @@ def markdown_report(report: dict) -> str:
         f"### Trace `{report['trace']['name']}`",
         "",
         f"- Workload: {report['scaling'].get('description', '')}",
-        f"- Schedule: {s['requests']} requests over {s['span_s']} s ({s['rate_rps']} req/s), mean prompt {s['mean_prompt_tokens']} tokens "
+        f"- Schedule: {s['requests']} requests over {s['span_s']} s ({s['rate_rps']} req/s), "
+        f"mean prompt {s['mean_prompt_tokens']} tokens "
         f"(max {s['max_prompt_tokens']}), mean output {s['mean_output_tokens']} tokens",
         f"- Workers: {report['setup']}",
         f"- Command: `{report['command']}`",
@@ -557,8 +570,9 @@ def markdown_report(report: dict) -> str:
             lines.append(f"- `{m['mode']}` = router mode {m['router_mode']} with `{' '.join(m['frontend_args'])}`")
         if m.get("prefill_workers"):
             lines.append(
-                f"- `{m['mode']}` = disaggregated: {m['prefill_workers']} prefill-role workers (prefill router) and the rest "
-                "decode-role; the hit rate counts only local prefix hits (transferred prompts are not hits)"
+                f"- `{m['mode']}` = disaggregated: {m['prefill_workers']} prefill-role workers (prefill router) "
+                "and the rest decode-role; the hit rate counts only local prefix hits "
+                "(transferred prompts are not hits)"
             )
     lines += [f"- {v}" for v in report.get("verdict", [])]
     return "\n".join(lines) + "\n"
@@ -587,21 +601,24 @@ def build_trace(name: str, args: argparse.Namespace) -> Trace:
         cfg = SyntheticConfig(
             seed=args.seed, sessions=args.sessions, turns=args.turns, system_prompts=args.system_prompts,
             system_tokens=args.system_tokens, user_tokens=args.user_tokens, reply_tokens=args.reply_tokens,
-            output_tokens=args.output_tokens, start_window_s=args.start_window, think_s=args.think_time, think_min_s=args.think_min,
+            output_tokens=args.output_tokens, start_window_s=args.start_window, think_s=args.think_time,
+            think_min_s=args.think_min,
         )  # fmt: skip
         return synthetic_trace(cfg)
     path = find_trace(name, args.traces_dir) if name in MOONCAKE_TRACES else name
     if path is None or not os.path.exists(path):
         where = os.path.join(args.traces_dir, MOONCAKE_TRACES[name]) + "[.gz]" if name in MOONCAKE_TRACES else name
         raise SystemExit(
-            f"trace {name!r}: no such file {where!r} (use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})"
+            f"trace {name!r}: no such file {where!r} "
+            f"(use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})"
         )
     stem = name if name in MOONCAKE_TRACES else os.path.basename(path).removesuffix(".gz").removesuffix(".jsonl")
     window = args.window if args.window is not None else DEFAULT_WINDOWS.get(name, DEFAULT_WINDOW)
     scaling = Scaling(
         start_s=args.start, window_s=window if window > 0 else None, rate_scale=args.rate_scale,
         tokens_per_block=args.tokens_per_block, max_prompt_tokens=args.max_prompt_tokens or None,
-        output_scale=args.output_scale, max_output_tokens=args.max_output_tokens, max_requests=args.max_requests or None,
+        output_scale=args.output_scale, max_output_tokens=args.max_output_tokens,
+        max_requests=args.max_requests or None,
     )  # fmt: skip
     return load_mooncake(path, scaling, seed=args.seed, name=stem)
 
@@ -646,7 +663,8 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="LABEL=MODE[,FLAG...]",
-        help=f"an extra row: a router mode with extra frontend flags (repeat; default: {DEFAULT_VARIANTS[0]}; 'none' for no variant)",
+        help="an extra row: a router mode with extra frontend flags "
+        f"(repeat; default: {DEFAULT_VARIANTS[0]}; 'none' for no variant)",
     )
     p.add_argument(
         "--url", help="replay against this running frontend instead of starting one (one run, labelled --label)"
@@ -674,8 +692,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--num-gpu-blocks",
         default="auto",
-        help=f"KV blocks per worker rank; auto = {SYNTHETIC_GPU_BLOCKS} for the built-in generator, for Mooncake traces "
-        "the scaled schedule's distinct blocks / (workers x DP), rounded up to a multiple of 1024",
+        help=f"KV blocks per worker rank; auto = {SYNTHETIC_GPU_BLOCKS} for the built-in generator, "
+        "for Mooncake traces the scaled schedule's distinct blocks / (workers x DP), rounded up to a multiple of 1024",
     )
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -698,7 +716,8 @@ def parser() -> argparse.ArgumentParser:
         "--window",
         type=float,
         default=None,
-        help=f"seconds of trace time replayed (0 = all); default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_WINDOWS.items())}, others {DEFAULT_WINDOW:g}",
+        help="seconds of trace time replayed (0 = all); default: "
+        f"{', '.join(f'{k} {v:g}' for k, v in DEFAULT_WINDOWS.items())}, others {DEFAULT_WINDOW:g}",
     )
     g.add_argument("--rate-scale", type=float, default=10.0, help="replay the window this many times faster")
     g.add_argument("--tokens-per-block", type=int, default=64, help="tokens generated per 512-token trace block")
@@ -762,7 +781,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     opts = RunOptions(
         workers=args.workers, mocker=mocker, max_concurrency=args.max_concurrency, max_duration_s=args.max_duration,
-        request_timeout_s=args.request_timeout, frontend_args=tuple(args.frontend_arg), log_dir=os.path.join(args.out_dir, "logs"),
+        request_timeout_s=args.request_timeout, frontend_args=tuple(args.frontend_arg),
+        log_dir=os.path.join(args.out_dir, "logs"),
     )  # fmt: skip
     command = "python -m bench replay " + " ".join(argv if argv is not None else sys.argv[1:])
     reports: list[dict] = []
@@ -772,7 +792,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"== trace {trace.name}: {trace.summary()}")
         print(f"   scaling: {trace.scaling.get('description')}")
         print(
-            f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, {orc.block_share:.1%} of full blocks"
+            f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, "
+            f"{orc.block_share:.1%} of full blocks"
         )
         pooled = None
         blocks = gpu_blocks_for(trace, args)
@@ -786,13 +807,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **pooled_lru_hits([r.tokens for r in trace.requests], args.block_size, capacity).as_dict(),
             }
             print(
-                f"   one pooled LRU cache of all workers' {capacity} blocks would reach {pooled['token_share']:.1%} of prompt tokens"
+                f"   one pooled LRU cache of all workers' {capacity} blocks would reach "
+                f"{pooled['token_share']:.1%} of prompt tokens"
             )
         for speed in loads if not args.url else loads[:1]:
-            mode_opts = replace(opts, mocker=replace(opts.mocker, num_gpu_blocks=blocks, speedup_ratio=speed))
+            mode_opts = replace(opts, mocker=replace(mocker, num_gpu_blocks=blocks, speedup_ratio=speed))
             if len(loads) > 1:
                 print(
-                    f"-- {trace.name} at speedup ratio {speed:g} (load level {loads.index(speed) + 1} of {len(loads)}), {load_avg()}"
+                    f"-- {trace.name} at speedup ratio {speed:g} "
+                    f"(load level {loads.index(speed) + 1} of {len(loads)}), {load_avg()}"
                 )
             if args.url:
                 results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, mode_opts)]
@@ -800,8 +823,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 results = [replay_mode_or_failure(trace, mode, mode_opts) for mode in modes]
                 setup = (
-                    f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, {blocks} KV blocks per rank, "
-                    f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, speedup {speed:g}; "
+                    f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, "
+                    f"{blocks} KV blocks per rank, max_num_seqs {args.max_num_seqs}, "
+                    f"max_num_batched_tokens {args.max_num_batched_tokens}, speedup {speed:g}; "
                     f"fresh (cold) workers and frontend per mode; client max concurrency {args.max_concurrency}"
                 )
             report = {
@@ -888,5 +912,5 @@ def write_summary(reports: Sequence[dict], out_dir: str) -> dict[str, str]:
         json.dump(list(reports), f, indent=2)
     from bench.plot import plot_summary
 
-    plot_summary(reports, paths["png"])
+    plot_summary(list(reports), paths["png"])
     return paths
