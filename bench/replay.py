@@ -756,24 +756,36 @@ def parse_loads(text: str) -> list[float]:
     return loads
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    loads = parse_loads(args.speedup_ratio)
+def mode_rows(
+    modes_text: str, variant_args: Sequence[str] | None, default_variants: Sequence[str] = DEFAULT_VARIANTS
+) -> list[ModeSpec]:
+    """The rows of a comparison: ``--modes`` in order, each ``--variant`` right after its base mode.
+
+    ``variant_args`` None (no ``--variant`` given): ``default_variants``, kept only next to a base mode
+    that runs; ``--variant none`` drops them. Errors exit with the reason.
+    """
     modes: list[ModeSpec] = []
-    for m in [m.strip().replace("-", "_") for m in args.modes.split(",") if m.strip()]:
+    for m in [m.strip().replace("-", "_") for m in modes_text.split(",") if m.strip()]:
         if m not in MODES:
             raise SystemExit(f"unknown router mode {m!r} (choose from {', '.join(MODES)})")
         modes.append(ModeSpec(m, m))
-    variants = DEFAULT_VARIANTS if args.variant is None else [v for v in args.variant if v.lower() != "none"]
+    variants = default_variants if variant_args is None else [v for v in variant_args if v.lower() != "none"]
     try:
         extra = [ModeSpec.parse_variant(v) for v in variants]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if args.variant is None:  # default variants only next to a base mode that runs
+    if variant_args is None:  # default variants only next to a base mode that runs
         extra = [v for v in extra if any(m.router_mode == v.router_mode for m in modes)]
     for v in extra:  # a variant sits right after its base mode
         at = max((i for i, m in enumerate(modes) if m.router_mode == v.router_mode), default=len(modes) - 1)
         modes.insert(at + 1, v)
+    return modes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    loads = parse_loads(args.speedup_ratio)
+    modes = mode_rows(args.modes, args.variant)
     mocker = MockerOptions(
         block_size=args.block_size, num_gpu_blocks=SYNTHETIC_GPU_BLOCKS, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, dp_size=args.data_parallel_size,
