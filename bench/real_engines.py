@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     total_s = time.perf_counter() - t_total
-    command = "python -m bench real_engines " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = " ".join(["python -m bench real_engines", *(argv if argv is not None else sys.argv[1:])])
     report = {
         "trace": trace.summary(),
         "scaling": trace.scaling,
