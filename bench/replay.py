@@ -187,7 +187,7 @@ async def run_schedule(
             elif not succeeded.is_set() and sum(1 for r in results if r.error) >= fail_fast_errors:
                 aborted.set()  # nothing works: stop now instead of waiting out the time limit
 
-        tasks = [asyncio.create_task(one(req, res)) for req, res in zip(trace.requests, results)]
+        tasks = [asyncio.create_task(one(req, res)) for req, res in zip(trace.requests, results, strict=True)]
         reporter = (
             asyncio.create_task(_report(lambda: done, results, len(tasks), t0, label, progress, progress_every_s))
             if progress
@@ -213,12 +213,14 @@ async def run_schedule(
             res.error = f"cancelled ({why})" if res.sent else f"not sent ({why})"
     if aborted.is_set() and progress:
         progress(
-            f"[{label}] aborted: the first {fail_fast_errors} finished requests all failed, e.g. {next(r.error for r in results if r.error)}"
+            f"[{label}] aborted: the first {fail_fast_errors} finished requests all failed, "
+            f"e.g. {next(r.error for r in results if r.error)}"
         )
     if progress:
         errors = sum(1 for r in results if not r.ok)
         progress(
-            f"[{label}] finished {len(results) - errors}/{len(results)} requests in {wall:.1f} s ({errors} failed or unsent)"
+            f"[{label}] finished {len(results) - errors}/{len(results)} requests in {wall:.1f} s "
+            f"({errors} failed or unsent)"
         )
     return results, wall
 
@@ -305,7 +307,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict:
         "output_tok_per_s": round(sum(r.output_chunks for r in ok) / wall_s, 1) if wall_s > 0 else None,
         "prompt_tok_per_s": round(sum(r.prompt_tokens for r in ok) / wall_s, 1) if wall_s > 0 else None,
         "usage_cached_share": round(
-            sum(r.cached_tokens for r in cached) / max(1, sum(r.prompt_tokens for r in cached)), 4
+            sum(r.cached_tokens or 0 for r in cached) / max(1, sum(r.prompt_tokens for r in cached)), 4
         )
         if cached
         else None,
@@ -375,34 +377,18 @@ def replay_mode(trace: Trace, mode: str | ModeSpec, opts: RunOptions, progress=p
     try:
         if progress:
             progress(
-                f"[{spec.label}] {opts.workers} cold workers + frontend ready in {time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})"
+                f"[{spec.label}] {opts.workers} cold workers + frontend ready in "
+                f"{time.perf_counter() - t_start:.1f} s (logs: {cluster.log_dir})"
             )
+        assert cluster.frontend_url is not None
         metrics_urls = [w.metrics_url for w in cluster.workers]
-        before = scrape_cache_counters(metrics_urls)
-        results, wall = asyncio.run(
-            run_schedule(
-                cluster.frontend_url,
-                trace,
-                opts.model,
-                opts.max_concurrency,
-                opts.max_duration_s,
-                opts.request_timeout_s,
-                spec.label,
-                progress,
-            )
-        )
-        cluster.check_alive()
-        after = scrape_cache_counters(metrics_urls)
+        summary = measure(trace, cluster.frontend_url, spec.label, metrics_urls, opts, progress, cluster.check_alive)
     finally:
         cluster.stop()
-    summary = summarize(results, wall)
-    summary["mode"] = spec.label
     summary["router_mode"] = spec.router_mode
     summary["frontend_args"] = list(frontend_args)
     if spec.prefill_workers:
         summary["prefill_workers"] = spec.prefill_workers
-    summary["cache"] = cache_delta(before, after)
-    summary["hit_rate"] = summary["cache"]["hit_rate"] if summary["cache"] else None
     return summary
 
 
@@ -413,37 +399,60 @@ def replay_mode_or_failure(trace: Trace, spec: ModeSpec, opts: RunOptions, progr
     except (RuntimeError, TimeoutError, OSError) as exc:
         if progress:
             progress(f"[{spec.label}] run failed: {exc}")
-        n = len(trace.requests)
-        row = summarize([RequestResult(r.index, r.arrival_s, error=f"run failed: {exc}") for r in trace.requests], 0.0)
-        row.update(
-            {
-                "mode": spec.label,
-                "router_mode": spec.router_mode,
-                "frontend_args": list(spec.frontend_args),
-                "cache": None,
-                "hit_rate": None,
-            }
-        )
-        row["requests"] = n
-        return row
+        return failed_row(trace, spec, exc)
 
 
-def replay_url(
-    trace: Trace, url: str, label: str, metrics_urls: Sequence[str], opts: RunOptions, progress=print
+def failed_row(trace: Trace, spec: ModeSpec, exc: BaseException) -> dict:
+    """The row of a mode that could not run: every request failed with the reason (the table keeps it)."""
+    row = summarize([RequestResult(r.index, r.arrival_s, error=f"run failed: {exc}") for r in trace.requests], 0.0)
+    row.update(
+        {
+            "mode": spec.label,
+            "router_mode": spec.router_mode,
+            "frontend_args": list(spec.frontend_args),
+            "cache": None,
+            "hit_rate": None,
+        }
+    )
+    row["requests"] = len(trace.requests)
+    return row
+
+
+def measure(
+    trace: Trace,
+    url: str,
+    label: str,
+    metrics_urls: Sequence[str],
+    opts: RunOptions,
+    progress: Callable[[str], None] | None = print,
+    settle: Callable[[], None] | None = None,
 ) -> dict:
-    """One replay against an already running frontend (its router mode is whatever it was started with)."""
+    """Replay ``trace`` through the frontend at ``url`` between two reads of the workers' cache counters.
+
+    The measurement every setup shares (mockers per mode, an external frontend, real vLLM engines);
+    ``settle`` runs between the replay and the second read (check the workers, wait for them to idle).
+    """
     before = scrape_cache_counters(metrics_urls)
     results, wall = asyncio.run(
         run_schedule(
             url, trace, opts.model, opts.max_concurrency, opts.max_duration_s, opts.request_timeout_s, label, progress
         )
     )
+    if settle is not None:
+        settle()
     after = scrape_cache_counters(metrics_urls)
     summary = summarize(results, wall)
     summary["mode"] = label
     summary["cache"] = cache_delta(before, after) if metrics_urls else None
     summary["hit_rate"] = summary["cache"]["hit_rate"] if summary["cache"] else None
     return summary
+
+
+def replay_url(
+    trace: Trace, url: str, label: str, metrics_urls: Sequence[str], opts: RunOptions, progress=print
+) -> dict:
+    """One replay against an already running frontend (its router mode is whatever it was started with)."""
+    return measure(trace, url, label, metrics_urls, opts, progress)
 
 
 # -- reporting --------------------------------------------------------------------------------------
@@ -465,12 +474,14 @@ def verdict(report: dict) -> list[str]:
         if row.get("hit_rate") is not None and orc:
             share = row["hit_rate"] / orc
             parts.append(
-                f"hit rate {row['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} (goal >= {hit_goal:.0%}: {'met' if share >= hit_goal else 'NOT met'})"
+                f"hit rate {row['hit_rate']:.1%} = {share:.0%} of the oracle {orc:.1%} "
+                f"(goal >= {hit_goal:.0%}: {'met' if share >= hit_goal else 'NOT met'})"
             )
         if rr and row["ttft_ms"]["p50"] and rr["ttft_ms"]["p50"]:
             ratio = row["ttft_ms"]["p50"] / rr["ttft_ms"]["p50"]
             parts.append(
-                f"TTFT p50 = {ratio:.2f} x round_robin's (goal <= {ttft_goal:g}: {'met' if ratio <= ttft_goal else 'NOT met'})"
+                f"TTFT p50 = {ratio:.2f} x round_robin's "
+                f"(goal <= {ttft_goal:g}: {'met' if ratio <= ttft_goal else 'NOT met'})"
             )
         if latency and kv_rows and row["ttft_ms"]["p90"]:
             p90s = {k["mode"]: k["ttft_ms"]["p90"] for k in kv_rows if k["ttft_ms"]["p90"]}
@@ -478,7 +489,8 @@ def verdict(report: dict) -> list[str]:
             if best:
                 ok = row["ttft_ms"]["p90"] < best
                 parts.append(
-                    f"TTFT p90 {row['ttft_ms']['p90']:g} ms vs best kv {best:g} ms ({row['ttft_ms']['p90'] / best:.2f}x; goal < every kv weight: {'met' if ok else 'NOT met'})"
+                    f"TTFT p90 {row['ttft_ms']['p90']:g} ms vs best kv {best:g} ms "
+                    f"({row['ttft_ms']['p90'] / best:.2f}x; goal < every kv weight: {'met' if ok else 'NOT met'})"
                 )
         pooled = report.get("pooled_lru")
         if pooled and pooled.get("token_share") and row.get("hit_rate") is not None:
@@ -491,7 +503,8 @@ def verdict(report: dict) -> list[str]:
         if m["completed"] < m["requests"]:
             example = next(iter(m.get("error_examples", {}).values()), "")[:160]
             lines.append(
-                f"{m['mode']}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: {m['errors']} (e.g. {example})"
+                f"{m['mode']}: {m['requests'] - m['completed']} of {m['requests']} requests failed or were not sent: "
+                f"{m['errors']} (e.g. {example})"
             )
     return lines
 
@@ -507,7 +520,8 @@ def fmt(v, unit: str = "") -> str:
 def markdown_table(report: dict) -> str:
     orc = report["oracle"]
     rows = [
-        "| mode | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | req/s | out tok/s | cache hit rate (workers' /metrics) | of oracle | completed |",
+        "| mode | TTFT p50 / p90 / p99 (ms) | e2e p50 / p90 / p99 (ms) | req/s | out tok/s "
+        "| cache hit rate (workers' /metrics) | of oracle | completed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for m in report["modes"]:
@@ -515,19 +529,23 @@ def markdown_table(report: dict) -> str:
         hit = m.get("hit_rate")
         of = f"{hit / orc['token_share']:.0%}" if hit is not None and orc["token_share"] else "n/a"
         rows.append(
-            f"| {m['mode']} | {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} | {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} "
-            f"| {fmt(m['throughput_rps'])} | {fmt(m['output_tok_per_s'])} | {fmt(hit, '%')} | {of} | {m['completed']}/{m['requests']} |"
+            f"| {m['mode']} | {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} "
+            f"| {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} "
+            f"| {fmt(m['throughput_rps'])} | {fmt(m['output_tok_per_s'])} | {fmt(hit, '%')} | {of} "
+            f"| {m['completed']}/{m['requests']} |"
         )
     pooled = report.get("pooled_lru")
     if pooled:
         rows.append(
-            f"| pooled LRU ({pooled['capacity_blocks']} blocks = all workers' caches as one) | | | | | {fmt(pooled['token_share'], '%')} of prompt tokens "
+            f"| pooled LRU ({pooled['capacity_blocks']} blocks = all workers' caches as one) | | | | "
+            f"| {fmt(pooled['token_share'], '%')} of prompt tokens "
             f"| {pooled['token_share'] / orc['token_share']:.0%} | |"
             if orc["token_share"]
             else "| pooled LRU | | | | | n/a | | |"
         )
     rows.append(
-        f"| oracle (infinite shared cache) | | | | | {fmt(orc['token_share'], '%')} of prompt tokens ({fmt(orc['block_share'], '%')} of full blocks) | 100% | |"
+        f"| oracle (infinite shared cache) | | | | | {fmt(orc['token_share'], '%')} of prompt tokens "
+        f"({fmt(orc['block_share'], '%')} of full blocks) | 100% | |"
     )
     return "\n".join(rows)
 
@@ -538,7 +556,8 @@ def markdown_report(report: dict) -> str:
         f"### Trace `{report['trace']['name']}`",
         "",
         f"- Workload: {report['scaling'].get('description', '')}",
-        f"- Schedule: {s['requests']} requests over {s['span_s']} s ({s['rate_rps']} req/s), mean prompt {s['mean_prompt_tokens']} tokens "
+        f"- Schedule: {s['requests']} requests over {s['span_s']} s ({s['rate_rps']} req/s), "
+        f"mean prompt {s['mean_prompt_tokens']} tokens "
         f"(max {s['max_prompt_tokens']}), mean output {s['mean_output_tokens']} tokens",
         f"- Workers: {report['setup']}",
         f"- Command: `{report['command']}`",
@@ -551,8 +570,9 @@ def markdown_report(report: dict) -> str:
             lines.append(f"- `{m['mode']}` = router mode {m['router_mode']} with `{' '.join(m['frontend_args'])}`")
         if m.get("prefill_workers"):
             lines.append(
-                f"- `{m['mode']}` = disaggregated: {m['prefill_workers']} prefill-role workers (prefill router) and the rest "
-                "decode-role; the hit rate counts only local prefix hits (transferred prompts are not hits)"
+                f"- `{m['mode']}` = disaggregated: {m['prefill_workers']} prefill-role workers (prefill router) "
+                "and the rest decode-role; the hit rate counts only local prefix hits "
+                "(transferred prompts are not hits)"
             )
     lines += [f"- {v}" for v in report.get("verdict", [])]
     return "\n".join(lines) + "\n"
@@ -581,21 +601,24 @@ def build_trace(name: str, args: argparse.Namespace) -> Trace:
         cfg = SyntheticConfig(
             seed=args.seed, sessions=args.sessions, turns=args.turns, system_prompts=args.system_prompts,
             system_tokens=args.system_tokens, user_tokens=args.user_tokens, reply_tokens=args.reply_tokens,
-            output_tokens=args.output_tokens, start_window_s=args.start_window, think_s=args.think_time, think_min_s=args.think_min,
+            output_tokens=args.output_tokens, start_window_s=args.start_window, think_s=args.think_time,
+            think_min_s=args.think_min,
         )  # fmt: skip
         return synthetic_trace(cfg)
     path = find_trace(name, args.traces_dir) if name in MOONCAKE_TRACES else name
     if path is None or not os.path.exists(path):
         where = os.path.join(args.traces_dir, MOONCAKE_TRACES[name]) + "[.gz]" if name in MOONCAKE_TRACES else name
         raise SystemExit(
-            f"trace {name!r}: no such file {where!r} (use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})"
+            f"trace {name!r}: no such file {where!r} "
+            f"(use --traces-dir or a path; built-ins: synthetic, {', '.join(MOONCAKE_TRACES)})"
         )
     stem = name if name in MOONCAKE_TRACES else os.path.basename(path).removesuffix(".gz").removesuffix(".jsonl")
     window = args.window if args.window is not None else DEFAULT_WINDOWS.get(name, DEFAULT_WINDOW)
     scaling = Scaling(
         start_s=args.start, window_s=window if window > 0 else None, rate_scale=args.rate_scale,
         tokens_per_block=args.tokens_per_block, max_prompt_tokens=args.max_prompt_tokens or None,
-        output_scale=args.output_scale, max_output_tokens=args.max_output_tokens, max_requests=args.max_requests or None,
+        output_scale=args.output_scale, max_output_tokens=args.max_output_tokens,
+        max_requests=args.max_requests or None,
     )  # fmt: skip
     return load_mooncake(path, scaling, seed=args.seed, name=stem)
 
@@ -640,7 +663,8 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="LABEL=MODE[,FLAG...]",
-        help=f"an extra row: a router mode with extra frontend flags (repeat; default: {DEFAULT_VARIANTS[0]}; 'none' for no variant)",
+        help="an extra row: a router mode with extra frontend flags "
+        f"(repeat; default: {DEFAULT_VARIANTS[0]}; 'none' for no variant)",
     )
     p.add_argument(
         "--url", help="replay against this running frontend instead of starting one (one run, labelled --label)"
@@ -668,8 +692,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--num-gpu-blocks",
         default="auto",
-        help=f"KV blocks per worker rank; auto = {SYNTHETIC_GPU_BLOCKS} for the built-in generator, for Mooncake traces "
-        "the scaled schedule's distinct blocks / (workers x DP), rounded up to a multiple of 1024",
+        help=f"KV blocks per worker rank; auto = {SYNTHETIC_GPU_BLOCKS} for the built-in generator, "
+        "for Mooncake traces the scaled schedule's distinct blocks / (workers x DP), rounded up to a multiple of 1024",
     )
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -692,7 +716,8 @@ def parser() -> argparse.ArgumentParser:
         "--window",
         type=float,
         default=None,
-        help=f"seconds of trace time replayed (0 = all); default: {', '.join(f'{k} {v:g}' for k, v in DEFAULT_WINDOWS.items())}, others {DEFAULT_WINDOW:g}",
+        help="seconds of trace time replayed (0 = all); default: "
+        f"{', '.join(f'{k} {v:g}' for k, v in DEFAULT_WINDOWS.items())}, others {DEFAULT_WINDOW:g}",
     )
     g.add_argument("--rate-scale", type=float, default=10.0, help="replay the window this many times faster")
     g.add_argument("--tokens-per-block", type=int, default=64, help="tokens generated per 512-token trace block")
@@ -700,8 +725,14 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--output-scale", type=float, default=0.05)
     g.add_argument("--max-output-tokens", type=int, default=8)
     g.add_argument("--max-requests", type=int, default=0)
+    add_synthetic_args(p, SyntheticConfig())
+    return p
+
+
+def add_synthetic_args(p: argparse.ArgumentParser, d: SyntheticConfig) -> None:
+    """The built-in generator's flags (read back by ``build_trace``), with ``d``'s values as defaults:
+    shared with the real-engine benchmark, which needs a smaller workload than the mockers."""
     g = p.add_argument_group("synthetic multi-turn generator")
-    d = SyntheticConfig()
     g.add_argument("--sessions", type=int, default=d.sessions)
     g.add_argument("--turns", type=int, default=d.turns)
     g.add_argument("--system-prompts", type=int, default=d.system_prompts)
@@ -712,7 +743,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--start-window", type=float, default=d.start_window_s)
     g.add_argument("--think-time", type=float, default=d.think_s, help="mean exponential part of the gap between turns")
     g.add_argument("--think-min", type=float, default=d.think_min_s, help="minimum gap between a session's turns")
-    return p
 
 
 def parse_loads(text: str) -> list[float]:
@@ -726,24 +756,36 @@ def parse_loads(text: str) -> list[float]:
     return loads
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    loads = parse_loads(args.speedup_ratio)
+def mode_rows(
+    modes_text: str, variant_args: Sequence[str] | None, default_variants: Sequence[str] = DEFAULT_VARIANTS
+) -> list[ModeSpec]:
+    """The rows of a comparison: ``--modes`` in order, each ``--variant`` right after its base mode.
+
+    ``variant_args`` None (no ``--variant`` given): ``default_variants``, kept only next to a base mode
+    that runs; ``--variant none`` drops them. Errors exit with the reason.
+    """
     modes: list[ModeSpec] = []
-    for m in [m.strip().replace("-", "_") for m in args.modes.split(",") if m.strip()]:
+    for m in [m.strip().replace("-", "_") for m in modes_text.split(",") if m.strip()]:
         if m not in MODES:
             raise SystemExit(f"unknown router mode {m!r} (choose from {', '.join(MODES)})")
         modes.append(ModeSpec(m, m))
-    variants = DEFAULT_VARIANTS if args.variant is None else [v for v in args.variant if v.lower() != "none"]
+    variants = default_variants if variant_args is None else [v for v in variant_args if v.lower() != "none"]
     try:
         extra = [ModeSpec.parse_variant(v) for v in variants]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if args.variant is None:  # default variants only next to a base mode that runs
+    if variant_args is None:  # default variants only next to a base mode that runs
         extra = [v for v in extra if any(m.router_mode == v.router_mode for m in modes)]
     for v in extra:  # a variant sits right after its base mode
         at = max((i for i, m in enumerate(modes) if m.router_mode == v.router_mode), default=len(modes) - 1)
         modes.insert(at + 1, v)
+    return modes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    loads = parse_loads(args.speedup_ratio)
+    modes = mode_rows(args.modes, args.variant)
     mocker = MockerOptions(
         block_size=args.block_size, num_gpu_blocks=SYNTHETIC_GPU_BLOCKS, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, dp_size=args.data_parallel_size,
@@ -751,7 +793,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     opts = RunOptions(
         workers=args.workers, mocker=mocker, max_concurrency=args.max_concurrency, max_duration_s=args.max_duration,
-        request_timeout_s=args.request_timeout, frontend_args=tuple(args.frontend_arg), log_dir=os.path.join(args.out_dir, "logs"),
+        request_timeout_s=args.request_timeout, frontend_args=tuple(args.frontend_arg),
+        log_dir=os.path.join(args.out_dir, "logs"),
     )  # fmt: skip
     command = "python -m bench replay " + " ".join(argv if argv is not None else sys.argv[1:])
     reports: list[dict] = []
@@ -761,7 +804,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"== trace {trace.name}: {trace.summary()}")
         print(f"   scaling: {trace.scaling.get('description')}")
         print(
-            f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, {orc.block_share:.1%} of full blocks"
+            f"   oracle at block size {args.block_size}: {orc.token_share:.1%} of prompt tokens, "
+            f"{orc.block_share:.1%} of full blocks"
         )
         pooled = None
         blocks = gpu_blocks_for(trace, args)
@@ -775,13 +819,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **pooled_lru_hits([r.tokens for r in trace.requests], args.block_size, capacity).as_dict(),
             }
             print(
-                f"   one pooled LRU cache of all workers' {capacity} blocks would reach {pooled['token_share']:.1%} of prompt tokens"
+                f"   one pooled LRU cache of all workers' {capacity} blocks would reach "
+                f"{pooled['token_share']:.1%} of prompt tokens"
             )
         for speed in loads if not args.url else loads[:1]:
-            mode_opts = replace(opts, mocker=replace(opts.mocker, num_gpu_blocks=blocks, speedup_ratio=speed))
+            mode_opts = replace(opts, mocker=replace(mocker, num_gpu_blocks=blocks, speedup_ratio=speed))
             if len(loads) > 1:
                 print(
-                    f"-- {trace.name} at speedup ratio {speed:g} (load level {loads.index(speed) + 1} of {len(loads)}), {load_avg()}"
+                    f"-- {trace.name} at speedup ratio {speed:g} "
+                    f"(load level {loads.index(speed) + 1} of {len(loads)}), {load_avg()}"
                 )
             if args.url:
                 results = [replay_url(trace, args.url.rstrip("/"), args.label, args.metrics_url, mode_opts)]
@@ -789,8 +835,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 results = [replay_mode_or_failure(trace, mode, mode_opts) for mode in modes]
                 setup = (
-                    f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, {blocks} KV blocks per rank, "
-                    f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, speedup {speed:g}; "
+                    f"{args.workers} mockers x DP {args.data_parallel_size}, block size {args.block_size}, "
+                    f"{blocks} KV blocks per rank, max_num_seqs {args.max_num_seqs}, "
+                    f"max_num_batched_tokens {args.max_num_batched_tokens}, speedup {speed:g}; "
                     f"fresh (cold) workers and frontend per mode; client max concurrency {args.max_concurrency}"
                 )
             report = {
@@ -877,5 +924,5 @@ def write_summary(reports: Sequence[dict], out_dir: str) -> dict[str, str]:
         json.dump(list(reports), f, indent=2)
     from bench.plot import plot_summary
 
-    plot_summary(reports, paths["png"])
+    plot_summary(list(reports), paths["png"])
     return paths
