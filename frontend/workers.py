@@ -102,6 +102,11 @@ class WorkerSpec:
             raise ValueError(f"worker url must start with http://, got {values['url']!r}")
         if url.endswith("/v1"):
             url = url[:-3]
+        try:  # a host the HTTP client cannot use (bad IDNA, stray characters) is the spec's error, not a 500
+            if not httpx.URL(url).host:
+                raise ValueError("no host")
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ValueError(f"worker url {values['url']!r} is not a usable URL: {exc}") from None
         values["url"] = url
         if values.get("dp_size", 1) < 1:
             raise ValueError("dp_size must be >= 1")

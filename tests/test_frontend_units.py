@@ -293,3 +293,13 @@ def test_an_adapter_entry_hashes_with_its_name_and_books_on_its_base_model() -> 
     assert adapter.tracker is base.tracker is slots.get("base", "default")
     tokens = list(range(16))
     assert local_block_hashes(tokens, 4, adapter.lora_name) != local_block_hashes(tokens, 4, base.lora_name)
+
+
+def test_a_worker_url_the_http_client_cannot_use_is_refused_as_the_specs_error() -> None:
+    import pytest
+
+    from frontend.workers import WorkerSpec
+
+    with pytest.raises(ValueError, match="not a usable URL"):
+        WorkerSpec.from_mapping({"id": 1, "url": "http://\uda1d\uddd3"})  # found by the OpenAPI fuzzer: was a 500
+    assert WorkerSpec.from_mapping({"id": 1, "url": "http://127.0.0.1:8000/v1/"}).url == "http://127.0.0.1:8000"

@@ -485,15 +485,17 @@ def test_every_dashboard_query_reads_exported_metrics() -> None:
         )
         _traffic(url, iurl)
         # the scrape-time and asynchronous series (KV events, parity, decomposition) have caught up
+        for series, labels in (
+            ("dynamo_kvrouter_kv_cache_events_applied", {}),
+            ("kvroute_router_decomposed_requests_total", {}),
+            ("kvroute_hash_parity_checks_total", {}),
+            ("dynamo_frontend_requests_total", {"status": "error"}),
+        ):
+            wait_until(
+                lambda s=series, lb=labels: _value(_scrape(url), s, **lb) > 0, 60, what=f"frontend series {series}"
+            )
         front = wait_until(
-            lambda: (
-                (t := _scrape(url))
-                and _value(t, "dynamo_kvrouter_kv_cache_events_applied") > 0
-                and _value(t, "kvroute_router_decomposed_requests_total") > 0
-                and _value(t, "kvroute_hash_parity_checks_total") > 0
-                and _value(t, "dynamo_frontend_requests_total", status="error") > 0
-                and t
-            ),
+            lambda: _scrape(url),
             30,
             what="frontend series",
         )
