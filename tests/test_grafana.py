@@ -483,10 +483,10 @@ def test_every_dashboard_query_reads_exported_metrics() -> None:
             30,
             what="healthy workers",
         )
+        _until_both_subscribed(url, iurl)
         _traffic(url, iurl)
-        # the scrape-time and asynchronous series (KV events, parity, decomposition) have caught up
+        # the scrape-time and asynchronous series (parity, decomposition) have caught up
         for series, labels in (
-            ("dynamo_kvrouter_kv_cache_events_applied", {}),
             ("kvroute_router_decomposed_requests_total", {}),
             ("kvroute_hash_parity_checks_total", {}),
             ("dynamo_frontend_requests_total", {"status": "error"}),
@@ -543,6 +543,24 @@ def test_every_dashboard_query_reads_exported_metrics() -> None:
         "dynamo_kvindexer_requests_total",
     ):
         assert any(m.startswith(must.rstrip("_")) for m in checked), must
+
+
+def _until_both_subscribed(url: str, iurl: str) -> None:
+    """Requests until the frontend and the indexer have both applied a KV event: a ZMQ subscription reaches
+    the mocker's publisher asynchronously, and batches published before it are not seen (one request per
+    round, each with a new prompt, so that every round publishes)."""
+    rounds = iter(range(1000))
+
+    def applied() -> bool:
+        prompt = f"warm-up {next(rounds)} " * 20
+        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        return (
+            _value(_scrape(url), "dynamo_kvrouter_kv_cache_events_applied") > 0
+            and _value(_scrape(iurl), "kvroute_kv_events_received_total") > 0
+        )
+
+    wait_until(applied, 60, 0.2, what="KV events applied by the frontend and the indexer")
 
 
 def _traffic(url: str, iurl: str) -> None:
