@@ -30,6 +30,8 @@ def build_app(state: FrontendState) -> Starlette:
         Route("/v1/completions", oa.completions, methods=["POST"]),
         Route("/v1/responses", oa.responses, methods=["POST"]),
         Route("/v1/embeddings", oa.embeddings, methods=["POST"]),
+        Route("/v1/messages", oa.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", oa.count_tokens, methods=["POST"]),
         Route("/v1/models", ad.models, methods=["GET"]),
         Route("/v1/models/{model:path}", ad.model, methods=["GET"]),
         Route("/health", ad.health, methods=["GET"]),

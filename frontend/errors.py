@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors for the ``/v1/*`` routes.
+"""OpenAI-shaped errors for the ``/v1/*`` routes (Anthropic-shaped under ``/v1/messages``).
 
 The body carries both shapes clients look for: OpenAI's nested ``{"error": {"message", "type",
 "param", "code"}}`` (what the ``openai`` SDK reads) and the reference frontend's flat ``message`` /
@@ -14,10 +14,12 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from kvroute_common import anthropic_api
 from kvroute_common.openai_api import OpenAIError
 
 __all__ = [
     "OpenAIError",
+    "as_anthropic",
     "openai_error_body",
     "openai_error_response",
     "model_not_found",
@@ -78,6 +80,30 @@ def openai_error_response(
     )
 
 
+def as_anthropic(response: Any) -> Any:
+    """An OpenAI-shaped error answer in Anthropic's shape (other answers unchanged): the pipeline is
+    shared, the error shape is the API's."""
+    if not isinstance(response, Response) or response.status_code < 400 or not response.body:
+        return response  # an answer passed through (JSON or a stream) or an empty 499
+    try:
+        body = orjson.loads(response.body)
+    except orjson.JSONDecodeError:
+        return response
+    message = body.get("message") if isinstance(body, dict) else None
+    if not isinstance(message, str):
+        err = body.get("error") if isinstance(body, dict) else None
+        message = err.get("message") if isinstance(err, dict) else None
+    if not isinstance(message, str):
+        return response
+    headers = {k: v for k, v in response.headers.items() if k in ("retry-after", "allow")}
+    return Response(
+        anthropic_api.error_body(response.status_code, message),
+        status_code=response.status_code,
+        media_type="application/json",
+        headers=headers or None,
+    )
+
+
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(404, f"Model not found: {model}", "model")
 
@@ -120,7 +146,7 @@ def openai_exception_handlers(base: dict[Any, Any]) -> dict[Any, Any]:
             resp = openai_error_response(status, message)
             if headers:
                 resp.headers.update(headers)
-            return resp
+            return as_anthropic(resp) if path.startswith("/v1/messages") else resp
 
         return handle
 

@@ -1,4 +1,5 @@
-"""The OpenAI request pipeline (/v1/chat/completions, /v1/completions, POST /admin/route).
+"""The generation pipeline: OpenAI's /v1/chat/completions, /v1/completions, /v1/responses,
+/v1/embeddings, Anthropic's /v1/messages (+ count_tokens), and POST /admin/route.
 
 Request path (one place, in order): parse -> hints (nvext + headers) -> tokenize -> admission
 (router queue) -> route (indexer overlaps + tracker loads + cost) -> book -> dispatch -> stream ->
@@ -17,21 +18,23 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive
 
+from kvroute_common import anthropic_api
 from kvroute_common.http import ApiError, json_response, read_json
 from kvroute_common.openai_api import read_openai_body
 
 from . import disagg as _disagg
 from .admission import ClientDisconnected, QueueRejected
 from .engine_polarity import for_worker as _priority_for_worker
-from .errors import OpenAIError, model_not_found, openai_error_response
+from .errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
 from .hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
 from .lifecycle import Lease
 from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
 from .parity import RequestProbe, UsageTap, stream_body_with_usage
-from .proxy import StreamProxy, count_completion_tokens, upstream_headers
+from .proxy import StreamProxy, upstream_headers
 from .routing_record import routing_record, wants_routing
 from .state import FrontendState
+from .stream_dialect import ANTHROPIC, OPENAI, StreamDialect
 from .unary_stream import UnaryAssembler, convertible, streaming_body
 from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from .validation import check_context_length, validate_messages, validate_sampling
@@ -116,7 +119,7 @@ def _embedding_tokens(
 async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, kind: str | bool) -> list[int]:
     """The request's tokens: inline for short prompts, on a worker thread above the offload threshold.
 
-    ``kind``: chat | completions | responses | embeddings (a bool means chat / completions)."""
+    ``kind``: chat | completions | responses | messages | embeddings (a bool means chat / completions)."""
     from kvroute_common.openai_api import responses_to_chat
     from kvroute_common.tokenize_offload import prompt_chars
 
@@ -127,13 +130,29 @@ async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, 
         return await state.tokenize.run(chars, _embedding_tokens, entry, body, max_model_len=entry.max_model_len)
     if kind == "responses":
         body = responses_to_chat(body)
+    elif kind == "messages":
+        body = messages_to_chat(entry, body)
     return await state.tokenize.run(
         chars, _tokenize, entry, body, kind != "completions", max_model_len=entry.max_model_len
     )
 
 
+def tokenize_request_sync(entry: ModelEntry, body: dict, kind: str) -> list[int]:
+    """A short request's tokens on the calling thread (chat | completions | messages), no length check."""
+    if kind == "messages":
+        body = messages_to_chat(entry, body)
+    return _tokenize(entry, body, kind != "completions")
+
+
+def messages_to_chat(entry: ModelEntry, body: dict) -> dict:
+    """An Anthropic Messages request as the chat request the engine renders (its template decides
+    whether inline system messages are merged into the leading one)."""
+    template = anthropic_api.tokenizer_template(entry.tokenizer)
+    return anthropic_api.to_chat(body, anthropic_api.requires_system_first(template))
+
+
 class RequestContext:
-    """What one OpenAI request carries through the pipeline."""
+    """What one generation request carries through the pipeline."""
 
     __slots__ = (
         "entry",
@@ -170,7 +189,7 @@ class RequestContext:
     tokens: list[int]
 
     def __init__(self) -> None:
-        self.kind = "chat"  # chat | completions | responses | embeddings (see _KINDS)
+        self.kind = "chat"  # chat | completions | responses | messages | embeddings (see _KINDS)
         self.path = "/v1/chat/completions"
         self.recorded = False  # a lease has recorded the request's end in the metrics
         self.probe: RequestProbe | None = None  # the parity evidence of the current attempt
@@ -186,6 +205,10 @@ class RequestContext:
         self.session: SessionLease | None = None
         self.entry: ModelEntry
         self.mm: ModelMetrics
+
+    @property
+    def dialect(self) -> StreamDialect:
+        return ANTHROPIC if self.kind == "messages" else OPENAI
 
     @property
     def rewrite(self) -> bool:
@@ -214,12 +237,37 @@ class OpenAIRoutes:
         """``/v1/embeddings``: no decode and no reuse to speak of, so routed by load alone."""
         return await self._generate(request, "embeddings")
 
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's ``/v1/messages``: tokenized as the engine renders it, routed kv, proxied to the
+        engine's own ``/v1/messages``; errors in Anthropic's shape."""
+        return as_anthropic(await self._generate(request, "messages"))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens, counted here (the router's
+        tokenizer is the engine's; nothing is sent to a worker)."""
+        try:
+            _raw, body = await read_openai_body(request, BODY_LIMIT)
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise OpenAIError(400, "model: a string is required", "model")
+            entry = self.state.models.get(model)
+            if entry is None:
+                raise model_not_found(model)
+            anthropic_api.validate_request(body, require_max_tokens=False)
+            chat = messages_to_chat(entry, body)
+            from kvroute_common.tokenize_offload import prompt_chars
+
+            tokens = await self.state.tokenize.run(prompt_chars(chat), _tokenize, entry, chat, True)
+        except OpenAIError as exc:
+            return as_anthropic(openai_error_response(exc.status, exc.message, exc.param))
+        return json_response({"input_tokens": len(tokens)})
+
     async def _generate(self, request: Request, kind: str) -> Response:
         state = self.state
         ctx = RequestContext()
         ctx.t_start = _perf()
         ctx.receive = request.receive
-        chat = kind in ("chat", "responses")
+        chat = kind in ("chat", "responses", "messages")
         ctx.kind = kind
         ctx.chat = chat
         ctx.endpoint, ctx.path = _KINDS[kind]
@@ -241,7 +289,9 @@ class OpenAIRoutes:
             if not isinstance(stream, bool):
                 raise OpenAIError(400, "'stream' must be a boolean", "stream")
             ctx.entry, ctx.stream, ctx.body = entry, stream, body
-            if kind != "embeddings":
+            if kind == "messages":  # the engine validates sampling in its own (Anthropic) terms
+                anthropic_api.validate_request(body)
+            elif kind != "embeddings":
                 validate_sampling(body, chat)
             if kind == "chat":
                 validate_messages(body.get("messages"))
@@ -283,7 +333,8 @@ class OpenAIRoutes:
             )
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
             ctx.tokens = tokens
-            if stream:  # the engine's usage (cached tokens) feeds the parity alarm and the decomposition
+            if stream and kind != "messages":  # the engine's usage (cached tokens) feeds the parity alarm
+                # and the decomposition (an Anthropic stream always carries its usage)
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
                 if spliced is not None:
                     raw = spliced
@@ -551,20 +602,21 @@ class OpenAIRoutes:
                 resp_headers,
                 self._stream_failed,
                 rewriter,
-                UsageTap(ctx.probe, ctx.strip_usage),
+                UsageTap(ctx.probe, ctx.strip_usage, ctx.dialect.usage_key, ctx.dialect.parse_usage),
                 state.config.stream_idle_timeout,
                 migrator,
+                ctx.dialect,
             )
-            if hints is not None and hints.annotations:
+            if hints is not None and hints.annotations and ctx.kind != "messages":
                 proxy.preamble = self._annotations(ctx, hints)
             return proxy
         if as_stream:
             return await self._reassemble(ctx, lease, upstream, rewriter, watch)
         data = upstream.content
         if ctx.probe is not None:
-            ctx.probe.usage_from_body(data)
+            ctx.probe.usage(*ctx.dialect.parse_usage(data))
         lease.first_token(streamed=False)
-        n = count_completion_tokens(data)
+        n = ctx.dialect.body_tokens(data)
         if n:
             lease.tokens(n)
         if rewriter is not None:
@@ -853,7 +905,8 @@ class ResponseRewriter:
         self.hints = h
         self.routing = wants_routing(h)
         self.want_nvext = h.want_worker_id or h.want_timing or h.want_stop_reason or self.routing
-        if h.speculative_prefill and routes.state.speculative is not None:
+        # speculative prefill warms an OpenAI chat turn; an Anthropic answer is not one
+        if h.speculative_prefill and routes.state.speculative is not None and ctx.kind != "messages":
             from .speculative import TurnTextCollector
 
             self.collector = TurnTextCollector()
@@ -923,7 +976,17 @@ class ResponseRewriter:
         for ev in events:
             if not ev:
                 continue
-            if ev.startswith(b"data: {") and b'"finish_reason":null' not in ev.replace(b" ", b""):
+            if ev.startswith(b"event: message_delta\n"):  # Anthropic: the event with the stop reason
+                head, _, data = ev.partition(b"\ndata: ")
+                try:
+                    obj = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    obj = None
+                ext = self._nvext() if isinstance(obj, dict) else None
+                if ext is not None and isinstance(obj, dict):
+                    obj["nvext"] = ext
+                    ev = head + b"\ndata: " + orjson.dumps(obj)
+            elif ev.startswith(b"data: {") and b'"finish_reason":null' not in ev.replace(b" ", b""):
                 try:
                     obj = orjson.loads(ev[6:])
                 except orjson.JSONDecodeError:
@@ -976,6 +1039,7 @@ _KINDS = {
     "completions": ("completions", "/v1/completions"),
     "responses": ("responses", "/v1/responses"),
     "embeddings": ("embeddings", "/v1/embeddings"),
+    "messages": ("messages", "/v1/messages"),
 }
 
 

@@ -181,6 +181,85 @@ _SCHEMAS: dict[str, Any] = {
             "nvext": {"type": "object"},
         },
     },
+    "MessagesRequest": {
+        "type": "object",
+        "required": ["model", "messages", "max_tokens"],
+        "properties": {
+            "model": {"type": "string", "minLength": 1},
+            "max_tokens": {"type": "integer", "minimum": 1},
+            "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": oa.ref("AnthropicBlock")}]},
+            "messages": {"type": "array", "minItems": 1, "items": oa.ref("AnthropicMessage")},
+            "tools": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "description": {"type": "string"},
+                        "input_schema": {"type": "object"},
+                    },
+                },
+            },
+            "tool_choice": {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"enum": ["auto", "any", "none", "tool"]}, "name": {"type": "string"}},
+            },
+            "stream": {"type": ["boolean", "null"]},
+            "temperature": {"type": "number", "minimum": 0},
+            "stop_sequences": {"type": "array", "items": {"type": "string"}},
+            "nvext": oa.ref("NvExt"),
+        },
+    },
+    "CountTokensRequest": {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            "model": {"type": "string", "minLength": 1},
+            "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": oa.ref("AnthropicBlock")}]},
+            "messages": {"type": "array", "minItems": 1, "items": oa.ref("AnthropicMessage")},
+        },
+    },
+    "AnthropicMessage": {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"enum": ["user", "assistant", "system"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": oa.ref("AnthropicBlock")}]},
+        },
+    },
+    "AnthropicBlock": {
+        "type": "object",
+        "required": ["type"],
+        "description": "text, tool_use, tool_result or thinking (images are refused: text-only tokenizer)",
+        "properties": {"type": {"type": "string"}, "text": {"type": "string"}},
+    },
+    "Message": {
+        "type": "object",
+        "required": ["id", "type", "role", "content", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"const": "message"},
+            "role": {"const": "assistant"},
+            "content": {"type": "array"},
+            "stop_reason": {"type": ["string", "null"]},
+            "usage": {"type": "object"},
+            "nvext": {"type": "object"},
+        },
+    },
+    "AnthropicError": {
+        "type": "object",
+        "required": ["type", "error"],
+        "properties": {
+            "type": {"const": "error"},
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            },
+        },
+    },
     "EmbeddingsRequest": {
         "type": "object",
         "required": ["model", "input"],
@@ -384,7 +463,9 @@ _ROUTING_HEADERS = [
 ]
 
 
-def _generation(summary: str, request: str, answer: str, streams: bool = True) -> dict[str, Any]:
+def _generation(
+    summary: str, request: str, answer: str, streams: bool = True, error: str = "OpenAIError"
+) -> dict[str, Any]:
     content: dict[str, Any] = {"application/json": {"schema": oa.ref(answer)}}
     if streams:
         content["text/event-stream"] = {"schema": oa.ref("StreamEvent")}
@@ -393,7 +474,7 @@ def _generation(summary: str, request: str, answer: str, streams: bool = True) -
         "content": content,
     }
     responses = {"200": ok}
-    responses.update(oa.errors(_V1_ERRORS, "OpenAIError"))
+    responses.update(oa.errors(_V1_ERRORS, error))
     return {
         "summary": summary,
         "parameters": _ROUTING_HEADERS,
@@ -415,6 +496,32 @@ def frontend_paths() -> dict[str, Any]:
         "/v1/responses": {
             "post": _generation(
                 "OpenAI Responses request (text), tokenized like chat and routed", "ResponsesRequest", "ResponsesAnswer"
+            )
+        },
+        "/v1/messages": {
+            "post": _generation(
+                "Anthropic Messages request, tokenized as the engine renders it and routed; Anthropic-shaped errors",
+                "MessagesRequest",
+                "Message",
+                error="AnthropicError",
+            )
+        },
+        "/v1/messages/count_tokens": {
+            "post": oa.json_post(
+                "the prompt's token count (counted by the router, nothing is sent to a worker)",
+                oa.ref("CountTokensRequest"),
+                {
+                    200: oa.json_ok(
+                        "the count",
+                        {
+                            "type": "object",
+                            "required": ["input_tokens"],
+                            "properties": {"input_tokens": {"type": "integer"}},
+                        },
+                    )
+                },
+                {400: "bad messages", 404: "model not served", 413: "body over the limit"},
+                "AnthropicError",
             )
         },
         "/v1/embeddings": {

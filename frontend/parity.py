@@ -34,6 +34,7 @@ import asyncio
 import logging
 import re
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -116,13 +117,21 @@ class UsageTap:
     held until its end arrives (a client cannot use half an event anyway), never more than
     ``MAX_HELD`` bytes (then it is passed on as it is, so a stream never stalls here)."""
 
-    __slots__ = ("strip", "probe", "_held")
+    __slots__ = ("strip", "probe", "_held", "key", "parse")
 
     MAX_HELD = 1 << 16
 
-    def __init__(self, probe: RequestProbe | None, strip: bool) -> None:
+    def __init__(
+        self,
+        probe: RequestProbe | None,
+        strip: bool,
+        key: bytes = _USAGE_KEY,
+        parse: Callable[[bytes], tuple[int | None, int | None]] = parse_usage,
+    ) -> None:
         self.probe = probe
         self.strip = strip
+        self.key = key  # what only a usage object contains (Anthropic streams: b'"input_tokens"')
+        self.parse = parse  # -> (prompt_tokens, cached_tokens)
         self._held = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -138,16 +147,18 @@ class UsageTap:
                 return chunk
             self._held = chunk[end:]
             chunk = chunk[:end]
-        i = chunk.find(_USAGE_KEY)
-        if i >= 0:
+        i = chunk.find(self.key)
+        while i >= 0:  # every usage in the chunk, the last one counts (Anthropic: message_start, message_delta)
             start = chunk.rfind(b"data:", 0, i)
             start = 0 if start < 0 else start
             end = _event_end(chunk, i)
-            prompt, cached = parse_usage(chunk[start:end])
+            prompt, cached = self.parse(chunk[start:end])
             if self.probe is not None:
                 self.probe.usage(prompt, cached)
             if self.strip and _EMPTY_CHOICES.search(chunk, start, end):  # a usage-only event
                 chunk = chunk[:start] + chunk[end:]
+                end = start
+            i = chunk.find(self.key, end)
         if self.strip and b'"usage"' in chunk:
             chunk = _USAGE_NULL.sub(b"", chunk)
         return chunk
@@ -233,6 +244,8 @@ class WorkerParity:
         "last_cause",
         "last_kind",
         "gauge",
+        "render",
+        "render_cause",
     )
 
     def __init__(self, worker_id: int, window: int, gauge: Any) -> None:
@@ -249,9 +262,13 @@ class WorkerParity:
         self.last_cause: str | None = None
         self.last_kind: str | None = None  # which kind of cause was last logged
         self.gauge = gauge
+        self.render: dict[str, Any] | None = None  # the engine-rendering check (frontend/render_parity.py)
+        self.render_cause: str | None = None  # set while that check proves a tokenizer mismatch
         gauge.set(0)
 
     def cause_kind(self) -> str:
+        if self.render_cause is not None:
+            return "render"
         if self.foreign_block_size is not None:
             return "events_block_size"
         if self.cached_not_multiple is not None:
@@ -261,6 +278,8 @@ class WorkerParity:
         return "stores" if self.stores_unmatched else "usage"
 
     def likely_cause(self, block_size: int) -> str:
+        if self.render_cause is not None:
+            return self.render_cause
         if self.foreign_block_size is not None:
             return (
                 f"block size mismatch: the worker publishes {self.foreign_block_size}-token blocks, the router uses "
@@ -303,6 +322,8 @@ class WorkerParity:
             out["prompt_tokens_router_vs_engine"] = list(self.prompt_len_mismatch)
         if self.foreign_block_size is not None:
             out["events_block_size"] = self.foreign_block_size
+        if self.render is not None:
+            out["render"] = self.render
         return out
 
 
@@ -440,13 +461,17 @@ class ParityMonitor:
         wp.totals[key] += 1
         self.checks.labels(str(wp.worker_id), source, key).inc()
         wp.window.append(result)
+        self._update_alarm(wp, block_size)
+
+    def _update_alarm(self, wp: WorkerParity, block_size: int) -> None:
         mismatches = sum(1 for e in wp.window if not e)
-        alarm = mismatches >= self.min_mismatches and mismatches == len(wp.window)
+        alarm = (mismatches >= self.min_mismatches and mismatches == len(wp.window)) or wp.render_cause is not None
         if alarm and not wp.alarm:
             wp.last_cause = wp.likely_cause(block_size)
             wp.last_kind = wp.cause_kind()
             log.warning(
-                "hash parity: worker %s's cached blocks never match the router's hashes (%d checks): likely %s",
+                "hash parity: worker %s's cached blocks do not match the router's hashes (%d mismatching checks): "
+                "likely %s",
                 wp.worker_id,
                 mismatches,
                 wp.last_cause,
@@ -462,6 +487,17 @@ class ParityMonitor:
         if alarm != wp.alarm:
             wp.alarm = alarm
             wp.gauge.set(1 if alarm else 0)
+
+    def render_checked(self, worker_id: int, check: Any, block_size: int) -> None:
+        """The engine-rendering check of a worker that (re)joined (``render_parity.RenderCheck``): a
+        mismatch raises the alarm at once and holds it until a later check matches."""
+        wp = self._worker(worker_id)
+        wp.render = check.describe()
+        for result in check.probes.values():
+            if result in ("match", "mismatch"):
+                self.checks.labels(str(worker_id), "render", result).inc()
+        wp.render_cause = check.cause() if check.status == "mismatch" else None
+        self._update_alarm(wp, block_size)
 
     def forget(self, worker_id: int) -> None:
         """A removed worker: drop its state and series (a new process starts from no evidence)."""

@@ -14,28 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from typing import Any
 
-from .errors import openai_error_body
 from .lifecycle import Lease
+from .stream_dialect import OPENAI, StreamDialect
 from .upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 log = logging.getLogger("frontend.proxy")
 _now = time.perf_counter
 
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_DONE = b"data: [DONE]"
-
 
 def upstream_headers(rank: int, request_id: str) -> list[tuple[str, str]]:
     return [("content-type", "application/json"), ("x-data-parallel-rank", str(rank)), ("x-request-id", request_id)]
-
-
-def count_completion_tokens(body: bytes) -> int:
-    m = _COMPLETION_TOKENS.search(body)
-    return int(m.group(1)) if m else 0
 
 
 class StreamProxy:
@@ -51,6 +42,7 @@ class StreamProxy:
         "idle_timeout",
         "migrator",
         "preamble",
+        "dialect",
     )
 
     def __init__(
@@ -63,6 +55,7 @@ class StreamProxy:
         tap: Any = None,
         idle_timeout: float | None = None,
         migrator: Any = None,
+        dialect: StreamDialect = OPENAI,
     ) -> None:
         self.upstream = upstream
         self.lease = lease
@@ -75,6 +68,7 @@ class StreamProxy:
         # (upstream, lease) | None`` that continues the request on another worker
         self.migrator = migrator
         self.preamble = b""  # SSE events sent before the worker's stream (nvext.annotations)
+        self.dialect = dialect  # the API's stream format (OpenAI chunks or Anthropic events)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -119,6 +113,7 @@ class StreamProxy:
         tap = self.tap
         mig = self.migrator
         tracker = mig.tracker if mig is not None else None
+        dialect = self.dialect
         while True:
             lease = self.lease
             first = True
@@ -126,17 +121,13 @@ class StreamProxy:
                 async for chunk in self.upstream.aiter_raw(self.idle_timeout):
                     if not chunk:
                         continue
-                    if first and not _role_only(chunk):  # first token (vLLM-style role chunks carry none)
+                    if first and dialect.has_token(chunk):  # first token (vLLM-style role chunks carry none)
                         first = False
                         lease.first_token()
                         if rw is not None:
                             rw.first_token()
-                    n = chunk.count(b"data:")
+                    n = dialect.tokens(chunk)
                     if n:
-                        if _DONE in chunk:
-                            n -= 1
-                        if b'"content":""' in chunk or b'"choices":[]' in chunk:  # role-only / usage-only events
-                            n -= chunk.count(b'"content":""') + chunk.count(b'"choices":[]')
                         lease.tokens(n)
                     if tracker is not None:
                         chunk = tracker.feed(chunk)
@@ -187,7 +178,7 @@ class StreamProxy:
                         if timeout
                         else f"worker {lease.decision.worker.id} failed mid-stream: {exc}"
                     )
-                    err = b"data: " + openai_error_body(status, msg) + b"\n\ndata: [DONE]\n\n"
+                    err = dialect.failure(status, msg)
                 await send({"type": "http.response.body", "body": err, "more_body": True})
             break
         lease = self.lease
@@ -195,11 +186,6 @@ class StreamProxy:
         if rw is not None:
             rw.finished(lease)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _role_only(chunk: bytes) -> bool:
-    """A lone ``delta: {"role": "assistant", "content": ""}`` event (no token yet)."""
-    return chunk.count(b"data:") == 1 and b'"role"' in chunk and (b'"content":""' in chunk or b'"content": ""' in chunk)
 
 
 async def _wait_disconnect(receive: Any) -> None:

@@ -110,6 +110,7 @@ class FrontendState:
         self.speculative: SpeculativePrefiller | None = None
         self._bg: set[asyncio.Task] = set()
         self._unregistering: dict[int, asyncio.Task] = {}  # worker id -> its KV-event listeners stopping
+        self._render_checked: dict[int, int] = {}  # worker id -> the discovery its rendering was checked at
         self._init_extensions()
         # hash-parity alarm + hit-rate decomposition, fed where a response's usage arrives
         self.parity = ParityMonitor(self.metrics.registry, lambda: self.events)
@@ -340,6 +341,7 @@ class FrontendState:
                 self.sessions.drop_worker(worker.id)
 
     def _worker_removed(self, worker: Worker) -> None:
+        self._render_checked.pop(worker.id, None)
         self._stop_events(worker)
         self.parity.forget(worker.id)
         self.router.forget_worker(worker.id)
@@ -435,6 +437,32 @@ class FrontendState:
             if model not in attached and model in table:
                 attached.append(model)
         worker.attached_models = attached
+        if attached and self._render_checked.get(worker.id) != worker.discoveries:
+            self._render_checked[worker.id] = worker.discoveries  # once per (re)discovery of the process
+            self._spawn(self._check_rendering(worker))
+
+    async def _check_rendering(self, worker: Worker) -> None:
+        """Tokenizer parity before traffic: the engine's rendering of probe requests against ours."""
+        from . import render_parity
+
+        table = self.model_table(worker)
+        bases = [m for m in worker.attached_models if m not in worker.adapters and m in table]
+        if not bases:
+            return
+        entry = table[bases[0]]
+        adapter = next((table[a] for a in worker.attached_models if a in worker.adapters and a in table), None)
+        try:
+            check = await render_parity.check(worker, entry, adapter, self.pool.health_timeout)
+        except Exception:  # a diagnostic never takes a worker out
+            log.exception("render parity check of worker %s failed", worker.id)
+            return
+        if self.pool.workers.get(worker.id) is not worker:
+            return  # removed meanwhile
+        self.parity.render_checked(worker.id, check, entry.block_size)
+        if check.status == "mismatch":
+            log.warning("worker %s: %s", worker.id, check.cause())
+        else:
+            log.info("worker %s: engine rendering %s %s", worker.id, check.status, check.probes)
 
     def _start_events(self, worker: Worker, entry: ModelEntry) -> None:
         events = self._events_registry()

@@ -271,6 +271,7 @@ class Worker:
     max_num_seqs: int | None = None  # when the engine exposes it (model_max_num_seqs gauge)
     healthy: bool = False
     discovered: bool = False
+    discoveries: int = 0  # times its models and capacity were read (a restarted process is read again)
     failures: int = 0  # consecutive failed health checks while healthy
     unreachable: bool = False  # connection refused / lost: the process is gone, so is its KV cache
     last_error: str | None = None
@@ -495,6 +496,7 @@ class WorkerPool:
         worker.max_num_seqs = cap.get("max_num_seqs")
         await self._read_event_sources(worker)
         worker.discovered = True
+        worker.discoveries += 1
 
     async def _read_event_sources(self, worker: Worker) -> None:
         """A worker given without its KV-event endpoints gets them from the engine (re-read on every

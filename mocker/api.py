@@ -1,4 +1,5 @@
-"""The mocker's HTTP surface: vLLM's OpenAI server routes over the simulated engine ranks.
+"""The mocker's HTTP surface: vLLM's OpenAI server routes (and its Anthropic ``/v1/messages``) over
+the simulated engine ranks.
 
 Requests are tokenised with ``kvroute_common.tokenizer`` (the frontend's code, so both agree on
 token ids), routed to the DP rank of header ``X-data-parallel-rank`` (vLLM's header; default 0)
@@ -9,7 +10,9 @@ and answered in OpenAI's shapes, streamed as SSE or folded. Errors use vLLM's en
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import os
 import random
 import time
 import uuid
@@ -25,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvroute_common import anthropic_api
 from kvroute_common.openai_api import OpenAIError, read_openai_body, responses_to_chat
 from kvroute_common.tokenize_offload import TokenizeOffload, prompt_chars
 from kvroute_common.tokenizer import (
@@ -33,6 +37,7 @@ from kvroute_common.tokenizer import (
     completion_prompt_token_ids,
     load_tokenizer,
 )
+from mocker import anthropic
 from mocker.config import MockerConfig
 from mocker.engine import (
     FINISH_ABORT,
@@ -81,6 +86,14 @@ def json_response(payload: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type=_JSON)
 
 
+def _read_template(value: str) -> str:
+    """``--chat-template``: a file's contents, or the value itself (vLLM accepts both)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
 class Mocker:
     """Everything one mocker process owns: tokenizer, engine ranks, publishers, metrics."""
 
@@ -89,6 +102,9 @@ class Mocker:
         self.adapters = cfg.adapters()  # LoRA adapter -> path
         self.adapter_ids = {name: i for i, name in enumerate(self.adapters, 1)}
         self.tokenizer = load_tokenizer(cfg.model_path)
+        if cfg.chat_template:  # a copy: the loaded tokenizer is shared per path
+            self.tokenizer = copy.copy(self.tokenizer)
+            self.tokenizer.chat_template = _read_template(cfg.chat_template)
         self.started = int(time.time())
         tok = self.tokenizer
         self.eos_token_id = tok.eos_token_id
@@ -610,6 +626,37 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
 
         return wrapped
 
+    def anthropic_handler(fn):
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except (OpenAIError, PromptError) as exc:
+                return anthropic.error(getattr(exc, "status", 400), getattr(exc, "message", str(exc)))
+
+        return wrapped
+
+    async def messages(request: Request) -> Response:
+        """Anthropic Messages, as vLLM serves them: rendered and generated as chat, answered as messages."""
+        body = await _body(request)
+        _check_model(m, body)
+        anthropic_api.validate_request(body)
+        chat = anthropic.chat_body(body, anthropic_api.tokenizer_template(m.tokenizer))
+        prompt = await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
+        answer = await _generate(m, request, chat, prompt, chat=True)
+        if answer.status_code != 200:
+            return anthropic.from_openai_error(answer)
+        if isinstance(answer, StreamingResponse):
+            return anthropic.streaming(answer)
+        return json_response(anthropic.message(orjson.loads(answer.body)))
+
+    async def count_tokens(request: Request) -> Response:
+        body = await _body(request)
+        _check_model(m, body)
+        anthropic_api.validate_request(body, require_max_tokens=False)
+        chat = anthropic.chat_body(body, anthropic_api.tokenizer_template(m.tokenizer))
+        prompt = await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
+        return json_response({"input_tokens": len(prompt)})
+
     async def chat_completions(request: Request) -> Response:
         body = await _body(request)
         _check_model(m, body)
@@ -764,6 +811,28 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
             raise OpenAIError(400, "prompt (string) or messages is required")
         return json_response({"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens})
 
+    async def render_chat(request: Request) -> Response:
+        body = await _body(request)
+        _check_model(m, body)
+        ids = await m.tokenize.run(prompt_chars(body), chat_request_token_ids, m.tokenizer, body)
+        return json_response({"request_id": uuid.uuid4().hex, "token_ids": ids})
+
+    async def render_completion(request: Request) -> Response:
+        body = await _body(request)
+        _check_model(m, body)
+        if "prompt" not in body:
+            raise OpenAIError(400, "prompt is required", "prompt")
+        ids = await m.tokenize.run(prompt_chars(body), completion_prompt_token_ids, m.tokenizer, body["prompt"])
+        return json_response([{"request_id": uuid.uuid4().hex, "token_ids": ids}])
+
+    async def render_messages(request: Request) -> Response:
+        body = await _body(request)
+        _check_model(m, body)
+        anthropic_api.validate_request(body)
+        chat = anthropic.chat_body(body, anthropic_api.tokenizer_template(m.tokenizer))
+        ids = await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
+        return json_response({"request_id": uuid.uuid4().hex, "token_ids": ids})
+
     async def health(request: Request) -> Response:
         return Response(status_code=200)
 
@@ -883,6 +952,8 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         Route("/v1/models", handler(models), methods=["GET"]),
         Route("/v1/responses", handler(responses), methods=["POST"]),
         Route("/v1/embeddings", handler(embeddings), methods=["POST"]),
+        Route("/v1/messages", anthropic_handler(messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_handler(count_tokens), methods=["POST"]),
         Route("/tokenize", handler(tokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -891,6 +962,12 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         Route("/mocker/kv_blocks", handler(kv_blocks), methods=["GET"]),
         Route("/mocker/priorities", handler(priorities), methods=["GET"]),
     ]
+    if cfg.enable_scale_out:
+        routes += [
+            Route("/v1/chat/completions/render", handler(render_chat), methods=["POST"]),
+            Route("/v1/completions/render", handler(render_completion), methods=["POST"]),
+            Route("/v1/messages/render", handler(render_messages), methods=["POST"]),
+        ]
     if cfg.impersonate == "sglang":
         routes.append(Route("/get_server_info", handler(get_server_info), methods=["GET"]))
     elif cfg.server_info:

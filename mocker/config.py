@@ -39,6 +39,8 @@ class MockerConfig:
     # LoRA adapters served beside the model, vLLM's NAME=PATH (the path is only listed: no weights)
     lora_modules: list[str] = field(default_factory=list)
     enable_lora: bool = False
+    chat_template: str | None = None  # a template file or the template itself, instead of the tokenizer's
+    enable_scale_out: bool = False  # vLLM's render routes: /v1/{chat/completions,completions,messages}/render
 
     def adapters(self) -> dict[str, str]:
         """Adapter name -> path, in the order given (vLLM numbers them 1, 2, ... as lora_id)."""
@@ -172,6 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
         "parent; their requests' blocks are keyed by the adapter (lora_name in the KV events)",
     )
     p.add_argument("--enable-lora", action="store_true", help="accepted for vLLM compatibility (no effect)")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template (a file, or the template itself) used instead of the tokenizer's, as vLLM's flag",
+    )
+    p.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve vLLM's render routes (/v1/chat/completions/render, /v1/completions/render, /v1/messages/render): "
+        "the token ids a request would be computed from, without running it",
+    )
     return p
 
 

@@ -14,7 +14,11 @@ cache contents. What is shown against the real engines:
 - an engine killed mid-stream (``--migration-limit``) still gives the client one complete stream, and
   once restarted on its ports its old blocks are dropped and relearnt;
 - a KV-event batch lost on the way is recovered through vLLM's own replay socket;
-- with two DP ranks both ranks' events are applied and requests follow their prefix to the right rank.
+- with two DP ranks both ranks' events are applied and requests follow their prefix to the right rank;
+- Anthropic's Messages API: counted and hashed as vLLM renders it, routed to the engine holding the
+  conversation, the predicted overlap equal to vLLM's cache reads;
+- tokenizer parity is proven from vLLM's own rendering as workers join, and an engine with another
+  chat template raises the alarm before any request.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -35,6 +40,11 @@ from kvroute_common.real_engines.vllm_cpu import BLOCK_SIZE, SERVED_NAME, VllmEn
 from support import free_port, service, wait_until
 
 MODEL = SERVED_NAME
+# a chat template other than the tiny model's (kvroute's built-in one): same tokenizer, other prompt text
+OTHER_TEMPLATE = (
+    "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<<assistant>>{% endif %}"
+)
 WAIT = 60.0  # seconds for anything the engines do (2 cores shared by three engines and the frontend)
 
 
@@ -43,16 +53,27 @@ WAIT = 60.0  # seconds for anything the engines do (2 cores shared by three engi
 
 @pytest.fixture(scope="session")
 def vllm_engines(vllm_python: str, tiny_model: str) -> Iterator[dict[str, Any]]:
-    """Worker 1 (adapters a1, a2), worker 2 (adapter a1) and a DP-2 engine, started side by side."""
+    """Worker 1 (adapters a1, a2), worker 2 (adapter a1), a DP-2 engine and an engine rendering chats
+    with another chat template than the model's, started side by side; all but the DP-2 engine serve
+    vLLM's render routes (``--enable-scale-out``)."""
     loras = {name: os.path.join(tiny_model, "loras", name) for name in ("a1", "a2")}
-    one = VllmEngine(vllm_python, tiny_model, loras=loras)
-    two = VllmEngine(vllm_python, tiny_model, loras={"a1": loras["a1"]})
+    scale_out = ["--enable-scale-out"]
+    one = VllmEngine(vllm_python, tiny_model, loras=loras, extra_args=scale_out)
+    two = VllmEngine(vllm_python, tiny_model, loras={"a1": loras["a1"]}, extra_args=scale_out)
     dp2 = VllmEngine(vllm_python, tiny_model, dp_size=2)
-    start_engines([one, two, dp2])
+    other = VllmEngine(
+        vllm_python,
+        tiny_model,
+        kv_events=False,
+        num_gpu_blocks=64,
+        extra_args=[*scale_out, "--chat-template", OTHER_TEMPLATE],
+    )
+    engines = [one, two, dp2, other]
+    start_engines(engines)
     try:
-        yield {"pair": [one, two], "dp2": dp2, "model_dir": tiny_model}
+        yield {"pair": [one, two], "dp2": dp2, "other_template": other, "model_dir": tiny_model}
     finally:
-        for e in (one, two, dp2):
+        for e in engines:
             e.stop()
 
 
@@ -514,6 +535,127 @@ def test_lora_adapters_are_routed_by_their_own_blocks_and_only_to_engines_servin
                 break
     wait_until(fe.idle, WAIT, what="loads back at 0")
     assert fe.metric("kvroute_hash_parity_mismatch") == 0
+
+
+def test_anthropic_messages_are_tokenized_as_vllm_renders_them_and_follow_their_cache(
+    pair: tuple[Kvroute, list[VllmEngine]],
+) -> None:
+    """An agent's conversation over the Messages API (the ``anthropic`` SDK; system blocks with Claude
+    Code's billing header, tool use and tool results, an inline system reminder), three turns and a
+    streamed fourth: kvroute counts the prompt as vLLM does (``count_tokens`` on both, and the usage),
+    each turn goes to the engine holding the conversation, and the overlap kvroute predicted equals
+    vLLM's ``cache_read_input_tokens``."""
+    fe, engines = pair
+    client = anthropic.Anthropic(base_url=fe.url, api_key="unused", max_retries=0, timeout=WAIT)
+    system = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=91ab;"},
+        {"type": "text", "text": system_prompt("anthropic")},
+    ]
+    tools = [{"name": "read", "description": "read a file", "input_schema": {"type": "object"}}]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "Read the router and say what it does."},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Reading it."},
+                {"type": "tool_use", "id": "toolu_7", "name": "read", "input": {"path": "router/cost.py"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_7",
+                    "content": [{"type": "text", "text": "def cost(): ..."}],
+                },
+                {"type": "text", "text": "Go on."},
+            ],
+        },
+        {"role": "system", "content": "Reminder: be brief."},
+        {"role": "user", "content": "Which file computes the cost?"},
+    ]
+    home = None
+    for turn in range(4):
+        request = {"model": MODEL, "system": system, "tools": tools, "messages": messages}
+        ours = client.messages.count_tokens(**request).input_tokens  # type: ignore[arg-type]
+        theirs = httpx.post(f"{engines[0].url}/v1/messages/count_tokens", json=request, timeout=WAIT).json()
+        assert ours == theirs["input_tokens"], (turn, ours, theirs)
+        kwargs = {**request, "max_tokens": 4, "extra_body": {"nvext": {"extra_fields": ["routing"]}}}
+        if turn < 3:
+            raw = client.messages.with_raw_response.create(**kwargs)  # type: ignore[arg-type]
+            message, record = raw.parse(), raw.http_response.json()["nvext"]["routing"]
+        else:
+            with client.messages.stream(**kwargs) as stream:  # type: ignore[arg-type]
+                message = stream.get_final_message()
+            record = None
+        usage = message.usage
+        prompt = usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+        assert prompt == ours
+        if record is not None:
+            assert record["isl"] == ours
+            assert (usage.cache_read_input_tokens or 0) == expected_cached(record["overlap_blocks"], prompt), (
+                turn,
+                record,
+                usage,
+            )
+            if home is None:
+                home = record["worker_id"]
+            else:
+                assert record["worker_id"] == home and record["overlap_blocks"] > 0
+        else:
+            assert (usage.cache_read_input_tokens or 0) > 0
+        assert home is not None
+        chat = {"model": MODEL, "max_tokens": 1, **request}
+        wait_until(
+            lambda c=chat, n=prompt, w=home: fe.overlap(_as_chat(c), w) >= n // BLOCK_SIZE, WAIT, what="turn indexed"
+        )
+        text = "".join(b.text for b in message.content if b.type == "text") or "ok"
+        messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": f"And {turn}?"}]
+    assert fe.metric("dynamo_frontend_requests_total", endpoint="messages", status="success") == 4
+    wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
+def _as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat request kvroute hashes for a Messages request (for ``/admin/route``); the tiny model's
+    template takes inline system messages, so none are merged."""
+    from kvroute_common.anthropic_api import to_chat
+
+    return to_chat(body)
+
+
+def test_tokenizer_parity_is_proven_from_vllms_rendering_before_any_request(vllm_engines: dict[str, Any]) -> None:
+    """Workers whose vLLM serves the render routes are checked as they join: the engine with the
+    model's own template matches on every probe (chat with tools, completion, LoRA adapter, Anthropic
+    Messages); the engine started with another ``--chat-template`` raises the hash-parity alarm at
+    once, naming the first differing token and both texts around it, before any request is routed."""
+    one = vllm_engines["pair"][0]
+    other: VllmEngine = vllm_engines["other_template"]
+    with kvroute(vllm_engines["model_dir"], [one.worker_spec(1), other.worker_spec(2)]) as fe:
+
+        def checks() -> dict[int, Any]:
+            return {wid: (row.get("hash_parity") or {}).get("render") for wid, row in fe.workers().items()}
+
+        found = wait_until(lambda: (c := checks()) and all(c.values()) and c, WAIT, what="render checks")
+        assert found[1] == {
+            "status": "match",
+            "probes": {
+                "chat_with_system_and_tools": "match",
+                "completion": "match",
+                "lora_a1": "match",
+                "anthropic_messages": "match",
+            },
+        }
+        assert found[2]["status"] == "mismatch", found[2]
+        assert found[2]["probes"]["completion"] == "match"  # no chat template, the same tokens
+        diff = found[2]["first_difference"]
+        assert diff["probe"] == "chat_with_system_and_tools"
+        assert "<<system>>" in diff["engine_text"] and "<<system>>" not in diff["router_text"]
+        rows = fe.workers()
+        assert rows[2]["hash_parity"]["mismatch"] is True and "render" in rows[2]["hash_parity"]["likely_cause"]
+        assert fe.metric("kvroute_hash_parity_mismatch", worker="2") == 1
+        assert fe.metric("kvroute_hash_parity_mismatch", worker="1") == 0
+        assert fe.metric("dynamo_frontend_requests_total") == 0  # proven before traffic
 
 
 def test_workers_given_by_url_alone_read_their_event_sources_from_vllm(vllm_engines: dict[str, Any]) -> None:
