@@ -62,7 +62,7 @@ def bench_decision(
 ) -> dict[str, Any]:
     """p50 of the whole routing decision for an ~8k-token chat prompt over workers*dp_size ranks."""
     from frontend.models import BusyThresholds, ModelEntry
-    from frontend.openai_routes import _tokenize
+    from frontend.prompt import body_tokens
     from frontend.request_router import RequestRouter
     from frontend.workers import Worker, WorkerSpec
     from indexer.core import KvIndex
@@ -140,7 +140,7 @@ def bench_decision(
     for i in range(iterations + 20):
         b = body(i)
         t0 = time.perf_counter()
-        tokens = _tokenize(entry, b, True)
+        tokens = body_tokens(entry, b, True)
         t1 = time.perf_counter()
         d = router.route(entry, tokens)
         router.book(entry, f"r{i}", d)

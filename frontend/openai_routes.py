@@ -31,13 +31,14 @@ from .lifecycle import Lease
 from .migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
 from .models import ModelEntry
 from .parity import RequestProbe, UsageTap, stream_body_with_usage
+from .prompt import Prompt, body_tokens, hash_tokens, messages_to_chat, tokenize_request
 from .proxy import StreamProxy, upstream_headers
 from .routing_record import routing_record, wants_routing
 from .state import FrontendState
 from .stream_dialect import ANTHROPIC, OPENAI, StreamDialect
 from .unary_stream import UnaryAssembler, convertible, streaming_body
 from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
-from .validation import check_context_length, validate_messages, validate_sampling
+from .validation import validate_messages, validate_sampling
 
 if TYPE_CHECKING:
     from router.session import SessionLease
@@ -54,101 +55,6 @@ BODY_LIMIT = 45 * 1024 * 1024  # DYN_HTTP_BODY_LIMIT_MB default
 RETRY_AFTER_SECS = "1"
 
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-
-def _tokenize(
-    entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, max_model_len: int | None = None
-) -> list[int]:
-    """The engine's prompt tokens, checked against the context length as vLLM checks them.
-
-    ``nogil``: running on a worker thread (kvroute_common.tokenize_offload); there the over-long
-    prompt is refused before its ids are built and a long id list is freed on the thread, never on
-    the loop."""
-    from kvroute_common.tokenizer import PromptError, PromptTooLong, chat_request_token_ids, completion_prompt_token_ids
-
-    limit = max_model_len if nogil else None
-    try:
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
-            # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
-            # continue_final_message, tools, documents): the router must hash the engine's tokens
-            tokens = chat_request_token_ids(entry.tokenizer, body, nogil=nogil, limit=limit)
-        else:
-            if "prompt" not in body:
-                raise OpenAIError(400, "'prompt' is required", "prompt")
-            tokens = completion_prompt_token_ids(entry.tokenizer, body["prompt"], nogil=nogil, limit=limit)
-    except PromptTooLong as exc:
-        check_context_length(exc.n_tokens, body, max_model_len, chat)
-        raise OpenAIError(400, str(exc)) from None  # pragma: no cover - the check above raises
-    except PromptError as exc:
-        raise OpenAIError(400, str(exc)) from None
-    check_context_length(len(tokens), body, max_model_len, chat)
-    return tokens
-
-
-def _embedding_tokens(
-    entry: ModelEntry, body: dict, nogil: bool = False, max_model_len: int | None = None
-) -> list[int]:
-    """All inputs' tokens, concatenated (for load accounting; embeddings are routed by load)."""
-    from kvroute_common.tokenizer import PromptError, completion_prompt_token_ids
-
-    inp = body.get("input")
-    if isinstance(inp, str) or (isinstance(inp, list) and inp and all(type(t) is int for t in inp)):
-        items = [inp]
-    elif isinstance(inp, list) and inp and all(isinstance(t, (str, list)) for t in inp):
-        items = inp
-    else:
-        raise OpenAIError(
-            400,
-            "'input' must be a non-empty string, list of strings, list of token ids or list of token-id lists",
-            "input",
-        )
-    out: list[int] = []
-    try:
-        for item in items:
-            ids = completion_prompt_token_ids(entry.tokenizer, item, nogil=nogil)
-            check_context_length(len(ids), {}, max_model_len, False)
-            out += ids
-    except PromptError as exc:
-        raise OpenAIError(400, str(exc), "input") from None
-    return out
-
-
-async def tokenize_request(state: FrontendState, entry: ModelEntry, body: dict, kind: str | bool) -> list[int]:
-    """The request's tokens: inline for short prompts, on a worker thread above the offload threshold.
-
-    ``kind``: chat | completions | responses | messages | embeddings (a bool means chat / completions)."""
-    from kvroute_common.openai_api import responses_to_chat
-    from kvroute_common.tokenize_offload import prompt_chars
-
-    if isinstance(kind, bool):
-        kind = "chat" if kind else "completions"
-    chars = prompt_chars(body)
-    if kind == "embeddings":
-        return await state.tokenize.run(chars, _embedding_tokens, entry, body, max_model_len=entry.max_model_len)
-    if kind == "responses":
-        body = responses_to_chat(body)
-    elif kind == "messages":
-        body = messages_to_chat(entry, body)
-    return await state.tokenize.run(
-        chars, _tokenize, entry, body, kind != "completions", max_model_len=entry.max_model_len
-    )
-
-
-def tokenize_request_sync(entry: ModelEntry, body: dict, kind: str) -> list[int]:
-    """A short request's tokens on the calling thread (chat | completions | messages), no length check."""
-    if kind == "messages":
-        body = messages_to_chat(entry, body)
-    return _tokenize(entry, body, kind != "completions")
-
-
-def messages_to_chat(entry: ModelEntry, body: dict) -> dict:
-    """An Anthropic Messages request as the chat request the engine renders (its template decides
-    whether inline system messages are merged into the leading one)."""
-    template = anthropic_api.tokenizer_template(entry.tokenizer)
-    return anthropic_api.to_chat(body, anthropic_api.requires_system_first(template))
 
 
 class RequestContext:
@@ -178,6 +84,7 @@ class RequestContext:
         "path",
         "prefill",
         "soft_target",
+        "prompt",
     )
     # set by the route before the request is routed
     t_start: float
@@ -187,6 +94,7 @@ class RequestContext:
     body: dict[str, Any]
     out_body: bytes
     tokens: list[int]
+    prompt: Prompt
 
     def __init__(self) -> None:
         self.kind = "chat"  # chat | completions | responses | messages | embeddings (see _KINDS)
@@ -257,7 +165,7 @@ class OpenAIRoutes:
             chat = messages_to_chat(entry, body)
             from kvroute_common.tokenize_offload import prompt_chars
 
-            tokens = await self.state.tokenize.run(prompt_chars(chat), _tokenize, entry, chat, True)
+            tokens = await self.state.tokenize.run(prompt_chars(chat), body_tokens, entry, chat, True)
         except OpenAIError as exc:
             return as_anthropic(openai_error_response(exc.status, exc.message, exc.param))
         return json_response({"input_tokens": len(tokens)})
@@ -326,13 +234,14 @@ class OpenAIRoutes:
             ctx.hints = hints
 
             t_tok = _perf()
-            tokens = (
-                hints.token_data
-                if (hints is not None and hints.token_data)
-                else await tokenize_request(state, entry, body, kind)
-            )
+            salt = hints.cache_salt if hints is not None else None
+            if hints is not None and hints.token_data:
+                prompt = await hash_tokens(state.tokenize, entry, hints.token_data, salt)
+            else:
+                prompt = await tokenize_request(state.tokenize, entry, body, kind, salt)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
-            ctx.tokens = tokens
+            ctx.prompt = prompt
+            ctx.tokens = tokens = prompt.tokens
             if stream and kind != "messages":  # the engine's usage (cached tokens) feeds the parity alarm
                 # and the decomposition (an Anthropic stream always carries its usage)
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
@@ -365,7 +274,7 @@ class OpenAIRoutes:
                             hints,
                             new_tokens=len(tokens),
                             receive=request.receive,
-                            cached_tokens=lambda: state.router.best_cached_tokens(entry, tokens, hints.cache_salt),
+                            cached_tokens=lambda: state.router.best_cached_tokens(entry, prompt.local_hashes or []),
                         )
                     except ClientDisconnected:
                         mm.inflight.dec()
@@ -459,6 +368,7 @@ class OpenAIRoutes:
                         record=record,
                         exclude=ctx.failed_workers,
                         use_overlap=ctx.kind != "embeddings",
+                        hashes=ctx.prompt.hashes,
                     )
                 except OpenAIError:
                     decision = None  # gone, unhealthy or busy: route freely, the session follows
@@ -472,6 +382,7 @@ class OpenAIRoutes:
                     record=record,
                     exclude=ctx.failed_workers,
                     use_overlap=ctx.kind != "embeddings",
+                    hashes=ctx.prompt.hashes,
                 )
             request_id = state.next_request_id()
             try:
@@ -719,11 +630,11 @@ class OpenAIRoutes:
             raise ApiError(404, f"Model not found: {model}")
         chat = "messages" in body
         try:
-            tokens = await tokenize_request(state, entry, body, chat)
-            prefill = _disagg.explain_prefill(state, entry.name, tokens)
+            prompt = await tokenize_request(state.tokenize, entry, body, chat)
+            prefill = _disagg.explain_prefill(state, entry.name, prompt.tokens)
             # with a prefill pool the decode side is routed load-only (unless it falls back to decode-only)
             router = state.router if prefill is None or "error" in prefill else state.disagg_decode_router
-            d = router.route(entry, tokens, explain=True)
+            d = router.route(entry, prompt.tokens, explain=True, hashes=prompt.hashes)
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
         out = routing_record(router.config, entry, d)
@@ -778,17 +689,19 @@ class OpenAIRoutes:
         try:
             if body is None:
                 raise OpenAIError(400, "the prompt cannot be continued")
-            tokens = _tokenize(entry, body, ctx.chat)
+            salt = ctx.hints.cache_salt if ctx.hints is not None else None
+            prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat, salt)
         except OpenAIError as exc:
             log.warning("cannot migrate: continued prompt rejected: %s", exc.message)
             return None, lease
         raw = orjson.dumps(body)
         path = "/v1/chat/completions" if ctx.chat else "/v1/completions"
-        salt = ctx.hints.cache_salt if ctx.hints is not None else None
         while self._may_migrate(ctx):
             self._count_migration(ctx, lease.decision.worker.id, ONGOING_REQUEST)
             try:
-                decision = state.router.route(entry, tokens, None, None, salt, exclude=ctx.failed_workers)
+                decision = state.router.route(
+                    entry, prompt.tokens, None, None, salt, exclude=ctx.failed_workers, hashes=prompt.hashes
+                )
             except OpenAIError as exc:
                 log.warning("cannot migrate: %s", exc.message)
                 return None, lease
@@ -856,7 +769,8 @@ class OpenAIRoutes:
         ctx.chat = "messages" in body
         ctx.endpoint = "chat_completions" if ctx.chat else "completions"
         ctx.entry, ctx.stream, ctx.body = entry, False, body
-        ctx.tokens = await tokenize_request(state, entry, body, ctx.chat)
+        ctx.prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat)
+        ctx.tokens = ctx.prompt.tokens
         ctx.out_body = orjson.dumps(body)
         ctx.mm = mm = state.metrics.model_children(entry.name, ctx.endpoint, "unary")
         mm.started.inc()

@@ -470,8 +470,7 @@ class ParityMonitor:
             wp.last_cause = wp.likely_cause(block_size)
             wp.last_kind = wp.cause_kind()
             log.warning(
-                "hash parity: worker %s's cached blocks do not match the router's hashes (%d mismatching checks): "
-                "likely %s",
+                "hash parity: worker %s's cached blocks never match the router's hashes (%d checks): likely %s",
                 wp.worker_id,
                 mismatches,
                 wp.last_cause,

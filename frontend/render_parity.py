@@ -142,7 +142,7 @@ def _engine_ids(data: Any) -> list[int] | None:
 
 async def check(worker: Worker, entry: ModelEntry, adapter_entry: ModelEntry | None, timeout: float) -> RenderCheck:
     """Render every probe on the worker and here; the first mismatch is described."""
-    from .openai_routes import tokenize_request_sync
+    from .prompt import tokenize_request_sync
 
     result = RenderCheck()
     adapter = adapter_entry.name if adapter_entry is not None else None

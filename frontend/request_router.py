@@ -84,13 +84,16 @@ class RequestRouter:
         record: bool = False,
         exclude: set[int] | None = None,
         use_overlap: bool = True,
+        hashes: tuple[list[int], list[int]] | None = None,
     ) -> Decision:
         """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin).
 
         ``explain``: a dry run (no overhead metrics); ``explain`` or ``record`` keep every
         candidate's cost terms on the decision (the routing record).
         ``exclude``: worker ids this request must not go to (a migrated request's failed workers).
-        ``use_overlap=False`` (embeddings): the kv cost without cache overlaps, i.e. by load alone."""
+        ``use_overlap=False`` (embeddings): the kv cost without cache overlaps, i.e. by load alone.
+        ``hashes``: the prompt's (local, sequence) block hashes, computed with the tokens
+        (``frontend/prompt.py``, off the loop for long prompts) for this model and ``cache_salt``."""
         cfg = self.config
         t0 = _perf()
         bs = entry.block_size
@@ -99,14 +102,18 @@ class RequestRouter:
         metrics = None if explain else self.metrics
         index = entry.index if (kv and use_overlap) else None
 
-        local = (
-            local_block_hashes(tokens, bs, entry.lora_name, cache_salt)
-            if (index is not None or cfg.router_track_active_blocks)
-            else []
-        )
-        t1 = _perf()
-        seq = sequence_hashes(local)
-        t2 = _perf()
+        if hashes is not None:
+            local, seq = hashes
+            t1 = t2 = _perf()
+        else:
+            local = (
+                local_block_hashes(tokens, bs, entry.lora_name, cache_salt)
+                if (index is not None or cfg.router_track_active_blocks)
+                else []
+            )
+            t1 = _perf()
+            seq = sequence_hashes(local)
+            t2 = _perf()
         if not cfg.router_track_active_blocks:
             tracked: list[int] = []
         elif cfg.router_assume_kv_reuse:
@@ -190,12 +197,12 @@ class RequestRouter:
             worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost, costs if kv else None, available, t4
         )
 
-    def best_cached_tokens(self, entry: ModelEntry, tokens: list[int], cache_salt: str | None = None) -> int:
+    def best_cached_tokens(self, entry: ModelEntry, local_hashes: list[int]) -> int:
         """Most prompt tokens any worker of the model holds now (the queue's pending-cached gauge)."""
         index = entry.index if self.config.router_mode == "kv" else None
-        if index is None or not tokens:
+        if index is None or not local_hashes:
             return 0
-        overlaps = index.find_matches(local_block_hashes(tokens, entry.block_size, entry.lora_name, cache_salt))
+        overlaps = index.find_matches(local_hashes)
         return max(overlaps.values(), default=0) * entry.block_size
 
     # ------------------------------------------------------------------------------------------
