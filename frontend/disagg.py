@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -210,7 +211,7 @@ async def run_prefill(state: FrontendState, ctx: Any) -> PrefillResult | None:
     )
 
 
-def explain_prefill(state: FrontendState, model: str, tokens: list[int]) -> dict | None:
+def explain_prefill(state: FrontendState, model: str, tokens: Sequence[int]) -> dict | None:
     """``POST /admin/route``'s view of the prefill phase (nothing booked), or None without a prefill pool."""
     pool = state.prefill_models.get(model)
     if pool is None:

@@ -53,10 +53,17 @@ def rank_overloaded(
     return False
 
 
+def _takes(worker: Worker, isl: int) -> bool:
+    limit = worker.prompt_limit.tokens
+    return limit is None or isl < limit
+
+
 def candidates(
-    entry: ModelEntry, pinned_worker: int | None, pinned_rank: int | None
+    entry: ModelEntry, pinned_worker: int | None, pinned_rank: int | None, isl: int = 0
 ) -> tuple[list[tuple[Worker, int]], bool]:
     """Healthy (worker, rank) pairs not excluded as busy; the flag says whether busy excluded any.
+    Unpinned, a worker that cannot take an ``isl``-token prompt (its context length or KV capacity)
+    is no candidate.
 
     OpenAIError 400 for a pin the model cannot satisfy, 503 for a pinned worker that is down."""
     out: list[tuple[Worker, int]] = []
@@ -75,7 +82,7 @@ def candidates(
             raise OpenAIError(503, f"Pinned worker {pinned_worker} is unavailable")
         pool = [w]
     else:
-        pool = [w for w in entry.workers.values() if w.healthy]
+        pool = [w for w in entry.workers.values() if w.healthy and _takes(w, isl)]
     rank_fits = False
     for w in pool:
         ranks = w.spec.ranks

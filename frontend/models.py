@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 from kvroute_common.constants import DEFAULT_TENANT as TENANT
 
+from .validation import PromptLimit
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -127,11 +129,18 @@ class ModelEntry:
     def ready(self) -> bool:
         return any(w.healthy for w in self.workers.values())
 
-    @property
-    def max_model_len(self) -> int | None:
-        """The smallest context length the model's workers report (None: none reports one)."""
-        lens = [w.max_model_len for w in self.workers.values() if w.max_model_len]
-        return min(lens) if lens else None
+    def prompt_limit(self) -> PromptLimit | None:
+        """The limits of the healthy worker that takes the longest prompt (None: some worker's are
+        unknown, it may take anything): a prompt over it goes to no worker."""
+        pool = [w for w in self.workers.values() if w.healthy] or list(self.workers.values())
+        best: PromptLimit | None = None
+        for w in pool:
+            limit = w.prompt_limit
+            if limit.tokens is None:
+                return None
+            if best is None or limit.tokens > (best.tokens or 0):
+                best = limit
+        return best
 
     def capacity(self) -> tuple[int | None, int | None]:
         """(total KV blocks, max batched tokens) summed / maxed over healthy workers, for gauges."""

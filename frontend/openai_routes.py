@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -93,7 +94,7 @@ class RequestContext:
     stream: bool
     body: dict[str, Any]
     out_body: bytes
-    tokens: list[int]
+    tokens: Sequence[int]
     prompt: Prompt
 
     def __init__(self) -> None:
@@ -550,7 +551,7 @@ class OpenAIRoutes:
             else:
                 prompt = ctx.body.get("prompt")
                 text = prompt if isinstance(prompt, str) else str(ctx.entry.tokenizer.decode(ctx.tokens))
-        return annotation_events(hints, text, ctx.tokens)
+        return annotation_events(hints, text, list(ctx.tokens))
 
     async def _reassemble(
         self, ctx: RequestContext, lease: Lease, upstream: Any, rewriter: ResponseRewriter | None, watch: Any

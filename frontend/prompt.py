@@ -9,13 +9,14 @@ its ids are even built).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvroute_common import anthropic_api
-from kvroute_common.hashing import local_block_hashes, sequence_hashes
+from kvroute_common.hashing import local_block_hashes, sequence_hashes, token_array
 
 from .errors import OpenAIError
-from .validation import check_context_length
+from .validation import PromptLimit, check_context_length, check_prompt_fits
 
 if TYPE_CHECKING:
     from kvroute_common.tokenize_offload import TokenizeOffload
@@ -24,13 +25,15 @@ if TYPE_CHECKING:
 
 
 class Prompt:
-    """Token ids and (for routing) their local block hashes and chained sequence hashes."""
+    """Token ids and (for routing) their local block hashes and chained sequence hashes. A long
+    prompt's ids are a compact ``array('I')`` (built and its list freed on the tokenizer thread: a
+    list of 128 k ints takes ~1 ms to free, wherever the last reference goes)."""
 
     __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt")
 
     def __init__(
         self,
-        tokens: list[int],
+        tokens: Sequence[int],
         local_hashes: list[int] | None = None,
         seq_hashes: list[int] | None = None,
         salt: str | None = None,
@@ -47,7 +50,7 @@ class Prompt:
         return self.local_hashes, self.seq_hashes
 
 
-def hashed(entry: ModelEntry, tokens: list[int], salt: str | None) -> Prompt:
+def hashed(entry: ModelEntry, tokens: Sequence[int], salt: str | None) -> Prompt:
     """``tokens`` with the block hashes the router looks up and books (the model's block size and
     LoRA adapter, the request's cache salt)."""
     local = local_block_hashes(tokens, entry.block_size, entry.lora_name, salt)
@@ -55,16 +58,17 @@ def hashed(entry: ModelEntry, tokens: list[int], salt: str | None) -> Prompt:
 
 
 def body_tokens(
-    entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, max_model_len: int | None = None
+    entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, limit: PromptLimit | None = None
 ) -> list[int]:
-    """The engine's prompt tokens, checked against the context length as vLLM checks them.
+    """The engine's prompt tokens, checked against what the most capable worker takes (``limit``:
+    its context length, as vLLM checks it, and its KV capacity).
 
     ``nogil``: running on a worker thread (kvroute_common.tokenize_offload); there the over-long
     prompt is refused before its ids are built and a long id list is freed on the thread, never on
     the loop."""
     from kvroute_common.tokenizer import PromptError, PromptTooLong, chat_request_token_ids, completion_prompt_token_ids
 
-    limit = max_model_len if nogil else None
+    stop_at = limit.tokens if (nogil and limit is not None) else None
     try:
         if chat:
             messages = body.get("messages")
@@ -72,21 +76,21 @@ def body_tokens(
                 raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
             # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
             # continue_final_message, tools, documents): the router must hash the engine's tokens
-            tokens = chat_request_token_ids(entry.tokenizer, body, nogil=nogil, limit=limit)
+            tokens = chat_request_token_ids(entry.tokenizer, body, nogil=nogil, limit=stop_at)
         else:
             if "prompt" not in body:
                 raise OpenAIError(400, "'prompt' is required", "prompt")
-            tokens = completion_prompt_token_ids(entry.tokenizer, body["prompt"], nogil=nogil, limit=limit)
+            tokens = completion_prompt_token_ids(entry.tokenizer, body["prompt"], nogil=nogil, limit=stop_at)
     except PromptTooLong as exc:
-        check_context_length(exc.n_tokens, body, max_model_len, chat)
+        check_prompt_fits(exc.n_tokens, body, limit, chat)
         raise OpenAIError(400, str(exc)) from None  # pragma: no cover - the check above raises
     except PromptError as exc:
         raise OpenAIError(400, str(exc)) from None
-    check_context_length(len(tokens), body, max_model_len, chat)
+    check_prompt_fits(len(tokens), body, limit, chat)
     return tokens
 
 
-def embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, max_model_len: int | None = None) -> list[int]:
+def embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, limit: PromptLimit | None = None) -> list[int]:
     """All inputs' tokens, concatenated (for load accounting; embeddings are routed by load)."""
     from kvroute_common.tokenizer import PromptError, completion_prompt_token_ids
 
@@ -105,7 +109,7 @@ def embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, max_mod
     try:
         for item in items:
             ids = completion_prompt_token_ids(entry.tokenizer, item, nogil=nogil)
-            check_context_length(len(ids), {}, max_model_len, False)
+            check_context_length(len(ids), {}, limit.context if limit is not None else None, False)
             out += ids
     except PromptError as exc:
         raise OpenAIError(400, str(exc), "input") from None
@@ -126,14 +130,14 @@ async def tokenize_request(
         kind = "chat" if kind else "completions"
     chars = prompt_chars(body)
     if kind == "embeddings":
-        tokens = await offload.run(chars, embedding_tokens, entry, body, max_model_len=entry.max_model_len)
+        tokens = await offload.run(chars, embedding_tokens, entry, body, limit=entry.prompt_limit())
         return Prompt(tokens)
     if kind == "responses":
         body = responses_to_chat(body)
     elif kind == "messages":
         body = messages_to_chat(entry, body)
     return await offload.run(
-        chars, _tokens_and_hashes, entry, body, kind != "completions", salt, max_model_len=entry.max_model_len
+        chars, _tokens_and_hashes, entry, body, kind != "completions", salt, limit=entry.prompt_limit()
     )
 
 
@@ -147,9 +151,12 @@ def _hashed(entry: ModelEntry, tokens: list[int], salt: str | None, nogil: bool 
 
 
 def _tokens_and_hashes(
-    entry: ModelEntry, body: dict, chat: bool, salt: str | None, nogil: bool = False, max_model_len: int | None = None
+    entry: ModelEntry, body: dict, chat: bool, salt: str | None, nogil: bool = False, limit: PromptLimit | None = None
 ) -> Prompt:
-    return hashed(entry, body_tokens(entry, body, chat, nogil, max_model_len), salt)
+    tokens = body_tokens(entry, body, chat, nogil, limit)
+    if nogil:  # on the tokenizer thread: compact ids, the list freed here
+        return hashed(entry, token_array(tokens), salt)
+    return hashed(entry, tokens, salt)
 
 
 def tokenize_request_sync(entry: ModelEntry, body: dict, kind: str) -> list[int]:

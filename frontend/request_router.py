@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
@@ -76,7 +77,7 @@ class RequestRouter:
     def route(
         self,
         entry: ModelEntry,
-        tokens: list[int],
+        tokens: Sequence[int],
         pinned_worker: int | None = None,
         pinned_rank: int | None = None,
         cache_salt: str | None = None,
@@ -124,7 +125,7 @@ class RequestRouter:
         overlaps = index.find_matches(local) if (index is not None and local) else {}
         t3 = _perf()
 
-        candidates, busy_excluded = eligible_candidates(entry, pinned_worker, pinned_rank)
+        candidates, busy_excluded = eligible_candidates(entry, pinned_worker, pinned_rank, isl)
         if exclude:
             candidates = [c for c in candidates if c[0].id not in exclude]
         if not candidates:

@@ -13,7 +13,7 @@ an unknown role is almost always a client bug that the chat template would drop 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import OpenAIError
 
@@ -148,6 +148,33 @@ def validate_messages(messages: Any) -> None:
         content = m.get("content")
         if content is None and role not in _NULL_CONTENT_ROLES:
             raise _bad(f"messages[{i}].content must not be null for role {role!r}", "messages")
+
+
+class PromptLimit(NamedTuple):
+    """What one engine takes: its context length and the tokens its KV cache holds (None: unknown)."""
+
+    context: int | None
+    kv_tokens: int | None
+
+    @property
+    def tokens(self) -> int | None:
+        """A prompt of this many tokens or more is refused (None: no known bound)."""
+        known = [n for n in (self.context, self.kv_tokens) if n]
+        return min(known) if known else None
+
+
+def check_prompt_fits(n_prompt: int, body: dict, limit: PromptLimit | None, chat: bool) -> None:
+    """The engine's own refusals (its messages), before routing: no hashing or booking for a request no
+    engine takes. The context length is checked as vLLM checks it; a prompt over the KV capacity gets
+    the engine's capacity message (vLLM keeps one block aside, as the mocker does)."""
+    if limit is None:
+        return
+    check_context_length(n_prompt, body, limit.context, chat)
+    if limit.kv_tokens and n_prompt >= limit.kv_tokens:
+        raise _bad(
+            f"the prompt has {n_prompt} tokens but the KV cache holds only {limit.kv_tokens} tokens",
+            "messages" if chat else "prompt",
+        )
 
 
 def check_context_length(n_prompt: int, body: dict, max_model_len: int | None, chat: bool) -> None:

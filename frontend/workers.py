@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from .upstream import UpstreamPool
+from .validation import PromptLimit
 
 log = logging.getLogger("frontend.workers")
 
@@ -286,6 +287,12 @@ class Worker:
     @property
     def id(self) -> int:
         return self.spec.id
+
+    @property
+    def prompt_limit(self) -> PromptLimit:
+        """Its context length and the tokens one rank's KV cache holds (one block is the engine's null block)."""
+        kv = (self.num_gpu_blocks - 1) * self.block_size if self.num_gpu_blocks and self.block_size else None
+        return PromptLimit(self.max_model_len, kv)
 
     def describe(self) -> dict[str, Any]:
         return {

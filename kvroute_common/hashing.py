@@ -66,6 +66,11 @@ def pack_tokens(tokens: Sequence[int] | bytes | memoryview) -> bytes:
     return buf.tobytes()
 
 
+def token_array(tokens: Sequence[int]) -> array:
+    """Token ids as a compact u32 array (hashed without a conversion; freed as one block)."""
+    return array(_U32, tokens)
+
+
 def local_block_hashes(
     tokens: Sequence[int] | bytes,
     block_size: int,

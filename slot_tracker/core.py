@@ -6,13 +6,18 @@ size is the slot's ``active_decode_blocks`` (as the reference tracker counts the
 hashes: r1 ``[7,7,8]`` occupies three positions although it has two distinct hashes, and ``[4,5]``
 rooted at the start is a different position from ``4,5`` reached through ``1,2``.
 
-Why it is fast: every tracker interns path prefixes once, as nodes of one trie shared by all its
-slots; each slot holds a ``node -> refcount`` dict and owns one bit, and every node carries the
-OR of the bits of the slots holding it. A query walks the shared trie once (one dict probe per
-matched hash); because a slot's node set is prefix-closed (a request on a node also holds all its
-ancestors), a slot's longest matched prefix ``D`` is the depth at which its bit leaves the mask.
-Children are keyed by the u64 hash *and* by its signed-i64 alias, so the HTTP layer's i64 values
-and the frontend's u64 values both look up without a conversion pass.
+Why it is fast: every tracker interns path prefixes once, in one trie shared by all its slots whose
+nodes are *runs*: maximal chains of positions held by the same requests (a long prompt nobody shares
+is one node holding its hashes as a list, not one object per block). Each slot holds a
+``node -> refcount`` dict and owns one bit, and every node carries the OR of the bits of the slots
+holding it; a slot's decode blocks are the summed lengths of its nodes. A query walks the shared
+trie once (one dict probe per run, list-slice comparisons within it); because a slot's node set is
+prefix-closed (a request on a node also holds all its ancestors), a slot's longest matched prefix
+``D`` is the depth at which its bit leaves the mask. A run splits where a request ends inside it
+or leaves it, and merges back with its only child when they hold the same requests again, so the
+cost of booking, freeing and querying grows with the number of runs on the path, not with the
+prompt's length. Hashes may arrive as u64 or as their signed-i64 JSON form: a path with any
+negative value is converted once.
 
 Output blocks (the frontend's ``--router-track-output-blocks``; the reference keeps them only in its frontend) are kept
 outside the trie: each request may carry unshared output blocks and an OSL decay weight; only
@@ -27,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from kvroute_common.constants import I64_MAX, U32_MAX, U64_MAX
+from kvroute_common.constants import U32_MAX, U64_MAX
 from kvroute_common.errors import ServiceError
 
 DEFAULT_EXPIRY_SECS = 300.0
@@ -84,28 +89,31 @@ Observer = Callable[[LifecycleEvent], None]
 
 
 class _Node:
-    """One prompt-path prefix position, shared by every slot of a tracker."""
+    """A run of consecutive prompt-path prefix positions held by the same requests, shared by every
+    slot of a tracker."""
 
-    __slots__ = ("kids", "parent", "hash", "refs", "mask")
+    __slots__ = ("kids", "parent", "hashes", "refs", "mask", "ends")
 
-    def __init__(self, parent: _Node | None, h: int) -> None:
-        self.kids: dict[int, _Node] = {}  # child hash (u64 and, above i64 max, its i64 alias) -> node
+    def __init__(self, parent: _Node | None, hashes: list[int]) -> None:
+        self.kids: dict[int, _Node] = {}  # first hash of the child's run -> child
         self.parent = parent
-        self.hash = h  # u64
-        self.refs = 0  # active requests (all slots) whose path runs through this position
-        self.mask = 0  # OR of the bits of the slots holding this position
+        self.hashes = hashes  # u64 sequence hashes of the run's positions, root side first
+        self.refs = 0  # active requests (all slots) whose path runs through this run
+        self.mask = 0  # OR of the bits of the slots holding this run
+        self.ends = 0  # active requests whose path ends at this run's last position
 
 
 class _Slot:
     """One (worker_id, dp_rank): its requests' prefix positions, prefill tokens and counts."""
 
-    __slots__ = ("worker_id", "dp_rank", "bit", "nodes", "active_requests", "prefill_tokens", "decayed")
+    __slots__ = ("worker_id", "dp_rank", "bit", "nodes", "blocks", "active_requests", "prefill_tokens", "decayed")
 
     def __init__(self, worker_id: int, dp_rank: int, bit: int) -> None:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.bit = bit  # this slot's bit in _Node.mask (unique among the tracker's live slots)
-        self.nodes: dict[_Node, int] = {}  # trie node -> number of this slot's requests through it
+        self.nodes: dict[_Node, int] = {}  # trie run -> number of this slot's requests through it
+        self.blocks = 0  # distinct positions held: the summed run lengths of ``nodes``
         self.active_requests = 0
         self.prefill_tokens = 0
         # requests on this slot with output blocks or an OSL decay (usually empty)
@@ -113,12 +121,12 @@ class _Slot:
 
 
 class _Request:
-    __slots__ = ("request_id", "slot", "path", "prefill_tokens", "added_at", "output_blocks", "decay")
+    __slots__ = ("request_id", "slot", "leaf", "prefill_tokens", "added_at", "output_blocks", "decay")
 
-    def __init__(self, request_id: str, slot: _Slot, path: list[_Node], prefill_tokens: int, added_at: float) -> None:
+    def __init__(self, request_id: str, slot: _Slot, leaf: _Node, prefill_tokens: int, added_at: float) -> None:
         self.request_id = request_id
         self.slot = slot
-        self.path = path  # trie nodes, root first
+        self.leaf = leaf  # the run its path ends in (the root for an empty path); the path is its ancestry
         self.prefill_tokens = prefill_tokens  # 0 once prefill completed (or never tracked)
         self.added_at = added_at
         self.output_blocks = 0
@@ -143,11 +151,12 @@ class SlotTracker:
         self.observer = observer
         self._workers: dict[int, tuple[int, int]] = {}  # worker_id -> (dp_start, dp_size)
         self._slots: dict[tuple[int, int], _Slot] = {}
+        self._by_bit: dict[int, _Slot] = {}
         self._slot_list: list[_Slot] = []  # sorted by (worker_id, dp_rank)
         self._free_bits: list[int] = []  # bits of removed slots, reused first (masks stay small)
         self._next_bit = 1
         self._requests: dict[str, _Request] = {}  # insertion order == admission order
-        self._root = _Node(None, 0)  # the shared prefix trie (the root is no position)
+        self._root = _Node(None, [])  # the shared prefix trie (the root is no position)
 
     # ----- topology (driven by SlotRegistry) -----
 
@@ -159,7 +168,8 @@ class SlotTracker:
             else:
                 bit = self._next_bit
                 self._next_bit <<= 1
-            self._slots[(worker_id, rank)] = _Slot(worker_id, rank, bit)
+            slot = self._slots[(worker_id, rank)] = _Slot(worker_id, rank, bit)
+            self._by_bit[bit] = slot
         self._slot_list = sorted(self._slots.values(), key=lambda s: (s.worker_id, s.dp_rank))
 
     def _remove_worker(self, worker_id: int) -> None:
@@ -168,7 +178,9 @@ class SlotTracker:
         for req in doomed:
             self._release(req)
         for rank in range(dp_start, dp_start + dp_size):
-            self._free_bits.append(self._slots.pop((worker_id, rank)).bit)  # its nodes are all released
+            bit = self._slots.pop((worker_id, rank)).bit  # its nodes are all released
+            del self._by_bit[bit]
+            self._free_bits.append(bit)
         self._slot_list = sorted(self._slots.values(), key=lambda s: (s.worker_id, s.dp_rank))
 
     @property
@@ -219,27 +231,35 @@ class SlotTracker:
                 f"Request {request_id} already exists (assigned to worker WorkerWithDpRank "
                 f"{{ worker_id: {s.worker_id}, dp_rank: {s.dp_rank} }})",
             )
+        seq = _u64(sequence_hashes)
+        n = len(seq)
+        path: list[_Node] = []
+        node = self._root
+        pos = 0
+        while pos < n:
+            child = node.kids.get(seq[pos])
+            if child is None:  # a new branch: the rest of the path is one run
+                child = node.kids[seq[pos]] = _Node(node, seq[pos:])
+                pos = n
+            else:
+                k = _common_prefix(child.hashes, seq, pos)
+                if k < len(child.hashes):  # the path ends or leaves inside the run: split it there
+                    child = self._split(child, k)
+                pos += k
+            path.append(child)
+            node = child
         slot_nodes = slot.nodes
         bit = slot.bit
-        path: list[_Node] = []
-        parent = self._root
-        for h in sequence_hashes:
-            h &= _MASK
-            kids = parent.kids
-            node = kids.get(h)
-            if node is None:
-                node = kids[h] = _Node(parent, h)
-                if h > I64_MAX:
-                    kids[h - _TWO64] = node  # the signed-i64 alias
-            node.refs += 1
-            held = slot_nodes.get(node, 0)
+        for nd in path:
+            nd.refs += 1
+            held = slot_nodes.get(nd, 0)
             if not held:
-                node.mask |= bit
-            slot_nodes[node] = held + 1
-            path.append(node)
-            parent = node
+                nd.mask |= bit
+                slot.blocks += len(nd.hashes)
+            slot_nodes[nd] = held + 1
+        node.ends += 1
         tokens = new_isl_tokens if new_isl_tokens > 0 else 0
-        self._requests[request_id] = _Request(request_id, slot, path, tokens, self._clock())
+        self._requests[request_id] = _Request(request_id, slot, node, tokens, self._clock())
         slot.active_requests += 1
         slot.prefill_tokens += tokens
         if notify and self.observer is not None:
@@ -295,20 +315,63 @@ class SlotTracker:
         slot.decayed.pop(req.request_id, None)
         slot_nodes = slot.nodes
         clear = ~slot.bit
-        for node in req.path:
+        root = self._root
+        node = req.leaf
+        node.ends -= 1
+        while node is not root:
+            parent = node.parent
+            assert parent is not None
             n = slot_nodes[node] - 1
             if n:
                 slot_nodes[node] = n
             else:
                 del slot_nodes[node]
                 node.mask &= clear
+                slot.blocks -= len(node.hashes)
             node.refs -= 1
-            if not node.refs:  # refs never grow with depth: the whole tail goes too
-                kids = node.parent.kids  # type: ignore[union-attr]
-                h = node.hash
-                del kids[h]
-                if h > I64_MAX:
-                    del kids[h - _TWO64]
+            if not node.refs:  # refs never grow with depth: its descendants on this path went before
+                del parent.kids[node.hashes[0]]
+            else:
+                self._merge_into_child(node)
+            node = parent
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Cut ``node``'s run after its first ``k`` positions; returns the new head run (the tail
+        keeps the node, so requests ending in it keep their leaf)."""
+        parent = node.parent
+        assert parent is not None
+        head = _Node(parent, node.hashes[:k])
+        node.hashes = node.hashes[k:]
+        head.refs, head.mask = node.refs, node.mask
+        head.kids[node.hashes[0]] = node
+        parent.kids[head.hashes[0]] = head
+        node.parent = head
+        mask = node.mask
+        while mask:  # every slot holding the run holds both halves, as often
+            low = mask & -mask
+            slot = self._by_bit[low]
+            slot.nodes[head] = slot.nodes[node]
+            mask ^= low
+        return head
+
+    def _merge_into_child(self, node: _Node) -> None:
+        """Join ``node`` to its only child when both hold the same requests again (no request ends
+        at ``node``, equal counts): runs stay maximal, so paths stay short."""
+        if node.ends or len(node.kids) != 1:
+            return
+        child = next(iter(node.kids.values()))
+        if child.refs != node.refs:
+            return
+        parent = node.parent
+        assert parent is not None
+        child.hashes = node.hashes + child.hashes
+        child.parent = parent
+        parent.kids[node.hashes[0]] = child
+        mask = node.mask
+        while mask:
+            low = mask & -mask
+            del self._by_bit[low].nodes[node]
+            mask ^= low
 
     def expire_stale(self, now: float, expiry_secs: float) -> list[str]:
         """Free requests admitted ``expiry_secs`` or more before ``now``; returns their ids."""
@@ -347,21 +410,21 @@ class SlotTracker:
 
     # ----- loads -----
 
-    @staticmethod
-    def _decode_blocks(slot: _Slot) -> int:
+    def _decode_blocks(self, slot: _Slot) -> int:
         if not slot.decayed:
-            return len(slot.nodes)
-        total = float(len(slot.nodes))
+            return slot.blocks
+        total = float(slot.blocks)
         nodes = slot.nodes
+        root = self._root
         for req in slot.decayed.values():
             total += req.decay * req.output_blocks
             if req.decay != 1.0:
                 # the structurally exclusive suffix: positions only this request holds on the slot
                 exclusive = 0
-                for node in reversed(req.path):
-                    if nodes[node] != 1:
-                        break
-                    exclusive += 1
+                node: _Node | None = req.leaf
+                while node is not root and node is not None and nodes[node] == 1:
+                    exclusive += len(node.hashes)
+                    node = node.parent
                 total -= (1.0 - req.decay) * exclusive
         return int(math.floor(total + 0.5))
 
@@ -378,17 +441,6 @@ class SlotTracker:
         """(worker_id, dp_rank, active_prefill_tokens, active_decode_blocks) per slot, sorted."""
         return [(s.worker_id, s.dp_rank, s.prefill_tokens, self._decode_blocks(s)) for s in self._slot_list]
 
-    def match_path(self, sequence_hashes: Sequence[int]) -> list[_Node]:
-        """Trie nodes of the longest prefix of ``sequence_hashes`` that any active request holds."""
-        chain: list[_Node] = []
-        node: _Node | None = self._root
-        for h in sequence_hashes:
-            node = node.kids.get(h)  # type: ignore[union-attr]  # u64 or its i64 alias
-            if node is None:
-                break
-            chain.append(node)
-        return chain
-
     def potential_loads(
         self, sequence_hashes: Sequence[int], new_isl_tokens: int = 0
     ) -> list[tuple[int, int, int, int, int]]:
@@ -402,12 +454,14 @@ class SlotTracker:
         that some active request on the slot holds.
         """
         # One walk; a slot's bit leaves the mask at the depth where its matched prefix ends.
+        seq = _u64(sequence_hashes)
+        n = len(seq)
         depth_of: dict[int, int] = {}  # slot bit -> D, for slots with D > 0
         held = 0
         depth = 0
         kids = self._root.kids
-        for h in sequence_hashes:
-            node = kids.get(h)  # u64 or its i64 alias
+        while depth < n:
+            node = kids.get(seq[depth])
             if node is None:
                 break
             mask = node.mask
@@ -418,7 +472,10 @@ class SlotTracker:
                     depth_of[low] = depth
                     gone ^= low
                 held = mask
-            depth += 1
+            k = _common_prefix(node.hashes, seq, depth)
+            depth += k
+            if k < len(node.hashes):
+                break
             kids = node.kids
         while held:
             low = held & -held
@@ -430,7 +487,7 @@ class SlotTracker:
         get_depth = depth_of.get
         for slot in self._slot_list:
             d = get_depth(slot.bit, 0)
-            decode = len(slot.nodes) if not slot.decayed else self._decode_blocks(slot)
+            decode = slot.blocks if not slot.decayed else self._decode_blocks(slot)
             # (worker_id, dp_rank, potential_prefill_tokens, potential_decode_blocks, active_requests)
             append(
                 (
@@ -442,6 +499,30 @@ class SlotTracker:
                 )
             )
         return out
+
+
+def _u64(hashes: Sequence[int]) -> list[int]:
+    """The path as u64 values in a list (i64 JSON values converted; one pass only when one is negative)."""
+    seq = hashes if isinstance(hashes, list) else list(hashes)
+    if seq and min(seq) < 0:
+        return [h & _MASK for h in seq]
+    return seq
+
+
+def _common_prefix(run: list[int], seq: list[int], pos: int) -> int:
+    """How many leading positions of ``run`` equal ``seq[pos:]`` (>= 1: the first one keyed the run).
+    List-slice comparisons (a binary search when they differ), never one Python step per position."""
+    m = min(len(run), len(seq) - pos)
+    if seq[pos : pos + m] == run[:m]:
+        return m
+    lo, hi = 1, m - 1  # equal up to lo; unequal at length m
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if seq[pos : pos + mid] == run[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class SlotRegistry:

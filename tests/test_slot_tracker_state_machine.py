@@ -171,6 +171,24 @@ class SlotTrackerMachine(RuleBasedStateMachine):
                     expected.append((*slot, sum(r[2] for r in mine) + 7, len(prefixes) + len(q) - depth, len(mine)))
                 assert got == expected, (q, alias)
 
+    @invariant()
+    def the_trie_is_compact(self) -> None:
+        """Runs are maximal: every run a request passes through is non-empty, and none could be joined
+        to its only child (same requests, none ending in it); the trie holds exactly the active paths."""
+        tracker = self.tracker()
+        if tracker is None:
+            return
+        stack = list(tracker._root.kids.values())
+        positions = 0
+        while stack:
+            node = stack.pop()
+            assert node.hashes and node.refs > 0
+            assert node.ends or len(node.kids) != 1 or next(iter(node.kids.values())).refs != node.refs
+            positions += len(node.hashes)
+            stack.extend(node.kids.values())
+        expected = {tuple(path[: k + 1]) for _, path, _, _ in self.requests.values() for k in range(len(path))}
+        assert positions == len(expected)
+
 
 SlotTrackerMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("KVROUTE_STATE_EXAMPLES", "300")),
