@@ -49,6 +49,10 @@ def build_app(state: FrontendState) -> Starlette:
         route("/dashboard/{name}", dash.asset, ["GET"]),
     ]
     routes += _tracker_routes(state)
+    if state.serve_indexer:  # --serve-indexer: the embedded index, queried like a standalone indexer
+        from indexer.service import query_handlers
+
+        routes += [route(path, h, ["POST"]) for path, h in query_handlers(lambda: state.events).items()]
     routes.append(openapi_route(build_document()))
 
     @contextlib.asynccontextmanager

@@ -17,6 +17,10 @@ log = logging.getLogger("frontend")
 _NOT_YET: dict[str, str] = {}
 
 
+def _truthy_env(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _env_int(name: str) -> int | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -74,6 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prompts longer than N characters are tokenized on a worker thread, never blocking the event loop; "
         "0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 16384]",
+    )
+    g.add_argument(
+        "--use-remote-indexer",
+        default=os.environ.get("DYN_USE_REMOTE_INDEXER", ""),
+        metavar="URL[,URL...]",
+        help="route on overlaps from these indexers (python -m indexer, or frontends with --serve-indexer; several "
+        "URLs = shards partitioned by worker) instead of ingesting KV events here; a shard that does not answer "
+        "makes that decision load-only [env DYN_USE_REMOTE_INDEXER]",
+    )
+    g.add_argument(
+        "--remote-indexer-timeout",
+        type=float,
+        default=0.25,
+        metavar="SECONDS",
+        help="how long a decision waits for the slowest remote indexer [default 0.25]",
+    )
+    g.add_argument(
+        "--serve-indexer",
+        action="store_true",
+        default=_truthy_env("DYN_SERVE_INDEXER"),
+        help="serve this frontend's embedded index to others with the standalone indexer's query API "
+        "(POST /query, /query_by_hash) [env DYN_SERVE_INDEXER]",
     )
     g.add_argument(
         "--health-check-interval", type=float, default=2.0, help="seconds between worker health checks [default 2]"
@@ -197,6 +223,18 @@ def make_state(ns: argparse.Namespace):
         request_timeout=ns.request_timeout,
         tokenize_offload_chars=ns.tokenizer_offload_chars,
     )
+    remote = [u.strip() for u in ns.use_remote_indexer.split(",") if u.strip()]
+    if remote:
+        if not config.kv_aware:
+            raise SystemExit("--use-remote-indexer needs --router-mode kv or latency")
+        if ns.serve_indexer:
+            raise SystemExit("--serve-indexer serves an embedded index; with --use-remote-indexer there is none")
+        if ns.remote_indexer_timeout <= 0:
+            raise SystemExit("--remote-indexer-timeout must be > 0")
+        from .remote_index import RemoteIndexers
+
+        state.remote_index = RemoteIndexers(remote, state.metrics.registry, ns.remote_indexer_timeout)
+    state.serve_indexer = ns.serve_indexer
     if config.router_replica_sync or ns.replica_sync_bind:
         if not ns.replica_sync_bind:
             raise SystemExit(

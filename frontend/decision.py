@@ -32,6 +32,7 @@ class Decision:
     costs: list[WorkerCost] | None = None  # every candidate's terms (explain / record only)
     available_blocks: int = 0  # best overlap among the eligible candidates (hit-rate decomposition)
     t_routed: float = 0.0  # perf_counter at the decision (latency mode: TTFT observations start here)
+    overlap_source: str | None = None  # remote | remote_unavailable (--use-remote-indexer); None: embedded
 
     @property
     def cached_tokens(self) -> int:

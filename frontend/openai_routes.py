@@ -358,6 +358,9 @@ class OpenAIRoutes:
             salt = ctx.hints.cache_salt if ctx.hints is not None else None
             record = wants_routing(ctx.hints)
             decision = None
+            remote, source = (None, None)
+            if router is state.router and ctx.kind != "embeddings":
+                remote, source = await self._remote_overlaps(entry, ctx.prompt)
             if ctx.soft_target is not None and attempts == 1:
                 try:  # soft affinity: the bound worker if it can take the request now
                     decision = router.route(
@@ -370,6 +373,7 @@ class OpenAIRoutes:
                         exclude=ctx.failed_workers,
                         use_overlap=ctx.kind != "embeddings",
                         hashes=ctx.prompt.hashes,
+                        overlaps=remote,
                     )
                 except OpenAIError:
                     decision = None  # gone, unhealthy or busy: route freely, the session follows
@@ -384,7 +388,9 @@ class OpenAIRoutes:
                     exclude=ctx.failed_workers,
                     use_overlap=ctx.kind != "embeddings",
                     hashes=ctx.prompt.hashes,
+                    overlaps=remote,
                 )
+            decision.overlap_source = source
             request_id = state.next_request_id()
             try:
                 router.book(entry, request_id, decision)
@@ -635,7 +641,9 @@ class OpenAIRoutes:
             prefill = _disagg.explain_prefill(state, entry.name, prompt.tokens)
             # with a prefill pool the decode side is routed load-only (unless it falls back to decode-only)
             router = state.router if prefill is None or "error" in prefill else state.disagg_decode_router
-            d = router.route(entry, prompt.tokens, explain=True, hashes=prompt.hashes)
+            remote, source = await self._remote_overlaps(entry, prompt) if router is state.router else (None, None)
+            d = router.route(entry, prompt.tokens, explain=True, hashes=prompt.hashes, overlaps=remote)
+            d.overlap_source = source
         except OpenAIError as exc:
             raise ApiError(exc.status, exc.message) from None
         out = routing_record(router.config, entry, d)
@@ -646,6 +654,19 @@ class OpenAIRoutes:
         if prefill is not None:
             out["prefill"] = prefill  # the prefill router's decision
         return json_response(out)
+
+    async def _remote_overlaps(
+        self, entry: ModelEntry, prompt: Prompt
+    ) -> tuple[dict[tuple[int, int], int] | None, str | None]:
+        """``--use-remote-indexer``: the overlaps for this decision and where they came from
+        (``(None, None)``: the embedded index is used; an indexer that did not answer: no overlaps)."""
+        remote = self.state.remote_index
+        if remote is None or prompt.local_hashes is None or not self.state.config.kv_aware:
+            return None, None
+        from .remote_index import REMOTE, REMOTE_UNAVAILABLE
+
+        found = await remote.overlaps(entry.base, prompt.local_hashes, entry.block_size)
+        return (found, REMOTE) if found is not None else ({}, REMOTE_UNAVAILABLE)
 
     def _may_migrate(self, ctx: RequestContext) -> bool:
         """--migration-limit: budget left, not pinned, one choice."""
@@ -699,10 +720,19 @@ class OpenAIRoutes:
         path = "/v1/chat/completions" if ctx.chat else "/v1/completions"
         while self._may_migrate(ctx):
             self._count_migration(ctx, lease.decision.worker.id, ONGOING_REQUEST)
+            remote, source = await self._remote_overlaps(entry, prompt)
             try:
                 decision = state.router.route(
-                    entry, prompt.tokens, None, None, salt, exclude=ctx.failed_workers, hashes=prompt.hashes
+                    entry,
+                    prompt.tokens,
+                    None,
+                    None,
+                    salt,
+                    exclude=ctx.failed_workers,
+                    hashes=prompt.hashes,
+                    overlaps=remote,
                 )
+                decision.overlap_source = source
             except OpenAIError as exc:
                 log.warning("cannot migrate: %s", exc.message)
                 return None, lease

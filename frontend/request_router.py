@@ -86,6 +86,7 @@ class RequestRouter:
         exclude: set[int] | None = None,
         use_overlap: bool = True,
         hashes: tuple[list[int], list[int]] | None = None,
+        overlaps: dict[tuple[int, int], int] | None = None,
     ) -> Decision:
         """Pick the target; raise OpenAIError 503 (nobody) / 529 (everybody busy) / 400 (bad pin).
 
@@ -94,7 +95,9 @@ class RequestRouter:
         ``exclude``: worker ids this request must not go to (a migrated request's failed workers).
         ``use_overlap=False`` (embeddings): the kv cost without cache overlaps, i.e. by load alone.
         ``hashes``: the prompt's (local, sequence) block hashes, computed with the tokens
-        (``frontend/prompt.py``, off the loop for long prompts) for this model and ``cache_salt``."""
+        (``frontend/prompt.py``, off the loop for long prompts) for this model and ``cache_salt``.
+        ``overlaps``: matched blocks per (worker, rank) from remote indexers (``frontend/remote_index.py``),
+        used instead of the embedded index."""
         cfg = self.config
         t0 = _perf()
         bs = entry.block_size
@@ -122,7 +125,10 @@ class RequestRouter:
         else:
             getrandbits = self.rng.getrandbits
             tracked = [getrandbits(64) for _ in seq]
-        overlaps = index.find_matches(local) if (index is not None and local) else {}
+        if overlaps is None:
+            overlaps = index.find_matches(local) if (index is not None and local) else {}
+        elif not use_overlap:
+            overlaps = {}
         t3 = _perf()
 
         candidates, busy_excluded = eligible_candidates(entry, pinned_worker, pinned_rank, isl)

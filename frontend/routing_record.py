@@ -52,5 +52,6 @@ def routing_record(config: Any, entry: ModelEntry, decision: Decision) -> dict[s
         "dp_rank": decision.dp_rank,
         "overlap_blocks": decision.overlap_blocks,
         "available_overlap_blocks": decision.available_blocks,
+        "overlap_source": decision.overlap_source or "embedded",
         "candidates": cands,
     }

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .admission import AdmissionQueue
     from .discovery import DiscoveryBackend
     from .hints import RequestHints
+    from .remote_index import RemoteIndexers
     from .speculative import SendFn, SpeculativePrefiller
 
 log = logging.getLogger("frontend")
@@ -111,6 +112,8 @@ class FrontendState:
         self._bg: set[asyncio.Task] = set()
         self._unregistering: dict[int, asyncio.Task] = {}  # worker id -> its KV-event listeners stopping
         self._render_checked: dict[int, int] = {}  # worker id -> the discovery its rendering was checked at
+        self.remote_index: RemoteIndexers | None = None  # --use-remote-indexer: overlaps from there, no events here
+        self.serve_indexer = False  # --serve-indexer: POST /query, /query_by_hash on the embedded index
         self._init_extensions()
         # hash-parity alarm + hit-rate decomposition, fed where a response's usage arrives
         self.parity = ParityMonitor(self.metrics.registry, lambda: self.events)
@@ -290,6 +293,8 @@ class FrontendState:
 
     # ---- worker attachment ------------------------------------------------------------------------
     def _events_registry(self):
+        if self.remote_index is not None:  # the remote indexers ingest the events
+            return None
         if self.events is None and self.config.kv_aware and self.config.router_kv_events and self.config.uses_indexer:
             from indexer.registry import IndexerRegistry
 
@@ -555,6 +560,8 @@ class FrontendState:
             await self.replica_sync.stop()
         await self.pool.stop()
         self.tokenize.close()
+        if self.remote_index is not None:
+            await self.remote_index.close()
         events = self.events
         if events is not None:
             await events.close()

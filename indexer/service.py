@@ -104,6 +104,27 @@ def answer_query_by_hash(registry: IndexerRegistry, req: QueryByHashRequest) -> 
     return orjson.dumps(overlap_payload(part.index, local))
 
 
+def query_handlers(registry: Callable[[], IndexerRegistry | None]) -> dict[str, Handler]:
+    """``POST /query`` and ``/query_by_hash`` over ``registry()``: the standalone indexer's, and what a
+    frontend with ``--serve-indexer`` serves over its embedded index (None: nothing indexed yet, 404)."""
+
+    def current() -> IndexerRegistry:
+        reg = registry()
+        if reg is None:
+            raise ApiError(404, "no index here yet: no worker with KV events has been attached")
+        return reg
+
+    async def query(request: Request) -> Response:
+        req = await read_json(request, QueryRequest, QUERY_BODY_LIMIT)
+        return raw_json_response(answer_query(current(), req))
+
+    async def query_by_hash(request: Request) -> Response:
+        req = await read_json(request, QueryByHashRequest, QUERY_BODY_LIMIT)
+        return raw_json_response(answer_query_by_hash(current(), req))
+
+    return {"/query": query, "/query_by_hash": query_by_hash}
+
+
 class PeerList:
     """Peer indexers (used for start-up recovery only, as in the reference)."""
 
@@ -244,13 +265,6 @@ def indexer_routes(registry: IndexerRegistry, peers: PeerList, metrics: Metrics 
         tenant = q.get("tenant_id") or q.get("routing_group")
         return json_response(registry.workers(q.get("model_name"), tenant))
 
-    async def query(request: Request) -> Response:
-        return raw_json_response(answer_query(registry, await read_json(request, QueryRequest, QUERY_BODY_LIMIT)))
-
-    async def query_by_hash(request: Request) -> Response:
-        req = await read_json(request, QueryByHashRequest, QUERY_BODY_LIMIT)
-        return raw_json_response(answer_query_by_hash(registry, req))
-
     async def dump(request: Request) -> Response:
         return raw_json_response(orjson.dumps(registry.dump()))
 
@@ -275,8 +289,7 @@ def indexer_routes(registry: IndexerRegistry, peers: PeerList, metrics: Metrics 
         route("/register", register, "POST"),
         route("/unregister", unregister, "POST"),
         route("/workers", workers, "GET"),
-        route("/query", query, "POST"),
-        route("/query_by_hash", query_by_hash, "POST"),
+        *(route(path, handler, "POST") for path, handler in query_handlers(lambda: registry).items()),
         route("/dump", dump, "GET"),
         route("/register_peer", register_peer, "POST"),
         route("/deregister_peer", deregister_peer, "POST"),

@@ -1,0 +1,258 @@
+"""Long agentic contexts through a real frontend: does any request wait behind another's prompt?
+
+    python -m bench long_context                          # both parts, built-in tokenizer
+    python -m bench long_context --tokenizers builtin,hf  # also with --model-path (an HF directory)
+
+Two mockers (instant engines, context and KV cache large enough for 400 k-token prompts) behind a
+kv-mode frontend.
+
+* **Tiny-request latency while long prompts arrive.** Tiny completions (``max_tokens`` 1) are sent
+  open loop every 10 ms (a stall delays every request sent during it, so the percentiles see it)
+  while long prompts arrive at fixed rates: 32 k tokens at 2/s, 128 k at 2/s, 400 k at 1 every 2 s,
+  and three 3 MB chat prompts at once (over every engine's context: refused). Each long prompt is
+  fresh random text (the tokenizer's caches do not help). Reported: the tiny requests' p50 / p99 /
+  worst over the window, and the long requests' statuses.
+* **Loop and CPU time per request against prompt length.** Long prompts of 1 k to 400 k tokens are
+  sent one at a time; the frontend's event-loop thread's run time (``/proc/PID/task/PID/schedstat``,
+  nanoseconds) and the whole process's CPU time are read before and after: what one request of that
+  length costs the loop (everything else waits for it) and in all (the tokenizer threads included).
+
+``--before DIR`` measures another checkout first, in the same run (``git worktree add /tmp/before
+<commit>``): its ``python -m frontend`` and ``python -m mocker`` are started from that directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+from bench.tokenize_stall import _summary, big_text
+
+MODEL = "kvroute-demo"
+CHARS_PER_TOKEN = 1.63  # the built-in tokenizer on big_text's random words (calibrated at start)
+SCENARIOS = [  # (name, prompt tokens, long prompts per second, seconds)
+    ("32k tokens, 2/s", 32_000, 2.0, 8.0),
+    ("128k tokens, 2/s", 128_000, 2.0, 8.0),
+    ("400k tokens, 1 every 2 s", 400_000, 0.5, 10.0),
+]
+LENGTHS = [1_000, 8_000, 32_000, 128_000, 400_000]
+
+
+def _calibrate(model_path: str | None) -> float:
+    from kvroute_common.tokenizer import encode_text, load_tokenizer
+
+    sample = big_text(200_000, 99)
+    return len(sample) / len(encode_text(load_tokenizer(model_path), sample))
+
+
+def _completion(tokens: int, seed: int, chars_per_token: float) -> bytes:
+    text = big_text(int(tokens * chars_per_token * 0.97), seed)
+    return json.dumps({"model": MODEL, "prompt": text, "max_tokens": 1}).encode()
+
+
+def _chat(chars: int, seed: int) -> bytes:
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": big_text(chars, seed)}]}
+    return json.dumps(body).encode()
+
+
+def _loop_ns(pid: int) -> int:
+    """Run time (ns) of the process's main thread, where the frontend's event loop runs."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _long_sender(client: Any, bodies: list[bytes], rate: float, statuses: list[int], tokens: list[int]) -> None:
+    async def one(body: bytes) -> None:
+        r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            tokens.append(r.json()["usage"]["prompt_tokens"])
+
+    loop = asyncio.get_running_loop()
+    tasks = []
+    next_t = loop.time()
+    for body in bodies:
+        tasks.append(asyncio.create_task(one(body)))
+        next_t += 1.0 / rate
+        await asyncio.sleep(max(0.0, next_t - loop.time()))
+    await asyncio.gather(*tasks)
+
+
+async def _scenario(url: str, bodies: list[bytes], rate: float, at_once: bool) -> dict[str, Any]:
+    import httpx
+
+    samples: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    statuses: list[int] = []
+    tokens: list[int] = []
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as tiny,
+        httpx.AsyncClient(base_url=url, timeout=600.0) as big,
+    ):
+        for i in range(20):  # warm the connections
+            await tiny.post("/v1/completions", json={"model": MODEL, "prompt": f"warm {i}", "max_tokens": 1})
+        sender = asyncio.create_task(_tiny_open_loop_completions(tiny, 0.01, samples, stop))
+        t0 = time.perf_counter()
+        if at_once:
+            await asyncio.gather(
+                *(
+                    big.post("/v1/chat/completions", content=b, headers={"content-type": "application/json"})
+                    for b in bodies
+                )
+            )
+            statuses.append(0)
+        else:
+            await _long_sender(big, bodies, rate, statuses, tokens)
+        t1 = time.perf_counter()
+        stop.set()
+        await sender
+    window = [ms for t, ms in samples if t0 <= t < t1]
+    return {
+        "tiny_ms": _summary(window),
+        "long_statuses": sorted(set(statuses)),
+        "long_prompt_tokens": round(sum(tokens) / len(tokens)) if tokens else None,
+        "seconds": round(t1 - t0, 1),
+    }
+
+
+async def _tiny_open_loop_completions(
+    client: Any, interval: float, out: list[tuple[float, float]], stop: asyncio.Event
+) -> None:
+    """Like tokenize_stall's open loop, with completions (no chat template on the tiny path)."""
+    loop = asyncio.get_running_loop()
+    tasks = []
+    next_t = loop.time()
+    i = 0
+
+    async def one(k: int) -> None:
+        t = time.perf_counter()
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": f"hi {k}", "max_tokens": 1})
+        if r.status_code != 200:
+            raise RuntimeError(f"tiny request failed: {r.status_code} {r.text[:200]}")
+        out.append((t, (time.perf_counter() - t) * 1e3))
+
+    while not stop.is_set():
+        i += 1
+        tasks.append(asyncio.create_task(one(i)))
+        next_t += interval
+        await asyncio.sleep(max(0.0, next_t - loop.time()))
+    await asyncio.gather(*tasks)
+
+
+def _per_request(url: str, pid: int, length: int, n: int, cpt: float) -> dict[str, Any]:
+    import httpx
+
+    bodies = [_completion(length, 1000 + k, cpt) for k in range(n)]
+    with httpx.Client(base_url=url, timeout=600.0) as c:
+        c.post("/v1/completions", json={"model": MODEL, "prompt": "warm", "max_tokens": 1})
+        loop0, cpu0 = _loop_ns(pid), _cpu_s(pid)
+        tokens = []
+        for body in bodies:
+            r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            if r.status_code != 200:
+                raise RuntimeError(f"{length}-token request failed: {r.status_code} {r.text[:300]}")
+            tokens.append(r.json()["usage"]["prompt_tokens"])
+        loop1, cpu1 = _loop_ns(pid), _cpu_s(pid)
+    return {
+        "prompt_tokens": round(sum(tokens) / n),
+        "requests": n,
+        "loop_ms_per_request": round((loop1 - loop0) / 1e6 / n, 2),
+        "cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / n, 1),
+    }
+
+
+def _run(tokenizer: str, args: argparse.Namespace) -> dict[str, Any]:
+    from kvroute_common.local_cluster import MockerOptions, start_cluster
+    from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
+
+    model_path = None
+    tmp = None
+    if tokenizer == "hf":  # the same files as an HF model directory given with --model-path
+        tmp = tempfile.mkdtemp(prefix="kvroute-hf-tokenizer-")
+        model_path = shutil.copytree(BUILTIN_TOKENIZER_DIR, os.path.join(tmp, "model"))
+    cpt = _calibrate(model_path)
+    opts = MockerOptions(
+        speedup_ratio=0.0,
+        num_gpu_blocks=120_000,
+        max_num_batched_tokens=1_000_000,
+        model_path=model_path,
+        extra_args=["--max-model-len", "450000"],
+    )
+    out: dict[str, Any] = {"tokenizer": tokenizer, "chars_per_token": round(cpt, 3), "scenarios": {}, "lengths": {}}
+    cluster = start_cluster(2, opts, "kv", frontend_args=["--log-level", "warning"])
+    try:
+        url = cluster.frontend_url
+        assert url is not None and cluster.frontend is not None
+        pid = cluster.frontend.proc.pid
+        if "latency" in args.parts:
+            idle = asyncio.run(_scenario(url, [], 1.0, False)) if args.idle else None
+            if idle is not None:
+                out["scenarios"]["none (idle, 3 s)"] = idle
+            for name, tokens, rate, secs in SCENARIOS:
+                n = max(1, int(rate * secs))
+                bodies = [_completion(tokens, k, cpt) for k in range(n)]
+                out["scenarios"][name] = r = asyncio.run(_scenario(url, bodies, rate, False))
+                print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
+            bodies = [_chat(3_000_000, 500 + k) for k in range(3)]
+            out["scenarios"]["three 3 MB chat prompts at once"] = r = asyncio.run(_scenario(url, bodies, 1.0, True))
+            print(f"[{tokenizer}] three 3 MB at once: {json.dumps(r)}", flush=True)
+        if "loop" in args.parts:
+            for length in LENGTHS:
+                n = 4 if length >= 400_000 else 10
+                out["lengths"][str(length)] = r = _per_request(url, pid, length, n, cpt)
+                print(f"[{tokenizer}] {length} tokens: {json.dumps(r)}", flush=True)
+    finally:
+        cluster.stop()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench long_context", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tokenizers", default="builtin", help="comma-separated: builtin, hf [builtin]")
+    ap.add_argument("--parts", default="latency,loop", help="comma-separated: latency, loop [both]")
+    ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle baseline")
+    ap.add_argument("--before", default=None, help="another checkout to measure first (the 'before' figures)")
+    ap.add_argument("--out", default=None, help="also write the JSON result here")
+    args = ap.parse_args(argv)
+    random.seed(0)
+    here = os.getcwd()
+    checkouts = ([("before", os.path.abspath(args.before))] if args.before else []) + [("after", here)]
+    result: dict[str, Any] = {"load_average": os.getloadavg(), "runs": []}
+    try:
+        for label, directory in checkouts:
+            os.chdir(directory)  # the children are `python -m frontend` / `mocker` from here
+            for t in [t.strip() for t in args.tokenizers.split(",") if t.strip()]:
+                run = _run(t, args)
+                run["checkout"] = f"{label} ({directory})"
+                result["runs"].append(run)
+    finally:
+        os.chdir(here)
+    result["load_average_after"] = os.getloadavg()
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

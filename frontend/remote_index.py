@@ -1,0 +1,113 @@
+"""Overlaps from remote indexers instead of an embedded index (``--use-remote-indexer URL[,URL...]``).
+
+A fleet's frontends need not each ingest every worker's KV events: one or more indexer processes
+(``python -m indexer``, or frontends started with ``--serve-indexer``) do, and a frontend asks them
+for each routing decision. Several URLs are *shards*: each indexes a subset of the workers
+(partitioned by worker id), so the answers are merged, per (worker, DP rank), into what one index
+over all the events would say (a worker indexed by two shards counts its longer match).
+
+One round trip per decision and shard, on a persistent connection, all shards at once: the prompt's
+local block hashes are sent (``POST /query_by_hash``, signed i64 as the indexer's API takes them).
+A shard that does not answer in time, or fails, makes this decision load-only (no overlaps at all:
+partial overlaps would favour the shards that answered); the failure is counted per indexer and the
+routing record says which source its overlaps came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+from prometheus_client import CollectorRegistry, Counter
+
+from kvroute_common.constants import DEFAULT_TENANT
+
+log = logging.getLogger("frontend.remote_index")
+
+DEFAULT_TIMEOUT = 0.25  # seconds: a decision waits at most this long for the slowest shard
+REMOTE = "remote"
+REMOTE_UNAVAILABLE = "remote_unavailable"
+
+
+class RemoteIndexers:
+    """The shards a frontend routes on; ``overlaps`` is its one call per decision."""
+
+    def __init__(self, urls: list[str], registry: CollectorRegistry, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not urls:
+            raise ValueError("--use-remote-indexer needs at least one URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout = timeout
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        self._clients = [httpx.AsyncClient(base_url=u, timeout=timeout, limits=limits) for u in self.urls]
+        self.queries = Counter(
+            "kvroute_remote_indexer_queries",
+            "Overlap queries sent to each remote indexer",
+            ("indexer",),
+            registry=registry,
+        )
+        self.failures = Counter(
+            "dynamo_component_router_remote_indexer_query_failures",
+            "Overlap queries to a remote indexer that failed or timed out (the decision was routed by load alone)",
+            ("indexer",),
+            registry=registry,
+        )
+        self.load_only = Counter(
+            "kvroute_remote_indexer_load_only_decisions",
+            "Routing decisions made without overlaps because a remote indexer did not answer",
+            registry=registry,
+        )
+
+    async def overlaps(
+        self, model: str, local_hashes: list[int], block_size: int, tenant: str = DEFAULT_TENANT
+    ) -> dict[tuple[int, int], int] | None:
+        """Matched blocks per (worker, DP rank) over every shard; None when a shard did not answer."""
+        if not local_hashes:
+            return {}
+        # u64 -> the i64 the API takes, in C (a long prompt's hashes are never looped over here)
+        hashes = np.asarray(local_hashes, dtype=np.uint64).view(np.int64)
+        body = orjson.dumps(
+            {"block_hashes": hashes, "model_name": model, "tenant_id": tenant}, option=orjson.OPT_SERIALIZE_NUMPY
+        )
+        answers = await asyncio.gather(*(self._query(i, body) for i in range(len(self._clients))))
+        if any(a is None for a in answers):
+            self.load_only.inc()
+            return None
+        merged: dict[tuple[int, int], int] = {}
+        for scores in answers:
+            assert scores is not None
+            for wid, ranks in scores.items():
+                for rank, tokens in ranks.items():
+                    key = (int(wid), int(rank))
+                    blocks = int(tokens) // block_size
+                    if blocks > merged.get(key, 0):
+                        merged[key] = blocks
+        return merged
+
+    async def _query(self, i: int, body: bytes) -> dict[str, Any] | None:
+        url = self.urls[i]
+        self.queries.labels(url).inc()
+        try:
+            resp = await self._clients[i].post(
+                "/query_by_hash", content=body, headers={"content-type": "application/json"}
+            )
+            if resp.status_code == 404:  # the model is not (yet) known there: nothing cached
+                return {}
+            if resp.status_code != 200:
+                raise ValueError(f"status {resp.status_code}: {resp.text[:200]}")
+            scores = orjson.loads(resp.content).get("scores")
+            if not isinstance(scores, dict):
+                raise ValueError("no scores in the answer")
+            return scores
+        except (httpx.HTTPError, ValueError, orjson.JSONDecodeError) as exc:
+            self.failures.labels(url).inc()
+            log.warning(
+                "remote indexer %s: %s: %s (this decision is routed by load alone)", url, type(exc).__name__, exc
+            )
+            return None
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self._clients), return_exceptions=True)
