@@ -114,6 +114,9 @@ class Listener:
         self.batches_missed = 0  # batches the jumps skipped over
         self.restarts = 0  # engine restarts detected (the live sequence went backwards)
         self.last_event_wall: float | None = None  # time.time() of the last applied batch
+        # index lag: the engine's timestamp of the newest applied batch, and how late it was applied
+        self.newest_batch_ts: float | None = None
+        self.apply_lag: float | None = None
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
         self._sub: zmq.Socket | None = None
@@ -160,6 +163,13 @@ class Listener:
             "last_seq": self.seq.last_seq,
             "last_event_timestamp": last,
             "last_event_age_seconds": None if last is None else max(0.0, time.time() - last),
+            # seconds between the engine publishing the newest applied batch and its being applied here
+            "index_lag_seconds": self.apply_lag,
+            # seconds since the engine published the newest applied batch (grows while the engine is quiet
+            # and while batches wait to be applied: with a growing lag, the index is behind)
+            "newest_event_age_seconds": (
+                None if self.newest_batch_ts is None else max(0.0, time.time() - self.newest_batch_ts)
+            ),
         }
 
     def _set_status(self, status: str, error: str | None = None) -> None:
@@ -273,7 +283,10 @@ class Listener:
         self.seq.last_seq = seq
         self.batches_applied += 1
         self.events_received += len(batch.events)
-        self.last_event_wall = time.time()
+        now = self.last_event_wall = time.time()
+        if batch.ts > 0:  # the engine's wall clock at publishing (0: a publisher that sends none)
+            self.newest_batch_ts = batch.ts
+            self.apply_lag = max(0.0, now - batch.ts)
         return True
 
     # -- replay

@@ -275,6 +275,16 @@ class IndexerRegistry:
         last = GaugeMetricFamily(
             "kvroute_kv_event_last_timestamp_seconds", "Unix time of the last applied KV-event batch", labels=labels
         )
+        lag = GaugeMetricFamily(
+            "kvroute_kv_index_lag_seconds",
+            "Seconds from the engine publishing the newest applied KV-event batch to its being applied (index lag)",
+            labels=labels,
+        )
+        age = GaugeMetricFamily(
+            "kvroute_kv_index_newest_event_age_seconds",
+            "Seconds since the engine published the newest applied KV-event batch",
+            labels=labels,
+        )
         for inst in self.instances.values():
             for r, lst in inst.listeners.items():
                 lv = [str(inst.instance_id), str(r)]
@@ -285,7 +295,11 @@ class IndexerRegistry:
                     fam.add_metric(lv, value)
                 if lst.last_event_wall is not None:
                     last.add_metric(lv, lst.last_event_wall)
-        return [*fams.values(), last]
+                if h["index_lag_seconds"] is not None:
+                    lag.add_metric(lv, h["index_lag_seconds"])  # type: ignore[arg-type]
+                if h["newest_event_age_seconds"] is not None:
+                    age.add_metric(lv, h["newest_event_age_seconds"])  # type: ignore[arg-type]
+        return [*fams.values(), last, lag, age]
 
     def listener_status_counts(self) -> dict[str, int]:
         counts = {s: 0 for s in _STATUS_PRIORITY}

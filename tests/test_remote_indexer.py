@@ -100,6 +100,12 @@ def test_remote_and_sharded_indexing_route_as_the_embedded_index_and_survive_a_s
             )
 
         wait_until(same_everywhere, 30, what="embedded, sharded and served-index overlaps agree")
+        # index lag per worker rank: how late the newest batch was applied (here: promptly)
+        for row in a.get("/admin/workers").json()["workers"]:
+            health = row["kv_events"]["health"]["0"]
+            assert 0 <= health["index_lag_seconds"] < 5 and health["newest_event_age_seconds"] >= 0, health
+        assert metric(a, "kvroute_kv_index_lag_seconds") >= 0
+        assert "kvroute_kv_index_lag_seconds{" in a.get("/metrics").text
         for fe in (b, c):
             for i, prompt in enumerate(prompts):
                 record = complete(fe, prompt)["nvext"]["routing"]

@@ -701,6 +701,20 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
                 w=12,
             ),
             ts(
+                "KV index lag per worker rank",
+                "Seconds from the engine publishing its newest applied KV-event batch to the router applying it "
+                "(the engine's clock against the router's): a lag that grows means the index is behind and "
+                "routes on stale overlaps.",
+                [
+                    (
+                        agg("kvroute_kv_index_lag_seconds", F, "worker_id, dp_rank", "max"),
+                        "w{{worker_id}} r{{dp_rank}}",
+                    )
+                ],
+                unit="s",
+                w=12,
+            ),
+            ts(
                 "Workers without a KV-event endpoint",
                 "Healthy workers the router expects KV events from but that publish none.",
                 [
