@@ -6,8 +6,9 @@ An engine that exposes its renderer (vLLM with ``--enable-scale-out``: ``/v1/cha
 request without running it. The router renders the same probes with its own tokenizer and chat
 template; the first differing position, with both sides' text around it, names the mismatch at once
 (the hash-parity alarm rises before a single request was routed on wrong hashes). Probes cover a
-chat with a system prompt and tools, a completion, a LoRA adapter (when the worker serves one) and
-an Anthropic Messages request. An engine without the render routes (404/405/501) leaves the check
+chat with a system prompt, the same chat offering tools (an engine without a tool-call parser refuses
+it: ``error``, not evidence), a completion, a LoRA adapter (when the worker serves one) and an
+Anthropic Messages request with tool use in its history. An engine without the render routes (404/405/501) leaves the check
 ``unavailable``: the request-time evidence of ``frontend/parity.py`` still applies.
 """
 
@@ -42,10 +43,9 @@ _CHAT = [
     {"role": "user", "content": "Which module computes the routing cost? Use the tool if you must."},
 ]
 _COMPLETION = "The quick brown fox jumps over the lazy dog. 0123456789 -- naïve café, 漢字, emoji 🙂\n\ttabs"
-_MESSAGES = {
+_MESSAGES = {  # tool use and results in the history; no tools offered (vLLM wants a tool parser for those)
     "max_tokens": 1,
     "system": "You are a coding agent working in a repository.",
-    "tools": [{"name": "ls", "description": "list a directory", "input_schema": {"type": "object"}}],
     "messages": [
         {"role": "user", "content": "List the repository."},
         {
@@ -76,7 +76,9 @@ def probes(entry: ModelEntry, adapter: str | None) -> list[Probe]:
     model = entry.name
     chat_path = "/v1/chat/completions/render"
     out = [
-        Probe("chat_with_system_and_tools", "chat", chat_path, {"model": model, "messages": _CHAT, "tools": _TOOLS}),
+        Probe("chat_with_system", "chat", chat_path, {"model": model, "messages": _CHAT}),
+        # an engine without a tool-call parser refuses requests with tools: this probe is then "error"
+        Probe("chat_with_tools", "chat", chat_path, {"model": model, "messages": _CHAT, "tools": _TOOLS}),
         Probe("completion", "completions", "/v1/completions/render", {"model": model, "prompt": _COMPLETION}),
     ]
     if adapter is not None:
@@ -92,11 +94,14 @@ class RenderCheck:
     status: str = "unavailable"
     probes: dict[str, str] = field(default_factory=dict)  # probe -> match | mismatch | unavailable | error
     difference: dict[str, Any] | None = None  # the first mismatching probe's first difference
+    errors: dict[str, str] = field(default_factory=dict)  # probe -> why the engine did not render it
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": self.status, "probes": dict(self.probes)}
         if self.difference is not None:
             out["first_difference"] = self.difference
+        if self.errors:
+            out["errors"] = dict(self.errors)
         return out
 
     def cause(self) -> str:
@@ -152,15 +157,18 @@ async def check(worker: Worker, entry: ModelEntry, adapter_entry: ModelEntry | N
             resp = await worker.client.post(probe.path, json=probe.body, timeout=timeout)
         except httpx.HTTPError as exc:
             result.probes[probe.name] = "error"
-            log.debug("render probe %s on worker %s: %s", probe.name, worker.id, exc)
+            result.errors[probe.name] = f"{type(exc).__name__}: {exc}"
             continue
         if resp.status_code in (404, 405, 501):
             result.probes[probe.name] = "unavailable"
             continue
-        theirs = _engine_ids(resp.json()) if resp.status_code == 200 else None
+        try:
+            theirs = _engine_ids(resp.json()) if resp.status_code == 200 else None
+        except ValueError:
+            theirs = None
         if theirs is None:
             result.probes[probe.name] = "error"
-            log.debug("render probe %s on worker %s: %s %s", probe.name, worker.id, resp.status_code, resp.text[:200])
+            result.errors[probe.name] = f"{resp.status_code}: {resp.text[:300]}"
             continue
         try:
             ours = tokenize_request_sync(mine, probe.body, probe.kind)

@@ -59,16 +59,17 @@ def test_rendering_is_compared_when_a_worker_joins_before_any_request() -> None:
             checks = wait_until(lambda: (p := parity()) and all(p.values()) and p, 30, what="render checks")
             assert checks[1]["status"] == "match"
             assert checks[1]["probes"] == {
-                "chat_with_system_and_tools": "match",
+                "chat_with_system": "match",
+                "chat_with_tools": "match",
                 "completion": "match",
                 "lora_a1": "match",
                 "anthropic_messages": "match",
             }
             assert checks[2]["status"] == "mismatch"
             assert checks[2]["probes"]["completion"] == "match"  # no template: the same tokens
-            assert checks[2]["probes"]["chat_with_system_and_tools"] == "mismatch"
+            assert checks[2]["probes"]["chat_with_system"] == checks[2]["probes"]["chat_with_tools"] == "mismatch"
             diff = checks[2]["first_difference"]
-            assert diff["probe"] == "chat_with_system_and_tools" and diff["position"] >= 0
+            assert diff["probe"] == "chat_with_system" and diff["position"] >= 0
             assert "<<system>>" in diff["engine_text"] and "<<system>>" not in diff["router_text"]
             assert checks[3]["status"] == "unavailable"
 
@@ -90,5 +91,5 @@ def test_rendering_is_compared_when_a_worker_joins_before_any_request() -> None:
                     and 'worker="2"' in line
                     and 'result="mismatch"' in line
                 )
-                == 2
-            )  # the chat and the Messages probes
+                == 3
+            )  # the two chat probes and the Messages probe

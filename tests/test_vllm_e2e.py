@@ -57,7 +57,8 @@ def vllm_engines(vllm_python: str, tiny_model: str) -> Iterator[dict[str, Any]]:
     with another chat template than the model's, started side by side; all but the DP-2 engine serve
     vLLM's render routes (``--enable-scale-out``)."""
     loras = {name: os.path.join(tiny_model, "loras", name) for name in ("a1", "a2")}
-    scale_out = ["--enable-scale-out"]
+    # the render routes, and tool calling (vLLM refuses requests with tools without a tool-call parser)
+    scale_out = ["--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
     one = VllmEngine(vllm_python, tiny_model, loras=loras, extra_args=scale_out)
     two = VllmEngine(vllm_python, tiny_model, loras={"a1": loras["a1"]}, extra_args=scale_out)
     dp2 = VllmEngine(vllm_python, tiny_model, dp_size=2)
@@ -640,7 +641,8 @@ def test_tokenizer_parity_is_proven_from_vllms_rendering_before_any_request(vllm
         assert found[1] == {
             "status": "match",
             "probes": {
-                "chat_with_system_and_tools": "match",
+                "chat_with_system": "match",
+                "chat_with_tools": "match",
                 "completion": "match",
                 "lora_a1": "match",
                 "anthropic_messages": "match",
@@ -649,7 +651,7 @@ def test_tokenizer_parity_is_proven_from_vllms_rendering_before_any_request(vllm
         assert found[2]["status"] == "mismatch", found[2]
         assert found[2]["probes"]["completion"] == "match"  # no chat template, the same tokens
         diff = found[2]["first_difference"]
-        assert diff["probe"] == "chat_with_system_and_tools"
+        assert diff["probe"] == "chat_with_system"
         assert "<<system>>" in diff["engine_text"] and "<<system>>" not in diff["router_text"]
         rows = fe.workers()
         assert rows[2]["hash_parity"]["mismatch"] is True and "render" in rows[2]["hash_parity"]["likely_cause"]
