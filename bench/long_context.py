@@ -108,7 +108,9 @@ async def _scenario(url: str, bodies: list[bytes], rate: float, at_once: bool) -
             await tiny.post("/v1/completions", json={"model": MODEL, "prompt": f"warm {i}", "max_tokens": 1})
         sender = asyncio.create_task(_tiny_open_loop_completions(tiny, 0.01, samples, stop))
         t0 = time.perf_counter()
-        if at_once:
+        if not bodies:  # the idle baseline: tiny requests alone
+            await asyncio.sleep(3.0)
+        elif at_once:
             await asyncio.gather(
                 *(
                     big.post("/v1/chat/completions", content=b, headers={"content-type": "application/json"})

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a decision waits for the slowest remote indexer [default 0.25]",
     )
     g.add_argument(
+        "--remote-indexer-register",
+        action="store_true",
+        help="register every discovered worker (its KV-event endpoints) on remote indexer shard worker_id %% "
+        "shards, re-asserted every few seconds: the frontends assign the shards their workers",
+    )
+    g.add_argument(
         "--serve-indexer",
         action="store_true",
         default=_truthy_env("DYN_SERVE_INDEXER"),
@@ -233,7 +239,11 @@ def make_state(ns: argparse.Namespace):
             raise SystemExit("--remote-indexer-timeout must be > 0")
         from .remote_index import RemoteIndexers
 
-        state.remote_index = RemoteIndexers(remote, state.metrics.registry, ns.remote_indexer_timeout)
+        state.remote_index = RemoteIndexers(
+            remote, state.metrics.registry, ns.remote_indexer_timeout, ns.remote_indexer_register
+        )
+    elif ns.remote_indexer_register:
+        raise SystemExit("--remote-indexer-register needs --use-remote-indexer")
     state.serve_indexer = ns.serve_indexer
     if config.router_replica_sync or ns.replica_sync_bind:
         if not ns.replica_sync_bind:

@@ -6,6 +6,11 @@ for each routing decision. Several URLs are *shards*: each indexes a subset of t
 (partitioned by worker id), so the answers are merged, per (worker, DP rank), into what one index
 over all the events would say (a worker indexed by two shards counts its longer match).
 
+With ``--remote-indexer-register`` the frontends are the shards' control plane: every worker they
+discover (with its KV-event endpoints, read from the engine for workers given by URL) is registered
+on shard ``worker_id % shards``, and registrations are re-asserted every few seconds, so a shard that
+restarts empty is told its workers again (and recovers their blocks from ``--peers`` or new events).
+
 One round trip per decision and shard, on a persistent connection, all shards at once: the prompt's
 local block hashes are sent (``POST /query_by_hash``, signed i64 as the indexer's API takes them).
 A shard that does not answer in time, or fails, makes this decision load-only (no overlaps at all:
@@ -36,11 +41,14 @@ REMOTE_UNAVAILABLE = "remote_unavailable"
 class RemoteIndexers:
     """The shards a frontend routes on; ``overlaps`` is its one call per decision."""
 
-    def __init__(self, urls: list[str], registry: CollectorRegistry, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, urls: list[str], registry: CollectorRegistry, timeout: float = DEFAULT_TIMEOUT, register: bool = False
+    ) -> None:
         if not urls:
             raise ValueError("--use-remote-indexer needs at least one URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout = timeout
+        self.register = register  # --remote-indexer-register: assign workers to shards by id
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         self._clients = [httpx.AsyncClient(base_url=u, timeout=timeout, limits=limits) for u in self.urls]
         self.queries = Counter(
@@ -108,6 +116,51 @@ class RemoteIndexers:
                 "remote indexer %s: %s: %s (this decision is routed by load alone)", url, type(exc).__name__, exc
             )
             return None
+
+    def shard_of(self, worker_id: int) -> str:
+        return self.urls[worker_id % len(self.urls)]
+
+    async def ensure_registered(
+        self, worker_id: int, model: str, block_size: int, streams: list[tuple[int, str, str | None]]
+    ) -> bool:
+        """Register ``streams`` = [(dp_rank, endpoint, replay endpoint)] of a worker on its shard; a
+        stream already registered there is fine. False when the shard could not be told."""
+        i = worker_id % len(self.urls)
+        ok = True
+        for rank, endpoint, replay in streams:
+            body = {
+                "instance_id": worker_id,
+                "endpoint": endpoint,
+                "model_name": model,
+                "block_size": block_size,
+                "dp_rank": rank,
+                "replay_endpoint": replay,
+            }
+            try:
+                resp = await self._clients[i].post("/register", json=body, timeout=max(self.timeout, 2.0))
+            except httpx.HTTPError as exc:
+                log.warning("remote indexer %s: registering worker %s: %s", self.urls[i], worker_id, exc)
+                ok = False
+                continue
+            if resp.status_code not in (200, 201, 409):  # 409: already registered there
+                log.warning(
+                    "remote indexer %s refused worker %s rank %s: %s %s",
+                    self.urls[i],
+                    worker_id,
+                    rank,
+                    resp.status_code,
+                    resp.text[:200],
+                )
+                ok = False
+        return ok
+
+    async def unregister(self, worker_id: int, model: str) -> None:
+        i = worker_id % len(self.urls)
+        body = {"instance_id": worker_id, "model_name": model}
+        try:
+            await self._clients[i].post("/unregister", json=body, timeout=max(self.timeout, 2.0))
+        except httpx.HTTPError as exc:
+            log.warning("remote indexer %s: unregistering worker %s: %s", self.urls[i], worker_id, exc)
 
     async def close(self) -> None:
         await asyncio.gather(*(c.aclose() for c in self._clients), return_exceptions=True)

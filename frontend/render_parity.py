@@ -8,8 +8,9 @@ template; the first differing position, with both sides' text around it, names t
 (the hash-parity alarm rises before a single request was routed on wrong hashes). Probes cover a
 chat with a system prompt, the same chat offering tools (an engine without a tool-call parser refuses
 it: ``error``, not evidence), a completion, a LoRA adapter (when the worker serves one) and an
-Anthropic Messages request with tool use in its history. An engine without the render routes (404/405/501) leaves the check
-``unavailable``: the request-time evidence of ``frontend/parity.py`` still applies.
+Anthropic Messages request with tool use in its history. An engine without the render routes
+(404/405/501) leaves the check ``unavailable``: the request-time evidence of ``frontend/parity.py``
+still applies.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .remote_index import RemoteIndexers
     from .speculative import SendFn, SpeculativePrefiller
 
+REMOTE_REGISTER_INTERVAL = 5.0  # seconds between re-assertions of the workers on their remote indexer shards
 log = logging.getLogger("frontend")
 
 DEFAULT_BLOCK_SIZE = 16
@@ -442,9 +443,38 @@ class FrontendState:
             if model not in attached and model in table:
                 attached.append(model)
         worker.attached_models = attached
+        if attached and self.remote_index is not None and self.remote_index.register:
+            self._spawn(self._register_remote(worker))
         if attached and self._render_checked.get(worker.id) != worker.discoveries:
             self._render_checked[worker.id] = worker.discoveries  # once per (re)discovery of the process
             self._spawn(self._check_rendering(worker))
+
+    async def _register_remote(self, worker: Worker) -> None:
+        """``--remote-indexer-register``: tell the worker's shard about its KV-event streams."""
+        remote = self.remote_index
+        spec = worker.spec
+        if remote is None or not spec.kv_events_endpoint:
+            return
+        table = self.model_table(worker)
+        entry = next((table[m] for m in worker.attached_models if m in table), None)
+        if entry is None:
+            return
+        streams = [
+            (r, spec.rank_endpoint(spec.kv_events_endpoint, r), spec.rank_endpoint(spec.replay_endpoint, r))
+            for r in spec.ranks
+        ]
+        await remote.ensure_registered(worker.id, entry.base, entry.block_size, streams)  # type: ignore[arg-type]
+
+    async def _remote_registration_loop(self) -> None:
+        """Re-assert every worker on its shard: a shard that restarted empty is told its workers again."""
+        while True:
+            await asyncio.sleep(REMOTE_REGISTER_INTERVAL)
+            for worker in list(self.pool.workers.values()):
+                if worker.healthy and worker.attached_models:
+                    try:
+                        await self._register_remote(worker)
+                    except Exception:  # never let the loop die
+                        log.exception("registering worker %s on its remote indexer failed", worker.id)
 
     async def _check_rendering(self, worker: Worker) -> None:
         """Tokenizer parity before traffic: the engine's rendering of probe requests against ours."""
@@ -535,6 +565,8 @@ class FrontendState:
                 await self.pool.check_all()
         self.pool.start()
         self._spawn(self._expiry_loop())
+        if self.remote_index is not None and self.remote_index.register:
+            self._spawn(self._remote_registration_loop())
         if self.sessions is not None:
             self._spawn(self._session_reaper())
 

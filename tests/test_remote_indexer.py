@@ -133,3 +133,45 @@ def test_remote_and_sharded_indexing_route_as_the_embedded_index_and_survive_a_s
         assert record["overlap_source"] == "remote" and record["overlap_blocks"] == best > 0, record
         loads = b.get("/loads").json()
         assert all(r["active_decode_blocks"] == 0 and r["active_prefill_tokens"] == 0 for r in loads)
+
+
+def test_frontends_assign_workers_to_empty_shards_and_reassign_after_a_restart() -> None:
+    """``--remote-indexer-register``: the frontend (which discovers the workers and reads their event
+    endpoints from the engines) registers worker w on shard w % 2; a shard restarted empty is told its
+    worker again within seconds and learns its new blocks."""
+    kv1, kv2 = free_port_block(1), free_port_block(1)
+    p1, p2 = free_port(), free_port()
+    shards = [f"http://127.0.0.1:{p}" for p in (p1, p2)]
+    empty = ["-m", "indexer", "--host", "127.0.0.1", "--log-level", "warning", "--port"]
+    with contextlib.ExitStack() as stack:
+        m1, m2 = stack.enter_context(mocker(kv1)), stack.enter_context(mocker(kv2))
+        stack.enter_context(service([*empty, str(p1)], ready_url=f"{shards[0]}/health", timeout=90))
+        second = stack.enter_context(service([*empty, str(p2)], ready_url=f"{shards[1]}/health", timeout=90))
+        fe = stack.enter_context(
+            frontend(
+                [f"id=1,url={m1}", f"id=2,url={m2}"],
+                "--use-remote-indexer",
+                ",".join(shards),
+                "--remote-indexer-register",
+            )
+        )
+
+        def registered(shard: str) -> set[int]:
+            rows = httpx.get(f"{shard}/workers", timeout=5).json()
+            return {int(w["instance_id"]) for w in rows}
+
+        wait_until(lambda: registered(shards[0]) == {2} and registered(shards[1]) == {1}, 30, what="assignment")
+        prompt = "An agent's long shared system prompt. " * 40
+        first = complete(fe, prompt)["nvext"]["routing"]
+        wait_until(lambda: max(overlaps(fe, prompt).values()) > 0, 30, what="blocks indexed on the shard")
+        again = complete(fe, prompt)["nvext"]["routing"]
+        assert again["overlap_source"] == "remote" and again["worker_id"] == first["worker_id"]
+        assert again["overlap_blocks"] > 0
+
+        second.kill()
+        second.wait(timeout=10)
+        stack.enter_context(service([*empty, str(p2)], ready_url=f"{shards[1]}/health", timeout=90))
+        wait_until(lambda: registered(shards[1]) == {1}, 30, what="worker 1 re-assigned to the restarted shard")
+        other = "Another prompt for worker one, pinned. " * 40
+        complete(fe, other, **{"x-dynamo-worker-instance-id": "1"})
+        wait_until(lambda: overlaps(fe, other).get(1, 0) > 0, 30, what="the restarted shard learns new blocks")
