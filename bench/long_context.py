@@ -111,13 +111,11 @@ async def _scenario(url: str, bodies: list[bytes], rate: float, at_once: bool) -
         if not bodies:  # the idle baseline: tiny requests alone
             await asyncio.sleep(3.0)
         elif at_once:
-            await asyncio.gather(
-                *(
-                    big.post("/v1/chat/completions", content=b, headers={"content-type": "application/json"})
-                    for b in bodies
-                )
+            headers = {"content-type": "application/json"}
+            answers = await asyncio.gather(
+                *(big.post("/v1/chat/completions", content=b, headers=headers) for b in bodies)
             )
-            statuses.append(0)
+            statuses += [a.status_code for a in answers]
         else:
             await _long_sender(big, bodies, rate, statuses, tokens)
         t1 = time.perf_counter()

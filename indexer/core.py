@@ -494,7 +494,8 @@ class KvIndex:
             if min_pos >= current:
                 stale = [min_hash]
             else:
-                stale = [node.ext_of(w, p) for p in range(min_pos, len(node.locals))]
+                # only the positions it still covered: a run evicted tail first costs one step per block
+                stale = [node.ext_of(w, p) for p in range(min_pos, current)]
                 if min_pos == 0:
                     node.drop(w)
                 else:

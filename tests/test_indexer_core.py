@@ -229,3 +229,20 @@ def test_long_query_hot_path_shape() -> None:
     ix.apply_stored(2, 0, None, [(h, h) for h in base[:40]])
     ix.apply_stored(2, 0, base[39], [(5000 + i, 7000 + i) for i in range(10)])
     assert ix.find_matches(base) == {(1, 0): 64, (2, 0): 40}
+
+
+def test_a_long_run_evicted_tail_first_shrinks_block_by_block() -> None:
+    """vLLM evicts a finished request's blocks tail first, one BlockRemoved per block: each removal
+    uncovers exactly that block (and touches only the positions still covered)."""
+    from indexer.core import KvIndex
+
+    idx = KvIndex(16)
+    locs = [1000 + i for i in range(300)]
+    exts = [5000 + i for i in range(300)]
+    idx.apply_stored(7, 0, None, list(zip(exts, locs, strict=True)))
+    idx.apply_stored(8, 0, None, list(zip(exts[:100], locs[:100], strict=True)))
+    for k, ext in enumerate(reversed(exts), 1):
+        assert idx.apply_removed(7, 0, [ext]) == 1
+        expected = {(7, 0): 300 - k} if k < 300 else {}
+        expected[(8, 0)] = 100
+        assert idx.find_matches(locs) == expected, k
