@@ -176,7 +176,7 @@ def _per_request(url: str, pid: int, length: int, n: int, cpt: float) -> dict[st
     }
 
 
-def _run(tokenizer: str, args: argparse.Namespace) -> dict[str, Any]:
+def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[str, Any]:
     from kvroute_common.local_cluster import MockerOptions, start_cluster
     from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
 
@@ -212,7 +212,7 @@ def _run(tokenizer: str, args: argparse.Namespace) -> dict[str, Any]:
             out["scenarios"]["three 3 MB chat prompts at once"] = r = asyncio.run(_scenario(url, bodies, 1.0, True))
             print(f"[{tokenizer}] three 3 MB at once: {json.dumps(r)}", flush=True)
         if "loop" in args.parts:
-            for length in LENGTHS:
+            for length in lengths:
                 n = 4 if length >= 400_000 else 10
                 out["lengths"][str(length)] = r = _per_request(url, pid, length, n, cpt)
                 print(f"[{tokenizer}] {length} tokens: {json.dumps(r)}", flush=True)
@@ -231,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="latency,loop", help="comma-separated: latency, loop [both]")
     ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle baseline")
     ap.add_argument("--before", default=None, help="another checkout to measure first (the 'before' figures)")
+    ap.add_argument(
+        "--before-lengths",
+        default=",".join(map(str, LENGTHS)),
+        help="prompt lengths of the loop part for --before (a slow checkout may not finish the longest)",
+    )
     ap.add_argument("--out", default=None, help="also write the JSON result here")
     args = ap.parse_args(argv)
     random.seed(0)
@@ -240,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for label, directory in checkouts:
             os.chdir(directory)  # the children are `python -m frontend` / `mocker` from here
+            lengths = [int(x) for x in args.before_lengths.split(",")] if label == "before" else LENGTHS
             for t in [t.strip() for t in args.tokenizers.split(",") if t.strip()]:
-                run = _run(t, args)
+                run = _run(t, args, lengths)
                 run["checkout"] = f"{label} ({directory})"
                 result["runs"].append(run)
     finally:

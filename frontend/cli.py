@@ -237,10 +237,14 @@ def make_state(ns: argparse.Namespace):
             raise SystemExit("--serve-indexer serves an embedded index; with --use-remote-indexer there is none")
         if ns.remote_indexer_timeout <= 0:
             raise SystemExit("--remote-indexer-timeout must be > 0")
+        from kvroute_common.security import outgoing_token, policy_from_args
+
+        from .access import access_level
         from .remote_index import RemoteIndexers
 
+        token = outgoing_token(policy_from_args(ns, access_level), ns)
         state.remote_index = RemoteIndexers(
-            remote, state.metrics.registry, ns.remote_indexer_timeout, ns.remote_indexer_register
+            remote, state.metrics.registry, ns.remote_indexer_timeout, ns.remote_indexer_register, token
         )
     elif ns.remote_indexer_register:
         raise SystemExit("--remote-indexer-register needs --use-remote-indexer")

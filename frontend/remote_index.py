@@ -42,7 +42,12 @@ class RemoteIndexers:
     """The shards a frontend routes on; ``overlaps`` is its one call per decision."""
 
     def __init__(
-        self, urls: list[str], registry: CollectorRegistry, timeout: float = DEFAULT_TIMEOUT, register: bool = False
+        self,
+        urls: list[str],
+        registry: CollectorRegistry,
+        timeout: float = DEFAULT_TIMEOUT,
+        register: bool = False,
+        token: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("--use-remote-indexer needs at least one URL")
@@ -50,7 +55,11 @@ class RemoteIndexers:
         self.timeout = timeout
         self.register = register  # --remote-indexer-register: assign workers to shards by id
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        self._clients = [httpx.AsyncClient(base_url=u, timeout=timeout, limits=limits) for u in self.urls]
+        # the deployment's token (the frontend's admin token, else its API key), as the indexers check it
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        self._clients = [
+            httpx.AsyncClient(base_url=u, timeout=timeout, limits=limits, headers=headers) for u in self.urls
+        ]
         self.queries = Counter(
             "kvroute_remote_indexer_queries",
             "Overlap queries sent to each remote indexer",

@@ -234,15 +234,16 @@ def test_rbac_services_pdb_and_monitoring_fit_together(overlay: str) -> None:
     assert sync["spec"]["clusterIP"] == "None" and sync["metadata"]["labels"]["kvroute.io/role"] == "frontend"
     assert selects(sync["spec"]["selector"], pod_labels)
     # every Service selects some pod template, with named target ports that exist there
-    templates = [d["spec"]["template"] for d in by_kind(objs, "Deployment")]
+    workloads = [*by_kind(objs, "Deployment"), *by_kind(objs, "StatefulSet")]
+    templates = [d["spec"]["template"] for d in workloads]
     for svc in by_kind(objs, "Service"):
         matching = [t for t in templates if selects(svc["spec"]["selector"], t["metadata"]["labels"])]
         assert matching, f"Service {svc['metadata']['name']} selects no pod"
         names = {p["name"] for t in matching for c in t["spec"]["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in names, (svc["metadata"]["name"], port)
-    # each Deployment's selector matches its own template
-    for d in by_kind(objs, "Deployment"):
+    # each workload's selector matches its own template
+    for d in workloads:
         assert selects(d["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])
     pdb = one(objs, "PodDisruptionBudget", "kvroute-frontend")
     assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
@@ -301,7 +302,7 @@ def test_every_kvroute_command_line_parses(overlay: str) -> None:
     from slot_tracker.__main__ import parse_args as tracker_parse
 
     objs = render(overlay)
-    for dep in by_kind(objs, "Deployment"):
+    for dep in [*by_kind(objs, "Deployment"), *by_kind(objs, "StatefulSet")]:
         for c in dep["spec"]["template"]["spec"]["containers"]:
             if not c["image"].split("/")[-1].startswith("kvroute"):
                 continue  # vLLM's own flags: checked above
@@ -327,3 +328,38 @@ def test_standalone_components_are_optional() -> None:
     with_services = names("standalone-services")
     assert {("Deployment", "kvroute-indexer"), ("Deployment", "kvroute-slot-tracker")} <= with_services
     assert names("production") <= with_services
+
+
+def test_sharded_indexer_overlay_wires_frontends_to_every_shard_by_stable_name() -> None:
+    """The frontends list every shard of the StatefulSet, in ordinal order, by the headless Service's
+    stable names, assign them the workers, and ingest no events themselves; the shards are optional."""
+    objs = render("sharded-indexer")
+    shards = one(objs, "StatefulSet", "kvroute-indexer-shard")
+    svc = one(objs, "Service", "kvroute-indexer-shard")
+    assert shards["spec"]["serviceName"] == "kvroute-indexer-shard" and svc["spec"]["clusterIP"] == "None"
+    ns = shards["metadata"].get("namespace")
+    assert ns == one(objs, "Deployment", "kvroute-frontend")["metadata"].get("namespace")
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
+    expected = [
+        f"http://kvroute-indexer-shard-{i}.kvroute-indexer-shard:{port}" for i in range(shards["spec"]["replicas"])
+    ]
+    args = one(objs, "Deployment", "kvroute-frontend")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert flag(args, "--use-remote-indexer").split(",") == expected
+    assert "--remote-indexer-register" in args and "--serve-indexer" not in args
+    assert ("StatefulSet", "kvroute-indexer-shard") not in {
+        (o["kind"], o["metadata"]["name"]) for o in render("production")
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_namespaced_object_is_in_the_frontends_namespace(overlay: str) -> None:
+    """Components added by an overlay land in the overlay's namespace too (not kubectl's current one)."""
+    objs = render(overlay)
+    namespace = one(objs, "Deployment", "kvroute-frontend")["metadata"].get("namespace")
+    cluster_wide = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+    stray = [
+        (o["kind"], o["metadata"]["name"])
+        for o in objs
+        if o["kind"] not in cluster_wide and o["metadata"].get("namespace") != namespace
+    ]
+    assert not stray, stray
