@@ -3,8 +3,10 @@
     python -m bench long_context                          # both parts, built-in tokenizer
     python -m bench long_context --tokenizers builtin,hf  # also with --model-path (an HF directory)
 
-Two mockers (instant engines, context and KV cache large enough for 400 k-token prompts) behind a
-kv-mode frontend.
+Two mockers (instant engines, context and KV cache large enough for 400 k-token prompts, vLLM's
+chunked prefill of 8192 tokens per step, so KV events arrive per step as vLLM publishes them) behind
+a kv-mode frontend. ``--index remote`` puts the KV-event ingestion in a standalone indexer
+(``--use-remote-indexer``): the frontend's loop then does the request path alone.
 
 * **Tiny-request latency while long prompts arrive.** Tiny completions (``max_tokens`` 1) are sent
   open loop every 10 ms (a stall delays every request sent during it, so the percentiles see it)
@@ -178,6 +180,8 @@ def _per_request(url: str, pid: int, length: int, n: int, cpt: float) -> dict[st
 
 def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[str, Any]:
     from kvroute_common.local_cluster import MockerOptions, start_cluster
+    from kvroute_common.ports import free_port
+    from kvroute_common.processes import service
     from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
 
     model_path = None
@@ -189,13 +193,38 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
     opts = MockerOptions(
         speedup_ratio=0.0,
         num_gpu_blocks=120_000,
-        max_num_batched_tokens=1_000_000,
+        max_num_batched_tokens=8192,
         model_path=model_path,
         extra_args=["--max-model-len", "450000"],
     )
-    out: dict[str, Any] = {"tokenizer": tokenizer, "chars_per_token": round(cpt, 3), "scenarios": {}, "lengths": {}}
+    out: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "index": args.index,
+        "chars_per_token": round(cpt, 3),
+        "scenarios": {},
+        "lengths": {},
+    }
     cluster = start_cluster(2, opts, "kv", frontend_args=["--log-level", "warning"])
+    indexer = None
     try:
+        if args.index == "remote":  # ingestion in a standalone indexer; a new frontend routes on it
+            port = free_port()
+            iurl = f"http://127.0.0.1:{port}"
+            workers = ",".join(f"{w.worker_id}={w.kv_events_endpoint}" for w in cluster.workers)
+            argv = ["-m", "indexer", "--host", "127.0.0.1", "--port", str(port), "--block-size", "16"]
+            argv += ["--model-name", MODEL, "--workers", workers, "--log-level", "warning"]
+            indexer = service(argv, ready_url=f"{iurl}/health", timeout=60)
+            indexer.__enter__()
+            assert cluster.frontend is not None
+            cluster.frontend.proc.terminate()
+            cluster.frontend.proc.wait(timeout=30)
+            cluster.start_frontend(
+                "kv",
+                extra_args=["--log-level", "warning", "--use-remote-indexer", iurl],
+                model_path=model_path,
+                kv_events=False,
+            )
+            cluster.wait_frontend_ready(MODEL)
         url = cluster.frontend_url
         assert url is not None and cluster.frontend is not None
         pid = cluster.frontend.proc.pid
@@ -218,6 +247,8 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
                 print(f"[{tokenizer}] {length} tokens: {json.dumps(r)}", flush=True)
     finally:
         cluster.stop()
+        if indexer is not None:
+            indexer.__exit__(None, None, None)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -230,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizers", default="builtin", help="comma-separated: builtin, hf [builtin]")
     ap.add_argument("--parts", default="latency,loop", help="comma-separated: latency, loop [both]")
     ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle baseline")
+    ap.add_argument(
+        "--index", choices=["embedded", "remote"], default="embedded", help="where KV events are ingested [embedded]"
+    )
     ap.add_argument("--before", default=None, help="another checkout to measure first (the 'before' figures)")
     ap.add_argument(
         "--before-lengths",
