@@ -82,7 +82,7 @@ def body_tokens(
                 raise OpenAIError(400, "'prompt' is required", "prompt")
             tokens = completion_prompt_token_ids(entry.tokenizer, body["prompt"], nogil=nogil, limit=stop_at)
     except PromptTooLong as exc:
-        check_prompt_fits(exc.n_tokens, body, limit, chat)
+        check_prompt_fits(exc.n_tokens, body, limit, chat, exc.exact)
         raise OpenAIError(400, str(exc)) from None  # pragma: no cover - the check above raises
     except PromptError as exc:
         raise OpenAIError(400, str(exc)) from None

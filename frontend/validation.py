@@ -163,28 +163,30 @@ class PromptLimit(NamedTuple):
         return min(known) if known else None
 
 
-def check_prompt_fits(n_prompt: int, body: dict, limit: PromptLimit | None, chat: bool) -> None:
+def check_prompt_fits(n_prompt: int, body: dict, limit: PromptLimit | None, chat: bool, exact: bool = True) -> None:
     """The engine's own refusals (its messages), before routing: no hashing or booking for a request no
     engine takes. The context length is checked as vLLM checks it; a prompt over the KV capacity gets
-    the engine's capacity message (vLLM keeps one block aside, as the mocker does)."""
+    the engine's capacity message (vLLM keeps one block aside, as the mocker does). ``exact=False``:
+    ``n_prompt`` is a lower bound (counting stopped once the answer was known)."""
     if limit is None:
         return
-    check_context_length(n_prompt, body, limit.context, chat)
+    check_context_length(n_prompt, body, limit.context, chat, exact)
     if limit.kv_tokens and n_prompt >= limit.kv_tokens:
         raise _bad(
-            f"the prompt has {n_prompt} tokens but the KV cache holds only {limit.kv_tokens} tokens",
+            f"the prompt has {'' if exact else 'at least '}{n_prompt} tokens but the KV cache holds only "
+            f"{limit.kv_tokens} tokens",
             "messages" if chat else "prompt",
         )
 
 
-def check_context_length(n_prompt: int, body: dict, max_model_len: int | None, chat: bool) -> None:
+def check_context_length(n_prompt: int, body: dict, max_model_len: int | None, chat: bool, exact: bool = True) -> None:
     """vLLM's context-length check (same messages), before routing: no booking for a request the engine refuses."""
     if not max_model_len:
         return
     if n_prompt >= max_model_len:
         raise _bad(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{n_prompt} input tokens. Please reduce the length of the input messages.",
+            f"{'' if exact else 'at least '}{n_prompt} input tokens. Please reduce the length of the input messages.",
             "messages" if chat else "prompt",
         )
     max_tokens = body.get("max_completion_tokens") if chat else None

@@ -218,3 +218,19 @@ def test_build_script_reproduces_committed_files():
 def test_module_exports():
     for name in ("load_tokenizer", "chat_prompt_token_ids", "completion_prompt_token_ids", "DEFAULT_MODEL_NAME"):
         assert hasattr(T, name)
+
+
+def test_an_obviously_over_long_text_is_refused_from_a_partial_count() -> None:
+    """On the tokenizer thread (nogil) a text far over the limit is counted in pieces and refused once the
+    pieces hold the limit (a lower bound, not the whole count); one that fits is encoded whole, exactly."""
+    from kvroute_common.tokenizer import EARLY_STOP_CHARS, PromptTooLong, load_tokenizer, prompt_encoder
+
+    enc = prompt_encoder(load_tokenizer(None))
+    text = "hello " * (EARLY_STOP_CHARS // 3)  # ~87k tokens over ~2 pieces
+    whole = enc.encode(text, nogil=True)
+    assert enc.encode(text, nogil=True, limit=len(whole) + 1) == whole  # fits: exact ids
+    limit = len(whole) // 3
+    with pytest.raises(PromptTooLong) as exc:
+        enc.encode(text, nogil=True, limit=limit)
+    assert not exc.value.exact and limit <= exc.value.n_tokens <= len(whole)
+    assert "at least" in str(exc.value)
