@@ -9,9 +9,6 @@ Parts (docs/scale.md turns them into a capacity model):
   remote indexer, and in two shards: ``POST /admin/route`` (tokenize, look up overlaps, score;
   nothing booked) for a 1024-token prompt on a kv frontend over two mockers, client-side p50/p99,
   the three frontends measured in alternating rounds over the same event streams.
-* ``ingest``: one shard's ingest rate: simulated workers (PUB sockets, no engines) publish
-  pre-encoded batches of new blocks as fast as the shard applies them; blocks applied per second and
-  the shard's CPU seconds per million blocks.
 * ``fleet``: ``--workers`` simulated workers, each publishing ``--rate`` blocks/s in batches of
   ``--batch`` (a new block chain per worker, old chains removed so the index stays bounded), spread
   over ``--shards`` standalone indexers partitioned by worker id. Each batch carries its publish time;
@@ -34,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from kvroute_common.ports import free_port, free_port_block
+from kvroute_common.ports import free_port, free_port_block, free_ports
 from kvroute_common.processes import service, wait_until
 
 BS = 16
@@ -62,11 +59,9 @@ def _indexer(port: int, workers: str = "") -> list[str]:
 # simulated workers
 
 
-def _publisher_main(
-    base_port: int, first_id: int, n: int, rate: float, batch: int, duration: float, start_at: float
-) -> None:
-    """``n`` simulated workers on ports base_port.. (ids first_id..): each publishes ``rate`` blocks/s in
-    batches of ``batch`` new blocks below its previous ones, and removes its chain every 64 batches."""
+def _publisher_main(ports: list[int], first_id: int, rate: float, batch: int, duration: float, go: Any) -> None:
+    """Simulated workers on ``ports`` (ids first_id..): each publishes ``rate`` blocks/s in batches of
+    ``batch`` new blocks below its previous ones, and removes its chain every 64 batches."""
     import random
 
     import zmq
@@ -75,19 +70,20 @@ def _publisher_main(
 
     ctx = zmq.Context()
     socks = []
-    for i in range(n):
+    n = len(ports)
+    for port in ports:
         s = ctx.socket(zmq.PUB)
         s.setsockopt(zmq.SNDHWM, 0)
         s.setsockopt(zmq.LINGER, 0)
-        s.bind(f"tcp://127.0.0.1:{base_port + i}")
+        s.bind(f"tcp://127.0.0.1:{port}")
         socks.append(s)
     rng = random.Random(first_id)
     seqs = [0] * n
     chains: list[list[int]] = [[] for _ in range(n)]
     tokens = [rng.randrange(1, 30000) for _ in range(batch * BS)]
     interval = batch / rate  # seconds between one worker's batches
-    while time.time() < start_at:
-        time.sleep(0.01)
+    go.wait()  # every worker is registered on its shard
+    start_at = time.time() + 0.5
     # each worker sends on its own phase, so the fleet's batches spread over the interval
     next_at = [start_at + interval * i / n for i in range(n)]
     end = start_at + duration
@@ -124,7 +120,7 @@ def _publisher_main(
 
 def _lag_samples(url: str) -> list[float]:
     out = []
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
         if line.startswith("kvroute_kv_index_lag_seconds{"):
             out.append(float(line.rsplit(" ", 1)[1]))
     return out
@@ -132,7 +128,7 @@ def _lag_samples(url: str) -> list[float]:
 
 def _batches_applied(url: str) -> float:
     total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
         if line.startswith("kvroute_kv_event_batches_applied_total{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -142,7 +138,7 @@ def fleet(n_workers: int, n_shards: int, rate: float, batch: int, duration: floa
     """``n_workers`` simulated workers over ``n_shards`` indexers; index lag and CPU per shard."""
     import contextlib
 
-    base = free_port_block(n_workers)
+    ports = free_ports(n_workers)
     per_pub = -(-n_workers // publishers)
     shards = []
     with contextlib.ExitStack() as stack:
@@ -151,15 +147,16 @@ def fleet(n_workers: int, n_shards: int, rate: float, batch: int, duration: floa
             url = f"http://127.0.0.1:{port}"
             proc = stack.enter_context(service(_indexer(port), ready_url=f"{url}/health", timeout=60))
             shards.append((url, proc))
-        start_at = time.time() + 4.0 + n_workers / 500
+        mp = multiprocessing.get_context("spawn")
+        go = mp.Event()
         procs = []
         for p in range(publishers):
             first = p * per_pub
             n = min(per_pub, n_workers - first)
             if n <= 0:
                 break
-            args = (base + first, first + 1, n, rate, batch, duration, start_at)
-            pr = multiprocessing.get_context("spawn").Process(target=_publisher_main, args=args, daemon=True)
+            args = (ports[first : first + n], first + 1, rate, batch, duration, go)
+            pr = mp.Process(target=_publisher_main, args=args, daemon=True)
             pr.start()
             procs.append(pr)
         # partition by worker id: worker w goes to shard w % n_shards
@@ -167,18 +164,22 @@ def fleet(n_workers: int, n_shards: int, rate: float, batch: int, duration: floa
             url = shards[w % n_shards][0]
             body = {
                 "instance_id": w + 1,
-                "endpoint": f"tcp://127.0.0.1:{base + w}",
+                "endpoint": f"tcp://127.0.0.1:{ports[w]}",
                 "model_name": MODEL,
                 "block_size": BS,
             }
             r = httpx.post(f"{url}/register", json=body, timeout=30)
             assert r.status_code == 201, r.text
-        while time.time() < start_at + 2.0:  # the first second: subscriptions settling, not measured
+        go.set()
+        start_at = time.time() + 0.5
+        while time.time() < start_at + 2.0:  # the first seconds: subscriptions settling, not measured
             time.sleep(0.1)
         cpu0 = [_cpu_s(proc.pid) for _, proc in shards]
         batches0 = [_batches_applied(url) for url, _ in shards]
         t0 = time.time()
         lags: list[float] = []
+        if t0 > start_at + duration - 1.0:
+            raise RuntimeError("the shards answered /metrics too late to measure anything (overloaded)")
         while time.time() < start_at + duration - 0.5:
             for url, _ in shards:
                 lags += _lag_samples(url)
@@ -205,25 +206,6 @@ def fleet(n_workers: int, n_shards: int, rate: float, batch: int, duration: floa
             "max": round(max(lags) * 1e3, 1) if lags else None,
         },
         "load_average": os.getloadavg(),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# one shard's ingest rate
-
-
-def ingest(n_workers: int, batch: int, seconds: float) -> dict[str, Any]:
-    """Blocks/s one indexer applies when ``n_workers`` publishers send as fast as it takes them (the
-    publishers are paced far above what one process applies)."""
-    r = fleet(n_workers, 1, rate=200_000.0 / n_workers, batch=batch, duration=seconds, publishers=2)
-    return {
-        "workers": n_workers,
-        "batch_blocks": batch,
-        "offered_blocks_per_s": r["offered_blocks_per_s"],
-        "applied_blocks_per_s": r["applied_blocks_per_s"],
-        "shard_cpu_share": r["shard_cpu_share"][0],
-        "cpu_s_per_million_blocks": round(r["shard_cpu_share"][0] / max(r["applied_blocks_per_s"], 1) * 1e6, 2),
-        "lag_ms": r["lag_ms"],
     }
 
 
@@ -309,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench fleet_scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--parts", default="decision,ingest,fleet", help="comma-separated: decision, ingest, fleet")
+    ap.add_argument("--parts", default="decision,fleet", help="comma-separated: decision, fleet")
     ap.add_argument("--workers", type=int, default=1000, help="simulated workers in the fleet part [1000]")
     ap.add_argument("--shards", type=int, default=4, help="indexer shards in the fleet part [4]")
     ap.add_argument("--rate", type=float, default=40.0, help="blocks/s each simulated worker stores [40]")
@@ -323,9 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     if "decision" in parts:
         result["decision"] = r = decision(200, 3)
         print(f"decision: {json.dumps(r)}", flush=True)
-    if "ingest" in parts:
-        result["ingest"] = r = ingest(64, args.batch, 10.0)
-        print(f"ingest: {json.dumps(r)}", flush=True)
     if "fleet" in parts:
         result["fleet"] = r = fleet(args.workers, args.shards, args.rate, args.batch, args.duration, args.publishers)
         print(f"fleet: {json.dumps(r)}", flush=True)
