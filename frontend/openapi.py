@@ -426,6 +426,11 @@ _SCHEMAS: dict[str, Any] = {
             "worker_id": {"type": "integer"},
             "dp_rank": {"type": "integer"},
             "overlap_blocks": {"type": "integer"},
+            "overlap_source": {
+                "enum": ["embedded", "remote", "remote_unavailable"],
+                "description": "where the overlaps came from: the embedded index, remote indexers "
+                "(--use-remote-indexer), or none because a remote indexer did not answer (load-only)",
+            },
             "candidates": {"type": "array", "items": {"type": "object", "required": ["worker_id", "dp_rank", "cost"]}},
         },
     },
