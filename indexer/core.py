@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
 from typing import Any, Protocol
 
 from kvroute_common.constants import U64_MAX
@@ -356,13 +355,13 @@ class KvIndex:
                 rest_e, rest_l = exts[i:], locs[i:]
                 if parent is not self._root and not parent.internal and parent.covers(w, len(parent.locals) - 1):
                     parent.append(w, rest_e, rest_l)
-                    lookup.update(zip(rest_e, repeat(parent)))
+                    lookup.update(dict.fromkeys(rest_e, parent))
                     break
                 new = _Run(rest_l, rest_e, parent=parent)
                 new.full.add(w)
                 parent.internal = True
                 parent.children[rest_l[0]] = new
-                lookup.update(zip(rest_e, repeat(new)))
+                lookup.update(dict.fromkeys(rest_e, new))
                 break
             run_locs = child.locals
             run_len = len(run_locs)
@@ -377,23 +376,23 @@ class KvIndex:
                 if m == n - i:  # the store ends inside this run
                     child.cover_prefix(w, m)
                     child.note_exts(w, 0, exts[i:])
-                    lookup.update(zip(exts[i:], repeat(child)))
+                    lookup.update(dict.fromkeys(exts[i:], child))
                     break
                 self._split(child, m)
                 child.promote(w)
                 child.note_exts(w, 0, exts[i : i + m])
-                lookup.update(zip(exts[i : i + m], repeat(child)))
+                lookup.update(dict.fromkeys(exts[i : i + m], child))
                 tail_e, tail_l = exts[i + m :], locs[i + m :]
                 tail_run = _Run(tail_l, tail_e, parent=child)
                 tail_run.full.add(w)
                 child.internal = True
                 child.children[tail_l[0]] = tail_run
-                lookup.update(zip(tail_e, repeat(tail_run)))
+                lookup.update(dict.fromkeys(tail_e, tail_run))
                 break
             child.promote(w)
             seg = exts[i : i + run_len]
             child.note_exts(w, 0, seg)
-            lookup.update(zip(seg, repeat(child)))
+            lookup.update(dict.fromkeys(seg, child))
             i += run_len
             parent = child
         return True
@@ -409,11 +408,11 @@ class KvIndex:
             return False
         if len(exts) <= suffix_len:
             node.cover_prefix(w, start + len(exts))
-            lookup.update(zip(exts, repeat(node)))
+            lookup.update(dict.fromkeys(exts, node))
             return True
         if not node.internal:
             node.append(w, exts[suffix_len:], locs[suffix_len:])
-            lookup.update(zip(exts, repeat(node)))
+            lookup.update(dict.fromkeys(exts, node))
             return True
         return False
 
