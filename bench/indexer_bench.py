@@ -9,6 +9,11 @@ One run measures, for each service in turn:
     own footprint per million blocks measured in-process.
 
     python bench/indexer_bench.py [--duration 10] [--connections 16] [--ingest-blocks 200000] [--rounds 3]
+                                  [--shape default|branching|both|small-chain|small-suffix|small|all]
+
+Shapes (``--shape``, see its help): ``default`` and ``branching`` (``both``), and the 4-worker
+``small-chain`` / ``small-suffix`` (``small``): many short shared system prompts, the first with
+every event carrying the whole chain, the second only the blocks below a cached prompt.
 
 Services are measured alternately, round after round, and medians are reported (the machine is
 shared, load drifts).
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import httpx
@@ -213,6 +219,119 @@ def ingest_branching(
     return total / elapsed, (rss1 - rss0) / total * 1e6, total
 
 
+# ---- the small-cluster shapes: 4 workers, many short shared system prompts, short requests
+SMALL_WORKERS = 4
+SMALL_SYSTEMS = 64  # shared system prompts
+SMALL_SYSTEM_BLOCKS = 4  # 64 tokens each
+SMALL_CONT_BLOCKS = 12  # each request's own blocks after its system prompt
+SMALL_FIRST_INSTANCE = 2001  # instance ids are global: not the other shapes' ones
+SMALL_STYLES = ("small-chain", "small-suffix")
+
+
+def small_tokens(system: int, cont_id: int) -> list[int]:
+    """System prompt ``system`` (shared by every worker) followed by a 12-block request of its own."""
+    return toks_for(13 * 10**6 + system, SMALL_SYSTEM_BLOCKS) + toks_for(14 * 10**6 + cont_id, SMALL_CONT_BLOCKS)
+
+
+def small_payloads(pub: Publisher, style: str, n_reqs: int, first_cont: int) -> list[bytes]:
+    """One worker's events, one 16-block request each on system prompt ``request % 64``.
+
+    small-chain: every event carries the whole chain (parent None, 16 blocks), as engines that do
+    not link to cached blocks publish. small-suffix: the worker's first request on a system prompt
+    stores the whole chain, every later one only its 12 new blocks below the prompt's last block."""
+    out = []
+    for k in range(n_reqs):
+        cont = first_cont + k
+        tokens = small_tokens(cont % SMALL_SYSTEMS, cont)
+        if style == "small-chain" or k < SMALL_SYSTEMS:
+            out.extend(pub.store_chain(tokens))
+        else:
+            out.extend(pub.store_suffix(tokens, SMALL_SYSTEM_BLOCKS))
+    return out
+
+
+def small_blocks(style: str, n_reqs: int) -> int:
+    """Blocks one worker's ``small_payloads`` carry (what the services apply)."""
+    per_req = SMALL_SYSTEM_BLOCKS + SMALL_CONT_BLOCKS
+    if style == "small-chain":
+        return n_reqs * per_req
+    chains = min(n_reqs, SMALL_SYSTEMS)
+    return chains * per_req + (n_reqs - chains) * SMALL_CONT_BLOCKS
+
+
+def small_model(style: str) -> str:
+    return f"bench-{style}"
+
+
+def small_query(first_cont: int, k: int) -> list[int]:
+    """1024 tokens: worker request ``first_cont + k`` (its system prompt and 12 blocks) followed by 48
+    blocks nobody holds, as a new turn of that conversation."""
+    cont = first_cont + k
+    tokens = small_tokens(cont % SMALL_SYSTEMS, cont) + toks_for(15 * 10**6 + cont, 48)
+    assert len(tokens) == 1024
+    return tokens
+
+
+def populate_small(ctx: zmq.Context, urls: list[str], style: str, reqs_per_worker: int = 500) -> list[int]:
+    """4 workers each hold the 64 system prompts and ``reqs_per_worker`` requests; returns the 1024-token
+    query: worker 2's 70th request + 48 new blocks (every worker matches 4 blocks, one 16)."""
+    model = small_model(style)
+    first = SMALL_FIRST_INSTANCE + (0 if style == "small-chain" else 100)
+    pubs = connect_publishers(ctx, urls, SMALL_WORKERS, model, first)
+    send_interleaved(pubs, [small_payloads(pub, style, reqs_per_worker, 10**4 * (i + 1)) for i, pub in enumerate(pubs)])
+    final = toks_for(16 * 10**6 + first, 1)
+    for pub in pubs:
+        for p in pub.store_chain(final):
+            pub.send_payload(p)
+    for i in range(SMALL_WORKERS):
+        wait_until(
+            functools.partial(_seen_everywhere, urls, final, first + i, model),
+            timeout=120,
+            what=f"{style} population applied",
+        )
+    for pub in pubs:
+        pub.sock.close(linger=0)
+    return small_query(10**4 * 3, 69)
+
+
+def ingest_small(
+    ctx: zmq.Context, url: str, pid: int, n_blocks: int, instance: int, style: str
+) -> tuple[float, float, int]:
+    """(blocks/s, RSS KiB per million blocks, blocks): 4 publishers sending ``style`` events interleaved,
+    until every publisher's marker is queryable. Blocks are those the events carry (a small-chain
+    event's 4 system-prompt blocks count: the service applies them again)."""
+    model = f"ingest-{style}-{instance}"
+    base = instance * 100 + (20 if style == "small-chain" else 40)  # clear of ingest_branching's ids
+    pubs = connect_publishers(ctx, [url], SMALL_WORKERS, model, base)
+    per_req = SMALL_CONT_BLOCKS if style == "small-suffix" else SMALL_SYSTEM_BLOCKS + SMALL_CONT_BLOCKS
+    n_reqs = max(SMALL_SYSTEMS, n_blocks // SMALL_WORKERS // per_req)
+    firsts = [10**5 * (instance % 50) + 10**4 * i for i in range(SMALL_WORKERS)]
+    per_pub = [small_payloads(pub, style, n_reqs, firsts[i]) for i, pub in enumerate(pubs)]
+    final = toks_for(17 * 10**6 + base, 1)
+    for pub, payloads in zip(pubs, per_pub, strict=True):
+        payloads.extend(pub.store_chain(final))
+    total = SMALL_WORKERS * (small_blocks(style, n_reqs) + 1)
+    gc.collect()
+    rss0 = rss_kib(pid)
+    t0 = time.perf_counter()
+    send_interleaved(pubs, per_pub)
+    for i in range(SMALL_WORKERS):
+        wait_until(
+            functools.partial(marker_seen, url, final, base + i, model),
+            timeout=600,
+            interval=0.005,
+            what=f"{style} ingest marker",
+        )
+    elapsed = time.perf_counter() - t0
+    rss1 = rss_kib(pid)
+    last = small_query(firsts[-1], n_reqs - 1)
+    got = query(url, last, model)["scores"].get(str(base + SMALL_WORKERS - 1), {}).get("0")
+    assert got == (SMALL_SYSTEM_BLOCKS + SMALL_CONT_BLOCKS) * BS, f"{style} ingest lost blocks: {got}"
+    for pub in pubs:
+        pub.sock.close(linger=0)
+    return total / elapsed, (rss1 - rss0) / total * 1e6, total
+
+
 def query(url: str, tokens: list[int], model: str = MODEL) -> dict:
     return httpx.post(f"{url}/query", json={"token_ids": tokens, "model_name": model}, timeout=30).json()
 
@@ -376,6 +495,30 @@ def kvindex_memory(n_blocks: int = 1_000_000) -> float:
     return (after - before) / (prompts * 64)
 
 
+SHAPE_GROUPS = {
+    "both": ["default", "branching"],
+    "small": list(SMALL_STYLES),
+    "all": ["default", "branching", *SMALL_STYLES],
+}
+SHAPE_PREFIX = {"default": "", "branching": "branch_", "small-chain": "small_chain_", "small-suffix": "small_suffix_"}
+"""Metric name prefix per shape."""
+
+IngestRun = Callable[[zmq.Context, str, int, int, int], tuple[float, float, int]]
+
+
+def shape_model(shape: str) -> str:
+    return {"default": MODEL, "branching": BRANCH_MODEL}.get(shape) or small_model(shape)
+
+
+def shape_ingest(shape: str) -> IngestRun:
+    """The ingest measurement of ``shape``: (ctx, url, pid, n_blocks, instance) -> (blocks/s, RSS, blocks)."""
+    if shape == "default":
+        return ingest
+    if shape == "branching":
+        return ingest_branching
+    return functools.partial(ingest_small, style=shape)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=int, default=10, help="wrk seconds per endpoint and service")
@@ -385,10 +528,13 @@ def main() -> int:
     ap.add_argument("--reference-threads", type=int, default=None, help="pass --threads to the reference")
     ap.add_argument(
         "--shape",
-        choices=["default", "branching", "both"],
+        choices=["default", "branching", "both", *SMALL_STYLES, "small", "all"],
         default="both",
         help="default: 400 prompts with one short shared prefix (4 workers); branching: 32 workers caching "
-        "different continuations of 4 shared system prompts (events extend shared prefixes) [both]",
+        "different continuations of 4 shared system prompts (events extend shared prefixes); both: those two; "
+        "small-chain / small-suffix: 4 workers, 64 system prompts of 4 blocks, 12 blocks per request, every "
+        "event carrying the whole chain / only the request's blocks below the cached prompt; small: those two; "
+        "all: the four [both]",
     )
     args = ap.parse_args()
     if not shutil.which("wrk"):
@@ -411,17 +557,20 @@ def main() -> int:
                 env=env,
             )
         )
-        shapes = ["default", "branching"] if args.shape == "both" else [args.shape]
+        shapes = SHAPE_GROUPS.get(args.shape, [args.shape])
         queries = []  # (metric prefix, path, body)
         for shape in shapes:
-            model = MODEL if shape == "default" else BRANCH_MODEL
-            hot = (
-                populate(ctx, [ref_url, our_url]) if shape == "default" else populate_branching(ctx, [ref_url, our_url])
-            )
+            model = shape_model(shape)
+            if shape == "default":
+                hot = populate(ctx, [ref_url, our_url])
+            elif shape == "branching":
+                hot = populate_branching(ctx, [ref_url, our_url])
+            else:
+                hot = populate_small(ctx, [ref_url, our_url], shape)
             local = local_block_hashes(hot, BS)
             assert query(ref_url, hot, model) == query(our_url, hot, model), f"services disagree on the {shape} query"
             assert len(local) == 64 and len(hot) == 1024
-            prefix = "" if shape == "default" else "branch_"
+            prefix = SHAPE_PREFIX[shape]
             queries.append(
                 (f"{prefix}query_by_hash", "/query_by_hash", {"block_hashes": list_to_i64(local), "model_name": model})
             )
@@ -445,7 +594,7 @@ def main() -> int:
                     )
         for k in range(args.rounds):
             for shape in shapes:
-                prefix, run = ("", ingest) if shape == "default" else ("branch_", ingest_branching)
+                prefix, run = SHAPE_PREFIX[shape], shape_ingest(shape)
                 for j, (name, url, proc) in enumerate((("reference", ref_url, ref), ("ours", our_url, ours))):
                     c0 = cpu_seconds(service_pid(proc))
                     rate, mem, blocks = run(ctx, url, service_pid(proc), args.ingest_blocks, 100 + 2 * k + j)
@@ -479,6 +628,19 @@ def main() -> int:
             "branch_ingest_blocks_per_s",
             "branch_ingest_blocks_per_cpu_s",
             "branch_rss_mib_per_million_blocks",
+            *(
+                f"{SHAPE_PREFIX[style]}{m}"
+                for style in SMALL_STYLES
+                for m in (
+                    "query_by_hash_rps",
+                    "query_by_hash_per_cpu_s",
+                    "query_rps",
+                    "query_per_cpu_s",
+                    "ingest_blocks_per_s",
+                    "ingest_blocks_per_cpu_s",
+                    "rss_mib_per_million_blocks",
+                )
+            ),
         )
         if m in results["ours"]
     ]:

@@ -35,9 +35,8 @@ Lower tiers (host_pinned, disk, external)
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
-from itertools import repeat
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from kvroute_common.constants import U64_MAX
 
@@ -74,6 +73,19 @@ MEDIUM_TIERS: dict[str | None, str] = {
 def tier_for_medium(medium: str | None) -> str | None:
     """The tier an event's ``medium`` maps to, or None when the event must be dropped."""
     return MEDIUM_TIERS.get(medium)
+
+
+class LazyHashes(Protocol):
+    """A query's local hashes computed on demand (``KvIndex.find_matches_lazy``)."""
+
+    hashes: list[int]
+    """The leading hashes computed so far."""
+    total: int
+    """How many hashes the query has."""
+
+    def fill(self, k: int) -> object:
+        """Extend ``hashes`` in place to min(k, total) hashes."""
+        ...
 
 
 class _TierEdge:
@@ -343,13 +355,13 @@ class KvIndex:
                 rest_e, rest_l = exts[i:], locs[i:]
                 if parent is not self._root and not parent.internal and parent.covers(w, len(parent.locals) - 1):
                     parent.append(w, rest_e, rest_l)
-                    lookup.update(zip(rest_e, repeat(parent)))
+                    lookup.update(dict.fromkeys(rest_e, parent))
                     break
                 new = _Run(rest_l, rest_e, parent=parent)
                 new.full.add(w)
                 parent.internal = True
                 parent.children[rest_l[0]] = new
-                lookup.update(zip(rest_e, repeat(new)))
+                lookup.update(dict.fromkeys(rest_e, new))
                 break
             run_locs = child.locals
             run_len = len(run_locs)
@@ -364,23 +376,23 @@ class KvIndex:
                 if m == n - i:  # the store ends inside this run
                     child.cover_prefix(w, m)
                     child.note_exts(w, 0, exts[i:])
-                    lookup.update(zip(exts[i:], repeat(child)))
+                    lookup.update(dict.fromkeys(exts[i:], child))
                     break
                 self._split(child, m)
                 child.promote(w)
                 child.note_exts(w, 0, exts[i : i + m])
-                lookup.update(zip(exts[i : i + m], repeat(child)))
+                lookup.update(dict.fromkeys(exts[i : i + m], child))
                 tail_e, tail_l = exts[i + m :], locs[i + m :]
                 tail_run = _Run(tail_l, tail_e, parent=child)
                 tail_run.full.add(w)
                 child.internal = True
                 child.children[tail_l[0]] = tail_run
-                lookup.update(zip(tail_e, repeat(tail_run)))
+                lookup.update(dict.fromkeys(tail_e, tail_run))
                 break
             child.promote(w)
             seg = exts[i : i + run_len]
             child.note_exts(w, 0, seg)
-            lookup.update(zip(seg, repeat(child)))
+            lookup.update(dict.fromkeys(seg, child))
             i += run_len
             parent = child
         return True
@@ -396,11 +408,11 @@ class KvIndex:
             return False
         if len(exts) <= suffix_len:
             node.cover_prefix(w, start + len(exts))
-            lookup.update(zip(exts, repeat(node)))
+            lookup.update(dict.fromkeys(exts, node))
             return True
         if not node.internal:
             node.append(w, exts[suffix_len:], locs[suffix_len:])
-            lookup.update(zip(exts, repeat(node)))
+            lookup.update(dict.fromkeys(exts, node))
             return True
         return False
 
@@ -548,9 +560,20 @@ class KvIndex:
 
     def find_matches(self, local_hashes: Sequence[int]) -> dict[Worker, int]:
         """Per (worker_id, dp_rank): how many leading query blocks it holds on the device tier."""
-        n = len(local_hashes)
+        return self._find(local_hashes, len(local_hashes), None)
+
+    def find_matches_lazy(self, query: LazyHashes) -> dict[Worker, int]:
+        """find_matches on hashes the walk asks ``query`` for run by run: the walk usually stops at
+        the first block nobody holds, long before the prompt's end, so the rest is never hashed."""
+        return self._find(query.hashes, query.total, query.fill)
+
+    def _find(self, local_hashes: Sequence[int], n: int, fill: Callable[[int], object] | None) -> dict[Worker, int]:
+        """find_matches over the first ``n`` hashes; ``fill(k)``, when given, extends ``local_hashes``
+        in place to min(k, n) hashes before they are read."""
         if not n:
             return {}
+        if fill is not None:
+            fill(1)
         node = self._root.children.get(local_hashes[0])
         scores: dict[Worker, int] = {}
         active: set[Worker] | None = None
@@ -559,6 +582,8 @@ class KvIndex:
             locs = node.locals
             run_len = len(locs)
             lim = run_len if run_len <= n - depth else n - depth
+            if fill is not None:
+                fill(depth + lim + 1)  # this run's blocks and the next child's key
             if locs[:lim] == local_hashes[depth : depth + lim]:
                 m = lim
             else:
@@ -625,6 +650,11 @@ class KvIndex:
             for w in active:
                 out[w] = (depth, last[0].ext_of(w, last[1]))
         return out
+
+    def has_lower_tiers(self) -> bool:
+        """Whether any worker holds blocks below the device tier (queries then walk those tiers too)."""
+        lower = self._lower
+        return bool(lower[HOST_PINNED].edges or lower[DISK].edges or lower[EXTERNAL].edges)
 
     def tier_matches(self, local_hashes: Sequence[int]) -> dict[Worker, tuple[int, int, int]]:
         """Per worker: (device blocks, device+host blocks, device+host+disk+external blocks).

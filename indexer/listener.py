@@ -26,6 +26,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -69,6 +70,27 @@ def validate_endpoint(endpoint: str) -> None:
         raise ValueError(f"{prefix}: missing TCP host")
     if not port.isdigit() or int(port) > 65535:
         raise ValueError(f"{prefix}: invalid TCP port: {port}")
+
+
+_RCVMORE = zmq.RCVMORE
+
+
+class _SubSocket(zmq.Socket):
+    """The listener's SUB socket: ``recv_multipart`` in bytes reads RCVMORE with ``get`` directly.
+
+    Why: pyzmq's version goes through its keyword-argument ``recv`` and its Python ``getsockopt``
+    (an IntEnum conversion per call) for every frame: about 2 us of each 3-frame batch, a tenth of
+    applying a short event. The result is the same list of frames.
+    """
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> list[Any]:
+        if not copy or track:
+            return super().recv_multipart(flags, copy, track)
+        recv, get = self.recv, self.get
+        parts = [recv(flags)]
+        while get(_RCVMORE):
+            parts.append(recv(flags))
+        return parts
 
 
 class SequenceState:
@@ -184,7 +206,7 @@ class Listener:
     def _make_sub(self) -> zmq.Socket:
         # A plain socket on the shared context: the loop watches its FD directly (see _run), which
         # drains bursts far better than awaiting zmq.asyncio's poll per wake-up.
-        sock: zmq.Socket = zmq.Socket(self.ctx, zmq.SUB)
+        sock: zmq.Socket = _SubSocket(self.ctx, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)

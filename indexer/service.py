@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import orjson
+import xxhash
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -28,7 +29,7 @@ from indexer.requests import PeerRequest, QueryByHashRequest, QueryRequest, Regi
 from kvroute_common.constants import U64_MAX
 from kvroute_common.drain import Drain
 from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
-from kvroute_common.hashing import local_block_hashes
+from kvroute_common.hashing import hash_seed, pack_tokens
 from kvroute_common.http import (
     ApiError,
     MiB,
@@ -42,6 +43,8 @@ from kvroute_common.http import (
 )
 from kvroute_common.openapi import openapi_route
 from kvroute_common.security import AccessPolicy, service_classifier
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 QUERY_BODY_LIMIT = 8 * MiB
 BODY_LIMIT = 2 * MiB
@@ -60,10 +63,44 @@ def tenant_of(tenant_id: str | None, routing_group: str | None) -> str:
 
 def overlap_payload(index: KvIndex, local_hashes: list[int]) -> dict[str, Any]:
     """The /query answer: device scores per instance and DP rank, plus the per-tier breakdown (tokens)."""
-    bs = index.block_size
+    if not index.has_lower_tiers():
+        return _device_payload(index.find_matches(local_hashes), index.block_size)
+    return _tier_payload(index.tier_matches(local_hashes), index.block_size)
+
+
+def _device_payload(matches: dict[tuple[int, int], int], bs: int) -> dict[str, Any]:
+    """overlap_payload's answer when no worker holds lower-tier blocks (every tier figure is the device one),
+    built in one pass: with few workers, building the answer was a sixth of the query's own work."""
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, dict[str, Any]] = {}
-    for (worker_id, dp_rank), (device, cpu, disk) in index.tier_matches(local_hashes).items():
+    for (worker_id, dp_rank), device in matches.items():
+        wid, rank, tokens = str(worker_id), str(dp_rank), device * bs
+        if device:
+            ranks = scores.get(wid)
+            if ranks is None:
+                scores[wid] = {rank: tokens}
+            else:
+                ranks[rank] = tokens
+        inst = instances.get(wid)
+        if inst is None:
+            instances[wid] = {
+                "longest_matched": tokens,
+                "gpu": tokens,
+                "dp": {rank: tokens},
+                "cpu": tokens,
+                "disk": tokens,
+            }
+        else:
+            inst["dp"][rank] = tokens
+            if tokens > inst["gpu"]:
+                inst["longest_matched"] = inst["gpu"] = inst["cpu"] = inst["disk"] = tokens
+    return {"scores": scores, "frequencies": [], "instances": instances}
+
+
+def _tier_payload(matches: dict[tuple[int, int], tuple[int, int, int]], bs: int) -> dict[str, Any]:
+    scores: dict[str, dict[str, int]] = {}
+    instances: dict[str, dict[str, Any]] = {}
+    for (worker_id, dp_rank), (device, cpu, disk) in matches.items():
         wid, rank = str(worker_id), str(dp_rank)
         if device:
             scores.setdefault(wid, {})[rank] = device * bs
@@ -82,14 +119,50 @@ def overlap_payload(index: KvIndex, local_hashes: list[int]) -> dict[str, Any]:
     return {"scores": scores, "frequencies": [], "instances": instances}
 
 
+class QueryHashes:
+    """A /query's local block hashes (``local_block_hashes`` of its tokens), computed as the match
+    walk asks for them (``KvIndex.find_matches_lazy``).
+
+    Why: the walk stops at the first block nobody holds; on short shared prefixes that is a
+    quarter of a 1024-token prompt, and hashing the rest was a sixth of the query's CPU. Every
+    token is still packed and range-checked up front, so a bad token fails the whole query.
+    """
+
+    __slots__ = ("hashes", "total", "_view", "_step", "_seed")
+
+    def __init__(self, tokens: list[int], block_size: int, lora_name: str | None, cache_salt: str | None) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be greater than 0")
+        data = pack_tokens(tokens)  # ValueError for an id outside u32, as local_block_hashes
+        self._view = memoryview(data)
+        self._step = block_size * 4
+        self._seed = hash_seed(lora_name, cache_salt)
+        self.total = len(data) // self._step
+        self.hashes: list[int] = []
+
+    def fill(self, k: int) -> None:
+        hashes = self.hashes
+        have = len(hashes)
+        if k <= have:
+            return
+        if k > self.total:
+            k = self.total
+        step, view, seed = self._step, self._view, self._seed
+        hashes.extend([_xxh3(view[i : i + step], seed) for i in range(have * step, k * step, step)])
+
+
 def answer_query(registry: IndexerRegistry, req: QueryRequest) -> bytes:
     """/query: hash the tokens with the partition's block size (and LoRA / cache salt), then match."""
     part = registry.partition(req.model_name, tenant_of(req.tenant_id, req.routing_group))
     try:
-        local = local_block_hashes(req.token_ids, part.block_size, req.lora_name, req.cache_salt or None)
+        query = QueryHashes(req.token_ids, part.block_size, req.lora_name, req.cache_salt or None)
     except ValueError as exc:
         raise ApiError(422, f"Failed to deserialize the JSON body into the target type: {exc}") from None
-    return orjson.dumps(overlap_payload(part.index, local))
+    index = part.index
+    if not index.has_lower_tiers():
+        return orjson.dumps(_device_payload(index.find_matches_lazy(query), index.block_size))
+    query.fill(query.total)
+    return orjson.dumps(overlap_payload(index, query.hashes))
 
 
 def answer_query_by_hash(registry: IndexerRegistry, req: QueryByHashRequest) -> bytes:

@@ -4,12 +4,14 @@ P2P recovery from a peer's /dump, and the DYN_ROUTER_MIN_INITIAL_WORKERS start-u
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import zmq
 
+from indexer.service import QueryHashes
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, seq_frame
 from kvroute_common.hashing import list_to_i64, local_block_hashes
 from support import free_port, free_ports, service, wait_until
@@ -339,3 +341,30 @@ def test_fast_query_routes_are_counted_in_metrics(base: str) -> None:
     assert post(f"{base}/query", {"token_ids": toks(1), "model_name": "none"}).status_code == 404
     assert (count("/query_by_hash"), count("/query")) == (before[0] + 1, before[1] + 2)
     assert 'dynamo_kvindexer_errors_total{endpoint="/query",status_class="4xx"}' in httpx.get(f"{base}/metrics").text
+
+
+def test_query_hashes_are_local_block_hashes_on_demand() -> None:
+    """/query hashes its tokens block by block as the match walk asks (indexer.service.QueryHashes):
+    the same hashes as local_block_hashes, and the same error for a bad token, raised up front."""
+    rng = random.Random(3)
+    for bs in (1, 4, 16):
+        for n_tokens in (0, 3, 16, 50, 64):
+            tokens = [rng.randrange(0, 1 << 32) for _ in range(n_tokens)]
+            for lora, salt in ((None, None), ("adapter", None), (None, "salt"), ("adapter", "salt")):
+                want = local_block_hashes(tokens, bs, lora, salt)
+                q = QueryHashes(tokens, bs, lora, salt)
+                assert (q.total, q.hashes) == (len(want), [])
+                q.fill(2)
+                assert q.hashes == want[:2]
+                q.fill(1)
+                assert q.hashes == want[:2]
+                q.fill(len(want) + 5)
+                assert q.hashes == want
+    for bad in ([1, -1], [1 << 32] * 16, [0] * 15 + [1 << 40]):
+        with pytest.raises(ValueError) as ours:
+            QueryHashes(bad, 16, None, None)
+        with pytest.raises(ValueError) as theirs:
+            local_block_hashes(bad, 16)
+        assert str(ours.value) == str(theirs.value)
+    with pytest.raises(ValueError, match="block_size"):
+        QueryHashes([1], 0, None, None)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from indexer.core import KvIndex
-from indexer.service import overlap_payload
+from indexer.service import _device_payload, _tier_payload, overlap_payload
 
 BLOCK_SIZE = 4
 WORKERS = [(1, 0), (1, 1), (2, 0), (3, 0)]
@@ -37,6 +37,18 @@ Block = int  # external hash
 def ext_hash(parent: int | None, local: int, seed: int = 0) -> int:
     """The engine's chained block hash (``seed``: the engine's hash seed, 0 on most workers)."""
     return xxhash.xxh3_64_intdigest(f"{parent}:{local}".encode(), seed)
+
+
+class _PrefixOf:
+    """A LazyHashes over a known hash list: hands out only the prefix asked for (reading past it fails)."""
+
+    def __init__(self, hashes: list[int]) -> None:
+        self._all = hashes
+        self.total = len(hashes)
+        self.hashes: list[int] = []
+
+    def fill(self, k: int) -> None:
+        self.hashes[:] = self._all[: max(len(self.hashes), min(k, self.total))]
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -152,6 +164,10 @@ class IndexMachine(RuleBasedStateMachine):
             for (wid, rank), k in want.items():
                 scores.setdefault(str(wid), {})[str(rank)] = k * BLOCK_SIZE
             assert overlap_payload(self.index, q)["scores"] == scores, q
+            lazy = _PrefixOf(q)
+            assert self.index.find_matches_lazy(lazy) == want, q
+            assert lazy.hashes == q[: len(lazy.hashes)]  # the walk read only what it asked for
+            assert _device_payload(want, BLOCK_SIZE) == _tier_payload(self.index.tier_matches(q), BLOCK_SIZE), q
 
     @invariant()
     def dump_restores_the_same_answers(self) -> None:
