@@ -7,7 +7,11 @@ the benchmarks use them too; they are re-exported here for the tests.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator, Sequence
+
+import httpx
 
 from kvroute_common.ports import free_port, free_port_block, free_ports
 from kvroute_common.processes import REPO_ROOT, http_ready, service, stop_process, wait_until
@@ -17,7 +21,9 @@ __all__ = [
     "free_port",
     "free_port_block",
     "free_ports",
+    "frontend_client",
     "http_ready",
+    "mocker_url",
     "reference_installed",
     "service",
     "stop_process",
@@ -28,3 +34,34 @@ __all__ = [
 def reference_installed() -> bool:
     """Whether the reference implementation (ai-dynamo-runtime) is importable."""
     return importlib.util.find_spec("dynamo") is not None
+
+
+@contextlib.contextmanager
+def mocker_url(model: str, *flags: str, block_size: int = 16, kv_port: int | None = None) -> Iterator[str]:
+    """A mocker serving ``model`` with KV events on ``kv_port`` (a free one by default), no replay; its URL."""
+    port, kv = free_port(), kv_port or free_port_block(1)
+    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", model]
+    args += ["--block-size", str(block_size), "--kv-events-endpoint", f"tcp://*:{kv}", "--replay-endpoint", ""]
+    url = f"http://127.0.0.1:{port}"
+    with service([*args, *flags], ready_url=f"{url}/v1/models", timeout=90):
+        yield url
+
+
+@contextlib.contextmanager
+def frontend_client(workers: Sequence[str], *flags: str, events: bool = True) -> Iterator[httpx.Client]:
+    """A kv-mode frontend over ``workers`` (``--worker`` values, or bare URLs numbered from 1), once every
+    worker is healthy (and, with ``events``, its KV-event stream registered); a client on its URL."""
+    port = free_port()
+    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv", *flags]
+    for i, spec in enumerate(workers, 1):
+        args += ["--worker", spec if spec.startswith("id=") else f"id={i},url={spec}"]
+    base = f"http://127.0.0.1:{port}"
+    with service(args, ready_url=f"{base}/health", timeout=90), httpx.Client(base_url=base, timeout=60) as c:
+        wait_until(
+            lambda: all(
+                w["healthy"] and (w.get("kv_events") or not events) for w in c.get("/admin/workers").json()["workers"]
+            ),
+            30,
+            what="workers healthy" + (" with their event streams" if events else ""),
+        )
+        yield c

@@ -15,39 +15,18 @@ import httpx
 import pytest
 
 from kvroute_common import anthropic_api
-from support import free_port, free_port_block, service, wait_until
+from support import frontend_client, mocker_url, wait_until
 
 MODEL = "claude-local"
 BS = 16
 
 
-@contextlib.contextmanager
-def mocker() -> Iterator[str]:
-    port, kv = free_port(), free_port_block(1)
-    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL]
-    args += ["--block-size", str(BS), "--kv-events-endpoint", f"tcp://*:{kv}", "--replay-endpoint", ""]
-    args += ["--max-model-len", "4096"]
-    url = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{url}/v1/models", timeout=90):
-        yield url
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(mocker()) for _ in range(2)]
-        port = free_port()
-        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
-        for i, url in enumerate(urls, 1):
-            args += ["--worker", f"id={i},url={url}"]
-        base = f"http://127.0.0.1:{port}"
-        stack.enter_context(service(args, ready_url=f"{base}/health", timeout=90))
-        fe = stack.enter_context(httpx.Client(base_url=base, timeout=30))
-        wait_until(
-            lambda: all(w["healthy"] and w.get("kv_events") for w in fe.get("/admin/workers").json()["workers"]),
-            30,
-            what="workers healthy with their event streams",
-        )
+        urls = [stack.enter_context(mocker_url(MODEL, "--max-model-len", "4096", block_size=BS)) for _ in range(2)]
+        fe = stack.enter_context(frontend_client(urls))
+        base = str(fe.base_url).rstrip("/")
         client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
         yield {"url": base, "fe": fe, "client": client, "workers": urls}
 

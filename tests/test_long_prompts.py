@@ -7,41 +7,22 @@ routed on the same hashes as one handled inline.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import httpx
 
-from support import free_port, free_port_block, service, wait_until
+from support import frontend_client, mocker_url, wait_until
 
 MODEL = "long"
 BS = 16
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
 
 
-@contextlib.contextmanager
-def mocker(*flags: str) -> Iterator[str]:
-    port, kv = free_port(), free_port_block(1)
-    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL]
-    args += ["--block-size", str(BS), "--kv-events-endpoint", f"tcp://*:{kv}", "--replay-endpoint", "", *flags]
-    url = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{url}/v1/models", timeout=90):
-        yield url
+def mocker(*flags: str) -> contextlib.AbstractContextManager[str]:
+    return mocker_url(MODEL, *flags, block_size=BS)
 
 
-@contextlib.contextmanager
-def frontend(*urls: str, flags: tuple[str, ...] = ()) -> Iterator[httpx.Client]:
-    port = free_port()
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv", *flags]
-    for i, url in enumerate(urls, 1):
-        args += ["--worker", f"id={i},url={url}"]
-    base = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{base}/health", timeout=90), httpx.Client(base_url=base, timeout=60) as c:
-        wait_until(
-            lambda: all(w["healthy"] and w.get("kv_events") for w in c.get("/admin/workers").json()["workers"]),
-            30,
-            what="workers healthy",
-        )
-        yield c
+def frontend(*urls: str, flags: tuple[str, ...] = ()) -> contextlib.AbstractContextManager[httpx.Client]:
+    return frontend_client(urls, *flags)
 
 
 def text(n_words: int, salt: str = "") -> str:

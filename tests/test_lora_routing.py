@@ -8,43 +8,23 @@ real vLLM is in tests/test_vllm_e2e.py.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from support import free_port, free_port_block, service, wait_until
+from support import frontend_client, mocker_url, wait_until
 
 MODEL = "lora-base"
 BS = 16
 
 
-@contextlib.contextmanager
-def mocker(*adapters: str) -> Iterator[str]:
-    port, kv = free_port(), free_port_block(1)
-    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL]
-    args += ["--block-size", str(BS), "--kv-events-endpoint", f"tcp://*:{kv}", "--replay-endpoint", ""]
-    if adapters:
-        args += ["--enable-lora", "--lora-modules", *(f"{a}=/adapters/{a}" for a in adapters)]
-    url = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{url}/v1/models", timeout=90):
-        yield url
+def mocker(*adapters: str) -> contextlib.AbstractContextManager[str]:
+    lora = ["--enable-lora", "--lora-modules", *(f"{a}=/adapters/{a}" for a in adapters)] if adapters else []
+    return mocker_url(MODEL, *lora, block_size=BS)
 
 
-@contextlib.contextmanager
-def frontend(*urls: str) -> Iterator[httpx.Client]:
-    port = free_port()
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
-    for i, url in enumerate(urls, 1):
-        args += ["--worker", f"id={i},url={url}"]
-    base = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{base}/health", timeout=90), httpx.Client(base_url=base, timeout=30) as c:
-        wait_until(
-            lambda: all(w["healthy"] and w.get("kv_events") for w in c.get("/admin/workers").json()["workers"]),
-            30,
-            what="workers healthy with their event streams",
-        )
-        yield c
+def frontend(*urls: str) -> contextlib.AbstractContextManager[httpx.Client]:
+    return frontend_client(urls)
 
 
 def chat(fe: httpx.Client, body: dict[str, Any], **headers: str) -> dict[str, Any]:

@@ -11,25 +11,18 @@ shard restarted with its replica as peer recovers the index from it and B routes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from support import free_port, free_port_block, service, wait_until
+from support import free_port, free_port_block, frontend_client, mocker_url, service, wait_until
 
 MODEL = "remote-index"
 BS = 16
 
 
-@contextlib.contextmanager
-def mocker(kv: int) -> Iterator[str]:
-    port = free_port()
-    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL]
-    args += ["--block-size", str(BS), "--kv-events-endpoint", f"tcp://*:{kv}", "--replay-endpoint", ""]
-    url = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{url}/v1/models", timeout=90):
-        yield url
+def mocker(kv: int) -> contextlib.AbstractContextManager[str]:
+    return mocker_url(MODEL, block_size=BS, kv_port=kv)
 
 
 def indexer_args(port: int, workers: str, peers: str = "") -> list[str]:
@@ -38,16 +31,8 @@ def indexer_args(port: int, workers: str, peers: str = "") -> list[str]:
     return args + (["--peers", peers] if peers else [])
 
 
-@contextlib.contextmanager
-def frontend(workers: list[str], *flags: str) -> Iterator[httpx.Client]:
-    port = free_port()
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv", *flags]
-    for spec in workers:
-        args += ["--worker", spec]
-    base = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{base}/health", timeout=90), httpx.Client(base_url=base, timeout=30) as c:
-        wait_until(lambda: all(w["healthy"] for w in c.get("/admin/workers").json()["workers"]), 30, what="workers")
-        yield c
+def frontend(workers: list[str], *flags: str) -> contextlib.AbstractContextManager[httpx.Client]:
+    return frontend_client(workers, *flags, events=False)  # remote-index frontends register no event streams
 
 
 def overlaps(fe: httpx.Client, prompt: str) -> dict[int, int]:

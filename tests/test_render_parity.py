@@ -8,11 +8,8 @@ evidence. The same against real vLLM is in tests/test_vllm_e2e.py.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
-import httpx
-
-from support import free_port, free_port_block, service, wait_until
+from support import frontend_client, mocker_url, wait_until
 
 MODEL = "render-probe"
 OTHER_TEMPLATE = (
@@ -21,14 +18,8 @@ OTHER_TEMPLATE = (
 )
 
 
-@contextlib.contextmanager
-def mocker(*flags: str) -> Iterator[str]:
-    port, kv = free_port(), free_port_block(1)
-    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL]
-    args += ["--kv-events-endpoint", f"tcp://*:{kv}", "--replay-endpoint", "", *flags]
-    url = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{url}/v1/models", timeout=90):
-        yield url
+def mocker(*flags: str) -> contextlib.AbstractContextManager[str]:
+    return mocker_url(MODEL, *flags)
 
 
 def _metric(text: str, name: str, worker: str) -> float:
@@ -45,12 +36,7 @@ def test_rendering_is_compared_when_a_worker_joins_before_any_request() -> None:
         mocker("--enable-scale-out", "--chat-template", OTHER_TEMPLATE) as other,
         mocker() as plain,
     ):
-        port = free_port()
-        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
-        for i, url in enumerate((same, other, plain), 1):
-            args += ["--worker", f"id={i},url={url}"]
-        base = f"http://127.0.0.1:{port}"
-        with service(args, ready_url=f"{base}/health", timeout=90), httpx.Client(base_url=base, timeout=30) as fe:
+        with frontend_client([same, other, plain]) as fe:
 
             def parity() -> dict[int, dict]:
                 rows = fe.get("/admin/workers").json()["workers"]
