@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from bench.report import emit
 from kvroute_common.ports import free_port, free_port_block, free_ports
 from kvroute_common.processes import service, wait_until
 
@@ -308,10 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if "fleet" in parts:
         result["fleet"] = r = fleet(args.workers, args.shards, args.rate, args.batch, args.duration, args.publishers)
         print(f"fleet: {json.dumps(r)}", flush=True)
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.out)
     return 0
 
 

@@ -36,6 +36,7 @@ import tempfile
 import time
 from typing import Any
 
+from bench.report import emit
 from bench.tokenize_stall import _summary, big_text
 
 MODEL = "kvroute-demo"
@@ -287,10 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.chdir(here)
     result["load_average_after"] = os.getloadavg()
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.out)
     return 0
 
 

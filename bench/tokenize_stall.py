@@ -23,6 +23,8 @@ import statistics
 import sys
 import time
 
+from bench.report import emit
+
 MODEL = "kvroute-demo"
 
 
@@ -157,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop()
         result["modes"][mode] = r
         print(f"{mode}: {json.dumps(r)}", flush=True)
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, args.out)
     return 0
 
 

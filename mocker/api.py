@@ -635,13 +635,17 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
 
         return wrapped
 
-    async def messages(request: Request) -> Response:
-        """Anthropic Messages, as vLLM serves them: rendered and generated as chat, answered as messages."""
+    async def messages_prompt(request: Request, generating: bool = True) -> tuple[dict, list[int]]:
+        """A Messages request as vLLM takes it: validated, rendered as the chat request it generates, tokenized."""
         body = await _body(request)
         _check_model(m, body)
-        anthropic_api.validate_request(body)
+        anthropic_api.validate_request(body, require_max_tokens=generating)
         chat = anthropic.chat_body(body, anthropic_api.tokenizer_template(m.tokenizer))
-        prompt = await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
+        return chat, await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
+
+    async def messages(request: Request) -> Response:
+        """Anthropic Messages, as vLLM serves them: rendered and generated as chat, answered as messages."""
+        chat, prompt = await messages_prompt(request)
         answer = await _generate(m, request, chat, prompt, chat=True)
         if answer.status_code != 200:
             return anthropic.from_openai_error(answer)
@@ -650,11 +654,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         return json_response(anthropic.message(orjson.loads(answer.body)))
 
     async def count_tokens(request: Request) -> Response:
-        body = await _body(request)
-        _check_model(m, body)
-        anthropic_api.validate_request(body, require_max_tokens=False)
-        chat = anthropic.chat_body(body, anthropic_api.tokenizer_template(m.tokenizer))
-        prompt = await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
+        _chat, prompt = await messages_prompt(request, generating=False)
         return json_response({"input_tokens": len(prompt)})
 
     async def chat_completions(request: Request) -> Response:
@@ -826,11 +826,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         return json_response([{"request_id": uuid.uuid4().hex, "token_ids": ids}])
 
     async def render_messages(request: Request) -> Response:
-        body = await _body(request)
-        _check_model(m, body)
-        anthropic_api.validate_request(body)
-        chat = anthropic.chat_body(body, anthropic_api.tokenizer_template(m.tokenizer))
-        ids = await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
+        _chat, ids = await messages_prompt(request)
         return json_response({"request_id": uuid.uuid4().hex, "token_ids": ids})
 
     async def health(request: Request) -> Response:
