@@ -12,9 +12,10 @@ Parts (docs/scale.md turns them into a capacity model):
 * ``fleet``: ``--workers`` simulated workers, each publishing ``--rate`` blocks/s in batches of
   ``--batch`` (a new block chain per worker, old chains removed so the index stays bounded), spread
   over ``--shards`` standalone indexers partitioned by worker id. Each batch carries its publish time;
-  every shard exports per worker the delay from publishing its newest batch to applying it
-  (``kvroute_kv_index_lag_seconds``), sampled every 0.5 s: the index lag p50 / p99 / max, and each
-  shard's CPU share. Publishers are separate processes hosting many sockets each (cheap workers).
+  every shard counts the delay from publishing each batch to applying it in its apply-lag histogram
+  (``kvroute_kv_index_apply_lag_seconds``), read before and after: the index lag p50 / p99 / p99.9
+  over every batch, the most batches found waiting on one worker's socket, and each shard's CPU
+  share. Publishers are separate processes hosting many sockets each (cheap workers).
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ from typing import Any
 import httpx
 
 from bench.report import emit
+from indexer.lag import BUCKETS, quantile
+from indexer.lag import NAME as LAG
 from kvroute_common.ports import free_port, free_port_block, free_ports
 from kvroute_common.processes import service, wait_until
 
 BS = 16
 MODEL = "fleet"
+BOUNDS = [*BUCKETS, float("inf")]
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -60,9 +64,57 @@ def _indexer(port: int, workers: str = "") -> list[str]:
 # simulated workers
 
 
+class _StoredTemplate:
+    """The payload of a batch storing ``batch`` blocks below a parent, encoded once with placeholder
+    values, then stamped per send (publish time, block hashes, parent) at their byte offsets.
+
+    Why: encoding a batch of a few hundred token ids per send made the publisher process cost about
+    as much CPU as a shard, on a 2-core machine where the shards are what is measured. msgpack
+    writes a float as 0xcb + 8 bytes and an integer >= 2**32 as 0xcf + 8 bytes, so the stamped
+    payload is byte for byte what encoding those values gives (checked in ``__init__``).
+    """
+
+    TS = 1234567.0078125
+    MARK = 0x7E5A_0000_0000_0000
+
+    def __init__(self, batch: int, tokens: list[int]) -> None:
+        import struct
+
+        from indexer.wire import BlockStored, encode_batch
+
+        self.batch = batch
+        hashes = [self.MARK + k for k in range(batch)]
+        parent = self.MARK + batch
+        stored = BlockStored(hashes, parent, tokens, BS, None, None, None)
+        self.template = encode_batch([stored], None, ts=self.TS)
+        self.ts_at = self.template.index(b"\xcb" + struct.pack(">d", self.TS)) + 1
+        self.hashes_at = self.template.index(b"\xcf" + struct.pack(">Q", hashes[0])) + 1
+        self.parent_at = self.template.index(b"\xcf" + struct.pack(">Q", parent)) + 1
+        self.hashes_fmt = struct.Struct(">" + "QB" * (batch - 1) + "Q")  # 9 bytes apart: 0xcf, value
+        self.q = struct.Struct(">Q")
+        self.d = struct.Struct(">d")
+        probe_hashes = [(1 << 62) + k for k in range(batch)]
+        expect = encode_batch([BlockStored(probe_hashes, 1 << 62, tokens, BS, None, None, None)], None, ts=2.5)
+        assert self.payload(probe_hashes, 1 << 62, 2.5) == expect, "the stamped payload differs from encoding"
+
+    def payload(self, hashes: list[int], parent: int, ts: float) -> bytes:
+        buf = bytearray(self.template)
+        self.d.pack_into(buf, self.ts_at, ts)
+        self.q.pack_into(buf, self.parent_at, parent)
+        args: list[int] = []
+        for h in hashes[:-1]:
+            args += (h, 0xCF)
+        args.append(hashes[-1])
+        self.hashes_fmt.pack_into(buf, self.hashes_at, *args)
+        return bytes(buf)
+
+
 def _publisher_main(ports: list[int], first_id: int, rate: float, batch: int, duration: float, go: Any) -> None:
     """Simulated workers on ``ports`` (ids first_id..): each publishes ``rate`` blocks/s in batches of
-    ``batch`` new blocks below its previous ones, and removes its chain every 64 batches."""
+    ``batch`` new blocks below its previous ones, and removes its chain every 64 batches. The removals
+    are staggered (worker i's first chain is i % 64 batches shorter): removals that all workers make
+    at once would be a burst no engine fleet sends. Block hashes are unique per worker (>= 2**62)."""
+    import heapq
     import random
 
     import zmq
@@ -81,34 +133,39 @@ def _publisher_main(ports: list[int], first_id: int, rate: float, batch: int, du
     rng = random.Random(first_id)
     seqs = [0] * n
     chains: list[list[int]] = [[] for _ in range(n)]
+    next_hash = [(1 << 62) + ((first_id + i) << 36) for i in range(n)]
     tokens = [rng.randrange(1, 30000) for _ in range(batch * BS)]
+    template = _StoredTemplate(batch, tokens)
     interval = batch / rate  # seconds between one worker's batches
     go.wait()  # every worker is registered on its shard
     start_at = time.time() + 0.5
     # each worker sends on its own phase, so the fleet's batches spread over the interval
-    next_at = [start_at + interval * i / n for i in range(n)]
+    due = [(start_at + interval * i / n, i) for i in range(n)]
+    heapq.heapify(due)
     end = start_at + duration
     while True:
         now = time.time()
         if now >= end:
             break
-        i = next_at.index(min(next_at))
-        wait = next_at[i] - now
-        if wait > 0:
-            time.sleep(min(wait, 0.005))
+        at, i = due[0]
+        if at > now:
+            time.sleep(min(at - now, 0.005))
             continue
         chain = chains[i]
-        events: list[Any] = []
-        if len(chain) >= 64 * batch:
-            events.append(BlockRemoved(chain, None))
+        first = next_hash[i]
+        new = list(range(first, first + batch))
+        next_hash[i] = first + batch
+        if chain and (seqs[i] + i) % 64 != 0:
+            payload = template.payload(new, chain[-1], now)  # the common case: stamped, not encoded
+        else:
+            events: list[Any] = [BlockRemoved(chain, None)] if chain else []
             chain = chains[i] = []
-        new = [rng.getrandbits(63) for _ in range(batch)]
-        events.append(BlockStored(new, chain[-1] if chain else None, tokens, BS, None, None, None))
+            events.append(BlockStored(new, None, tokens, BS, None, None, None))
+            payload = encode_batch(events, None, ts=now)
         chain.extend(new)
-        payload = encode_batch(events, None)  # stamped with the publish time
         socks[i].send_multipart([b"", seq_frame(seqs[i]), payload])
         seqs[i] += 1
-        next_at[i] += interval
+        heapq.heapreplace(due, (at + interval, i))
     time.sleep(1.0)
     for s in socks:
         s.close(linger=0)
@@ -119,20 +176,27 @@ def _publisher_main(ports: list[int], first_id: int, rate: float, batch: int, du
 # fleet
 
 
-def _lag_samples(url: str) -> list[float]:
-    out = []
-    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
-        if line.startswith("kvroute_kv_index_lag_seconds{"):
-            out.append(float(line.rsplit(" ", 1)[1]))
-    return out
-
-
-def _batches_applied(url: str) -> float:
-    total = 0.0
+def _scrape(url: str) -> dict[str, Any]:
+    """What the fleet part reads from one shard's /metrics: batches applied, the most batches waiting
+    on any worker's socket, and the apply-lag histogram's per-bucket counts."""
+    applied, waiting, cumulative = 0.0, 0.0, []
     for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
         if line.startswith("kvroute_kv_event_batches_applied_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            applied += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvroute_kv_event_batches_waiting{"):
+            waiting = max(waiting, float(line.rsplit(" ", 1)[1]))
+        elif line.startswith(LAG + "_bucket{"):
+            cumulative.append(float(line.rsplit(" ", 1)[1]))
+    counts = [c - p for p, c in zip([0.0, *cumulative], cumulative[:], strict=False)]
+    return {"applied": applied, "waiting": waiting, "lag_counts": counts}
+
+
+def _lag_delta(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> list[float]:
+    """Per-bucket counts of the batches applied between two scrapes of every shard."""
+    return [
+        sum(b["lag_counts"][k] - a["lag_counts"][k] for a, b in zip(before, after, strict=True))
+        for k in range(len(BOUNDS))
+    ]
 
 
 def fleet(n_workers: int, n_shards: int, rate: float, batch: int, duration: float, publishers: int) -> dict[str, Any]:
@@ -176,21 +240,28 @@ def fleet(n_workers: int, n_shards: int, rate: float, batch: int, duration: floa
         while time.time() < start_at + 2.0:  # the first seconds: subscriptions settling, not measured
             time.sleep(0.1)
         cpu0 = [_cpu_s(proc.pid) for _, proc in shards]
-        batches0 = [_batches_applied(url) for url, _ in shards]
+        pub0 = [_cpu_s(pr.pid) for pr in procs if pr.pid is not None]
+        scraped0 = [_scrape(url) for url, _ in shards]
         t0 = time.time()
-        lags: list[float] = []
         if t0 > start_at + duration - 1.0:
             raise RuntimeError("the shards answered /metrics too late to measure anything (overloaded)")
-        while time.time() < start_at + duration - 0.5:
-            for url, _ in shards:
-                lags += _lag_samples(url)
-            time.sleep(0.5)
+        waiting: list[float] = []
+        windows: list[float] = []  # the lag p99 of each 2 s window: a transient shows here
+        prev = scraped0
+        while time.time() < start_at + duration - 0.5:  # a light look at the backlog every 2 s
+            time.sleep(2.0)
+            now = [_scrape(url) for url, _ in shards]
+            waiting += [x["waiting"] for x in now]
+            windows.append(round(quantile(0.99, BOUNDS, _lag_delta(prev, now)) * 1e3, 1))
+            prev = now
         t1 = time.time()
         cpu1 = [_cpu_s(proc.pid) for _, proc in shards]
-        batches1 = [_batches_applied(url) for url, _ in shards]
+        pub1 = [_cpu_s(pr.pid) for pr in procs if pr.pid is not None]
+        last = [_scrape(url) for url, _ in shards]
         for pr in procs:
             pr.join(timeout=duration + 30)
     secs = t1 - t0
+    lag_counts = _lag_delta(scraped0, last)  # every batch applied between the two scrapes, over all shards
     return {
         "workers": n_workers,
         "shards": n_shards,
@@ -198,14 +269,21 @@ def fleet(n_workers: int, n_shards: int, rate: float, batch: int, duration: floa
         "batch_blocks": batch,
         "offered_blocks_per_s": n_workers * rate,
         # every batch stores ``batch`` new blocks
-        "applied_blocks_per_s": round(sum(b1 - b0 for b0, b1 in zip(batches0, batches1, strict=True)) * batch / secs),
+        "applied_blocks_per_s": round(
+            sum(b["applied"] - a["applied"] for a, b in zip(scraped0, last, strict=True)) * batch / secs
+        ),
         "shard_cpu_share": [round((c1 - c0) / secs, 2) for c0, c1 in zip(cpu0, cpu1, strict=True)],
+        "publisher_cpu_share": [round((c1 - c0) / secs, 2) for c0, c1 in zip(pub0, pub1, strict=True)],
+        # from the shards' apply-lag histograms: every batch, interpolated inside its bucket
         "lag_ms": {
-            "samples": len(lags),
-            "p50": round(_pct(lags, 50) * 1e3, 1),
-            "p99": round(_pct(lags, 99) * 1e3, 1),
-            "max": round(max(lags) * 1e3, 1) if lags else None,
+            "batches": int(sum(lag_counts)),
+            "p50": round(quantile(0.50, BOUNDS, lag_counts) * 1e3, 1),
+            "p99": round(quantile(0.99, BOUNDS, lag_counts) * 1e3, 1),
+            "p999": round(quantile(0.999, BOUNDS, lag_counts) * 1e3, 1),
+            "over_100ms_share": round(sum(lag_counts[BOUNDS.index(0.1) + 1 :]) / max(1.0, sum(lag_counts)), 5),
         },
+        "lag_p99_ms_per_2s_window": windows,
+        "max_batches_waiting": max(waiting, default=None),
         "load_average": os.getloadavg(),
     }
 

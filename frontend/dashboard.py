@@ -109,7 +109,10 @@ class Dashboard:
             thresholds = entry.thresholds
             for w in sorted(entry.workers.values(), key=lambda w: w.id):
                 ev = events.get(w.id)
+                kv_health = st.events.health(w.id) if ev is not None and st.events is not None else {}
                 for r in w.spec.ranks:
+                    h = kv_health.get(str(r), {})
+                    lag = h.get("index_lag_seconds")
                     prefill = tracker.active_prefill_tokens(w.id, r)
                     decode = tracker.active_decode_blocks(w.id, r)
                     busy = thresholds.enabled and rank_overloaded(
@@ -128,6 +131,9 @@ class Dashboard:
                             "active_decode_blocks": decode,
                             "kv_blocks_indexed": blocks.get((w.id, r), 0),
                             "kv_events": ev["status"] if ev is not None else None,
+                            # how late the newest KV-event batch was applied, and batches queued behind it
+                            "kv_index_lag_ms": None if lag is None else round(lag * 1e3, 1),
+                            "kv_batches_waiting": h.get("batches_waiting"),
                         }
                     )
         return rows

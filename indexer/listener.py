@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from indexer.lag import LagHistogram
 from indexer.normalize import EventApplier
 from indexer.wire import WireError, decode_batch, seq_frame
 from kvroute_common.zmq_recv import drain_forever
@@ -116,6 +117,7 @@ class Listener:
         ready: asyncio.Event | None = None,
         replay_timeout: float = 2.0,
         on_change: Callable[[], None] | None = None,
+        lag_histogram: LagHistogram | None = None,
     ) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
@@ -139,6 +141,9 @@ class Listener:
         # index lag: the engine's timestamp of the newest applied batch, and how late it was applied
         self.newest_batch_ts: float | None = None
         self.apply_lag: float | None = None
+        # batches found queued behind the first when the listener last read its socket (0: keeping up)
+        self.batches_waiting = 0
+        self._lag_histogram = lag_histogram
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
         self._sub: zmq.Socket | None = None
@@ -192,6 +197,7 @@ class Listener:
             "newest_event_age_seconds": (
                 None if self.newest_batch_ts is None else max(0.0, time.time() - self.newest_batch_ts)
             ),
+            "batches_waiting": self.batches_waiting,
         }
 
     def _set_status(self, status: str, error: str | None = None) -> None:
@@ -235,12 +241,17 @@ class Listener:
         in_order, on_message = self._in_order, self._on_message
         try:
             # the common case is handled without a coroutine
-            await drain_forever(sub, lambda frames: None if in_order(frames) else on_message(frames))
+            await drain_forever(
+                sub, lambda frames: None if in_order(frames) else on_message(frames), on_burst=self._on_burst
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # pragma: no cover - unexpected socket failure
             log.exception("listener %s failed", self.endpoint)
             self._set_status(FAILED, f"recv loop: {type(exc).__name__}: {exc}")
+
+    def _on_burst(self, n: int) -> None:
+        self.batches_waiting = n - 1
 
     def _in_order(self, frames: list[bytes]) -> bool:
         """Apply ``frames`` if it is the next batch in sequence; False if it needs the full path."""
@@ -308,7 +319,9 @@ class Listener:
         now = self.last_event_wall = time.time()
         if batch.ts > 0:  # the engine's wall clock at publishing (0: a publisher that sends none)
             self.newest_batch_ts = batch.ts
-            self.apply_lag = max(0.0, now - batch.ts)
+            lag = self.apply_lag = max(0.0, now - batch.ts)
+            if self._lag_histogram is not None:
+                self._lag_histogram.observe(lag)
         return True
 
     # -- replay

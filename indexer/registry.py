@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from indexer.core import KvIndex, apply_router_event
+from indexer.lag import LagHistogram
 from indexer.listener import ACTIVE, FAILED, PAUSED, PENDING, Listener, SequenceState, validate_endpoint
 from indexer.normalize import EventApplier
 from kvroute_common.constants import DEFAULT_TENANT
@@ -83,6 +84,7 @@ class IndexerRegistry:
         self._seq_states: dict[tuple[int, int], SequenceState] = {}
         self.event_counters: dict[tuple[str, str], int] = {}
         self.on_change: Callable[[], None] | None = None
+        self.apply_lag = LagHistogram()  # every listener's batches
 
     # -- partitions
 
@@ -156,6 +158,7 @@ class IndexerRegistry:
             ready=self.ready,
             replay_timeout=self.replay_timeout,
             on_change=self.on_change,
+            lag_histogram=self.apply_lag,
         )
         inst.listeners[dp_rank] = listener
         listener.start()
@@ -285,10 +288,17 @@ class IndexerRegistry:
             "Seconds since the engine published the newest applied KV-event batch",
             labels=labels,
         )
+        waiting = GaugeMetricFamily(
+            "kvroute_kv_event_batches_waiting",
+            "KV-event batches found queued behind the first when the listener last read the worker's socket "
+            "(0: the index keeps up with this worker)",
+            labels=labels,
+        )
         for inst in self.instances.values():
             for r, lst in inst.listeners.items():
                 lv = [str(inst.instance_id), str(r)]
                 h = lst.health()
+                waiting.add_metric(lv, lst.batches_waiting)
                 for key, fam in fams.items():
                     value = h[key]
                     assert isinstance(value, int | float)
@@ -299,7 +309,7 @@ class IndexerRegistry:
                     lag.add_metric(lv, h["index_lag_seconds"])  # type: ignore[arg-type]
                 if h["newest_event_age_seconds"] is not None:
                     age.add_metric(lv, h["newest_event_age_seconds"])  # type: ignore[arg-type]
-        return [*fams.values(), last, lag, age]
+        return [*fams.values(), last, lag, age, waiting, self.apply_lag.metric()]
 
     def listener_status_counts(self) -> dict[str, int]:
         counts = {s: 0 for s in _STATUS_PRIORITY}

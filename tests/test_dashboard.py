@@ -137,6 +137,8 @@ def _compare(page: RenderedPage, snap: dict[str, Any]) -> None:
             "active_decode_blocks": str(r["active_decode_blocks"]),
             "kv_blocks_indexed": str(r["kv_blocks_indexed"]),
             "kv_events": r["kv_events"] or "off",
+            "kv_index_lag_ms": "-" if r["kv_index_lag_ms"] is None else f"{r['kv_index_lag_ms']:.1f}",
+            "kv_batches_waiting": "-" if r["kv_batches_waiting"] is None else str(r["kv_batches_waiting"]),
         }, r
     assert [rid for rid, _ in page.recent] == [d["request_id"] for d in snap["recent"]]
     for (_, shown), d in zip(page.recent, snap["recent"], strict=True):
@@ -221,6 +223,9 @@ def test_dashboard_in_a_browser_matches_its_data_under_load() -> None:
             assert live is not None, "no rendered snapshot showed load in flight"
             assert live["decisions"]["total"] > 0 and sum(r["kv_blocks_indexed"] for r in live["ranks"]) > 0
             assert all(r["healthy"] and r["kv_events"] == "active" for r in live["ranks"])
+            # index lag per rank: how late its newest KV-event batch was applied, and nothing piling up
+            assert any(r["kv_index_lag_ms"] is not None for r in live["ranks"])
+            assert all(r["kv_batches_waiting"] is not None and r["kv_batches_waiting"] >= 0 for r in live["ranks"])
             assert live["history"] and any(h["decisions_per_s"].get("kv", 0) > 0 for h in live["history"])
             assert live["recent"] and len(live["recent"][0]["candidates"]) == 3
             os.makedirs(os.path.dirname(SCREENSHOT), exist_ok=True)

@@ -375,3 +375,58 @@ def test_health_counts_events_gaps_replays_block_size_rejections_and_last_event_
         assert 'kvroute_kv_event_last_timestamp_seconds{dp_rank="0",worker_id="1"}' in text
 
     _scenario(body)
+
+
+def test_apply_lag_is_counted_per_batch_and_a_caught_up_listener_has_nothing_waiting() -> None:
+    """Index lag as a signal: every applied batch lands in the process's apply-lag histogram (engine
+    publish time to applied), and a listener that keeps up shows no batches waiting."""
+    from indexer.lag import BUCKETS, quantile
+    from indexer.service import Metrics
+
+    async def body(engine: Engine, reg, listener, index: KvIndex) -> None:
+        hist = reg.apply_lag
+        before = list(hist.counts)
+        late = encode_batch([stored([5])], 0, ts=time.time() - 0.3)  # published 0.3 s before it is applied
+        engine.publish(1, late)
+        await until(lambda: listener.seq.last_seq == 1, what="late batch applied")
+        added = [b - a for a, b in zip(before, hist.counts, strict=True)]
+        assert sum(added) == 1 and sum(added[BUCKETS.index(0.3) + 1 :]) == 1, added  # lag > 0.3 s
+        assert 0.3 <= quantile(0.99, [*BUCKETS, float("inf")], added) <= 0.5
+        assert listener.batches_waiting == 0 and listener.health()["batches_waiting"] == 0
+        text = Metrics(reg).render().body.decode()
+        assert 'kvroute_kv_event_batches_waiting{dp_rank="0",worker_id="1"} 0.0' in text
+        assert f"kvroute_kv_index_apply_lag_seconds_count {float(sum(hist.counts))}" in text
+        assert 'kvroute_kv_index_apply_lag_seconds_bucket{le="0.3"}' in text
+
+    _scenario(body)
+
+
+def test_drain_reports_how_many_messages_each_wake_up_found_queued() -> None:
+    """The listener's 'batches waiting' comes from here: messages queued when the reader got its turn."""
+    from kvroute_common.zmq_recv import drain_forever
+
+    async def main() -> None:
+        ctx = zmq.Context()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        pull.bind("inproc://drain")
+        push.connect("inproc://drain")
+        got: list[bytes] = []
+        bursts: list[int] = []
+        for i in range(5):  # inproc: queued at the reader as soon as send returns
+            push.send(b"%d" % i)
+        task = asyncio.get_running_loop().create_task(
+            drain_forever(pull, lambda frames: got.extend(frames), on_burst=bursts.append)
+        )
+        try:
+            await until(lambda: len(got) == 5, what="the queued five")
+            assert bursts == [5]
+            push.send(b"5")
+            await until(lambda: len(got) == 6, what="one more")
+            assert bursts == [5, 1] and got == [b"%d" % i for i in range(6)]
+        finally:
+            task.cancel()
+            push.close(linger=0)
+            pull.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())

@@ -89,8 +89,11 @@ def test_remote_and_sharded_indexing_route_as_the_embedded_index_and_survive_a_s
         for row in a.get("/admin/workers").json()["workers"]:
             health = row["kv_events"]["health"]["0"]
             assert 0 <= health["index_lag_seconds"] < 5 and health["newest_event_age_seconds"] >= 0, health
+            assert health["batches_waiting"] >= 0, health
         assert metric(a, "kvroute_kv_index_lag_seconds") >= 0
-        assert "kvroute_kv_index_lag_seconds{" in a.get("/metrics").text
+        text = a.get("/metrics").text
+        assert "kvroute_kv_index_lag_seconds{" in text and "kvroute_kv_event_batches_waiting{" in text
+        assert metric(a, "kvroute_kv_index_apply_lag_seconds_count") >= 1  # every applied batch
         for fe in (b, c):
             for i, prompt in enumerate(prompts):
                 record = complete(fe, prompt)["nvext"]["routing"]

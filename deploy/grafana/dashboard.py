@@ -709,9 +709,22 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
                     (
                         agg("kvroute_kv_index_lag_seconds", F, "worker_id, dp_rank", "max"),
                         "w{{worker_id}} r{{dp_rank}}",
-                    )
+                    ),
+                    (quantile(0.99, "kvroute_kv_index_apply_lag_seconds"), "p99 of every batch"),
                 ],
                 unit="s",
+                w=12,
+            ),
+            ts(
+                "KV-event batches waiting per worker rank",
+                "Batches found queued behind the first when the index last read a worker's KV-event socket: "
+                "0 while the index keeps up; a rank that keeps showing more is being applied late.",
+                [
+                    (
+                        agg("kvroute_kv_event_batches_waiting", F, "worker_id, dp_rank", "max"),
+                        "w{{worker_id}} r{{dp_rank}}",
+                    )
+                ],
                 w=12,
             ),
             ts(

@@ -40,7 +40,10 @@
         el("td", { "data-field": "active_prefill_tokens", class: "num" }, String(r.active_prefill_tokens)),
         el("td", { "data-field": "active_decode_blocks", class: "num" }, String(r.active_decode_blocks)),
         el("td", { "data-field": "kv_blocks_indexed", class: "num" }, String(r.kv_blocks_indexed)),
-        el("td", { "data-field": "kv_events" }, r.kv_events === null ? "off" : r.kv_events));
+        el("td", { "data-field": "kv_events" }, r.kv_events === null ? "off" : r.kv_events),
+        el("td", { "data-field": "kv_index_lag_ms", class: "num" }, r.kv_index_lag_ms === null || r.kv_index_lag_ms === undefined ? "-" : r.kv_index_lag_ms.toFixed(1)),
+        el("td", { "data-field": "kv_batches_waiting", class: "num", title: "KV-event batches queued behind the first at the listener's last read" },
+          r.kv_batches_waiting === null || r.kv_batches_waiting === undefined ? "-" : String(r.kv_batches_waiting)));
       const bar = el("div", { class: "bar", title: "prefill tokens (blue) / decode blocks (violet), relative to the busiest rank" });
       bar.append(el("span", { class: "p", style: `width:${(50 * r.active_prefill_tokens) / maxPrefill}%` }),
         el("span", { class: "d", style: `left:50%;width:${(50 * r.active_decode_blocks) / maxDecode}%` }));
