@@ -39,7 +39,7 @@ from .state import FrontendState
 from .stream_dialect import ANTHROPIC, OPENAI, StreamDialect
 from .unary_stream import UnaryAssembler, convertible, streaming_body
 from .upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
-from .validation import validate_messages, validate_sampling
+from .validation import validate_messages, validate_sampling, validate_tools
 
 if TYPE_CHECKING:
     from router.session import SessionLease
@@ -204,6 +204,7 @@ class OpenAIRoutes:
                 validate_sampling(body, chat)
             if kind == "chat":
                 validate_messages(body.get("messages"))
+                validate_tools(body)
             ctx.mm = mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
             mm.started.inc()
             mm.inflight.inc()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from kvroute_common.tokenizer import PromptError, engine_tool_dicts
+
 from .errors import OpenAIError
 
 _SAMPLING_EPS = 1e-5
@@ -131,6 +133,23 @@ def validate_sampling(body: dict, chat: bool) -> None:
         logprobs = _integer(body, "logprobs")
         if logprobs is not None and logprobs < 0 and logprobs != -1:
             raise _bad("`logprobs` must be a positive value.", "logprobs")
+
+
+def validate_tools(body: dict) -> None:
+    """vLLM's chat request model refuses an empty ``tools`` list (as OpenAI does) and tools that are not
+    function tools with a name; raises OpenAIError 400. (Anthropic requests may carry an empty list:
+    vLLM converts them past that check.)"""
+    tools = body.get("tools")
+    if tools == []:
+        raise _bad(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+            "tools",
+        )
+    if tools is not None:
+        try:
+            engine_tool_dicts(tools)  # the shape checks, with the parameter named
+        except PromptError as exc:
+            raise _bad(str(exc), "tools") from None
 
 
 def validate_messages(messages: Any) -> None:

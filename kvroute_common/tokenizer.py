@@ -164,11 +164,17 @@ def chat_prompt_token_ids(
     return prompt_encoder(tokenizer).encode(text, add_special_tokens=False, nogil=nogil, limit=limit)
 
 
-def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The chat-template arguments vLLM derives from an OpenAI chat request body.
+_UNSET = (None, "auto")  # explicit request fields with these values leave chat_template_kwargs' value
 
-    ``chat_template_kwargs`` first, then the explicit fields ``add_generation_prompt`` and
-    ``continue_final_message``; ``tools`` unless ``tool_choice`` is ``"none"``; ``documents``.
+
+def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat-template arguments vLLM (0.32) derives from an OpenAI chat request body.
+
+    ``chat_template_kwargs``, overridden by the explicit fields ``add_generation_prompt`` (default
+    true), ``continue_final_message`` (default false), ``documents`` and ``reasoning_effort`` unless
+    they are null or ``"auto"``; a ``reasoning_effort`` also sets ``enable_thinking`` (``!= "none"``) unless the
+    request's kwargs set it. ``tools`` whenever the request has them (also with ``tool_choice``
+    ``"none"``), each as vLLM's request model dumps it; the request's ``chat_template``.
     """
     kwargs: dict[str, Any] = {}
     extra = body.get("chat_template_kwargs")
@@ -176,21 +182,68 @@ def chat_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(extra, Mapping):
             raise PromptError("chat_template_kwargs must be an object")
         kwargs.update(extra)
-    tools = body.get("tools")
-    if tools:
-        if not isinstance(tools, list):
-            raise PromptError("tools must be a list")
-        if body.get("tool_choice") != "none":
-            kwargs["tools"] = tools
-    if body.get("documents") is not None:
-        kwargs["documents"] = body["documents"]
     for name in ("add_generation_prompt", "continue_final_message"):
         value = body.get(name)
-        if value is not None:
-            if not isinstance(value, bool):
-                raise PromptError(f"{name} must be a boolean")
-            kwargs[name] = value
+        if value is not None and not isinstance(value, bool):
+            raise PromptError(f"{name} must be a boolean")
+    explicit: dict[str, Any] = {
+        # vLLM's request defaults when absent (they then override chat_template_kwargs too)
+        "add_generation_prompt": True if body.get("add_generation_prompt") is None else body["add_generation_prompt"],
+        "continue_final_message": bool(body.get("continue_final_message")),
+        "documents": body.get("documents"),
+    }
+    effort = body.get("reasoning_effort")
+    explicit["reasoning_effort"] = effort
+    if effort is not None and "enable_thinking" not in kwargs:
+        explicit["enable_thinking"] = effort != "none"
+    kwargs.update({k: v for k, v in explicit.items() if v not in _UNSET})
+    tools = body.get("tools")
+    if tools is not None:
+        kwargs["tools"] = engine_tool_dicts(tools)
+    template = body.get("chat_template")
+    if template is not None:
+        if not isinstance(template, str):
+            raise PromptError("chat_template must be a string")
+        kwargs["chat_template"] = template
     return kwargs
+
+
+def engine_tool_dicts(tools: Any) -> list[dict[str, Any]]:
+    """OpenAI chat ``tools`` as the chat template sees them in vLLM: its request model's dump.
+
+    Each tool is ``{"type", "function": {"name", "description", "parameters"[, "strict"]
+    [, "defer_loading"]}[, "defer_loading"]}``: a missing description or parameters is null,
+    ``strict`` and ``defer_loading`` appear only when set, other keys are dropped, and a tool-level
+    ``defer_loading`` is copied into the function when it has none. Templates that print tools (``tools | tojson``)
+    see exactly these; a client's raw tools would render other text.
+    """
+    if not isinstance(tools, list):
+        raise PromptError("tools must be a list")
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise PromptError(f"tools.{i}.function.name: a string is required")
+        if tool.get("type", "function") != "function":
+            raise PromptError(f"tools.{i}.type: only 'function' is supported")
+        if not isinstance(fn.get("description"), str | None) or not isinstance(fn.get("parameters"), Mapping | None):
+            raise PromptError(f"tools.{i}.function: description must be a string and parameters an object")
+        defer = tool.get("defer_loading")
+        function: dict[str, Any] = {
+            "name": fn["name"],
+            "description": fn.get("description"),
+            "parameters": fn.get("parameters"),
+        }
+        if fn.get("strict") is not None:
+            function["strict"] = fn["strict"]
+        fn_defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else defer
+        if fn_defer is not None:
+            function["defer_loading"] = fn_defer
+        dumped: dict[str, Any] = {"type": "function", "function": function}
+        if defer is not None:
+            dumped["defer_loading"] = defer
+        out.append(dumped)
+    return out
 
 
 def chat_request_token_ids(

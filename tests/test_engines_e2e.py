@@ -323,6 +323,8 @@ _BAD = [
         "messages",
     ),
     ({"messages": [{"content": "hi"}]}, "messages[0].role is required", "messages"),
+    ({"tools": []}, "`tools` must not be an empty array", "tools"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name: a string is required", "tools"),
     ({"max_tokens": 40000}, "maximum context length is 32768 tokens", "max_tokens"),
 ]
 

@@ -107,18 +107,52 @@ def test_chat_request_body_arguments_like_vllm(tok):
     assert chat_request_token_ids(tok, {"messages": msgs}) == chat_prompt_token_ids(tok, msgs)
     no_gen = chat_request_token_ids(tok, {"messages": msgs, "add_generation_prompt": False})
     assert no_gen == chat_prompt_token_ids(tok, msgs, add_generation_prompt=False) != chat_prompt_token_ids(tok, msgs)
-    # explicit field wins over chat_template_kwargs; tools dropped with tool_choice "none"
+    # explicit fields (and their defaults) win over chat_template_kwargs unless null or "auto"; tools stay
+    # with tool_choice "none" (vLLM's default, --exclude-tools-when-tool-choice-none off)
+    fn = {"name": "ls"}
     kw = chat_template_kwargs(
         {
-            "chat_template_kwargs": {"add_generation_prompt": True, "x": 1},
+            "chat_template_kwargs": {"add_generation_prompt": True, "x": 1, "continue_final_message": True},
             "add_generation_prompt": False,
-            "tools": [{"type": "function"}],
+            "tools": [{"type": "function", "function": fn}],
             "tool_choice": "none",
         }
     )
-    assert kw == {"add_generation_prompt": False, "x": 1}
-    assert chat_template_kwargs({"tools": [{"type": "function"}]})["tools"] == [{"type": "function"}]
-    for bad in ({"messages": msgs, "chat_template_kwargs": 3}, {"messages": msgs, "add_generation_prompt": "no"}, {}):
+    assert kw == {
+        "add_generation_prompt": False,
+        "continue_final_message": False,
+        "x": 1,
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "ls", "description": None, "parameters": None},
+            }
+        ],
+    }
+    assert chat_template_kwargs({"chat_template_kwargs": {"add_generation_prompt": False}})["add_generation_prompt"]
+    assert chat_template_kwargs({"tools": []})["tools"] == []  # an Anthropic request's (OpenAI's are refused)
+    thinking = chat_template_kwargs({"reasoning_effort": "low", "documents": None})
+    assert thinking["reasoning_effort"] == "low" and thinking["enable_thinking"] is True and "documents" not in thinking
+    assert chat_template_kwargs({"reasoning_effort": "none"})["enable_thinking"] is False
+    assert (
+        chat_template_kwargs({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}})[
+            "enable_thinking"
+        ]
+        is False
+    )
+    assert "reasoning_effort" not in chat_template_kwargs({"reasoning_effort": "auto"})
+    assert chat_template_kwargs({"chat_template": "{{ 1 }}"})["chat_template"] == "{{ 1 }}"
+    bad_bodies = [
+        {"messages": msgs, "chat_template_kwargs": 3},
+        {"messages": msgs, "add_generation_prompt": "no"},
+        {},
+        {"messages": msgs, "tools": {"name": "ls"}},
+        {"messages": msgs, "tools": [{"type": "function"}]},
+        {"messages": msgs, "tools": [{"type": "retrieval", "function": fn}]},
+        {"messages": msgs, "tools": [{"function": {"name": "ls", "parameters": "none"}}]},
+        {"messages": msgs, "chat_template": 7},
+    ]
+    for bad in bad_bodies:
         with pytest.raises(PromptError):
             chat_request_token_ids(tok, bad)
 
@@ -234,3 +268,33 @@ def test_an_obviously_over_long_text_is_refused_from_a_partial_count() -> None:
         enc.encode(text, nogil=True, limit=limit)
     assert not exc.value.exact and limit <= exc.value.n_tokens <= len(whole)
     assert "at least" in str(exc.value)
+
+
+def test_tools_reach_the_template_as_vllms_request_model_dumps_them():
+    """A template that prints its tools sees vLLM's pydantic dump, not the client's JSON: nulls for a
+    missing description or parameters, ``strict``/``defer_loading`` only when set, other keys dropped
+    (the shapes checked against vLLM 0.32's request model)."""
+    from kvroute_common.tokenizer import engine_tool_dicts
+
+    params = {"type": "object", "properties": {"path": {"type": "string"}}}
+    tools = [
+        {"type": "function", "function": {"name": "a"}, "x-vendor": "dropped"},
+        {"function": {"name": "b", "description": "B", "parameters": params, "strict": True, "extra": 1}},
+        {"type": "function", "function": {"name": "c"}, "defer_loading": True},
+        {"type": "function", "function": {"name": "d", "strict": False}, "defer_loading": False},
+    ]
+    assert engine_tool_dicts(tools) == [
+        {"type": "function", "function": {"name": "a", "description": None, "parameters": None}},
+        {"type": "function", "function": {"name": "b", "description": "B", "parameters": params, "strict": True}},
+        {
+            "type": "function",
+            "function": {"name": "c", "description": None, "parameters": None, "defer_loading": True},
+            "defer_loading": True,
+        },
+        {
+            "type": "function",
+            "function": {"name": "d", "description": None, "parameters": None, "strict": False, "defer_loading": False},
+            "defer_loading": False,
+        },
+    ]
+    assert list(engine_tool_dicts(tools)[2]["function"]) == ["name", "description", "parameters", "defer_loading"]

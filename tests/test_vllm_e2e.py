@@ -18,7 +18,8 @@ cache contents. What is shown against the real engines:
 - Anthropic's Messages API: counted and hashed as vLLM renders it, routed to the engine holding the
   conversation, the predicted overlap equal to vLLM's cache reads;
 - tokenizer parity is proven from vLLM's own rendering as workers join, and an engine with another
-  chat template raises the alarm before any request.
+  chat template raises the alarm before any request;
+- the template arguments besides the messages (tools, thinking switches, defaults) are vLLM's.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def vllm_engines(vllm_python: str, tiny_model: str) -> Iterator[dict[str, Any]]:
         tiny_model,
         kv_events=False,
         num_gpu_blocks=64,
-        extra_args=[*scale_out, "--chat-template", OTHER_TEMPLATE],
+        # a request's own chat_template is honoured (the template-argument test renders with one)
+        extra_args=[*scale_out, "--chat-template", OTHER_TEMPLATE, "--trust-request-chat-template"],
     )
     engines = [one, two, dp2, other]
     start_engines(engines)
@@ -658,6 +660,60 @@ def test_tokenizer_parity_is_proven_from_vllms_rendering_before_any_request(vllm
         assert fe.metric("kvroute_hash_parity_mismatch", worker="2") == 1
         assert fe.metric("kvroute_hash_parity_mismatch", worker="1") == 0
         assert fe.metric("dynamo_frontend_requests_total") == 0  # proven before traffic
+
+
+# a template that prints what vLLM hands it: the tools as JSON, the thinking switches, the messages
+TEMPLATE_ARGUMENTS = (
+    "{% if tools is defined and tools is not none %}TOOLS {{ tools | tojson }}\n{% endif %}"
+    "{% if enable_thinking is defined %}THINK {{ enable_thinking }} {{ reasoning_effort }}\n{% endif %}"
+    "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<<assistant>>{% endif %}"
+)
+
+
+def test_template_arguments_are_the_ones_vllm_passes(vllm_engines: dict[str, Any]) -> None:
+    """What reaches the chat template besides the messages, token for token as vLLM renders it (its
+    render route, the request's own ``chat_template``): tools as vLLM's request model dumps them (null
+    description and parameters, ``strict`` and ``defer_loading`` only when set, other keys dropped),
+    tools kept with ``tool_choice: "none"`` (an empty list refused, as vLLM does),
+    ``reasoning_effort`` with the ``enable_thinking`` it implies, and the explicit
+    ``add_generation_prompt`` default over ``chat_template_kwargs``."""
+    from frontend.validation import validate_tools
+    from kvroute_common.openai_api import OpenAIError
+    from kvroute_common.tokenizer import chat_request_token_ids, load_tokenizer
+
+    engine: VllmEngine = vllm_engines["other_template"]
+    tok = load_tokenizer(vllm_engines["model_dir"])
+    messages = [{"role": "system", "content": "You list files."}, {"role": "user", "content": "what is here?"}]
+    params = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    tools = [
+        {"type": "function", "function": {"name": "ls"}},
+        {"type": "function", "function": {"name": "cat", "description": "Print a file", "parameters": params}},
+        {"type": "function", "function": {"name": "rm", "parameters": params, "strict": True, "x-note": "dropped"}},
+        {"type": "function", "function": {"name": "find"}, "defer_loading": True, "x-vendor": "dropped"},
+        {"type": "function", "function": {"name": "du", "strict": False}, "defer_loading": False},
+    ]
+    variants = {
+        "tools, tool_choice none": {"tools": tools, "tool_choice": "none"},
+        "tools, auto": {"tools": tools[:2]},
+        "reasoning_effort": {"reasoning_effort": "low"},
+        "reasoning_effort none": {"reasoning_effort": "none"},
+        "kwargs under the default": {"chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": True}},
+    }
+    for name, extra in variants.items():
+        body = {"model": MODEL, "messages": messages, "chat_template": TEMPLATE_ARGUMENTS, **extra}
+        r = httpx.post(f"{engine.url}/v1/chat/completions/render", json=body, timeout=WAIT)
+        assert r.status_code == 200, (name, r.text)
+        theirs = r.json()["token_ids"]
+        ours = chat_request_token_ids(tok, body)
+        assert ours == theirs, (name, tok.decode(ours), tok.decode(theirs))
+        if name.startswith("tools"):
+            assert "TOOLS" in tok.decode(theirs)
+    empty = {"model": MODEL, "messages": messages, "chat_template": TEMPLATE_ARGUMENTS, "tools": []}
+    r = httpx.post(f"{engine.url}/v1/chat/completions/render", json=empty, timeout=WAIT)
+    assert r.status_code == 400 and "must not be an empty array" in r.json()["error"]["message"]
+    with pytest.raises(OpenAIError, match="must not be an empty array"):  # refused the same way
+        validate_tools(empty)
 
 
 def test_workers_given_by_url_alone_read_their_event_sources_from_vllm(vllm_engines: dict[str, Any]) -> None:
