@@ -37,7 +37,8 @@ _TOOLS = [
             "description": "Read a file of the repository",
             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
         },
-    }
+    },
+    {"type": "function", "function": {"name": "ls"}},  # no description or parameters: nulls in vLLM's dump
 ]
 _CHAT = [
     {"role": "system", "content": "You are a coding agent. Answer briefly; cite the files you read."},
@@ -80,6 +81,13 @@ def probes(entry: ModelEntry, adapter: str | None) -> list[Probe]:
         Probe("chat_with_system", "chat", chat_path, {"model": model, "messages": _CHAT}),
         # an engine without a tool-call parser refuses requests with tools: this probe is then "error"
         Probe("chat_with_tools", "chat", chat_path, {"model": model, "messages": _CHAT, "tools": _TOOLS}),
+        # vLLM keeps the tools for the template unless it runs with --exclude-tools-when-tool-choice-none
+        Probe(
+            "chat_tool_choice_none",
+            "chat",
+            chat_path,
+            {"model": model, "messages": _CHAT, "tools": _TOOLS, "tool_choice": "none"},
+        ),
         Probe("completion", "completions", "/v1/completions/render", {"model": model, "prompt": _COMPLETION}),
     ]
     if adapter is not None:

@@ -47,6 +47,7 @@ def test_rendering_is_compared_when_a_worker_joins_before_any_request() -> None:
             assert checks[1]["probes"] == {
                 "chat_with_system": "match",
                 "chat_with_tools": "match",
+                "chat_tool_choice_none": "match",
                 "completion": "match",
                 "lora_a1": "match",
                 "anthropic_messages": "match",

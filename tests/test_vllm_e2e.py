@@ -645,6 +645,7 @@ def test_tokenizer_parity_is_proven_from_vllms_rendering_before_any_request(vllm
             "probes": {
                 "chat_with_system": "match",
                 "chat_with_tools": "match",
+                "chat_tool_choice_none": "match",
                 "completion": "match",
                 "lora_a1": "match",
                 "anthropic_messages": "match",
