@@ -78,5 +78,5 @@ def test_rendering_is_compared_when_a_worker_joins_before_any_request() -> None:
                     and 'worker="2"' in line
                     and 'result="mismatch"' in line
                 )
-                == 3
-            )  # the two chat probes and the Messages probe
+                == 4
+            )  # the three chat probes and the Messages probe
