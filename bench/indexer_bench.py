@@ -160,6 +160,28 @@ def send_interleaved(pubs: list[Publisher], per_pub: list[list[bytes]]) -> None:
                 pub.send_payload(payloads[j])
 
 
+def timed_interleaved_ingest(
+    pubs: list[Publisher], per_pub: list[list[bytes]], url: str, pid: int, final: list[int], base: int, model: str
+) -> tuple[float, int, int]:
+    """Send every publisher's payloads interleaved (each list ending with the ``final`` marker) and wait
+    until each publisher's marker is queryable: (seconds, RSS KiB before, RSS KiB after)."""
+    for pub, payloads in zip(pubs, per_pub, strict=True):
+        payloads.extend(pub.store_chain(final))
+    gc.collect()
+    rss0 = rss_kib(pid)
+    t0 = time.perf_counter()
+    send_interleaved(pubs, per_pub)
+    for i in range(len(pubs)):
+        wait_until(
+            functools.partial(marker_seen, url, final, base + i, model),
+            timeout=600,
+            interval=0.005,
+            what=f"{model} ingest marker",
+        )
+    elapsed = time.perf_counter() - t0
+    return elapsed, rss0, rss_kib(pid)
+
+
 def populate_branching(ctx: zmq.Context, urls: list[str], n_workers: int = 32, conts_per_worker: int = 50) -> list[int]:
     """32 workers each hold the 4 system prompts and 50 continuations; returns the 1024-token query:
     system prompt 0 + a continuation one worker holds (every worker matches 32 blocks, one 64)."""
@@ -193,22 +215,8 @@ def ingest_branching(
     )
     per_pub = [branch_payloads(pub, i, per_worker, 10**5 * (instance % 50) + 1000 * i) for i, pub in enumerate(pubs)]
     final = toks_for(6 * 10**6 + instance, 1)
-    for pub, payloads in zip(pubs, per_pub, strict=True):
-        payloads.extend(pub.store_chain(final))
     total = n_workers * (BRANCH_SYSTEMS * BRANCH_SYSTEM_BLOCKS + per_worker * BRANCH_CONT_BLOCKS + 1)
-    gc.collect()
-    rss0 = rss_kib(pid)
-    t0 = time.perf_counter()
-    send_interleaved(pubs, per_pub)
-    for i in range(n_workers):
-        wait_until(
-            functools.partial(marker_seen, url, final, base + i, model),
-            timeout=600,
-            interval=0.005,
-            what="branching ingest marker",
-        )
-    elapsed = time.perf_counter() - t0
-    rss1 = rss_kib(pid)
+    elapsed, rss0, rss1 = timed_interleaved_ingest(pubs, per_pub, url, pid, final, base, model)
     last = branch_tokens(
         (per_worker - 1) % BRANCH_SYSTEMS, 10**5 * (instance % 50) + 1000 * (n_workers - 1) + per_worker - 1
     )
@@ -308,22 +316,8 @@ def ingest_small(
     firsts = [10**5 * (instance % 50) + 10**4 * i for i in range(SMALL_WORKERS)]
     per_pub = [small_payloads(pub, style, n_reqs, firsts[i]) for i, pub in enumerate(pubs)]
     final = toks_for(17 * 10**6 + base, 1)
-    for pub, payloads in zip(pubs, per_pub, strict=True):
-        payloads.extend(pub.store_chain(final))
     total = SMALL_WORKERS * (small_blocks(style, n_reqs) + 1)
-    gc.collect()
-    rss0 = rss_kib(pid)
-    t0 = time.perf_counter()
-    send_interleaved(pubs, per_pub)
-    for i in range(SMALL_WORKERS):
-        wait_until(
-            functools.partial(marker_seen, url, final, base + i, model),
-            timeout=600,
-            interval=0.005,
-            what=f"{style} ingest marker",
-        )
-    elapsed = time.perf_counter() - t0
-    rss1 = rss_kib(pid)
+    elapsed, rss0, rss1 = timed_interleaved_ingest(pubs, per_pub, url, pid, final, base, model)
     last = small_query(firsts[-1], n_reqs - 1)
     got = query(url, last, model)["scores"].get(str(base + SMALL_WORKERS - 1), {}).get("0")
     assert got == (SMALL_SYSTEM_BLOCKS + SMALL_CONT_BLOCKS) * BS, f"{style} ingest lost blocks: {got}"
