@@ -605,39 +605,17 @@ def main() -> int:
     ctx.term()
     mem = kvindex_memory()
     print(f"{'metric':28} {'reference':>11} {'ours':>11} {'ours/ref':>9} {'paired':>7}")
-    for metric in [
-        m
-        for m in (
-            "query_by_hash_rps",
-            "query_by_hash_per_cpu_s",
-            "query_rps",
-            "query_per_cpu_s",
-            "ingest_blocks_per_s",
-            "ingest_blocks_per_cpu_s",
-            "rss_mib_per_million_blocks",
-            "branch_query_by_hash_rps",
-            "branch_query_by_hash_per_cpu_s",
-            "branch_query_rps",
-            "branch_query_per_cpu_s",
-            "branch_ingest_blocks_per_s",
-            "branch_ingest_blocks_per_cpu_s",
-            "branch_rss_mib_per_million_blocks",
-            *(
-                f"{SHAPE_PREFIX[style]}{m}"
-                for style in SMALL_STYLES
-                for m in (
-                    "query_by_hash_rps",
-                    "query_by_hash_per_cpu_s",
-                    "query_rps",
-                    "query_per_cpu_s",
-                    "ingest_blocks_per_s",
-                    "ingest_blocks_per_cpu_s",
-                    "rss_mib_per_million_blocks",
-                )
-            ),
-        )
-        if m in results["ours"]
-    ]:
+    per_shape = (
+        "query_by_hash_rps",
+        "query_by_hash_per_cpu_s",
+        "query_rps",
+        "query_per_cpu_s",
+        "ingest_blocks_per_s",
+        "ingest_blocks_per_cpu_s",
+        "rss_mib_per_million_blocks",
+    )
+    prefixes = tuple(SHAPE_PREFIX.values())  # default, branching, small-chain, small-suffix
+    for metric in [m for m in (prefix + name for prefix in prefixes for name in per_shape) if m in results["ours"]]:
         r, o = results["reference"][metric], results["ours"][metric]
         # each round measures the two services back to back: the median of those ratios cancels drift best
         paired = statistics.median(
