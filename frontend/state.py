@@ -100,6 +100,7 @@ class FrontendState:
             health_interval=health_interval,
             request_timeout=request_timeout,
             event_sources=config.kv_aware and config.uses_indexer and config.router_kv_events,
+            prepare=self._load_tokenizers,
         )
         self.file_watcher: WorkersFileWatcher | None = None
         self.discovery: list[DiscoveryBackend] = []  # started with the state
@@ -310,6 +311,18 @@ class FrontendState:
             or worker.spec.model_path
             or self.model_path
         )
+
+    async def _load_tokenizers(self, worker: Worker) -> None:
+        """Load the tokenizers of a discovered worker's new models on a thread (hundreds of ms each:
+        on the event loop every request would wait), so that attaching it finds them loaded."""
+        from kvroute_common.tokenizer import load_tokenizer
+
+        table = self.model_table(worker)
+        for path in {self._tokenizer_path(m, worker) for m in worker.models if m not in table}:
+            try:
+                await asyncio.to_thread(load_tokenizer, path)
+            except Exception as exc:  # attaching reports it for the model (and tries once more)
+                log.debug("loading tokenizer %s for worker %s: %s", path, worker.id, exc)
 
     def _tokenizer_for(self, model: str, worker: Worker) -> Any:
         from kvroute_common.tokenizer import load_tokenizer

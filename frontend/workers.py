@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -344,7 +344,9 @@ class WorkerPool:
     """All configured workers, their discovery and health.
 
     ``on_change(worker)`` is called whenever a worker's attachment-relevant state changes (became
-    healthy, unhealthy, discovered models); ``on_removed(worker)`` when it leaves the pool.
+    healthy, unhealthy, discovered models); ``on_removed(worker)`` when it leaves the pool;
+    ``prepare(worker)``, when given, is awaited after a worker's models are discovered and before
+    ``on_change`` sees them (slow set-up such as loading a tokenizer, kept off the event loop).
     """
 
     def __init__(
@@ -356,12 +358,14 @@ class WorkerPool:
         failures_to_unhealthy: int = 2,
         request_timeout: float | None = None,
         event_sources: bool = False,
+        prepare: Callable[[Worker], Awaitable[None]] | None = None,
     ) -> None:
         self.workers: dict[int, Worker] = {}
         # kv mode with KV events: a worker given without its endpoints gets them from the engine
         self.event_sources = event_sources
         self._on_change = on_change
         self._on_removed = on_removed
+        self._prepare = prepare
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.failures_to_unhealthy = failures_to_unhealthy
@@ -429,6 +433,8 @@ class WorkerPool:
             try:
                 if not worker.discovered:
                     await self._discover(worker)
+                    if self._prepare is not None:
+                        await self._prepare(worker)
                 resp = await worker.client.get("/health", timeout=self.health_timeout)
                 ok = resp.status_code == 200
                 error = None if ok else f"health check returned {resp.status_code}"

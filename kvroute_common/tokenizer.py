@@ -74,6 +74,9 @@ def load_tokenizer(model_path: str | None = None):
     tok = AutoTokenizer.from_pretrained(path, local_files_only=local or model_path is None)
     if not getattr(tok, "is_fast", False):
         raise PromptError(f"tokenizer at {path!r} is not a fast (tokenizers-backed) tokenizer")
+    # The encoder's set-up parses the whole tokenizer spec (tens of ms for a large vocabulary): done
+    # here, where the tokenizer is loaded, instead of on the first request.
+    prompt_encoder(tok)
     return tok
 
 

@@ -303,3 +303,56 @@ def test_a_worker_url_the_http_client_cannot_use_is_refused_as_the_specs_error()
     with pytest.raises(ValueError, match="not a usable URL"):
         WorkerSpec.from_mapping({"id": 1, "url": "http://\uda1d\uddd3"})  # found by the OpenAPI fuzzer: was a 500
     assert WorkerSpec.from_mapping({"id": 1, "url": "http://127.0.0.1:8000/v1/"}).url == "http://127.0.0.1:8000"
+
+
+def test_worker_pool_prepares_a_discovered_worker_before_attaching_it() -> None:
+    """``prepare`` (the frontend loads tokenizers there, on a thread) is awaited once the worker's
+    models are known and before ``on_change`` attaches it; the event loop keeps running meanwhile."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from frontend.workers import WorkerPool, WorkerSpec
+    from support import free_port
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def health(request):
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/health", health)])
+    events: list[str] = []
+
+    async def main() -> None:
+        port = free_port()
+        server, task = await _serve(app, port)
+        release = asyncio.Event()
+
+        async def prepare(worker) -> None:
+            events.append(f"prepare {sorted(worker.models)}")
+            await release.wait()
+
+        pool = WorkerPool(lambda w: events.append(f"change healthy={w.healthy}"), lambda w: None, prepare=prepare)
+
+        async def until(n: int) -> None:  # bounded: other tasks run while prepare waits
+            for _ in range(1000):
+                if len(events) >= n:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"events so far: {events}")
+
+        try:
+            pool.add(WorkerSpec(id=1, url=f"http://127.0.0.1:{port}"), "test")  # probed in the background
+            await until(1)
+            await asyncio.sleep(0)
+            assert events == ["prepare ['m']"]  # not attached while prepare runs
+            release.set()
+            await until(2)
+            assert events == ["prepare ['m']", "change healthy=True"]
+        finally:
+            await pool.stop()
+            server.should_exit = True
+            await task
+
+    asyncio.run(main())
