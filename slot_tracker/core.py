@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from kvroute_common.constants import U32_MAX, U64_MAX
+from kvroute_common.constants import U32_MAX
 from kvroute_common.errors import ServiceError
 
 DEFAULT_EXPIRY_SECS = 300.0
@@ -40,7 +40,6 @@ MAX_DP_SIZE = 4096  # the reference refuses larger ranges (400), which also boun
 EXPIRY_ENV = "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS"
 
 
-_MASK = U64_MAX  # hashes may arrive as u64 or as their signed-i64 JSON form: both key the same node
 _TWO64 = 1 << 64
 
 
@@ -231,7 +230,7 @@ class SlotTracker:
                 f"Request {request_id} already exists (assigned to worker WorkerWithDpRank "
                 f"{{ worker_id: {s.worker_id}, dp_rank: {s.dp_rank} }})",
             )
-        seq = _u64(sequence_hashes)
+        seq = _path(sequence_hashes)
         n = len(seq)
         path: list[_Node] = []
         node = self._root
@@ -454,7 +453,7 @@ class SlotTracker:
         that some active request on the slot holds.
         """
         # One walk; a slot's bit leaves the mask at the depth where its matched prefix ends.
-        seq = _u64(sequence_hashes)
+        seq = _path(sequence_hashes)
         n = len(seq)
         depth_of: dict[int, int] = {}  # slot bit -> D, for slots with D > 0
         held = 0
@@ -501,12 +500,9 @@ class SlotTracker:
         return out
 
 
-def _u64(hashes: Sequence[int]) -> list[int]:
-    """The path as u64 values in a list (i64 JSON values converted; one pass only when one is negative)."""
-    seq = hashes if isinstance(hashes, list) else list(hashes)
-    if seq and min(seq) < 0:
-        return [h & _MASK for h in seq]
-    return seq
+def _path(hashes: Sequence[int]) -> list[int]:
+    """The path as a list; its values are u64 (the service maps the API's signed i64 at its boundary)."""
+    return hashes if isinstance(hashes, list) else list(hashes)
 
 
 def _common_prefix(run: list[int], seq: list[int], pos: int) -> int:

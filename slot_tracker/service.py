@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
+from kvroute_common.constants import U64_MAX
 from kvroute_common.drain import Drain
 from kvroute_common.fast_http import FastJsonRoutes, JsonHandler, protect
 from kvroute_common.http import (
@@ -38,7 +39,7 @@ from kvroute_common.http import (
 from kvroute_common.http import _is_json_content_type as is_json_content_type
 from kvroute_common.openapi import openapi_route
 from kvroute_common.security import AccessPolicy, service_classifier
-from slot_tracker.core import U64_MAX, SlotRegistry, SlotTrackerError
+from slot_tracker.core import SlotRegistry, SlotTrackerError
 from slot_tracker.openapi import build_document
 from slot_tracker.requests import (
     AddBody,
@@ -65,6 +66,14 @@ def _u64(value: int, field: str) -> int:
             f"u64 - at `$.{field}`",
         )
     return value
+
+
+def u64_path(hashes: list[int]) -> list[int]:
+    """Sequence hashes as the core keys them (u64): the API's signed i64 values mapped, in one pass
+    only when one is negative."""
+    if hashes and min(hashes) < 0:
+        return [h & U64_MAX for h in hashes]
+    return hashes
 
 
 def _query_filters(request: Request) -> tuple[str | None, str | None]:
@@ -117,7 +126,7 @@ def potential_loads_json(registry: SlotRegistry, body: bytes) -> bytes:
     tracker = registry.get(b.model_name, tenant)
     if tracker is None:
         tracker = _core(lambda: registry.tracker(b.model_name, tenant))
-    return encode_potential_loads(tracker.potential_loads(b.sequence_hashes, isl))  # the core takes i64 or u64
+    return encode_potential_loads(tracker.potential_loads(u64_path(b.sequence_hashes), isl))
 
 
 def hot_routes(registry: SlotRegistry) -> dict[str, JsonHandler]:
@@ -169,7 +178,7 @@ def tracker_routes(registry: SlotRegistry, replica_sync: ReplicaSync | None = No
         worker_id = _u64(b.worker_id, "worker_id")
         isl = _u64(b.new_isl_tokens, "new_isl_tokens")
         tracker = _core(lambda: registry.tracker(b.model_name, tenant))
-        _core(lambda: tracker.add(b.request_id, worker_id, b.dp_rank, b.sequence_hashes, isl))
+        _core(lambda: tracker.add(b.request_id, worker_id, b.dp_rank, u64_path(b.sequence_hashes), isl))
         return ok(201)
 
     async def prefill_complete(request: Request) -> Response:

@@ -6,7 +6,8 @@ distinct path prefixes on the slot, potential decode blocks = decode blocks + le
 prefix of q some request on the slot holds. Every step checks the tracker's answers against it.
 Invariants: loads never negative, free idempotent, every load 0 (and the shared trie empty) once
 everything is freed, errors (404 / 409) leave the state unchanged. Hashes above i64 max are sent
-as u64 or as their signed-i64 alias at random, as the HTTP layer and the frontend do.
+as u64 (as the frontend does) or as their signed-i64 alias (as the HTTP API carries them) at random,
+the alias through the service's mapping (``u64_path``) as the HTTP layer hands it to the core.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from slot_tracker.core import U64_MAX, SlotRegistry, SlotTrackerError
+from kvroute_common.constants import U64_MAX
+from slot_tracker.core import SlotRegistry, SlotTrackerError
+from slot_tracker.service import u64_path
 
 MODEL, TENANT = "m", "default"
 EXPIRY = 100.0
@@ -86,7 +89,7 @@ class SlotTrackerMachine(RuleBasedStateMachine):
             assert not self.workers
             return
         try:
-            tracker.add(rid, worker, rank, _wire(path, alias), isl)
+            tracker.add(rid, worker, rank, u64_path(_wire(path, alias)), isl)
         except SlotTrackerError as exc:
             if exc.status == 409:
                 assert rid in self.requests
@@ -162,7 +165,7 @@ class SlotTrackerMachine(RuleBasedStateMachine):
         queries = [[], [1], [1, 2, 3], [BIG, 1], [2, 2, 2, 2]] + [r[1] + [3] for r in self.requests.values()]
         for q in queries:
             for alias in (False, True):
-                got = tracker.potential_loads(_wire(q, alias), 7)
+                got = tracker.potential_loads(u64_path(_wire(q, alias)), 7)
                 expected = []
                 for slot in self.slots():
                     mine = [r for r in self.requests.values() if r[0] == slot]
