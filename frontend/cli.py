@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--use-remote-indexer",
         default=os.environ.get("DYN_USE_REMOTE_INDEXER", ""),
         metavar="URL[,URL...]",
-        help="route on overlaps from these indexers (python -m indexer, or frontends with --serve-indexer; several "
-        "URLs = shards partitioned by worker) instead of ingesting KV events here; a shard that does not answer "
-        "makes that decision load-only [env DYN_USE_REMOTE_INDEXER]",
+        help="route on overlaps from these indexers (http:// URLs of python -m indexer, or of frontends with "
+        "--serve-indexer; several URLs = shards partitioned by worker) instead of ingesting KV events here; a "
+        "shard that does not answer makes that decision load-only [env DYN_USE_REMOTE_INDEXER]",
     )
     g.add_argument(
         "--remote-indexer-timeout",
@@ -243,9 +243,12 @@ def make_state(ns: argparse.Namespace):
         from .remote_index import RemoteIndexers
 
         token = outgoing_token(policy_from_args(ns, access_level), ns)
-        state.remote_index = RemoteIndexers(
-            remote, state.metrics.registry, ns.remote_indexer_timeout, ns.remote_indexer_register, token
-        )
+        try:
+            state.remote_index = RemoteIndexers(
+                remote, state.metrics.registry, ns.remote_indexer_timeout, ns.remote_indexer_register, token
+            )
+        except ValueError as exc:
+            raise SystemExit(f"--use-remote-indexer: {exc}") from None
     elif ns.remote_indexer_register:
         raise SystemExit("--remote-indexer-register needs --use-remote-indexer")
     state.serve_indexer = ns.serve_indexer

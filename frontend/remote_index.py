@@ -12,7 +12,10 @@ on shard ``worker_id % shards``, and registrations are re-asserted every few sec
 restarts empty is told its workers again (and recovers their blocks from ``--peers`` or new events).
 
 One round trip per decision and shard, on a persistent connection, all shards at once: the prompt's
-local block hashes are sent (``POST /query_by_hash``, signed i64 as the indexer's API takes them).
+local block hashes are sent (``POST /query_by_hash``, signed i64 as the indexer's API takes them)
+through the request path's own HTTP client (``frontend.upstream``: one socket write per query, the
+answer parsed in C); httpx, whose Python per request cost as much as the rest of a decision, is
+kept for the control plane (registrations).
 A shard that does not answer in time, or fails, makes this decision load-only (no overlaps at all:
 partial overlaps would favour the shards that answered); the failure is counted per indexer and the
 routing record says which source its overlaps came from.
@@ -30,6 +33,8 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter
 
 from kvroute_common.constants import DEFAULT_TENANT
+
+from .upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger("frontend.remote_index")
 
@@ -60,6 +65,9 @@ class RemoteIndexers:
         self._clients = [
             httpx.AsyncClient(base_url=u, timeout=timeout, limits=limits, headers=headers) for u in self.urls
         ]
+        # the per-decision queries: the whole query is bounded by ``timeout`` (connecting included)
+        self._pools = [UpstreamPool(u) for u in self.urls]
+        self._query_headers = [("content-type", "application/json"), *(headers or {}).items()]
         self.queries = Counter(
             "kvroute_remote_indexer_queries",
             "Overlap queries sent to each remote indexer",
@@ -89,7 +97,10 @@ class RemoteIndexers:
         body = orjson.dumps(
             {"block_hashes": hashes, "model_name": model, "tenant_id": tenant}, option=orjson.OPT_SERIALIZE_NUMPY
         )
-        answers = await asyncio.gather(*(self._query(i, body) for i in range(len(self._clients))))
+        if len(self._pools) == 1:
+            answers = [await self._query(0, body)]
+        else:
+            answers = await asyncio.gather(*(self._query(i, body) for i in range(len(self._pools))))
         if any(a is None for a in answers):
             self.load_only.inc()
             return None
@@ -108,18 +119,23 @@ class RemoteIndexers:
         url = self.urls[i]
         self.queries.labels(url).inc()
         try:
-            resp = await self._clients[i].post(
-                "/query_by_hash", content=body, headers={"content-type": "application/json"}
-            )
-            if resp.status_code == 404:  # the model is not (yet) known there: nothing cached
+            async with asyncio.timeout(self.timeout):
+                resp = await self._pools[i].request("POST", "/query_by_hash", body, self._query_headers)
+            if resp.status == 404:  # the model is not (yet) known there: nothing cached
                 return {}
-            if resp.status_code != 200:
-                raise ValueError(f"status {resp.status_code}: {resp.text[:200]}")
+            if resp.status != 200:
+                raise ValueError(f"status {resp.status}: {resp.content[:200]!r}")
             scores = orjson.loads(resp.content).get("scores")
             if not isinstance(scores, dict):
                 raise ValueError("no scores in the answer")
             return scores
-        except (httpx.HTTPError, ValueError, orjson.JSONDecodeError) as exc:
+        except TimeoutError:
+            self.failures.labels(url).inc()
+            log.warning(
+                "remote indexer %s: no answer within %s s (this decision is routed by load alone)", url, self.timeout
+            )
+            return None
+        except (UpstreamError, ValueError, orjson.JSONDecodeError) as exc:
             self.failures.labels(url).inc()
             log.warning(
                 "remote indexer %s: %s: %s (this decision is routed by load alone)", url, type(exc).__name__, exc
@@ -172,4 +188,6 @@ class RemoteIndexers:
             log.warning("remote indexer %s: unregistering worker %s: %s", self.urls[i], worker_id, exc)
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self._clients), return_exceptions=True)
+        await asyncio.gather(
+            *(c.aclose() for c in self._clients), *(p.aclose() for p in self._pools), return_exceptions=True
+        )

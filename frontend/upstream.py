@@ -254,7 +254,7 @@ class UpstreamPool:
     def __init__(self, base_url: str, max_idle: int = 256, timeout: float | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http":
-            raise ValueError(f"only http:// workers are supported on the fast path, got {base_url!r}")
+            raise ValueError(f"only http:// URLs are supported on the request path, got {base_url!r}")
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         self.prefix = parts.path.rstrip("/")

@@ -6,11 +6,16 @@ with a replica); frontend B routes on the shards, frontend C on A's index. On th
 the three find the same overlaps for every prompt, and B and C route there. A shard killed under
 traffic makes B's decisions load-only (no client error, counted, visible in the routing record); the
 shard restarted with its replica as peer recovers the index from it and B routes on overlaps again.
+A shard that stalls (stopped: connections accepted, nothing answered) costs each decision at most the
+remote-indexer timeout, load-only, and is used again once it answers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import time
 from typing import Any
 
 import httpx
@@ -62,7 +67,9 @@ def test_remote_and_sharded_indexing_route_as_the_embedded_index_and_survive_a_s
     with contextlib.ExitStack() as stack:
         m1, m2 = stack.enter_context(mocker(kv1)), stack.enter_context(mocker(kv2))
         ev1, ev2 = f"tcp://127.0.0.1:{kv1}", f"tcp://127.0.0.1:{kv2}"
-        stack.enter_context(service(indexer_args(p1, f"1={ev1}"), ready_url=f"{shard1}/health", timeout=90))
+        shard1_proc = stack.enter_context(
+            service(indexer_args(p1, f"1={ev1}"), ready_url=f"{shard1}/health", timeout=90)
+        )
         stack.enter_context(service(indexer_args(p2b, f"2={ev2}"), ready_url=f"{shard2b}/health", timeout=90))
         shard2_proc = stack.enter_context(
             service(indexer_args(p2, f"2={ev2}"), ready_url=f"{shard2}/health", timeout=90)
@@ -100,6 +107,19 @@ def test_remote_and_sharded_indexing_route_as_the_embedded_index_and_survive_a_s
                 assert record["overlap_source"] == "remote"
                 assert record["worker_id"] == 1 + i % 2 and record["overlap_blocks"] > 0, record
         assert complete(a, prompts[0])["nvext"]["routing"]["overlap_source"] == "embedded"
+
+        # a shard stalls: the decision waits at most --remote-indexer-timeout (0.25 s), then is load-only
+        failures = metric(b, "dynamo_component_router_remote_indexer_query_failures_total")
+        os.kill(shard1_proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            record = complete(b, prompts[0])["nvext"]["routing"]
+            waited = time.monotonic() - started
+        finally:
+            os.kill(shard1_proc.pid, signal.SIGCONT)
+        assert record["overlap_source"] == "remote_unavailable" and waited < 5, (record, waited)
+        assert metric(b, "dynamo_component_router_remote_indexer_query_failures_total") == failures + 1
+        wait_until(lambda: overlaps(b, prompts[0]) == overlaps(a, prompts[0]), 30, what="shard 1 answers again")
 
         # a shard dies under traffic: load-only decisions, no client error
         shard2_proc.kill()
