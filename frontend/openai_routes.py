@@ -666,7 +666,8 @@ class OpenAIRoutes:
             return None, None
         from .remote_index import REMOTE, REMOTE_UNAVAILABLE
 
-        found = await remote.overlaps(entry.base, prompt.local_hashes, entry.block_size)
+        hashes = prompt.local_array if prompt.local_array is not None else prompt.local_hashes
+        found = await remote.overlaps(entry.base, hashes, entry.block_size)
         return (found, REMOTE) if found is not None else ({}, REMOTE_UNAVAILABLE)
 
     def _may_migrate(self, ctx: RequestContext) -> bool:

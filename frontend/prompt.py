@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvroute_common import anthropic_api
 from kvroute_common.hashing import local_block_hashes, sequence_hashes, token_array
 
@@ -27,9 +29,10 @@ if TYPE_CHECKING:
 class Prompt:
     """Token ids and (for routing) their local block hashes and chained sequence hashes. A long
     prompt's ids are a compact ``array('I')`` (built and its list freed on the tokenizer thread: a
-    list of 128 k ints takes ~1 ms to free, wherever the last reference goes)."""
+    list of 128 k ints takes ~1 ms to free, wherever the last reference goes), and its local hashes
+    are also kept as a u64 array (``local_array``, built there too: what a remote index is sent)."""
 
-    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt")
+    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt", "local_array")
 
     def __init__(
         self,
@@ -42,6 +45,7 @@ class Prompt:
         self.local_hashes = local_hashes
         self.seq_hashes = seq_hashes
         self.salt = salt  # the cache salt the hashes were computed with
+        self.local_array: np.ndarray | None = None
 
     @property
     def hashes(self) -> tuple[list[int], list[int]] | None:
@@ -155,7 +159,9 @@ def _tokens_and_hashes(
 ) -> Prompt:
     tokens = body_tokens(entry, body, chat, nogil, limit)
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
-        return hashed(entry, token_array(tokens), salt)
+        prompt = hashed(entry, token_array(tokens), salt)
+        prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
+        return prompt
     return hashed(entry, tokens, salt)
 
 

@@ -87,10 +87,11 @@ class RemoteIndexers:
         )
 
     async def overlaps(
-        self, model: str, local_hashes: list[int], block_size: int, tenant: str = DEFAULT_TENANT
+        self, model: str, local_hashes: list[int] | np.ndarray, block_size: int, tenant: str = DEFAULT_TENANT
     ) -> dict[tuple[int, int], int] | None:
-        """Matched blocks per (worker, DP rank) over every shard; None when a shard did not answer."""
-        if not local_hashes:
+        """Matched blocks per (worker, DP rank) over every shard; None when a shard did not answer.
+        ``local_hashes``: u64 values (a long prompt's come as an array built off the event loop)."""
+        if len(local_hashes) == 0:
             return {}
         # u64 -> the i64 the API takes, in C (a long prompt's hashes are never looped over here)
         hashes = np.asarray(local_hashes, dtype=np.uint64).view(np.int64)
