@@ -8,6 +8,7 @@ import os
 import sys
 
 from kvroute_common.drain import add_drain_arg
+from kvroute_common.gc_policy import tune_gc
 from kvroute_common.security import add_security_args
 from router.config import JETSTREAM_FLAGS, RouterConfig, add_router_args
 
@@ -356,5 +357,6 @@ def main(argv: list[str] | None = None) -> int:
     sockets = (
         [reuse_port_socket(ns.http_host, ns.http_port)] if os.environ.get(ENV_REUSE_PORT) else None
     )  # --workers N child
+    tune_gc()  # the embedded index and the tokenizers are large, long-lived heaps: rare full collections
     server.run(sockets=sockets)
     return 0 if server.started else 1

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import sys
@@ -31,31 +30,12 @@ from indexer.service import ACCESS, PeerList, build_app
 from kvroute_common.drain import Drain, add_drain_arg
 from kvroute_common.fast_http import PROTOCOLS
 from kvroute_common.fast_http import serve as serve_http
+from kvroute_common.gc_policy import tune_gc
 from kvroute_common.security import add_security_args, outgoing_token, policy_from_args, ssl_options
 
 log = logging.getLogger("indexer")
 
 RECOVERY_DELAY = float(os.environ.get("KVROUTE_INDEXER_RECOVERY_DELAY", "1.0"))
-
-GC_FULL_AFTER = 1000
-"""Generation-1 collections between two full collections (CPython's default is 10)."""
-
-
-def tune_gc() -> None:
-    """Make full garbage collections rare in the standalone process.
-
-    Why: the index is a large heap of long-lived containers (runs, their hash lists and holder
-    sets, the per-worker lookup dicts). CPython runs a full collection at every 25 % of heap
-    growth once ten generation-1 collections have passed, and each one walks the whole heap: on
-    4-worker ingest that was about a third of the CPU (docs/bench/indexer.md). With 1000 instead
-    of 10, a full collection comes at most every ~7 M container allocations (700 x 10 x 1000);
-    short-lived cycles are still collected by generations 0 and 1. Objects alive at start-up
-    (modules, classes) are frozen out of every collection.
-    """
-    gc.collect()
-    gc.freeze()
-    threshold0, threshold1, _ = gc.get_threshold()
-    gc.set_threshold(threshold0, threshold1, GC_FULL_AFTER)
 
 
 def build_parser() -> argparse.ArgumentParser:
