@@ -322,7 +322,7 @@ class FrontendState:
             try:
                 await asyncio.to_thread(load_tokenizer, path)
             except Exception as exc:  # attaching reports it for the model (and tries once more)
-                log.debug("loading tokenizer %s for worker %s: %s", path, worker.id, exc)
+                log.warning("loading tokenizer %s for worker %s: %s", path, worker.id, exc)
 
     def _tokenizer_for(self, model: str, worker: Worker) -> Any:
         from kvroute_common.tokenizer import load_tokenizer

@@ -15,10 +15,12 @@ passes again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import re
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -330,10 +332,18 @@ def lora_adapters(models: list[Any]) -> dict[str, str]:
     }
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context for every worker client: httpx builds one per client otherwise, loading the CA
+    bundle each time (~40 ms on the event loop for every worker that joins)."""
+    return httpx.create_ssl_context(trust_env=False)
+
+
 def make_client(url: str, timeout: float | None = None) -> httpx.AsyncClient:
     """One pooled keep-alive client per worker (TCP_NODELAY is set by the asyncio transport)."""
     return httpx.AsyncClient(
         base_url=url,
+        verify=_tls_context(),
         timeout=httpx.Timeout(timeout, connect=5.0),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60.0),
         trust_env=False,

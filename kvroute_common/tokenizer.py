@@ -56,14 +56,29 @@ class PromptTooLong(PromptError):
         self.exact = exact
 
 
-@lru_cache(maxsize=16)
+_tokenizers: dict[str | None, Any] = {}
+_tokenizers_lock = threading.Lock()
+
+
 def load_tokenizer(model_path: str | None = None):
     """A transformers fast tokenizer; ``None`` = the built-in offline one. Cached per path.
 
     Local directories are always read with ``local_files_only=True`` (no network, like
     ``HF_HUB_OFFLINE=1``); anything else is handed to transformers as a hub id, which honours
-    ``HF_HUB_OFFLINE`` itself.
+    ``HF_HUB_OFFLINE`` itself. Loads are serialised: transformers imports its tokenizer classes
+    lazily, and two threads importing them at once can fail in one of them (the frontend loads
+    tokenizers on worker threads).
     """
+    tok = _tokenizers.get(model_path)
+    if tok is None:
+        with _tokenizers_lock:
+            tok = _tokenizers.get(model_path)
+            if tok is None:
+                tok = _tokenizers[model_path] = _load_tokenizer(model_path)
+    return tok
+
+
+def _load_tokenizer(model_path: str | None):
     import logging
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
