@@ -12,13 +12,17 @@ switch and an exception per empty read, before) was most of what a batch cost.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import cast
 
 import zmq
 
-# messages read before the event loop gets a turn (HTTP requests wait meanwhile)
+# messages read, or seconds spent, before the event loop gets a turn (HTTP requests wait meanwhile):
+# an engine's per-step batches of a long prompt hold hundreds of blocks each (~0.5 ms to apply), and
+# a burst of them in one turn held the loop for tens of milliseconds
 BATCH = 512
+TURN_SECONDS = 0.002
 
 _POLLIN = zmq.POLLIN
 _EVENTS = zmq.EVENTS
@@ -30,16 +34,19 @@ async def drain_forever(
     handle: Callable[[list[bytes]], Awaitable[None] | None],
     batch: int = BATCH,
     on_burst: Callable[[int], None] | None = None,
+    turn_seconds: float = TURN_SECONDS,
 ) -> None:
     """Read every message of ``sock`` as it arrives and pass its frames to ``handle``, in order.
 
     ``handle`` returns None when it is done, or an awaitable for the rare message that needs one;
-    reading stops until that awaitable is done. ``on_burst`` gets the number of messages each
+    reading stops until that awaitable is done. After ``batch`` messages or ``turn_seconds`` of
+    handling, the loop's other callbacks run before reading goes on. ``on_burst`` gets the number of messages each
     wake-up found queued (1 when the reader keeps up). Runs until cancelled; an exception from
     ``handle`` ends it."""
     loop = asyncio.get_running_loop()
     fd = sock.fileno()
     get, recv = sock.get, sock.recv_multipart
+    clock = time.perf_counter
     waiting: list[Awaitable[None]] = []  # what the reader callback left to this task
     failed: list[BaseException] = []
     paused = [False]  # set while an awaitable runs or after a failure or cancellation: no reading
@@ -49,6 +56,7 @@ async def drain_forever(
         if paused[0]:
             return  # a drain scheduled before the pause
         n = 0
+        until = clock() + turn_seconds
         try:
             while cast(int, get(_EVENTS)) & _POLLIN:
                 pending = handle(recv(_NOBLOCK))
@@ -59,7 +67,7 @@ async def drain_forever(
                     waiting.append(pending)
                     wake.set()
                     break
-                if n == batch:
+                if n == batch or clock() > until:
                     loop.call_soon(drain)  # the loop's other callbacks first; the FD will not fire again
                     break
         except Exception as exc:

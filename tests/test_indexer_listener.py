@@ -430,3 +430,47 @@ def test_drain_reports_how_many_messages_each_wake_up_found_queued() -> None:
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_drain_gives_the_loop_a_turn_when_a_burst_takes_long() -> None:
+    """A burst of slow messages (a long prompt's per-step batches) is read in turns: after
+    ``turn_seconds`` of handling the loop's other callbacks run, then reading goes on, in order."""
+    from kvroute_common.zmq_recv import drain_forever
+
+    def slow(frames: list[bytes]) -> None:
+        end = time.perf_counter() + 0.003  # longer than the turn: every message ends a turn
+        while time.perf_counter() < end:
+            pass
+        log.append(frames[0].decode())
+
+    log: list[str] = []
+
+    async def ticker() -> None:
+        while True:
+            log.append("tick")
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        ctx = zmq.Context()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        pull.bind("inproc://turns")
+        push.connect("inproc://turns")
+        for i in range(4):
+            push.send(b"m%d" % i)
+        loop = asyncio.get_running_loop()
+        tick = loop.create_task(ticker())
+        task = loop.create_task(drain_forever(pull, slow, turn_seconds=0.002))
+        try:
+            await until(lambda: "m3" in log, what="the four messages")
+            messages = [x for x in log if x != "tick"]
+            assert messages == ["m0", "m1", "m2", "m3"]
+            first = log.index("m0")
+            assert all(log[i + 1] == "tick" for i in range(first, len(log) - 1) if log[i] != "tick"), log
+        finally:
+            task.cancel()
+            tick.cancel()
+            push.close(linger=0)
+            pull.close(linger=0)
+            ctx.term()
+
+    asyncio.run(main())
