@@ -204,6 +204,14 @@ class FrontendMetrics:
             ("model", "outcome"),
             registry=r,
         )
+        from .loop_lag import LAG_BUCKETS
+
+        self.loop_lag = Histogram(
+            "kvroute_event_loop_lag_seconds",
+            "How late the event loop ran a timer that was due (every request on the process waited as long)",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
         self._per_model: dict[tuple[str, str, str], Any] = {}
 
     def model_children(self, model: str, endpoint: str, request_type: str) -> ModelMetrics:

@@ -578,6 +578,9 @@ class FrontendState:
                 await self.pool.check_all()
         self.pool.start()
         self._spawn(self._expiry_loop())
+        from .loop_lag import watch_loop_lag
+
+        self._spawn(watch_loop_lag(self.metrics.loop_lag.observe))
         if self.remote_index is not None and self.remote_index.register:
             self._spawn(self._remote_registration_loop())
         if self.sessions is not None:

@@ -328,6 +328,13 @@ def test_openai_surface(cluster: Cluster) -> None:
         assert name in metrics, name
     families = [line.split()[2] for line in metrics.splitlines() if line.startswith("# TYPE ")]
     assert len(families) == len(set(families)), "duplicate metric families"
+    # the event loop's lag is measured all the time (a timer due every 20 ms)
+    lag_count = next(
+        float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("kvroute_event_loop_lag_seconds_count")
+    )
+    assert lag_count > 0
     wait_until(fe.idle, WAIT, what="loads back to zero")
 
 

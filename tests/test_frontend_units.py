@@ -356,3 +356,31 @@ def test_worker_pool_prepares_a_discovered_worker_before_attaching_it() -> None:
             await task
 
     asyncio.run(main())
+
+
+def test_loop_lag_watch_sees_a_blocked_loop() -> None:
+    """A callback that holds the loop 60 ms shows as one lag observation of about that much."""
+    import time
+
+    from frontend.loop_lag import watch_loop_lag
+
+    lags: list[float] = []
+
+    async def main() -> None:
+        watch = asyncio.get_running_loop().create_task(watch_loop_lag(lags.append, interval=0.005))
+        try:
+            for _ in range(500):  # bounded: a few quiet measurements first
+                if len(lags) >= 3:
+                    break
+                await asyncio.sleep(0.005)
+            quiet = len(lags)
+            time.sleep(0.06)  # holds the loop: the watch's timer is due meanwhile
+            for _ in range(500):
+                if len(lags) > quiet:
+                    break
+                await asyncio.sleep(0.005)
+            assert max(lags[quiet:]) >= 0.04, lags
+        finally:
+            watch.cancel()
+
+    asyncio.run(main())

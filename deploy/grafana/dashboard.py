@@ -728,6 +728,16 @@ def rows() -> list[tuple[Panel, list[Panel]]]:
                 w=12,
             ),
             ts(
+                "Event-loop lag",
+                "How late each frontend's event loop ran a timer that was due (every 20 ms): every request on "
+                "that process waited as long. Long stalls come from work done on the loop (a burst of KV "
+                "events, a full garbage collection) or from a process starved of CPU.",
+                quantiles("kvroute_event_loop_lag_seconds", mean_too=False)
+                + [(quantile(0.999, "kvroute_event_loop_lag_seconds"), "p99.9")],
+                unit="s",
+                w=12,
+            ),
+            ts(
                 "Workers without a KV-event endpoint",
                 "Healthy workers the router expects KV events from but that publish none.",
                 [
