@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="local HF tokenizer directory for every model (default: the built-in offline tokenizer)",
     )
     g.add_argument(
+        "--log-loop-stalls",
+        type=float,
+        default=float(os.environ.get("KVROUTE_LOG_LOOP_STALLS_MS", "0")),
+        metavar="MS",
+        help="log where the event loop was whenever a callback due on it waited MS milliseconds or more "
+        "(what every request on the process waited for); 0 = off [env KVROUTE_LOG_LOOP_STALLS_MS; default 0]",
+    )
+    g.add_argument(
         "--tokenizer-offload-chars",
         type=int,
         default=_env_int("DYN_TOKENIZER_OFFLOAD_CHARS"),
@@ -264,6 +272,9 @@ def make_state(ns: argparse.Namespace):
     elif ns.remote_indexer_register:
         raise SystemExit("--remote-indexer-register needs --use-remote-indexer")
     state.serve_indexer = ns.serve_indexer
+    if ns.log_loop_stalls < 0:
+        raise SystemExit("--log-loop-stalls must be >= 0 (0 = off)")
+    state.loop_stall_threshold = ns.log_loop_stalls / 1000
     if config.router_replica_sync or ns.replica_sync_bind:
         if not ns.replica_sync_bind:
             raise SystemExit(

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .admission import AdmissionQueue
     from .discovery import DiscoveryBackend
     from .hints import RequestHints
+    from .loop_lag import StallLogger
     from .remote_index import RemoteIndexers
     from .speculative import SendFn, SpeculativePrefiller
 
@@ -108,6 +109,8 @@ class FrontendState:
         self._ids = itertools.count(1)
         self._id_prefix = f"kvr-{self.metrics.router_id[:8]}-"
         self.shutting_down = False
+        self.loop_stall_threshold = 0.0  # --log-loop-stalls, in seconds (0 = off)
+        self.stall_logger: StallLogger | None = None
         self.admission: AdmissionQueue | None = None
         self.sessions: SessionTable | None = None
         self.speculative: SpeculativePrefiller | None = None
@@ -578,9 +581,11 @@ class FrontendState:
                 await self.pool.check_all()
         self.pool.start()
         self._spawn(self._expiry_loop())
-        from .loop_lag import watch_loop_lag
+        from .loop_lag import StallLogger, watch_loop_lag
 
         self._spawn(watch_loop_lag(self.metrics.loop_lag.observe))
+        if self.loop_stall_threshold > 0:
+            self.stall_logger = StallLogger(asyncio.get_running_loop(), self.loop_stall_threshold).start()
         if self.remote_index is not None and self.remote_index.register:
             self._spawn(self._remote_registration_loop())
         if self.sessions is not None:
@@ -596,6 +601,8 @@ class FrontendState:
 
     async def stop(self) -> None:
         self.shutting_down = True
+        if self.stall_logger is not None:
+            self.stall_logger.stop()
         for backend in self.discovery:
             await backend.stop()
         for t in list(self._bg):

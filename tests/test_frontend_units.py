@@ -384,3 +384,35 @@ def test_loop_lag_watch_sees_a_blocked_loop() -> None:
             watch.cancel()
 
     asyncio.run(main())
+
+
+def test_stall_logger_names_what_held_the_loop(caplog: pytest.LogCaptureFixture) -> None:
+    """--log-loop-stalls: a callback that holds the loop past the threshold is logged with the loop
+    thread's stack, and nothing is logged while the loop keeps up."""
+    import logging
+    import time
+
+    from frontend.loop_lag import StallLogger
+
+    def hold_the_loop_for_a_while() -> None:
+        time.sleep(0.15)
+
+    async def main() -> None:
+        stalls = StallLogger(asyncio.get_running_loop(), threshold=0.05, interval=0.005).start()
+        try:
+            for _ in range(10):  # a loop that keeps up: no stall
+                await asyncio.sleep(0.01)
+            assert stalls.stalls == 0
+            hold_the_loop_for_a_while()
+            for _ in range(500):  # bounded: the report comes once the loop runs again
+                if stalls.stalls:
+                    break
+                await asyncio.sleep(0.01)
+            assert stalls.stalls == 1
+        finally:
+            stalls.stop()
+
+    with caplog.at_level(logging.WARNING, logger="frontend.loop_lag"):
+        asyncio.run(main())
+    [record] = [r for r in caplog.records if r.name == "frontend.loop_lag"]
+    assert "event loop held for" in record.getMessage() and "hold_the_loop_for_a_while" in record.getMessage()
