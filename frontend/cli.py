@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--log-loop-stalls",
         type=float,
-        default=float(os.environ.get("KVROUTE_LOG_LOOP_STALLS_MS", "0")),
+        default=os.environ.get("KVROUTE_LOG_LOOP_STALLS_MS", "0"),  # a string default goes through type=float
         metavar="MS",
         help="log where the event loop was whenever a callback due on it waited MS milliseconds or more "
         "(what every request on the process waited for); 0 = off [env KVROUTE_LOG_LOOP_STALLS_MS; default 0]",
