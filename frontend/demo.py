@@ -9,6 +9,7 @@ first, then workers; children also die if this process is killed outright).
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 import sys
@@ -54,27 +55,35 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def examples(url: str, model: str) -> list[str]:
+    """The copy-paste examples the banner prints, each a shell snippet that runs as printed
+    (tests/test_demo.py executes them against a running demo)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    curl = f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n  -d '{body}'"
+    python = f"""python - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="not-needed")
+reply = client.chat.completions.create(
+    model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32
+)
+print(reply.choices[0].message.content)
+EOF"""
+    return [curl, python]
+
+
 def banner(url: str, cluster: Cluster, model: str) -> str:
     workers = "\n".join(
         f"    worker {w.worker_id}: {w.url}  (KV events {w.kv_events_endpoint})" for w in cluster.workers
     )
+    tries = "\n\n".join(examples(url, model))
     return f"""
 kvroute demo is ready: {url}  (router mode kv, model "{model}")
 {workers}
   logs: {cluster.log_dir}
 
-Try it:
+Try it (each example runs as printed):
 
-  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
-
-  python - <<'EOF'
-from openai import OpenAI
-client = OpenAI(base_url="{url}/v1", api_key="not-needed")
-reply = client.chat.completions.create(model="{model}", "
-    "messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32)
-print(reply.choices[0].message.content)
-EOF
+{tries}
 
   Dashboard: {url}/dashboard    Metrics: {url}/metrics    Press Ctrl-C to stop.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,28 @@ def gone(pid: int) -> bool:
         return True
 
 
+def printed_examples(banner: str) -> list[str]:
+    """The shell snippets between the banner's "Try it" line and its "Dashboard" line, as printed."""
+    block = banner.split("Try it (each example runs as printed):\n", 1)[1].split("\n  Dashboard:", 1)[0]
+    return [s for s in block.strip("\n").split("\n\n") if s.strip()]
+
+
+def run_as_pasted(snippet: str, tmp_path) -> str:
+    """Run a snippet in bash as a user pasting it would, with ``python`` being this interpreter; its stdout."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    python = bin_dir / "python"
+    if not python.exists():  # a wrapper, not a symlink: a venv's python finds its venv by its own path
+        python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        python.chmod(0o755)
+    done = subprocess.run(
+        ["bash", "-e"], input=snippet + "\n", capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )  # fmt: skip
+    assert done.returncode == 0, f"{snippet}\n--- stderr:\n{done.stderr}"
+    return done.stdout
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
     port = free_port()
@@ -68,6 +91,13 @@ def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
         )
         assert reply.choices[0].message.content
         assert 1 <= reply.usage.completion_tokens <= 8
+
+        snippets = printed_examples(out)
+        assert [s.split()[0] for s in snippets] == ["curl", "python"], out
+        for snippet in snippets:
+            printed = run_as_pasted(snippet, tmp_path)
+            assert printed.strip(), snippet
+        assert json.loads(run_as_pasted(snippets[0], tmp_path))["choices"][0]["message"]["content"]
 
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log_path.read_text()
