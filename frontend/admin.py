@@ -156,7 +156,11 @@ class AdminRoutes:
         return json_response(events.dump() if events is not None else {})
 
     async def workers_add(self, request: Request) -> Response:
-        body = await read_json(request, dict)
+        body = await read_json(request, object)  # a worker object, or a bare URL string
+        if isinstance(body, str):
+            body = {"url": body}
+        if not isinstance(body, dict):
+            raise ApiError(422, "a worker must be an object or a URL string")
         try:
             spec = WorkerSpec.from_mapping(body)
         except ValueError as exc:

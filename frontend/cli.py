@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SPEC",
-        help="a worker: id=1,url=http://127.0.0.1:8001[,dp_size=2][,dp_start=0][,kv_events_endpoint=tcp://127.0.0.1:5557]"
+        help="a worker: its URL (http://gpu1:8001: the id is derived from the URL, the rest read from the engine), "
+        "or id=1,url=http://127.0.0.1:8001[,dp_size=2][,dp_start=0][,kv_events_endpoint=tcp://127.0.0.1:5557]"
         "[,replay_endpoint=tcp://127.0.0.1:5567][,model=NAME][,model_path=DIR][,block_size=N][,num_gpu_blocks=N]"
         "[,max_num_batched_tokens=N][,role=prefill|decode|both][,engine=vllm|sglang] (repeatable; rank r uses the "
         "endpoints' port + r; role=prefill workers only take the prefill phase of disaggregated requests; "
@@ -64,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers-file",
         default=os.environ.get("KVROUTE_WORKERS_FILE"),
         metavar="FILE",
-        help='JSON or YAML {"workers": [{"id": 1, "url": ...}], "models": {"name": {"model_path": DIR}}}; re-read '
-        "when it changes",
+        help='JSON or YAML {"workers": ["http://gpu1:8001", {"id": 1, "url": ...}], '
+        '"models": {"name": {"model_path": DIR}}}; re-read when it changes',
     )
     g.add_argument(
         "--model-path",

@@ -92,7 +92,9 @@ def _worker_spec() -> dict[str, Any]:
         props[name] = {"type": "string", "pattern": "^http://"} if name == "url" else {"type": ["string", "null"]}
     for alias, name in _ALIASES.items():
         props[alias] = {**props[name], "description": f"alias of `{name}`"}
-    return {"type": "object", "required": ["id", "url"], "properties": props, "additionalProperties": False}
+    spec = {"type": "object", "required": ["url"], "properties": props, "additionalProperties": False}
+    bare_url = {"type": "string", "pattern": "^http://", "description": "a bare URL: the id is derived from it"}
+    return {"anyOf": [spec, bare_url]}
 
 
 _SCHEMAS: dict[str, Any] = {

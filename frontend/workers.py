@@ -27,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import xxhash
 
 from .upstream import UpstreamPool
 from .validation import PromptLimit
@@ -94,11 +95,9 @@ class WorkerSpec:
             elif not isinstance(value, str):
                 raise ValueError(f"worker field {key!r} must be a string")
             values[name] = value
-        if "id" not in values:
-            raise ValueError("worker needs an 'id'")
         if "url" not in values:
             raise ValueError("worker needs a 'url'")
-        if values["id"] < 0:
+        if values.get("id", 0) < 0:
             raise ValueError("worker id must be >= 0")
         url = values["url"].rstrip("/")
         if not url.startswith("http://"):
@@ -111,6 +110,8 @@ class WorkerSpec:
         except (httpx.InvalidURL, ValueError) as exc:
             raise ValueError(f"worker url {values['url']!r} is not a usable URL: {exc}") from None
         values["url"] = url
+        if "id" not in values:
+            values["id"] = url_worker_id(url)
         if values.get("dp_size", 1) < 1:
             raise ValueError("dp_size must be >= 1")
         if values.get("dp_start", 0) < 0:
@@ -155,16 +156,26 @@ class WorkerSpec:
         return f"{m.group(1)}:{int(m.group(2)) + offset}"
 
 
+def url_worker_id(url: str) -> int:
+    """The id of a worker given without one: a hash of its normalised URL, so the same URL keeps its id
+    across restarts. 53 bits: a JSON number that JavaScript (the dashboard) reads exactly."""
+    return xxhash.xxh3_64_intdigest(url.encode()) & ((1 << 53) - 1)
+
+
 def parse_worker_arg(text: str) -> WorkerSpec:
-    """``id=1,url=http://127.0.0.1:8001,dp_size=2,kv_events_endpoint=tcp://...`` -> WorkerSpec."""
+    """``http://gpu1:8001`` or ``id=1,url=http://127.0.0.1:8001,dp_size=2,kv_events_endpoint=tcp://...``
+    -> WorkerSpec. A leading part without ``=`` is the URL (``http://gpu1:8001,dp_size=2``)."""
     raw: dict[str, Any] = {}
-    for part in text.split(","):
+    for n, part in enumerate(text.split(",")):
         part = part.strip()
         if not part:
             continue
         key, sep, value = part.partition("=")
-        if not sep:
-            raise ValueError(f"--worker expects key=value pairs separated by commas, got {part!r}")
+        if not sep or "://" in key:
+            if n == 0:
+                raw["url"] = part
+                continue
+            raise ValueError(f"--worker expects a URL or key=value pairs separated by commas, got {part!r}")
         raw[key.strip()] = value.strip()
     return WorkerSpec.from_mapping(raw)
 
@@ -172,7 +183,7 @@ def parse_worker_arg(text: str) -> WorkerSpec:
 def parse_workers_document(text: str) -> tuple[list[WorkerSpec], dict[str, dict[str, Any]]]:
     """A workers file: ``{"workers": [...], "models": {name: {"model_path": ...}}}`` (JSON or YAML).
 
-    A bare list is accepted as the workers list.
+    A bare list is accepted as the workers list; an entry is an object or a bare URL string.
     """
     try:
         doc = json.loads(text)
@@ -189,10 +200,10 @@ def parse_workers_document(text: str) -> tuple[list[WorkerSpec], dict[str, dict[
     items = doc.get("workers") or []
     if not isinstance(items, list):
         raise ValueError("'workers' must be a list")
-    specs = [WorkerSpec.from_mapping(item) for item in items]
+    specs = [WorkerSpec.from_mapping({"url": item} if isinstance(item, str) else item) for item in items]
     ids = [s.id for s in specs]
     if len(set(ids)) != len(ids):
-        raise ValueError("duplicate worker id in workers file")
+        raise ValueError("duplicate worker id in workers file (the same URL twice, or an id given twice)")
     models = doc.get("models") or {}
     if not isinstance(models, dict):
         raise ValueError("'models' must be an object")

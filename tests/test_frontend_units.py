@@ -11,7 +11,13 @@ import pytest
 
 from frontend.eligibility import rank_overloaded
 from frontend.models import BusyThresholds, validate_update
-from frontend.workers import WorkerSpec, parse_cache_config_info, parse_worker_arg, parse_workers_document
+from frontend.workers import (
+    WorkerSpec,
+    parse_cache_config_info,
+    parse_worker_arg,
+    parse_workers_document,
+    url_worker_id,
+)
 from indexer.approx import ApproxIndex
 from kvroute_common.hashing import block_hashes
 
@@ -95,6 +101,25 @@ def test_worker_arg_parsing_and_rank_endpoints() -> None:
         WorkerSpec.from_mapping({"id": "x", "url": "http://127.0.0.1:1"})
 
 
+def test_a_bare_url_is_a_worker_with_an_id_derived_from_the_url() -> None:
+    spec = parse_worker_arg("http://gpu1:8001")
+    assert spec.url == "http://gpu1:8001" and spec.id == url_worker_id("http://gpu1:8001")
+    assert 0 <= spec.id < 1 << 53 and spec.kv_events_endpoint is None and spec.dp_size == 1
+    # the same worker however it is written: the id follows the normalised URL
+    assert {parse_worker_arg(u).id for u in ("http://gpu1:8001/", "http://gpu1:8001/v1", " http://gpu1:8001")} == {
+        spec.id
+    }
+    assert parse_worker_arg("http://gpu2:8001").id != spec.id
+    with_fields = parse_worker_arg("http://gpu1:8001,dp_size=2")
+    assert with_fields.id == spec.id and with_fields.dp_size == 2
+    assert parse_worker_arg("id=7,url=http://gpu1:8001").id == 7  # an explicit id stays available
+    assert WorkerSpec.from_mapping({"url": "http://gpu1:8001"}).id == spec.id
+    with pytest.raises(ValueError, match="URL or key=value"):
+        parse_worker_arg("http://gpu1:8001,dp_size")
+    with pytest.raises(ValueError, match="http://"):
+        parse_worker_arg("gpu1:8001")
+
+
 def test_workers_document_json_and_yaml() -> None:
     specs, models = parse_workers_document(
         json.dumps(
@@ -110,6 +135,10 @@ def test_workers_document_json_and_yaml() -> None:
         parse_workers_document(
             '{"workers": [{"id": 1, "url": "http://127.0.0.1:1"}, {"id": 1, "url": "http://127.0.0.1:2"}]}'
         )
+    specs, _ = parse_workers_document("workers:\n  - http://127.0.0.1:11\n  - {id: 2, url: http://127.0.0.1:12}\n")
+    assert [s.id for s in specs] == [url_worker_id("http://127.0.0.1:11"), 2]
+    with pytest.raises(ValueError, match="the same URL twice"):
+        parse_workers_document('["http://127.0.0.1:1", "http://127.0.0.1:1/"]')
 
 
 def test_cache_config_info_parsing() -> None:

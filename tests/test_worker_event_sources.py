@@ -28,9 +28,9 @@ def mocker(*extra: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def frontend(*workers: str) -> Iterator[httpx.Client]:
+def frontend(*workers: str, extra: tuple[str, ...] = ()) -> Iterator[httpx.Client]:
     port = free_port()
-    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
+    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv", *extra]
     for w in workers:
         args += ["--worker", w]
     url = f"http://127.0.0.1:{port}"
@@ -80,3 +80,43 @@ def test_an_engine_without_kv_events_is_served_and_says_why_its_overlaps_are_emp
         assert any("publishes no KV events" in w for w in row["warnings"]), row["warnings"]
         r = fe.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, r.text
+
+
+def test_a_bare_url_worker_gets_a_stable_id_and_everything_else_from_the_engine(tmp_path) -> None:
+    """``--worker URL``, a URL string in the workers file and a URL posted to /admin/workers: each gets the
+    id derived from its URL (the same after a restart) and its event endpoints from the engine."""
+    with mocker() as url, mocker() as url2, mocker() as url3:
+        seen: list[int] = []
+        for life in range(2):  # two frontend lifetimes: the id is the same
+            text = f"bare url, life {life} " * 60  # a prompt the engine has not cached yet: new events
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+            workers_file = tmp_path / "workers.yaml"
+            workers_file.write_text(f"workers:\n  - {url2}\n")
+            with frontend(url, extra=("--workers-file", str(workers_file))) as fe:
+                rows = {w["url"]: w for w in fe.get("/admin/workers").json()["workers"]}
+                assert set(rows) == {url, url2}
+                assert rows[url]["kv_events_endpoint"].startswith("tcp://127.0.0.1:") and rows[url]["warnings"] == []
+                seen.append(rows[url]["id"])
+                assert rows[url]["id"] != rows[url2]["id"]
+                added = fe.post("/admin/workers", json=url3)
+                assert added.status_code == 201, added.text
+                assert fe.post("/admin/workers", json={"url": url3}).json()["id"] == added.json()["id"]
+                assert fe.post("/admin/workers", json=[url3]).status_code == 422
+                wait_until(
+                    lambda: all(
+                        w["healthy"] and w.get("kv_events") for w in fe.get("/admin/workers").json()["workers"]
+                    ),
+                    30,
+                    what="every worker healthy with its event stream",
+                )
+                r = fe.post("/v1/chat/completions", json=body, headers={"x-dynamo-worker-instance-id": str(seen[-1])})
+                assert r.status_code == 200, r.text
+                wait_until(
+                    lambda: any(
+                        c["worker_id"] == seen[-1] and c["overlap_blocks"] > 0
+                        for c in fe.post("/admin/route", json=body).json()["candidates"]
+                    ),
+                    30,
+                    what="the bare-URL worker's events applied",
+                )
+        assert seen[0] == seen[1]
