@@ -1,4 +1,4 @@
-"""``python -m frontend`` (and ``python -m frontend demo``)."""
+"""``python -m frontend`` (and its subcommands ``demo``, ``register``, ``flags``)."""
 
 import sys
 

@@ -66,12 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("KVROUTE_WORKERS_FILE"),
         metavar="FILE",
         help='JSON or YAML {"workers": ["http://gpu1:8001", {"id": 1, "url": ...}], '
-        '"models": {"name": {"model_path": DIR}}}; re-read when it changes',
+        '"models": {"name": {"model_path": DIR}}}; re-read when it changes [env KVROUTE_WORKERS_FILE]',
     )
     g.add_argument(
         "--model-path",
         default=os.environ.get("KVROUTE_MODEL_PATH"),
-        help="local HF tokenizer directory for every model (default: the built-in offline tokenizer)",
+        help="local HF tokenizer directory for every model; one that does not load is a start-up error "
+        "[env KVROUTE_MODEL_PATH; default: the built-in offline tokenizer]",
     )
     g.add_argument(
         "--log-loop-stalls",
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("KVROUTE_REPLICA_SYNC_BIND"),
         metavar="ENDPOINT",
         help="--router-replica-sync transport: ZMQ PUB endpoint to bind (e.g. tcp://*:8092); other replicas list it "
-        "as a peer",
+        "as a peer [env KVROUTE_REPLICA_SYNC_BIND]",
     )
     g.add_argument(
         "--replica-sync-advertise",
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica-sync-peers",
         default=os.environ.get("KVROUTE_REPLICA_SYNC_PEERS", ""),
         metavar="LIST",
-        help="comma-separated PUB endpoints of the other frontend replicas (also POST /register_peer at runtime)",
+        help="comma-separated PUB endpoints of the other frontend replicas (also POST /register_peer at runtime) "
+        "[env KVROUTE_REPLICA_SYNC_PEERS]",
     )
     g.add_argument(
         "--workers",
@@ -158,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--log-level",
         default=os.environ.get("DYN_LOG", "info"),
-        help="debug shows one cost line per candidate per decision",
+        help="debug shows one cost line per candidate per decision [env DYN_LOG; default info]",
     )
     add_drain_arg(g)
     add_security_args(
@@ -324,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         from .discovery import register
 
         return register.main(argv[1:]) or 0
+    if argv and argv[0] == "flags":
+        from . import flag_reference
+
+        return flag_reference.main(argv[1:])
     ns = build_parser().parse_args(argv)
     from .supervisor import ENV_REUSE_PORT, child_index, reuse_port_socket, supervise
 

@@ -1,1 +1,3 @@
-"""Routing core: block hashing, cost and selection, configuration, queue policies. No I/O."""
+"""Routing core without I/O: configuration (flags + ``DYN_*`` environment), cost and selection, the latency
+mode's TTFT estimate, queue ordering, the session table. Block hashing is a wire contract in
+``kvroute_common.hashing``."""

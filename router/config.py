@@ -265,7 +265,8 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         ("DYN_ROUTER_EVENT_THREADS",),
         _positive_int,
         1,
-        "accepted (>= 1), no effect: KV events are decoded and applied on the asyncio loop in one thread (see README)",
+        "accepted (>= 1), no effect: KV events are decoded and applied on the asyncio loop in one thread (a pool would "
+        "need a lock around every index update and, under the GIL, would not apply them faster)",
     ),
     (
         "--router-track-active-blocks",
@@ -504,11 +505,6 @@ def add_router_args(parser: argparse.ArgumentParser, environ: dict[str, str] | N
         default=argparse.SUPPRESS,
         help="same as --kv-cache-block-size (the standalone router's name) [env DYN_ROUTER_BLOCK_SIZE]",
     )
-
-
-def router_flag_table() -> list[tuple[str, str, str, str]]:
-    """(flag, env, default, help) rows, for the README's flag table."""
-    return [(flag, envs[0], str(default), help_text) for flag, _d, envs, _c, default, help_text in _FLAGS]
 
 
 # Disaggregated serving (frontend/disagg.py) routes each phase with a variant of the frontend's settings.

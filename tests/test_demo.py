@@ -45,6 +45,14 @@ def printed_examples(banner: str) -> list[str]:
     return [s for s in block.strip("\n").split("\n\n") if s.strip()]
 
 
+def readme_tour_examples() -> list[str]:
+    """The ``sh`` code blocks of the README's 30-second tour."""
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    tour = readme.split("## A 30-second tour", 1)[1].split("\n## ", 1)[0]
+    return [block.split("\n```", 1)[0].strip("\n") for block in tour.split("```sh\n")[1:]]
+
+
 def run_as_pasted(snippet: str, tmp_path) -> str:
     """Run a snippet in bash as a user pasting it would, with ``python`` being this interpreter; its stdout."""
     bin_dir = tmp_path / "bin"
@@ -98,6 +106,15 @@ def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
             printed = run_as_pasted(snippet, tmp_path)
             assert printed.strip(), snippet
         assert json.loads(run_as_pasted(snippets[0], tmp_path))["choices"][0]["message"]["content"]
+
+        tour = readme_tour_examples()  # the README's examples, at the demo's port
+        assert len(tour) == 3 and tour[1].startswith("python - <<'EOF'"), tour
+        for snippet in tour:
+            printed = run_as_pasted(snippet.replace("http://127.0.0.1:8000", url), tmp_path)
+            assert printed.strip(), snippet
+            if snippet.startswith("curl"):
+                answer = json.loads(printed)
+                assert answer.get("choices") or answer.get("candidates"), printed
 
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log_path.read_text()

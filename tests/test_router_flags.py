@@ -1,4 +1,4 @@
-"""Every router flag of the router guide: listed in the README's flag table, accepted by
+"""Every router flag of the router guide: listed in the flag reference (docs/flags.md), accepted by
 `python -m frontend`, and either honoured or logged as having no effect (JetStream flags,
 --router-event-threads). Session affinity hard vs soft end to end."""
 
@@ -20,22 +20,16 @@ from support import REPO_ROOT, free_ports, service, wait_until
 MODEL = "kvroute-demo"
 
 
-def readme_flags() -> dict[str, str]:
-    """flag -> env from the README's "Frontend flags" table (both spellings of a boolean pair)."""
-    text = open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8").read()
-    section = text.split("## Frontend flags", 1)[1].split("\n## ", 1)[0]
+def documented_flags() -> dict[str, str]:
+    """flag -> env from the flag reference's tables in docs/flags.md (both spellings of a boolean pair)."""
+    text = open(os.path.join(REPO_ROOT, "docs", "flags.md"), encoding="utf-8").read()
     out: dict[str, str] = {}
-    in_table = False
-    for line in section.splitlines():
-        if line.startswith("| flag |"):
-            in_table = True
-        elif in_table and not line.startswith("|"):
-            break  # the first table is the router flags' (deployment flags follow in their own table)
+    for line in text.splitlines():
         if not line.startswith("| `--"):
             continue
         cells = [c.strip() for c in line.strip("|").split("|")]
         env = cells[1].strip("`")
-        for flag in re.findall(r"`(--[a-z0-9-]+)`", cells[0]):
+        for flag in re.findall(r"`(--[a-z0-9-]+)", cells[0]):
             out[flag] = env
     return out
 
@@ -46,10 +40,10 @@ def guide_router_flags() -> set[str]:
         return {line.strip() for line in f if line.strip() and not line.startswith("#")}
 
 
-def test_readme_table_lists_every_router_flag_of_the_guide():
-    table = readme_flags()
+def test_the_flag_reference_lists_every_router_flag_of_the_guide():
+    table = documented_flags()
     missing = guide_router_flags() - set(table)
-    assert not missing, f"router guide flags missing from the README table: {sorted(missing)}"
+    assert not missing, f"router guide flags missing from docs/flags.md: {sorted(missing)}"
     assert all(table[f].startswith("DYN_") for f in guide_router_flags())  # every guide flag has its DYN_* variable
 
 
@@ -76,11 +70,12 @@ def test_frontend_help_accepts_every_flag_of_the_table():
         "--router-latency-prefill-tokens-per-s": "20000",
         "--router-latency-window": "50",
         "--discovery": "static",
+        "--discovery-backend": "static",
         "--discovery-selector": "kvroute.io/role=worker",
         "--etcd-endpoints": "http://127.0.0.1:2379",
         "--discovery-prefix": "/kvroute/",
     }
-    for flag, env in readme_flags().items():
+    for flag, env in documented_flags().items():
         assert re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", out.stdout, re.M), f"{flag} not in --help"
         action = parser._option_string_actions[flag]
         args = [flag] if action.nargs == 0 else [flag, samples.get(flag, "8")]

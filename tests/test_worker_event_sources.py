@@ -112,7 +112,7 @@ def test_a_bare_url_worker_gets_a_stable_id_and_everything_else_from_the_engine(
                 r = fe.post("/v1/chat/completions", json=body, headers={"x-dynamo-worker-instance-id": str(seen[-1])})
                 assert r.status_code == 200, r.text
                 wait_until(
-                    lambda: any(
+                    lambda body=body: any(  # this lifetime's body
                         c["worker_id"] == seen[-1] and c["overlap_blocks"] > 0
                         for c in fe.post("/admin/route", json=body).json()["candidates"]
                     ),
