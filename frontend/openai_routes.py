@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive
@@ -128,6 +129,44 @@ class RequestContext:
         )
 
 
+Send = Callable[["RequestContext", Lease], Awaitable[Any]]
+
+
+class RequestSource(Protocol):
+    """Where a generation request comes from: the HTTP API, or a gateway asking the endpoint picker."""
+
+    @property
+    def headers(self) -> Headers:
+        """The request's headers (``x-dynamo-*`` routing hints)."""
+
+    @property
+    def receive(self) -> Receive | None:
+        """The client's ASGI receive (disconnect detection), None without one."""
+
+    async def read(self, limit: int) -> tuple[bytes, dict[str, Any]]:
+        """The raw body and its JSON object (OpenAIError 413 / 400)."""
+
+    def excluded(self, state: FrontendState) -> set[int] | None:
+        """Workers this request must not go to (a gateway's endpoint subset), None for none."""
+
+
+class HttpSource:
+    """A request on the frontend's own HTTP API."""
+
+    __slots__ = ("request", "headers", "receive")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.headers = request.headers
+        self.receive: Receive | None = request.receive
+
+    async def read(self, limit: int) -> tuple[bytes, dict[str, Any]]:
+        return await read_openai_body(self.request, limit)
+
+    def excluded(self, state: FrontendState) -> set[int] | None:
+        return None
+
+
 class OpenAIRoutes:
     def __init__(self, state: FrontendState) -> None:
         self.state = state
@@ -149,7 +188,7 @@ class OpenAIRoutes:
     async def messages(self, request: Request) -> Response:
         """Anthropic's ``/v1/messages``: tokenized as the engine renders it, routed kv, proxied to the
         engine's own ``/v1/messages``; errors in Anthropic's shape."""
-        return as_anthropic(await self._generate(request, "messages"))
+        return await self._generate(request, "messages")
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens, counted here (the router's
@@ -172,10 +211,20 @@ class OpenAIRoutes:
         return json_response({"input_tokens": len(tokens)})
 
     async def _generate(self, request: Request, kind: str) -> Response:
+        return await self.generate(HttpSource(request), kind, self._send)
+
+    async def generate(self, source: RequestSource, kind: str, send: Send) -> Any:
+        """One generation request, whatever carries it: parse, hints, tokenize, admission, then route,
+        book and ``send`` (the proxy dispatches to the worker; the endpoint picker hands the decision
+        to its gateway). Returns ``send``'s result, or an error response in the API's shape."""
+        result = await self._pipeline(source, kind, send)
+        return as_anthropic(result) if kind == "messages" else result
+
+    async def _pipeline(self, source: RequestSource, kind: str, send: Send) -> Any:
         state = self.state
         ctx = RequestContext()
         ctx.t_start = _perf()
-        ctx.receive = request.receive
+        ctx.receive = source.receive
         chat = kind in ("chat", "responses", "messages")
         ctx.kind = kind
         ctx.chat = chat
@@ -183,7 +232,7 @@ class OpenAIRoutes:
         endpoint = ctx.endpoint
         mm = None
         try:
-            raw, body = await read_openai_body(request, BODY_LIMIT)
+            raw, body = await source.read(BODY_LIMIT)
             model = body.get("model")
             if not isinstance(model, str) or not model:
                 raise OpenAIError(400, "'model' is required", "model")
@@ -216,7 +265,7 @@ class OpenAIRoutes:
             if parse_request_hints is not None:
                 had_nvext = "nvext" in body
                 try:
-                    hints = parse_request_hints(body, request.headers, nvext_enabled=state.nvext_enabled)
+                    hints = parse_request_hints(body, source.headers, nvext_enabled=state.nvext_enabled)
                     check_supported(hints, chat, stream)
                 except ApiError as exc:
                     raise OpenAIError(exc.status, exc.message) from None
@@ -275,7 +324,7 @@ class OpenAIRoutes:
                             model,
                             hints,
                             new_tokens=len(tokens),
-                            receive=request.receive,
+                            receive=source.receive,
                             cached_tokens=lambda: state.router.best_cached_tokens(entry, prompt.local_hashes or []),
                         )
                     except ClientDisconnected:
@@ -294,7 +343,8 @@ class OpenAIRoutes:
                     state, model, hints
                 ):  # OpenAI generation only
                     ctx.prefill = await _disagg.run_prefill(state, ctx)
-                return await self._dispatch(ctx, pinned_worker, pinned_rank)
+                ctx.failed_workers = source.excluded(state)
+                return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
             except BaseException:
                 if ctx.session is not None:
                     ctx.session.release()
@@ -346,7 +396,9 @@ class OpenAIRoutes:
             ctx.session.release()
         return openai_error_response(529, getattr(exc, "message", str(exc)), headers={"retry-after": RETRY_AFTER_SECS})
 
-    async def _dispatch(self, ctx: RequestContext, pinned_worker: int | None, pinned_rank: int | None) -> Any:
+    async def _dispatch(
+        self, ctx: RequestContext, pinned_worker: int | None, pinned_rank: int | None, send: Send
+    ) -> Any:
         state = self.state
         entry = ctx.entry
         ctx.pinned = pinned_worker is not None
@@ -412,7 +464,7 @@ class OpenAIRoutes:
                 ctx.timing.dispatched = time.monotonic()
                 ctx.timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, entry.block_size)
             try:
-                response = await self._send(ctx, lease)
+                response = await send(ctx, lease)
             except BaseException:
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()
@@ -811,7 +863,7 @@ class OpenAIRoutes:
         mm.active.inc()
         mm.queued.inc()
         try:
-            await self._dispatch(ctx, worker_id, dp_rank)
+            await self._dispatch(ctx, worker_id, dp_rank, self._send)
         except OpenAIError as exc:
             mm.inflight.dec()
             mm.active.dec()

@@ -29,6 +29,54 @@ def upstream_headers(rank: int, request_id: str) -> list[tuple[str, str]]:
     return [("content-type", "application/json"), ("x-data-parallel-rank", str(rank)), ("x-request-id", request_id)]
 
 
+class ChunkPipeline:
+    """What every chunk of a worker's streamed response does to its request, whoever relays it (the
+    proxy here, or Envoy through the endpoint picker): the first token marks prefill complete, tokens
+    are counted, and the migration tracker, the usage tap and the response rewriter see the chunk in
+    that order (each may hold or change bytes). ``feed`` returns what the client gets now."""
+
+    __slots__ = ("lease", "dialect", "rewriter", "tap", "tracker", "first")
+
+    def __init__(self, lease: Lease, dialect: StreamDialect, rewriter: Any, tap: Any, tracker: Any = None) -> None:
+        self.lease = lease
+        self.dialect = dialect
+        self.rewriter = rewriter
+        self.tap = tap
+        self.tracker = tracker
+        self.first = True
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not chunk:
+            return b""
+        rw = self.rewriter
+        if self.first and self.dialect.has_token(chunk):  # first token (vLLM-style role chunks carry none)
+            self.first = False
+            self.lease.first_token()
+            if rw is not None:
+                rw.first_token()
+        n = self.dialect.tokens(chunk)
+        if n:
+            self.lease.tokens(n)
+        if self.tracker is not None:
+            chunk = self.tracker.feed(chunk)
+            if not chunk:
+                return b""
+        if self.tap is not None:  # after the tracker: it reads the usage counted over both workers
+            chunk = self.tap.feed(chunk)
+            if not chunk:
+                return b""
+        if rw is not None:
+            chunk = rw.chunk(chunk)
+        return chunk
+
+    def flush(self) -> bytes:
+        """What is still held at the end of the worker's stream."""
+        rest = self.tap.flush() if self.tap is not None else b""
+        if self.rewriter is not None:
+            rest = (self.rewriter.chunk(rest) if rest else b"") + self.rewriter.flush()
+        return rest
+
+
 class StreamProxy:
     """ASGI response that relays a worker's SSE stream chunk by chunk and always releases the lease."""
 
@@ -116,35 +164,13 @@ class StreamProxy:
         dialect = self.dialect
         while True:
             lease = self.lease
-            first = True
+            chunks = ChunkPipeline(lease, dialect, rw, tap, tracker)
             try:
                 async for chunk in self.upstream.aiter_raw(self.idle_timeout):
-                    if not chunk:
-                        continue
-                    if first and dialect.has_token(chunk):  # first token (vLLM-style role chunks carry none)
-                        first = False
-                        lease.first_token()
-                        if rw is not None:
-                            rw.first_token()
-                    n = dialect.tokens(chunk)
-                    if n:
-                        lease.tokens(n)
-                    if tracker is not None:
-                        chunk = tracker.feed(chunk)
-                        if not chunk:
-                            continue
-                    if tap is not None:  # after the tracker: it reads the usage counted over both workers
-                        chunk = tap.feed(chunk)
-                        if not chunk:
-                            continue
-                    if rw is not None:
-                        chunk = rw.chunk(chunk)
-                        if not chunk:
-                            continue
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                rest = tap.flush() if tap is not None else b""
-                if rw is not None:
-                    rest = (rw.chunk(rest) if rest else b"") + rw.flush()
+                    chunk = chunks.feed(chunk)
+                    if chunk:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                rest = chunks.flush()
                 if rest:
                     await send({"type": "http.response.body", "body": rest, "more_body": True})
             except OSError:
