@@ -20,7 +20,8 @@ from .openapi import build_document
 from .state import FrontendState
 
 
-def build_app(state: FrontendState) -> Starlette:
+def build_app(state: FrontendState, epp: tuple[str, int] | None = None) -> Starlette:
+    """``epp``: (host, port) of the endpoint picker (``--epp-port``), served for the app's lifetime."""
     oa = OpenAIRoutes(state)
     state._init_speculative(oa.send_pinned)
     ad = AdminRoutes(state)
@@ -58,9 +59,18 @@ def build_app(state: FrontendState) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await state.start()
+        picker = None
         try:
+            if epp is not None:
+                from .endpoint_picker import EndpointPicker
+
+                picker = EndpointPicker(state, oa)
+                app.state.endpoint_picker = picker
+                await picker.start(*epp)
             yield
         finally:
+            if picker is not None:
+                await picker.stop()
             await state.stop()
 
     app = Starlette(

@@ -50,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="listen port [env DYN_HTTP_PORT; default 8000]",
     )
     g.add_argument(
+        "--epp-port",
+        type=int,
+        default=_env_int("KVROUTE_EPP_PORT"),
+        metavar="PORT",
+        help="also serve as the endpoint picker of a Gateway API inference gateway: Envoy's ext_proc gRPC "
+        "service on this port (plaintext HTTP/2, on --http-host), making the proxy's routing decision and "
+        "answering the chosen engine's ip:port; 0 = a free port (docs/deploy.md) [env KVROUTE_EPP_PORT; "
+        "default: off]",
+    )
+    g.add_argument(
         "--worker",
         action="append",
         default=[],
@@ -357,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     from .access import guard_app
     from .app import build_app
 
-    app = guard_app(build_app(state), ns, drain)
+    epp = (ns.http_host, ns.epp_port) if ns.epp_port is not None else None
+    app = guard_app(build_app(state, epp), ns, drain)
     config = uvicorn.Config(
         app,
         host=ns.http_host,

