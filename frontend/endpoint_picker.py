@@ -145,6 +145,7 @@ class _Stream:
         self.kept = bytearray()  # a unary response, for its usage
         self.first_seen = False
         self.ended = False  # the response reached its end (not a stream closed early)
+        self.headers_answered = False  # BUFFERED: the request headers were let through before the body
 
     async def handle(self, request: Any) -> AsyncIterator[Any]:
         pb = self.picker.pb
@@ -158,9 +159,9 @@ class _Stream:
             for h in request.request_headers.headers.headers:
                 self.headers.append((h.key.lower(), h.raw_value.decode("latin-1") if h.raw_value else h.value))
             if request.request_headers.end_of_stream:  # no body: not a generation request
-                async for r in self._pick_without_body():
-                    yield r
+                yield self._route_to_any()
             elif self.request_mode != FULL_DUPLEX:  # BUFFERED: the endpoint rides on the body response
+                self.headers_answered = True
                 yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
         elif which == "request_body":
             self.body += request.request_body.body
@@ -182,15 +183,17 @@ class _Stream:
                 self.ended = True
                 self.finish()
         elif which == "response_body":
-            out = self._response_chunk(request.response_body.body, request.response_body.end_of_stream)
-            if self.response_mode == FULL_DUPLEX:
+            data = request.response_body.body
+            out = self._response_chunk(data, request.response_body.end_of_stream)
+            if self.response_mode == FULL_DUPLEX:  # every chunk comes back through the picker
                 streamed = pb.StreamedBodyResponse(body=out, end_of_stream=request.response_body.end_of_stream)
                 mutation = pb.BodyMutation(streamed_response=streamed)
-                yield pb.ProcessingResponse(
-                    response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-                )
-            else:
-                yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+            elif out == data:  # STREAMED, unchanged: the gateway sends its own copy on
+                mutation = None
+            else:  # STREAMED: the chunk replaced (nvext added, the usage the client did not ask for taken out)
+                mutation = pb.BodyMutation(body=out) if out else pb.BodyMutation(clear_body=True)
+            common = pb.CommonResponse(body_mutation=mutation) if mutation is not None else None
+            yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
             if request.response_body.end_of_stream:
                 self.ended = True
                 self.finish()
@@ -199,57 +202,63 @@ class _Stream:
             self.ended = True
             self.finish()
 
-    async def _pick_without_body(self) -> AsyncIterator[Any]:
-        """A request without a body (``GET /v1/models``, health): any healthy worker of the subset."""
-        state = self.picker.state
+    def _any_endpoint(self) -> str | None:
+        """For a request without a routing decision (``GET /v1/models``, health): a healthy worker of the subset."""
         allowed = set(self.subset) if self.subset is not None else None
-        for w in sorted(state.pool.workers.values(), key=lambda w: w.id):
+        for w in sorted(self.picker.state.pool.workers.values(), key=lambda w: w.id):
             if w.healthy and (allowed is None or endpoint_of(w.spec.url) in allowed):
-                yield self._route_to(endpoint_of(w.spec.url), None)
-                return
-        yield self._immediate(503, OpenAIError(503, "no healthy worker"))
+                return endpoint_of(w.spec.url)
+        return None
+
+    def _route_to_any(self) -> Any:
+        endpoint = self._any_endpoint()
+        if endpoint is None:
+            return self._immediate(503, OpenAIError(503, "no healthy worker"))
+        return self._route_to(endpoint, None)
 
     async def _pick(self) -> AsyncIterator[Any]:
+        """The request is complete: decide, answer the endpoint, and (full duplex) stream the body back."""
         headers = Headers(raw=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers])
-        path = headers.get(":path", "").split("?", 1)[0]
-        kind = KINDS.get(path)
+        kind = KINDS.get(headers.get(":path", "").split("?", 1)[0])
         if kind is None:  # not a generation route: no decision to make, any worker answers it
-            async for r in self._pick_without_body():
-                yield r
-            return
-        source = PickerSource(headers, bytes(self.body), self.subset)
-        result = await self.picker.routes.generate(source, kind, _hand_over)
-        if isinstance(result, Response):  # refused: the error the proxy would have answered
-            yield self._immediate_response(result)
-            return
-        assert isinstance(result, Picked)
-        self.picked = result
-        ctx = result.ctx
-        yield self._route_to(endpoint_of(result.lease.decision.worker.spec.url), ctx.out_body)
-        if self.request_mode == FULL_DUPLEX:
+            endpoint, body = self._any_endpoint(), bytes(self.body)
+            if endpoint is None:
+                yield self._immediate(503, OpenAIError(503, "no healthy worker"))
+                return
+        else:
+            source = PickerSource(headers, bytes(self.body), self.subset)
+            result = await self.picker.routes.generate(source, kind, _hand_over)
+            if isinstance(result, Response):  # refused: the error the proxy would have answered
+                yield self._immediate_response(result)
+                return
+            assert isinstance(result, Picked)
+            self.picked = result
+            endpoint, body = endpoint_of(result.lease.decision.worker.spec.url), result.ctx.out_body
+        yield self._route_to(endpoint, body)
+        if self.request_mode == FULL_DUPLEX:  # the body goes on as the picker streams it back
             pb = self.picker.pb
-            streamed = pb.StreamedBodyResponse(body=ctx.out_body, end_of_stream=True)
-            mutation = pb.BodyMutation(streamed_response=streamed)
+            mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True))
             yield pb.ProcessingResponse(
                 request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
             )
 
     def _route_to(self, endpoint: str, body: bytes | None) -> Any:
-        """The decision as the gateway takes it: header + ``envoy.lb`` metadata (and, buffered, the body)."""
+        """The decision as the gateway takes it: the header and the ``envoy.lb`` metadata, on the answer to
+        the request's headers, or (buffered body, headers already answered) on the body's with the body
+        the engine gets (the proxy's: nvext applied, usage requested) and its length."""
         pb = self.picker.pb
         set_headers = [pb.HeaderValueOption(header=pb.HeaderValue(key=DESTINATION, raw_value=endpoint.encode()))]
-        if body is not None and self.request_mode != FULL_DUPLEX:  # a buffered body replaced: its length
-            length = str(len(body)).encode()
-            set_headers.append(pb.HeaderValueOption(header=pb.HeaderValue(key="content-length", raw_value=length)))
-        common = pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(set_headers=set_headers),
-            clear_route_cache=True,
-        )
+        common = pb.CommonResponse(clear_route_cache=True)
         meta = pb.Struct()
         meta.update({LB_NAMESPACE: {DESTINATION: endpoint}})
-        if body is None or self.request_mode == FULL_DUPLEX:
+        if not self.headers_answered:
+            common.header_mutation.CopyFrom(pb.HeaderMutation(set_headers=set_headers))
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
-        common.body_mutation.body = body
+        if body is not None:
+            length = str(len(body)).encode()
+            set_headers.append(pb.HeaderValueOption(header=pb.HeaderValue(key="content-length", raw_value=length)))
+            common.body_mutation.body = body
+        common.header_mutation.CopyFrom(pb.HeaderMutation(set_headers=set_headers))
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)
 
     def _immediate(self, status: int, exc: OpenAIError) -> Any:
@@ -297,8 +306,8 @@ class _Stream:
             return
         from .openai_routes import ResponseRewriter
 
-        # response nvext / speculative prefill; a unary body is only rewritten when relayed whole
-        if ctx.rewrite and (ctx.stream or self.response_mode == FULL_DUPLEX):
+        # response nvext / speculative prefill (a unary body is held and rewritten whole at its end)
+        if ctx.rewrite:
             self.rewriter = ResponseRewriter(self.picker.routes, ctx, lease)
         if ctx.stream:
             from .proxy import ChunkPipeline

@@ -8,6 +8,7 @@ decision; the booking lives until the response ends through Envoy, or its stream
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -62,7 +63,7 @@ class Pool:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[Pool]:
-    with Cluster(quiet_logs=True) as cluster:
+    with Cluster(log_dir=os.environ.get("KVROUTE_EPP_TEST_LOGS")) as cluster:
         for _ in range(2):
             cluster.start_mocker(MockerOptions(block_size=BLOCK, speedup_ratio=5.0))
         cluster.wait_workers_ready()
@@ -145,8 +146,8 @@ def test_loads_return_to_zero_after_unary_streams_and_a_client_leaving_mid_strea
         long = chat("a client that leaves", "tell me everything", max_tokens=4000)
         with gw.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as r:
             assert r.status_code == 200
-            next(r.iter_raw())  # the first chunk: prefill done, decoding
-            assert not pool.idle()
+            first = next(r.iter_raw())  # the first chunk: the request is on its engine
+            assert not pool.idle(), (first, pool.fe.get("/loads").json(), pool.fe.get("/metrics").text[:3000])
         # the client closed mid-stream: Envoy resets the upstream and the ext_proc stream ends early
         wait_until(pool.idle, 15, what="loads back to 0 after the client left")
         metrics = pool.fe.get("/metrics").text
@@ -155,6 +156,30 @@ def test_loads_return_to_zero_after_unary_streams_and_a_client_leaving_mid_strea
             or re.search(r"^dynamo_frontend_disconnected_clients(?:_total)? [1-9]", metrics, re.M)
             or "cancelled" in metrics
         )
+
+
+def test_a_buffered_request_body_and_a_streamed_response_work_the_same(pool: Pool) -> None:
+    """The other body modes a gateway may configure: the endpoint rides on the buffered body's answer, and
+    streamed response chunks are observed (and changed only as the proxy changes them)."""
+    prefix = "buffered " + "the body arrives whole, the answer in pieces. " * 12
+    with gateway(pool, request_body_mode="BUFFERED", response_body_mode="STREAMED") as gw:
+        first = gw.post("/v1/chat/completions", json=chat(prefix, "one", nvext={"extra_fields": ["worker_id"]}))
+        assert first.status_code == 200, first.text
+        worker = first.json()["nvext"]["worker_id"]["decode_worker_id"]
+        wait_until(
+            lambda: any(
+                c["worker_id"] == worker and c["overlap_blocks"] > 0
+                for c in pool.fe.post("/admin/route", json=chat(prefix, "two")).json()["candidates"]
+            ),
+            30,
+            what="the first request's blocks indexed",
+        )
+        events = stream_events(gw, chat(prefix, "two", nvext={"extra_fields": ["worker_id"]}))
+        assert next(e["nvext"] for e in events if "nvext" in e)["worker_id"]["decode_worker_id"] == worker
+        assert not any(e.get("usage") for e in events)  # asked of the engine for parity, not passed on
+        assert gw.get("/v1/models").status_code == 200
+        assert gw.post("/v1/embeddings-not-a-route", json={}).status_code in (404, 405)  # no decision: any engine
+    wait_until(pool.idle, 15, what="every load back to 0")
 
 
 def test_the_gateways_endpoint_subset_is_honoured_and_an_empty_one_refused(pool: Pool) -> None:
@@ -211,6 +236,38 @@ def test_an_engine_killed_mid_stream_frees_its_booking_and_new_requests_avoid_it
         assert failed in ([], [503]), failed
     pool.cluster.wait_workers_ready()
     wait_until(pool.idle, 15, what="loads back to 0")
+
+
+def hit_rate_of(pool: Pool, client: httpx.Client, run: str) -> float:
+    """A multi-turn workload (4 sessions x 4 turns over 2 shared system prompts, one request at a time)
+    whose text is its own (``run``): the engines' prefix-cache hit rate over it."""
+
+    def counters() -> tuple[float, float]:
+        text = "".join(httpx.get(f"{w.url}/metrics", timeout=5).text for w in pool.cluster.workers)
+        hits = sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})? (\S+)", text, re.M))
+        queries = sum(float(v) for v in re.findall(r"^vllm:prefix_cache_queries_total(?:\{[^}]*\})? (\S+)", text, re.M))
+        return hits, queries
+
+    systems = [f"{run} system prompt {k}: " + f"you are assistant number {k}, be precise. " * 20 for k in range(2)]
+    history: dict[int, list[dict[str, str]]] = {s: [{"role": "system", "content": systems[s % 2]}] for s in range(4)}
+    h0, q0 = counters()
+    for turn in range(4):
+        for session, messages in history.items():
+            messages.append({"role": "user", "content": f"session {session} turn {turn}: go on " * 4})
+            r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+    h1, q1 = counters()
+    return (h1 - h0) / (q1 - q0)
+
+
+def test_routing_through_the_picker_reuses_as_much_as_the_proxy(pool: Pool) -> None:
+    proxy = hit_rate_of(pool, pool.fe, "through the proxy")
+    with gateway(pool) as gw:
+        picker = hit_rate_of(pool, gw, "through the gateway")
+    assert proxy > 0.4  # the workload reuses: shared system prompts and each session's history
+    assert abs(picker - proxy) <= 0.02, (picker, proxy)
+    wait_until(pool.idle, 15, what="every load back to 0")
 
 
 def test_the_picker_answers_grpc_health_checks(pool: Pool) -> None:
