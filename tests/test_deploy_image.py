@@ -131,7 +131,7 @@ def test_build_stage_copies_what_pyproject_packages() -> None:
     assert not any("__pycache__" in f or f.endswith(".pyc") for f in sent)
 
 
-def test_dependency_install_step_installs_pyprojects_dependencies() -> None:
+def test_dependency_install_step_installs_pyprojects_dependencies_and_the_extras_the_manifests_use() -> None:
     runs = [a for w, a in stages()[0] if w == "RUN" and "requirements" in a]
     assert len(runs) == 1
     generate, _, install = runs[0].partition("&&")
@@ -140,7 +140,10 @@ def test_dependency_install_step_installs_pyprojects_dependencies() -> None:
     out = subprocess.run(
         ["bash", "-c", command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    assert out.split() == [d.replace(" ", "") for d in pyproject()["project"]["dependencies"]]
+    project = pyproject()["project"]
+    extras = project["optional-dependencies"]  # what deploy/k8s runs: kubernetes discovery, the endpoint picker
+    wanted = project["dependencies"] + extras["k8s"] + extras["epp"]
+    assert out.split() == [d.replace(" ", "") for d in wanted]
 
 
 def dockerignore_patterns() -> list[tuple[bool, str]]:

@@ -27,7 +27,11 @@ from support import REPO_ROOT
 K8S = os.path.join(REPO_ROOT, "deploy", "k8s")
 OVERLAYS = sorted(os.listdir(os.path.join(K8S, "overlays")))
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com-v1.json"}
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.monitoring.coreos.com-v1.json",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool.inference.networking.k8s.io-v1.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.gateway.networking.k8s.io-v1.json",
+}
 ANNOTATIONS = (
     "kvroute.io/http-port",
     "kvroute.io/kv-events-port",
@@ -320,6 +324,39 @@ def test_every_kvroute_command_line_parses(overlay: str) -> None:
                 mocker_parser().parse_args(args)
             else:
                 pytest.fail(f"unknown program {program}")
+
+
+def test_the_inference_gateway_overlay_names_kvroutes_picker_for_the_engines() -> None:
+    """InferencePool -> the picker Service -> a frontend port serving --epp-port; the pool selects the engines
+    on their HTTP port; the HTTPRoute sends the Gateway's traffic to the pool."""
+    objs = render("inference-gateway")
+    pool = one(objs, "InferencePool", "vllm-workers")
+    ref = pool["spec"]["endpointPickerRef"]
+    service = one(objs, "Service", ref["name"])
+    frontend = one(objs, "Deployment", "kvroute-frontend")
+    pod = frontend["spec"]["template"]
+    assert selects(service["spec"]["selector"], pod["metadata"]["labels"])
+    svc_port = next(p for p in service["spec"]["ports"] if p["port"] == ref["portNumber"])
+    container = pod["spec"]["containers"][0]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(flag(container["args"], "--epp-port") or 0) == named[svc_port["targetPort"]] == ref["portNumber"]
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    engines = [
+        d
+        for d in by_kind(objs, "Deployment")
+        if selects(pool["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])
+    ]
+    assert [d["metadata"]["name"] for d in engines] == ["vllm-worker"]
+    engine_ports = {p["containerPort"] for p in engines[0]["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert pool["spec"]["targetPorts"][0]["number"] in engine_ports
+    route = one(objs, "HTTPRoute", "kvroute-llm")
+    backends = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "vllm-workers"}]
+    bad = {**pool, "spec": {**pool["spec"], "endpointPickerRef": {**ref, "failureMode": "FailSometimes"}}}
+    import jsonschema
+
+    with pytest.raises(jsonschema.ValidationError):
+        validate(bad)
 
 
 def test_standalone_components_are_optional() -> None:
