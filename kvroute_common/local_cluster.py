@@ -209,6 +209,16 @@ class Cluster:
         self.frontend_url = f"http://127.0.0.1:{port}"
         return self.frontend_url
 
+    def start_gateway(self, picker_port: int, timeout: float = 60.0) -> str:
+        """A real Envoy in front of the workers with the frontend's endpoint picker (``--epp-port
+        picker_port``) as its ext_proc service, as inference gateways run it; its URL once ready."""
+        from .local_gateway import write_config
+
+        gateway = write_config(self.log_dir, picker_port)
+        child = self._spawn("gateway", [*gateway.args(), "--concurrency", "1"])
+        _wait(functools.partial(_get_ok, gateway.ready_url), timeout, f"gateway at {gateway.url}", child)
+        return gateway.url
+
     def restart_mocker(self, worker: Worker, sig: int = signal.SIGKILL) -> None:
         """Fault injection: kill ``worker``'s process (SIGKILL: no clean-up, its cache is lost) and
         start a new one with the same flags, so on the same HTTP and ZMQ ports; returns at once

@@ -152,16 +152,40 @@ def envoy_available() -> bool:
     return spec is not None
 
 
+def write_config(directory: str, picker_port: int, subset: Sequence[str] | None = None, **options: Any) -> Gateway:
+    """A gateway's Envoy bootstrap written under ``directory`` on fresh loopback ports."""
+    listen, admin = free_port(), free_port()
+    path = os.path.join(directory, f"envoy-gateway-{listen}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(envoy_config(listen, picker_port, admin, subset, **options), f)
+    return Gateway(path, listen, admin)
+
+
+class Gateway:
+    """One gateway's config file and ports, and how to run it (``python <args>``: the wheel's Envoy)."""
+
+    def __init__(self, config_path: str, listen_port: int, admin_port: int) -> None:
+        self.config_path = config_path
+        self.listen_port = listen_port
+        self.admin_port = admin_port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    @property
+    def ready_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}/ready"
+
+    def args(self) -> list[str]:
+        # a base id of its own: Envoys on one machine must not share shared-memory regions
+        return ["-c", _ENVOY, "-c", self.config_path, "--log-level", "warn", "--base-id", str(self.listen_port)]
+
+
 @contextlib.contextmanager
 def envoy_gateway(picker_port: int, subset: Sequence[str] | None = None, **options: Any) -> Iterator[str]:
     """A running Envoy gateway in front of the picker on ``picker_port``; its base URL."""
-    listen, admin = free_port(), free_port()
-    config = envoy_config(listen, picker_port, admin, subset, **options)
     with tempfile.TemporaryDirectory(prefix="kvroute-envoy-") as tmp:
-        path = os.path.join(tmp, "envoy.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(config, f)
-        args = ["-c", _ENVOY, "-c", path, "--log-level", "warn", "--base-id", str(listen), "--concurrency", "1"]
-        ready = http_ready(f"http://127.0.0.1:{admin}/ready")
-        with service(args, ready=ready, timeout=60):
-            yield f"http://127.0.0.1:{listen}"
+        gateway = write_config(tmp, picker_port, subset, **options)
+        with service([*gateway.args(), "--concurrency", "1"], ready=http_ready(gateway.ready_url), timeout=60):
+            yield gateway.url

