@@ -55,7 +55,7 @@ class AdminRoutes:
             for w in workers
         ]
         endpoints = sorted({w.spec.url for w in workers if w.healthy})
-        ready = any(e.ready for e in st.models.values())
+        ready = st.serving
         body = {
             "status": "healthy" if ready else "not_ready",
             "message": "Service is ready" if ready else "No healthy worker yet",

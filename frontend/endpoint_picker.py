@@ -24,6 +24,7 @@ the response headers, and the end at the stream's close).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -220,6 +221,9 @@ class _Stream:
         """The request is complete: decide, answer the endpoint, and (full duplex) stream the body back."""
         headers = Headers(raw=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers])
         kind = KINDS.get(headers.get(":path", "").split("?", 1)[0])
+        if not self.picker.state.serving:  # starting (no engine known yet) or draining: not a 404
+            yield self._immediate(503, OpenAIError(503, "kvroute is not ready: no healthy worker yet"))
+            return
         if kind is None:  # not a generation route: no decision to make, any worker answers it
             endpoint, body = self._any_endpoint(), bytes(self.body)
             if endpoint is None:
@@ -372,6 +376,8 @@ class EndpointPicker:
         self.pb = epp_protocol
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.health: Any = None  # epp_protocol.Health
+        self._watch: asyncio.Future[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         import grpc
@@ -380,14 +386,24 @@ class EndpointPicker:
 
         server = grpc.aio.server()
         epp_protocol.add_servicer(server, self.process)
-        await epp_protocol.add_health(server)
+        self.health = epp_protocol.Health(server)
         bound = server.add_insecure_port(f"{host}:{port}")
         await server.start()
+        await self.health.start()
         self.server, self.port = server, bound
+        self._watch = asyncio.ensure_future(self._follow_readiness())
         log.info("endpoint picker (ext_proc) listening on %s:%s", host, bound)
         return bound
 
+    async def _follow_readiness(self) -> None:
+        """Readiness follows the frontend's (``/health``): checked every half second, as a prober would."""
+        while True:
+            await self.health.set_ready(self.state.serving)
+            await asyncio.sleep(0.5)
+
     async def stop(self, grace: float = 1.0) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None

@@ -44,7 +44,7 @@ __all__ = [
     "Struct",
     "TrailersResponse",
     "SERVICE",
-    "add_health",
+    "Health",
     "add_servicer",
 ]
 
@@ -67,11 +67,26 @@ def add_servicer(server: grpc.aio.Server, process: Process) -> None:
     _grpc.add_ExternalProcessorServicer_to_server(_Servicer(process), server)
 
 
-async def add_health(server: grpc.aio.Server) -> None:
-    """gRPC health: ``liveness``, ``readiness`` and the ext_proc service itself, all SERVING while up."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+class Health:
+    """gRPC health: ``liveness`` SERVING while the process answers; ``readiness`` and the ext_proc service
+    SERVING while the frontend is ready for requests (``set_ready``)."""
 
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for name in ("", "liveness", "readiness", SERVICE):
-        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    def __init__(self, server: grpc.aio.Server) -> None:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        self._pb = health_pb2
+        self.servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        self.ready: bool | None = None
+
+    async def start(self) -> None:
+        await self.servicer.set("liveness", self._pb.HealthCheckResponse.SERVING)
+        await self.set_ready(False)
+
+    async def set_ready(self, ready: bool) -> None:
+        if ready == self.ready:
+            return
+        self.ready = ready
+        status = self._pb.HealthCheckResponse.SERVING if ready else self._pb.HealthCheckResponse.NOT_SERVING
+        for name in ("", "readiness", SERVICE):
+            await self.servicer.set(name, status)

@@ -599,6 +599,12 @@ class FrontendState:
         for backend in self.discovery:
             await backend.start(target)
 
+    @property
+    def serving(self) -> bool:
+        """Ready for requests: some model has a healthy worker, and not shutting down (``/health``, and
+        the endpoint picker's readiness)."""
+        return not self.shutting_down and any(e.ready for e in self.models.values())
+
     async def stop(self) -> None:
         self.shutting_down = True
         if self.stall_logger is not None:

@@ -279,3 +279,54 @@ def test_the_picker_answers_grpc_health_checks(pool: Pool) -> None:
         for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_picker_restart_under_traffic_costs_what_the_failure_mode_says(tmp_path) -> None:
+    """FailClose (the gateway's failure_mode_allow off): while the picker is down, requests are refused at
+    once by the gateway (5xx, none hangs); once it is back they are routed again and nothing stays booked."""
+    import threading
+
+    from support import mocker_url, service
+
+    with mocker_url(MODEL) as worker:
+        port, epp = free_port(), free_port()
+        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
+        args += ["--epp-port", str(epp), "--worker", worker]
+        health = f"http://127.0.0.1:{port}/health"
+        outcomes: list[int] = []
+        stop = threading.Event()
+        with envoy_gateway(epp) as url:
+
+            def traffic() -> None:
+                with httpx.Client(base_url=url, timeout=30) as gw:
+                    for n in range(2000):  # bounded; ends when the test says so
+                        if stop.is_set():
+                            return
+                        body = chat(f"restart traffic {n % 7}", f"request {n}")
+                        outcomes.append(gw.post("/v1/chat/completions", json=body).status_code)
+
+            with service(args, ready_url=health, timeout=90):
+                thread = threading.Thread(target=traffic)
+                thread.start()
+                wait_until(lambda: outcomes.count(200) >= 5, 30, what="traffic through the picker")
+            down = len(outcomes)
+            wait_until(lambda: len(outcomes) >= down + 3, 30, what="requests while the picker is down")
+            with service(args, ready_url=health, timeout=90) as _:
+                fe = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+                back = len(outcomes)
+                wait_until(lambda: outcomes[back:].count(200) >= 5, 60, what="traffic routed again")
+                stop.set()
+                thread.join(timeout=60)
+                assert not thread.is_alive()
+                refused = [s for s in outcomes if s != 200]
+                assert refused and all(500 <= s < 600 for s in refused), sorted(set(outcomes))
+                loads = fe.get("/loads").json()
+                wait_until(
+                    lambda: all(
+                        r["active_prefill_tokens"] == 0 and r["active_decode_blocks"] == 0
+                        for r in fe.get("/loads").json()
+                    ),
+                    15,
+                    what="nothing booked",
+                )
+                assert loads is not None
