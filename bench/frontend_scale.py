@@ -43,7 +43,7 @@ import httpx
 MODEL = "kvroute-demo"
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -52,7 +52,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             return [int(p) for p in f.read().split()]
@@ -77,7 +77,9 @@ def _serving_pids(url: str, want: int, timeout: float = 90.0) -> set[int]:
     return seen
 
 
-def _wrk(url: str, body: bytes, duration: float, connections: int, threads: int) -> tuple[float, dict[str, Any], int]:
+def run_wrk(
+    url: str, body: bytes, duration: float, connections: int, threads: int
+) -> tuple[float, dict[str, Any], int]:
     """Run wrk against url; (req/s, latency summary, wrk pid's CPU is measured by the caller via /proc)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(
@@ -190,7 +192,7 @@ http {{
 """
 
 
-class _NginxUpstream:
+class NginxUpstream:
     """nginx as the cheapest possible engine: ``workers`` ports, one nginx worker process."""
 
     def __init__(self, workers: int) -> None:
@@ -221,7 +223,7 @@ class _NginxUpstream:
             time.sleep(0.05)  # polling a local server's start-up; bounded by the deadline above
 
     def pids(self) -> list[int]:
-        return [self.proc.pid, *_children(self.proc.pid)]
+        return [self.proc.pid, *children(self.proc.pid)]
 
     def worker_args(self) -> list[str]:
         return [a for i, port in enumerate(self.ports, 1) for a in ("--worker", f"id={i},url=http://127.0.0.1:{port}")]
@@ -252,7 +254,7 @@ def bench_scale(
     args = ["--log-level", "warning", "--workers", str(processes)]
     with contextlib.ExitStack() as stack:
         if upstream == "nginx":
-            ng = _NginxUpstream(n_workers)
+            ng = NginxUpstream(n_workers)
             stack.callback(ng.close)
             cluster = stack.enter_context(Cluster())
             cluster.start_frontend(
@@ -269,20 +271,20 @@ def bench_scale(
         assert cluster.frontend is not None and cluster.frontend_url is not None  # started above
         top = cluster.frontend.proc.pid
         _serving_pids(cluster.frontend_url, processes)
-        fe_pids = [top, *_children(top)] if processes > 1 else [top]
-        _wrk(cluster.frontend_url, body, 3.0, connections, threads)  # warm-up: connections, tokenizer, caches
+        fe_pids = [top, *children(top)] if processes > 1 else [top]
+        run_wrk(cluster.frontend_url, body, 3.0, connections, threads)  # warm-up: connections, tokenizer, caches
         r0 = os.times()
         up_pids = upstream_pids()
-        fe0, mk0 = sum(map(_cpu_seconds, fe_pids)), sum(map(_cpu_seconds, up_pids))
+        fe0, mk0 = sum(map(cpu_seconds, fe_pids)), sum(map(cpu_seconds, up_pids))
         t0 = time.perf_counter()
-        rps, lat, errors = _wrk(cluster.frontend_url, body, duration, connections, threads)
+        rps, lat, errors = run_wrk(cluster.frontend_url, body, duration, connections, threads)
         wall = time.perf_counter() - t0
-        fe = sum(map(_cpu_seconds, fe_pids)) - fe0
-        mk = sum(map(_cpu_seconds, up_pids)) - mk0
+        fe = sum(map(cpu_seconds, fe_pids)) - fe0
+        mk = sum(map(cpu_seconds, up_pids)) - mk0
         r1 = os.times()
         gen = (r1.children_user - r0.children_user) + (r1.children_system - r0.children_system)
         n = rps * duration
-        per_proc = {pid: round(_cpu_seconds(pid), 2) for pid in fe_pids}
+        per_proc = {pid: round(cpu_seconds(pid), 2) for pid in fe_pids}
     return {
         "bench": "scale",
         "processes": processes,

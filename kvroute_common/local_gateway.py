@@ -36,14 +36,28 @@ def _address(host: str, port: int) -> dict[str, Any]:
 
 def envoy_config(
     listen_port: int,
-    picker_port: int,
+    picker_port: int | None,
     admin_port: int,
     subset: Sequence[str] | None = None,
     request_body_mode: str = FULL_DUPLEX,
     response_body_mode: str = FULL_DUPLEX,
     failure_mode_allow: bool = False,
+    round_robin: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Envoy's bootstrap for one gateway listener in front of one endpoint picker."""
+    """Envoy's bootstrap for one gateway listener in front of one endpoint picker; without a picker
+    (``picker_port`` None), plain Envoy round robin over the loopback ports ``round_robin`` (the baseline
+    an inference gateway is measured against)."""
+    admin = {"address": _address("127.0.0.1", admin_port)}
+    if picker_port is None:
+        endpoints = [{"endpoint": {"address": _address("127.0.0.1", p)}} for p in round_robin]
+        pool = {
+            "name": "pool",
+            "type": "STATIC",
+            "lb_policy": "ROUND_ROBIN",
+            "connect_timeout": "2s",
+            "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": endpoints}]},
+        }
+        return {"admin": admin, "static_resources": {"listeners": [_listener(listen_port, [])], "clusters": [pool]}}
     filters: list[dict[str, Any]] = []
     if subset is not None:
         filters.append(
@@ -80,9 +94,41 @@ def envoy_config(
             ),
         }
     )
-    filters.append(
-        {"name": "envoy.filters.http.router", "typed_config": _any("envoy.extensions.filters.http.router.v3.Router")}
-    )
+    http2 = {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            explicit_http_config={"http2_protocol_options": {}},
+        )
+    }
+    picker = {
+        "name": "endpoint_picker",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": http2,
+        "load_assignment": {
+            "cluster_name": "endpoint_picker",
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address("127.0.0.1", picker_port)}}]}],
+        },
+    }
+    pool = {
+        "name": "pool",
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "2s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+    }
+    return {
+        "admin": admin,
+        "static_resources": {"listeners": [_listener(listen_port, filters)], "clusters": [picker, pool]},
+    }
+
+
+def _listener(port: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gateway's HTTP listener: ``filters``, then the router to the cluster ``pool``."""
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": _any("envoy.extensions.filters.http.router.v3.Router"),
+    }
     manager = _any(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         stat_prefix="gateway",
@@ -95,52 +141,14 @@ def envoy_config(
                 }
             ]
         },
-        http_filters=filters,
+        http_filters=[*filters, router],
     )
-    http2 = {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            explicit_http_config={"http2_protocol_options": {}},
-        )
-    }
     return {
-        "admin": {"address": _address("127.0.0.1", admin_port)},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "gateway",
-                    "address": _address("127.0.0.1", listen_port),
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": [
-                {
-                    "name": "endpoint_picker",
-                    "type": "STATIC",
-                    "connect_timeout": "1s",
-                    "typed_extension_protocol_options": http2,
-                    "load_assignment": {
-                        "cluster_name": "endpoint_picker",
-                        "endpoints": [
-                            {"lb_endpoints": [{"endpoint": {"address": _address("127.0.0.1", picker_port)}}]}
-                        ],
-                    },
-                },
-                {
-                    "name": "pool",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": "2s",
-                    "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-                },
-            ],
-        },
+        "name": "gateway",
+        "address": _address("127.0.0.1", port),
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+        ],
     }
 
 
@@ -152,7 +160,9 @@ def envoy_available() -> bool:
     return spec is not None
 
 
-def write_config(directory: str, picker_port: int, subset: Sequence[str] | None = None, **options: Any) -> Gateway:
+def write_config(
+    directory: str, picker_port: int | None, subset: Sequence[str] | None = None, **options: Any
+) -> Gateway:
     """A gateway's Envoy bootstrap written under ``directory`` on fresh loopback ports."""
     listen, admin = free_port(), free_port()
     path = os.path.join(directory, f"envoy-gateway-{listen}.json")
@@ -183,8 +193,9 @@ class Gateway:
 
 
 @contextlib.contextmanager
-def envoy_gateway(picker_port: int, subset: Sequence[str] | None = None, **options: Any) -> Iterator[str]:
-    """A running Envoy gateway in front of the picker on ``picker_port``; its base URL."""
+def envoy_gateway(picker_port: int | None, subset: Sequence[str] | None = None, **options: Any) -> Iterator[str]:
+    """A running Envoy gateway in front of the picker on ``picker_port`` (None: round robin over
+    ``round_robin=[ports]``); its base URL."""
     with tempfile.TemporaryDirectory(prefix="kvroute-envoy-") as tmp:
         gateway = write_config(tmp, picker_port, subset, **options)
         with service([*gateway.args(), "--concurrency", "1"], ready=http_ready(gateway.ready_url), timeout=60):
