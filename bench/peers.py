@@ -37,7 +37,7 @@ from typing import Literal
 import httpx
 
 from bench.real_engines import ENGINE_ENV, MODEL_POSITIONS, engine_workers, reset_caches, wait_idle, warm_up
-from bench.replay import ModeSpec, RunOptions, failed_row, fmt, load_avg, measure
+from bench.replay import ModeSpec, RunOptions, failed_row, fmt, load_avg, measure, read_counter
 from bench.sessions import WORKLOADS, Workload, session_trace
 from bench.traces import Trace, distinct_blocks, oracle
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions, Worker
@@ -50,6 +50,9 @@ REQUIRE_ENV = "KVROUTE_REQUIRE_PEERS"  # set (CI): missing peers fail the test i
 PEER_PACKAGES = {"smg": "sglang-router", "vllm-router": "vllm-router"}
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32; the mockers use the same
 READY_TIMEOUT = 120.0
+# The router's own time tokenizing, where it exports it (histogram sums, read after the replay)
+TOKENIZER_TIME = {"kvroute": ("dynamo_frontend_tokenizer_latency_ms_sum", 1.0),
+                  "vllm-router": ("vllm_tokenizer_encode_duration_seconds_sum", 1000.0)}  # fmt: skip
 Kind = Literal["kvroute", "smg", "vllm-router"]
 
 
@@ -118,8 +121,10 @@ class Testbed:
     block_size: int = BLOCK_SIZE
 
 
-def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str | None) -> str:
-    """Start ``spec`` in front of ``cluster.workers``; returns its URL once it serves a completion."""
+def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str | None) -> tuple[str, str]:
+    """Start ``spec`` in front of ``cluster.workers``; returns its URL and its metrics URL once it serves
+    a completion."""
+    metrics_url = ""
     if spec.kind == "kvroute":
         url = cluster.start_frontend(
             spec.policy, extra_args=("--kv-cache-block-size", str(bed.block_size)), model_path=bed.model_path
@@ -130,6 +135,7 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
             raise RuntimeError(missing_reason())
         port, metrics_port = cluster.port(), cluster.port()
         url = f"http://127.0.0.1:{port}"
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         urls = [w.url for w in cluster.workers]
         common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", spec.policy]
         common += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
@@ -143,7 +149,7 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
                 env["VLLM_ROUTER_TOKENIZER"] = bed.tokenizer_dir
         cluster.start_router(spec.label, program, args, url, env)
     wait_serving(cluster, url, bed.model)
-    return url
+    return url, metrics_url or f"{url}/metrics"
 
 
 def kv_event_args(workers: Sequence[Worker], bed: Testbed) -> list[str]:
@@ -190,7 +196,7 @@ def run_router(
     """Start ``spec`` in front of the cluster's engines, replay, stop the router (the caller owns the
     engines); the row adds the router's CPU seconds over the replay."""
     t0 = time.perf_counter()
-    url = start_router(cluster, spec, bed, bin_dir)
+    url, router_metrics = start_router(cluster, spec, bed, bin_dir)
     assert cluster.frontend is not None
     pid = cluster.frontend.proc.pid
     print(f"[{spec.label}] ready in {time.perf_counter() - t0:.1f} s ({load_avg()})", flush=True)
@@ -201,14 +207,36 @@ def run_router(
     row.update(router=spec.label, kind=spec.kind, policy=spec.policy, command=spec.describe())
     row["router_cpu_s"] = round(cpu, 2)
     row["router_cpu_ms_per_request"] = round(1000.0 * cpu / max(1, row["completed"]), 2)
+    row["tokenizer_ms_per_request"] = tokenizer_ms(spec, router_metrics, row["completed"])
     return row
+
+
+def tokenizer_ms(spec: RouterSpec, metrics_url: str, requests: int) -> float | None:
+    """The router's own tokenizer time per request (None where it does not export it); the run's total,
+    since every router starts fresh."""
+    name, scale = TOKENIZER_TIME.get(spec.kind, ("", 0.0))
+    if not name or not requests:
+        return None
+    try:
+        total = read_counter(httpx.get(metrics_url, timeout=5.0).text, name)
+    except httpx.HTTPError:
+        return None
+    return None if total is None else round(total * scale / requests, 2)
+
+
+def busiest_share(cache: dict | None) -> float | None:
+    """The largest share of the schedule's prompt tokens that one engine received: 1/engines is an even
+    spread, 1.0 means every request went to one engine."""
+    if not cache or not cache["queries"]:
+        return None
+    return round(max(w["queries"] for w in cache["per_worker"].values()) / cache["queries"], 3)
 
 
 def failed(trace: Trace, spec: RouterSpec, exc: BaseException) -> dict:
     print(f"[{spec.label}] run failed: {exc}", flush=True)
     row = failed_row(trace, ModeSpec(spec.label, spec.policy), exc)
     row.update(router=spec.label, kind=spec.kind, policy=spec.policy, command=spec.describe())
-    row["router_cpu_s"] = row["router_cpu_ms_per_request"] = None
+    row["router_cpu_s"] = row["router_cpu_ms_per_request"] = row["tokenizer_ms_per_request"] = None
     return row
 
 
@@ -303,8 +331,8 @@ def table(report: dict) -> str:
     orc = report["oracle"]["token_share"]
     lines = [
         "| router | hit rate (engines) | of oracle | TTFT p50 / p90 / p99 ms | e2e p50 ms | errors "
-        "| router CPU ms / request |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| router CPU ms / request (of it tokenizing) | busiest engine's share |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for m in report["routers"]:
         hit = m.get("hit_rate")
@@ -312,9 +340,11 @@ def table(report: dict) -> str:
         lines.append(
             f"| {m['router']} | {fmt(hit, '%')} | {f'{hit / orc:.1%}' if hit is not None and orc else 'n/a'} "
             f"| {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} | {fmt(m['e2e_ms']['p50'])} "
-            f"| {m['requests'] - m['completed']} | {fmt(m.get('router_cpu_ms_per_request'))} |"
+            f"| {m['requests'] - m['completed']} | {fmt(m.get('router_cpu_ms_per_request'))}"
+            f"{f' ({fmt(tok)})' if (tok := m.get('tokenizer_ms_per_request')) is not None else ''} "
+            f"| {fmt(busiest_share(m.get('cache')))} |"
         )
-    lines.append(f"| oracle (one infinite shared cache) | {fmt(orc, '%')} | 100% | | | | |")
+    lines.append(f"| oracle (one infinite shared cache) | {fmt(orc, '%')} | 100% | | | | | |")
     return "\n".join(lines)
 
 
