@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.real_engines import ENGINE_ENV, MODEL_POSITIONS, engine_workers, reset_caches, wait_idle, warm_up
 from bench.replay import ModeSpec, RunOptions, failed_row, fmt, load_avg, measure, read_counter
@@ -50,9 +51,16 @@ REQUIRE_ENV = "KVROUTE_REQUIRE_PEERS"  # set (CI): missing peers fail the test i
 PEER_PACKAGES = {"smg": "sglang-router", "vllm-router": "vllm-router"}
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32; the mockers use the same
 READY_TIMEOUT = 120.0
+# vllm-router's kv_aware has a real vLLM engine render (tokenize) each request (POST /v1/completions/render)
+# and routes without its KV index when that fails; vLLM 0.32 answers it (403 otherwise) only when started
+# with --enable-scale-out. The mockers have no such endpoint, so the router tokenizes in-process there.
+VLLM_ENGINE_ARGS = ("--enable-scale-out",)
 # The router's own time tokenizing, where it exports it (histogram sums, read after the replay)
 TOKENIZER_TIME = {"kvroute": ("dynamo_frontend_tokenizer_latency_ms_sum", 1.0),
                   "vllm-router": ("vllm_tokenizer_encode_duration_seconds_sum", 1000.0)}  # fmt: skip
+# The peers' counters of how they routed (prefix hits and misses, KV index lookups, load balancing)
+ROUTER_COUNTERS = {"vllm-router": ("vllm_router_kv_", "vllm_router_prefix_routing", "vllm_router_load_balancing"),
+                   "smg": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection")}  # fmt: skip
 Kind = Literal["kvroute", "smg", "vllm-router"]
 
 
@@ -196,7 +204,7 @@ def run_router(
     """Start ``spec`` in front of the cluster's engines, replay, stop the router (the caller owns the
     engines); the row adds the router's CPU seconds over the replay."""
     t0 = time.perf_counter()
-    url, router_metrics = start_router(cluster, spec, bed, bin_dir)
+    url, metrics_url = start_router(cluster, spec, bed, bin_dir)
     assert cluster.frontend is not None
     pid = cluster.frontend.proc.pid
     print(f"[{spec.label}] ready in {time.perf_counter() - t0:.1f} s ({load_avg()})", flush=True)
@@ -207,21 +215,26 @@ def run_router(
     row.update(router=spec.label, kind=spec.kind, policy=spec.policy, command=spec.describe())
     row["router_cpu_s"] = round(cpu, 2)
     row["router_cpu_ms_per_request"] = round(1000.0 * cpu / max(1, row["completed"]), 2)
-    row["tokenizer_ms_per_request"] = tokenizer_ms(spec, router_metrics, row["completed"])
+    row["tokenizer_ms_per_request"], row["router_counters"] = router_metrics(spec, metrics_url, row["completed"])
     return row
 
 
-def tokenizer_ms(spec: RouterSpec, metrics_url: str, requests: int) -> float | None:
-    """The router's own tokenizer time per request (None where it does not export it); the run's total,
-    since every router starts fresh."""
-    name, scale = TOKENIZER_TIME.get(spec.kind, ("", 0.0))
-    if not name or not requests:
-        return None
+def router_metrics(spec: RouterSpec, metrics_url: str, requests: int) -> tuple[float | None, dict[str, float]]:
+    """The router's own tokenizer time per request (None where it does not export it) and its routing
+    counters (``ROUTER_COUNTERS``, per label set): the run's totals, since every router starts fresh."""
     try:
-        total = read_counter(httpx.get(metrics_url, timeout=5.0).text, name)
+        text = httpx.get(metrics_url, timeout=5.0).text
     except httpx.HTTPError:
-        return None
-    return None if total is None else round(total * scale / requests, 2)
+        return None, {}
+    counters = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(ROUTER_COUNTERS.get(spec.kind, ())) and sample.name.endswith("_total"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                counters[f"{sample.name}{{{labels}}}"] = sample.value
+    name, scale = TOKENIZER_TIME.get(spec.kind, ("", 0.0))
+    total = read_counter(text, name) if name and requests else None
+    return (None if total is None else round(total * scale / requests, 2)), counters
 
 
 def busiest_share(cache: dict | None) -> float | None:
@@ -279,7 +292,7 @@ def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace
         max_len = min(MODEL_POSITIONS, max(2048, -(-longest // 1024) * 1024))
         engines = [
             vllm_cpu.VllmEngine(python, model_dir, num_gpu_blocks=blocks, max_model_len=max_len, env=dict(ENGINE_ENV),
-                                log_path=os.path.join(log_dir, f"vllm-{i}.log"))
+                                log_path=os.path.join(log_dir, f"vllm-{i}.log"), extra_args=list(VLLM_ENGINE_ARGS))
             for i in range(1, args.workers + 1)
         ]  # fmt: skip
         t0 = time.perf_counter()
@@ -365,6 +378,10 @@ def markdown(report: dict) -> str:
     ]
     lines += [f"- `{m['router']}` = `{m['command']}`" for m in report["routers"]]
     for m in report["routers"]:
+        if m.get("router_counters"):
+            lines.append(
+                f"- {m['router']} counters: " + ", ".join(f"{k} {v:g}" for k, v in m["router_counters"].items())
+            )
         if m["completed"] < m["requests"]:
             example = next(iter(m.get("error_examples", {}).values()), "")[:200]
             lines.append(f"- {m['router']}: {m['requests'] - m['completed']} failed, e.g. {example}")
