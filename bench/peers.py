@@ -220,7 +220,8 @@ def run_router(
 
 
 def router_metrics(spec: RouterSpec, metrics_url: str, requests: int) -> tuple[float | None, dict[str, float]]:
-    """The router's own tokenizer time per request (None where it does not export it) and its routing
+    """The router's own tokenizer time per request (wall time, which on a busy machine includes waiting
+    for a core; None where the router does not export it) and its routing
     counters (``ROUTER_COUNTERS``, per label set): the run's totals, since every router starts fresh."""
     try:
         text = httpx.get(metrics_url, timeout=5.0).text
@@ -344,7 +345,7 @@ def table(report: dict) -> str:
     orc = report["oracle"]["token_share"]
     lines = [
         "| router | hit rate (engines) | of oracle | TTFT p50 / p90 / p99 ms | e2e p50 ms | errors "
-        "| router CPU ms / request (of it tokenizing) | busiest engine's share |",
+        "| router CPU ms / request (tokenizer wall ms) | busiest engine's share |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for m in report["routers"]:
