@@ -201,8 +201,8 @@ def run_router(
     bin_dir: str | None,
     settle: Callable[[], None],
 ) -> dict:
-    """Start ``spec`` in front of the cluster's engines, replay, stop the router (the caller owns the
-    engines); the row adds the router's CPU seconds over the replay."""
+    """Start ``spec`` in front of the cluster's engines and replay (the caller stops the router with the
+    cluster); the row adds the router's CPU seconds over the replay and its own counters."""
     t0 = time.perf_counter()
     url, metrics_url = start_router(cluster, spec, bed, bin_dir)
     assert cluster.frontend is not None
