@@ -84,12 +84,23 @@ class RequestResult:
 
 # -- one request ----------------------------------------------------------------------------------
 async def send_one(
-    client: httpx.AsyncClient, url: str, model: str, tokens: list[int], max_tokens: int, result: RequestResult
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    tokens: list[int],
+    max_tokens: int,
+    result: RequestResult,
+    text: str | None = None,
+    messages: list[dict[str, str]] | None = None,
 ) -> None:
-    """Streamed completion with a token-id prompt; records TTFT, latency and the usage's cached tokens."""
+    """Streamed completion of a token-id prompt (or of ``text``, or a chat of ``messages``); records TTFT,
+    latency and the usage's cached tokens."""
+    path, prompt = (
+        ("chat/completions", {"messages": messages}) if messages else ("completions", {"prompt": text or tokens})
+    )
     body = {
         "model": model,
-        "prompt": tokens,
+        **prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
@@ -99,7 +110,7 @@ async def send_one(
     start = time.perf_counter()
     try:
         async with client.stream(
-            "POST", f"{url}/v1/completions", content=orjson.dumps(body), headers={"content-type": "application/json"}
+            "POST", f"{url}/v1/{path}", content=orjson.dumps(body), headers={"content-type": "application/json"}
         ) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode("utf-8", "replace")[:300]
@@ -180,7 +191,7 @@ async def run_schedule(
             async with sem:
                 res.slot_wait_s = time.perf_counter() - waited
                 res.sent = True
-                await send_one(client, url, model, req.tokens, req.max_tokens, res)
+                await send_one(client, url, model, req.tokens, req.max_tokens, res, req.text, req.messages)
             done += 1
             if res.ok:
                 succeeded.set()

@@ -72,13 +72,20 @@ def trace_sha256(path: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class TraceRequest:
-    """One request of a schedule: when to send it (seconds from replay start) and what."""
+    """One request of a schedule: when to send it (seconds from replay start) and what.
+
+    ``tokens`` is the prompt as the engine sees it (the oracle's input). A request with ``text`` is sent
+    as that text prompt to /v1/completions, one with ``messages`` to /v1/chat/completions (routers that
+    read text must see text); ``tokens`` is then the engine's tokenization of it.
+    """
 
     index: int
     arrival_s: float
     tokens: list[int]
     max_tokens: int
     session: int | None = None
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass(slots=True)

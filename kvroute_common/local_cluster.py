@@ -111,7 +111,8 @@ class Cluster:
         self._children: list[Child] = []
         self._reserved: set[int] = set()  # ports handed to children that may not have bound them yet
 
-    def _port(self) -> int:
+    def port(self) -> int:
+        """A free port not yet handed to a child of this cluster."""
         for _ in range(100):
             port = free_port()
             if port not in self._reserved:
@@ -129,7 +130,10 @@ class Cluster:
         raise RuntimeError(f"no block of {n} free ports found")
 
     # -- starting ---------------------------------------------------------------------------------
-    def _spawn(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> Child:
+    def _spawn(
+        self, name: str, args: Sequence[str], env: dict[str, str] | None = None, program: str | None = None
+    ) -> Child:
+        """``program`` (default: our python) with ``args``, logging to ``<log_dir>/<name>.log``."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         full_env = dict(os.environ)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -137,7 +141,7 @@ class Cluster:
             full_env.update(env)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [self.python, *args],
+                [program or self.python, *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -153,7 +157,7 @@ class Cluster:
         self, opts: MockerOptions, worker_id: int | None = None, port: int | None = None, role: str = "both"
     ) -> Worker:
         worker_id = worker_id if worker_id is not None else len(self.workers) + 1
-        port = port or self._port()
+        port = port or self.port()
         args = [
             "-m", "mocker", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", opts.model_name,
@@ -192,7 +196,7 @@ class Cluster:
         model_path: str | None = None,
         kv_events: bool = True,
     ) -> str:
-        port = port or self._port()
+        port = port or self.port()
         args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", router_mode]
         for w in self.workers:
             spec = (
@@ -218,6 +222,15 @@ class Cluster:
         child = self._spawn("gateway", [*gateway.args(), "--concurrency", "1"])
         _wait(functools.partial(_get_ok, gateway.ready_url), timeout, f"gateway at {gateway.url}", child)
         return gateway.url
+
+    def start_router(
+        self, name: str, program: str, args: Sequence[str], url: str, env: dict[str, str] | None = None
+    ) -> Child:
+        """Another router in the frontend's place (a peer's binary, benchmarked against kvroute): it is
+        stopped first like the frontend, and ``wait_router_ready`` waits for it."""
+        self.frontend = self._spawn(name, args, env, program)
+        self.frontend_url = url
+        return self.frontend
 
     def restart_mocker(self, worker: Worker, sig: int = signal.SIGKILL) -> None:
         """Fault injection: kill ``worker``'s process (SIGKILL: no clean-up, its cache is lost) and

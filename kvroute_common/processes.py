@@ -91,6 +91,24 @@ def service(
         log.close()
 
 
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) spent so far by session ``sid``'s live processes and the children
+    they reaped: a service started with ``start_new_session`` is its own session, so this is its whole
+    process tree (helpers and worker processes included)."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone since the listing
+            continue
+        if int(fields[3]) == sid:  # fields[0] is the state (3rd field of stat): session is stat's 6th
+            ticks += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM the process group, then SIGKILL if it does not go."""
     if proc.poll() is None:

@@ -1,0 +1,475 @@
+"""Head-to-head: kvroute's router modes and the peer routers in front of the same engines, same schedule.
+
+Every router runs alone in front of the same engines (fresh mockers per router, or real vLLM CPU engines
+whose prefix caches are reset before each router) and replays the identical text schedule
+(bench/sessions.py: multi-turn agentic sessions by default). The peers are the routers a team could
+pick instead, installed from PyPI in their own environment (``bash .ci/peers-venv`` prints its bin
+directory; ``KVROUTE_PEERS_BIN`` or ``--peers-bin`` names it), run with their default settings:
+
+- the SGLang model gateway (``sglang-router``, ``smg launch``): ``cache_aware`` (a radix tree of request
+  text per worker plus load-balance thresholds; no KV events) and ``power_of_two``;
+- the vLLM router (``vllm-router``): ``kv_aware`` (fed by every engine's ZMQ KV events and replay,
+  tokenizing each request with the model's tokenizer) and ``cache_aware`` (text tree, like SGLang's).
+
+Per router: the engines' own prefix-cache hit rate (``vllm:prefix_cache_hits / queries`` deltas, which
+the mocker exposes too), the oracle (bench/traces.py: reuse with one infinite shared cache), TTFT
+p50/p90/p99, e2e p50, errors, and the router's CPU seconds per request (its whole process tree, from
+/proc). The replay, counters and oracle are bench/replay.py's; the real-engine handling is
+bench/real_engines.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.real_engines import ENGINE_ENV, MODEL_POSITIONS, engine_workers, reset_caches, wait_idle, warm_up
+from bench.replay import ModeSpec, RunOptions, failed_row, fmt, load_avg, measure, read_counter
+from bench.sessions import WORKLOADS, Workload, session_trace
+from bench.traces import Trace, distinct_blocks, oracle
+from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions, Worker
+from kvroute_common.processes import session_cpu_s
+from kvroute_common.real_engines import vllm_cpu
+from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
+
+PEERS_BIN_ENV = "KVROUTE_PEERS_BIN"
+REQUIRE_ENV = "KVROUTE_REQUIRE_PEERS"  # set (CI): missing peers fail the test instead of skipping it
+PEER_PACKAGES = {"smg": "sglang-router", "vllm-router": "vllm-router"}
+BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32; the mockers use the same
+READY_TIMEOUT = 120.0
+# vllm-router's kv_aware has a real vLLM engine render (tokenize) each request (POST /v1/completions/render)
+# and routes without its KV index when that fails; vLLM 0.32 answers it (403 otherwise) only when started
+# with --enable-scale-out. The mockers have no such endpoint, so the router tokenizes in-process there.
+VLLM_ENGINE_ARGS = ("--enable-scale-out",)
+# The router's own time tokenizing, where it exports it (histogram sums, read after the replay)
+TOKENIZER_TIME = {"kvroute": ("dynamo_frontend_tokenizer_latency_ms_sum", 1.0),
+                  "vllm-router": ("vllm_tokenizer_encode_duration_seconds_sum", 1000.0)}  # fmt: skip
+# The peers' counters of how they routed (prefix hits and misses, KV index lookups, load balancing)
+ROUTER_COUNTERS = {"vllm-router": ("vllm_router_kv_", "vllm_router_prefix_routing", "vllm_router_load_balancing"),
+                   "smg": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection")}  # fmt: skip
+Kind = Literal["kvroute", "smg", "vllm-router"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """A row: which router (kvroute or a peer's binary) with which policy or mode."""
+
+    label: str
+    kind: Kind
+    policy: str  # kvroute's --router-mode, or the peer's --policy
+
+    def describe(self) -> str:
+        if self.kind == "kvroute":
+            return f"python -m frontend --router-mode {self.policy}"
+        return f"{'smg launch' if self.kind == 'smg' else 'vllm-router'} --policy {self.policy}"
+
+
+ROUTERS: dict[str, RouterSpec] = {
+    r.label: r
+    for r in (
+        RouterSpec("kvroute-latency", "kvroute", "latency"),
+        RouterSpec("kvroute-kv", "kvroute", "kv"),
+        RouterSpec("sglang-cache_aware", "smg", "cache_aware"),
+        RouterSpec("sglang-power_of_two", "smg", "power_of_two"),
+        RouterSpec("vllm-kv_aware", "vllm-router", "kv_aware"),
+        RouterSpec("vllm-cache_aware", "vllm-router", "cache_aware"),
+        RouterSpec("round_robin", "kvroute", "round_robin"),
+    )
+}
+
+
+# -- the peers' environment ---------------------------------------------------------------------------
+def peers_bin(given: str | None = None) -> str | None:
+    """The bin directory holding ``smg`` and ``vllm-router``, or None when it is not configured."""
+    path = given or os.environ.get(PEERS_BIN_ENV)
+    if path and all(os.access(os.path.join(path, b), os.X_OK) for b in PEER_PACKAGES):
+        return path
+    return None
+
+
+def missing_reason() -> str:
+    return (
+        f"the peer routers are not configured: set {PEERS_BIN_ENV} to the bin directory of an environment "
+        "with sglang-router and vllm-router (bash .ci/peers-venv creates one and prints it)"
+    )
+
+
+def peer_versions(bin_dir: str) -> dict[str, str]:
+    """The installed versions, from the peers' own environment."""
+    code = "import importlib.metadata as m, sys; print(' '.join(m.version(p) for p in sys.argv[1:]))"
+    names = list(PEER_PACKAGES.values())
+    out = subprocess.run(
+        [os.path.join(bin_dir, "python"), "-c", code, *names], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    return dict(zip(names, out, strict=True))
+
+
+# -- starting one router ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Testbed:
+    """What every router is given: the engines' model name, tokenizer and block size."""
+
+    model: str
+    tokenizer_dir: str  # the engines' tokenizer (kv_aware tokenizes with it)
+    model_path: str | None  # kvroute's --model-path (None: its built-in tokenizer, the mockers' own)
+    block_size: int = BLOCK_SIZE
+
+
+def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str | None) -> tuple[str, str]:
+    """Start ``spec`` in front of ``cluster.workers``; returns its URL and its metrics URL once it serves
+    a completion."""
+    metrics_url = ""
+    if spec.kind == "kvroute":
+        url = cluster.start_frontend(
+            spec.policy, extra_args=("--kv-cache-block-size", str(bed.block_size)), model_path=bed.model_path
+        )
+        cluster.wait_frontend_ready(bed.model, timeout=READY_TIMEOUT)
+    else:
+        if bin_dir is None:
+            raise RuntimeError(missing_reason())
+        port, metrics_port = cluster.port(), cluster.port()
+        url = f"http://127.0.0.1:{port}"
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        urls = [w.url for w in cluster.workers]
+        common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", spec.policy]
+        common += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+        env: dict[str, str] = {}
+        if spec.kind == "smg":
+            program, args = os.path.join(bin_dir, "smg"), ["launch", *common]
+        else:
+            program, args = os.path.join(bin_dir, "vllm-router"), common
+            if spec.policy == "kv_aware":
+                args += kv_event_args(cluster.workers, bed)
+                env["VLLM_ROUTER_TOKENIZER"] = bed.tokenizer_dir
+        cluster.start_router(spec.label, program, args, url, env)
+    wait_serving(cluster, url, bed.model)
+    return url, metrics_url or f"{url}/metrics"
+
+
+def kv_event_args(workers: Sequence[Worker], bed: Testbed) -> list[str]:
+    """vllm-router's static KV event sources: every engine's publisher and replay endpoints."""
+    args = ["--kv-event-block-size", str(bed.block_size), "--kv-event-model", bed.model]
+    for w in workers:
+        if not w.kv_events_endpoint:
+            raise RuntimeError(f"worker {w.url} publishes no KV events: kv_aware needs them")
+        args += ["--kv-event-source", f"{w.url}={w.kv_events_endpoint}"]
+        if w.replay_endpoint:
+            args += ["--kv-event-replay-source", f"{w.url}={w.replay_endpoint}"]
+    return args
+
+
+def wait_serving(cluster: Cluster, url: str, model: str, timeout: float = READY_TIMEOUT) -> None:
+    """Until the router answers a one-token completion (a prompt unrelated to the schedule)."""
+    body = {"model": model, "prompt": "router readiness probe", "max_tokens": 1}
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        cluster.check_alive()
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=10.0)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"router at {url} does not serve after {timeout:g} s (last: {last})")
+        time.sleep(0.2)
+
+
+# -- one router ---------------------------------------------------------------------------------------
+def run_router(
+    trace: Trace,
+    spec: RouterSpec,
+    cluster: Cluster,
+    bed: Testbed,
+    opts: RunOptions,
+    bin_dir: str | None,
+    settle: Callable[[], None],
+) -> dict:
+    """Start ``spec`` in front of the cluster's engines and replay (the caller stops the router with the
+    cluster); the row adds the router's CPU seconds over the replay and its own counters."""
+    t0 = time.perf_counter()
+    url, metrics_url = start_router(cluster, spec, bed, bin_dir)
+    assert cluster.frontend is not None
+    pid = cluster.frontend.proc.pid
+    print(f"[{spec.label}] ready in {time.perf_counter() - t0:.1f} s ({load_avg()})", flush=True)
+    cpu0 = session_cpu_s(pid)
+    metrics = [w.metrics_url for w in cluster.workers]
+    row = measure(trace, url, spec.label, metrics, opts, print, settle)
+    cpu = session_cpu_s(pid) - cpu0
+    row.update(router=spec.label, kind=spec.kind, policy=spec.policy, command=spec.describe())
+    row["router_cpu_s"] = round(cpu, 2)
+    row["router_cpu_ms_per_request"] = round(1000.0 * cpu / max(1, row["completed"]), 2)
+    row["tokenizer_ms_per_request"], row["router_counters"] = router_metrics(spec, metrics_url, row["completed"])
+    return row
+
+
+def router_metrics(spec: RouterSpec, metrics_url: str, requests: int) -> tuple[float | None, dict[str, float]]:
+    """The router's own tokenizer time per request (wall time, which on a busy machine includes waiting
+    for a core; None where the router does not export it) and its routing
+    counters (``ROUTER_COUNTERS``, per label set): the run's totals, since every router starts fresh."""
+    try:
+        text = httpx.get(metrics_url, timeout=5.0).text
+    except httpx.HTTPError:
+        return None, {}
+    counters = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(ROUTER_COUNTERS.get(spec.kind, ())) and sample.name.endswith("_total"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                counters[f"{sample.name}{{{labels}}}"] = sample.value
+    name, scale = TOKENIZER_TIME.get(spec.kind, ("", 0.0))
+    total = read_counter(text, name) if name and requests else None
+    return (None if total is None else round(total * scale / requests, 2)), counters
+
+
+def busiest_share(cache: dict | None) -> float | None:
+    """The largest share of the schedule's prompt tokens that one engine received: 1/engines is an even
+    spread, 1.0 means every request went to one engine."""
+    if not cache or not cache["queries"]:
+        return None
+    return round(max(w["queries"] for w in cache["per_worker"].values()) / cache["queries"], 3)
+
+
+def failed(trace: Trace, spec: RouterSpec, exc: BaseException) -> dict:
+    print(f"[{spec.label}] run failed: {exc}", flush=True)
+    row = failed_row(trace, ModeSpec(spec.label, spec.policy), exc)
+    row.update(router=spec.label, kind=spec.kind, policy=spec.policy, command=spec.describe())
+    row["router_cpu_s"] = row["router_cpu_ms_per_request"] = row["tokenizer_ms_per_request"] = None
+    return row
+
+
+def run_mockers(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace, blocks: int) -> list[dict]:
+    """Fresh (cold) mockers for every router, so no router inherits another's caches."""
+    bed = Testbed(DEFAULT_MODEL, BUILTIN_TOKENIZER_DIR, None)
+    mocker = MockerOptions(block_size=BLOCK_SIZE, num_gpu_blocks=blocks, speedup_ratio=args.speedup_ratio,
+                           seed=args.seed)  # fmt: skip
+    opts = _run_options(args, DEFAULT_MODEL)
+    rows = []
+    for spec in specs:
+        cluster = Cluster(log_dir=os.path.join(args.out_dir, "logs", f"{trace.name}-mocker-{spec.label}"))
+        try:
+            for _ in range(args.workers):
+                cluster.start_mocker(mocker)
+            cluster.wait_workers_ready(READY_TIMEOUT)
+            rows.append(run_router(trace, spec, cluster, bed, opts, args.bin_dir, cluster.check_alive))
+        except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+            rows.append(failed(trace, spec, exc))
+        finally:
+            cluster.stop()
+    return rows
+
+
+def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace, blocks: int) -> list[dict]:
+    """Real vLLM CPU engines started once; before every router their prefix caches are reset."""
+    python = vllm_cpu.vllm_python()
+    if python is None:
+        raise SystemExit(vllm_cpu.missing_reason())
+    longest = max(len(r.tokens) + r.max_tokens for r in trace.requests)
+    if longest > MODEL_POSITIONS:
+        raise SystemExit(f"the longest request needs {longest} positions; the tiny model has {MODEL_POSITIONS}")
+    log_dir = os.path.join(args.out_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="kvroute-tiny-")
+    engines: list[vllm_cpu.VllmEngine] = []
+    rows = []
+    try:
+        model_dir = vllm_cpu.write_tiny_model(python, os.path.join(tmp, "model"), seed=args.seed)
+        max_len = min(MODEL_POSITIONS, max(2048, -(-longest // 1024) * 1024))
+        engines = [
+            vllm_cpu.VllmEngine(python, model_dir, num_gpu_blocks=blocks, max_model_len=max_len, env=dict(ENGINE_ENV),
+                                log_path=os.path.join(log_dir, f"vllm-{i}.log"), extra_args=list(VLLM_ENGINE_ARGS))
+            for i in range(1, args.workers + 1)
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        vllm_cpu.start_engines(engines)
+        print(f"   {args.workers} vLLM engines ready in {time.perf_counter() - t0:.0f} s ({load_avg()})", flush=True)
+        print(f"   warm-up {warm_up(engines, trace, args.seed):.0f} s", flush=True)
+        bed = Testbed(vllm_cpu.SERVED_NAME, model_dir, model_dir)
+        opts = _run_options(args, vllm_cpu.SERVED_NAME)
+        for spec in specs:
+            cluster = Cluster(log_dir=os.path.join(log_dir, f"{trace.name}-vllm-{spec.label}"))
+            cluster.workers = engine_workers(engines)
+
+            def settle(c: Cluster = cluster) -> None:
+                c.check_alive()
+                wait_idle(engines)
+
+            try:
+                reset_caches(engines)
+                rows.append(run_router(trace, spec, cluster, bed, opts, args.bin_dir, settle))
+            except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+                rows.append(failed(trace, spec, exc))
+            finally:
+                cluster.stop()
+    finally:
+        for e in engines:
+            e.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def _run_options(args: argparse.Namespace, model: str) -> RunOptions:
+    return RunOptions(workers=args.workers, max_concurrency=args.max_concurrency, max_duration_s=args.max_duration,
+                      request_timeout_s=args.request_timeout, model=model)  # fmt: skip
+
+
+def blocks_per_engine(trace: Trace, args: argparse.Namespace) -> int:
+    """KV blocks per engine: as given, or all engines together hold ``--cache-fraction`` of the schedule's
+    distinct blocks (so caches evict), and never less than twice the longest request."""
+    if args.num_gpu_blocks:
+        return int(args.num_gpu_blocks)
+    prompts = [r.tokens for r in trace.requests]
+    share = math.ceil(args.cache_fraction * distinct_blocks(prompts, BLOCK_SIZE) / args.workers)
+    longest = math.ceil(max(len(p) + r.max_tokens for p, r in zip(prompts, trace.requests, strict=True)) / BLOCK_SIZE)
+    return max(share, 2 * longest + 1)
+
+
+# -- report -------------------------------------------------------------------------------------------
+def table(report: dict) -> str:
+    orc = report["oracle"]["token_share"]
+    lines = [
+        "| router | hit rate (engines) | of oracle | TTFT p50 / p90 / p99 ms | e2e p50 ms | errors "
+        "| router CPU ms / request (tokenizer wall ms) | busiest engine's share |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in report["routers"]:
+        hit = m.get("hit_rate")
+        t = m["ttft_ms"]
+        lines.append(
+            f"| {m['router']} | {fmt(hit, '%')} | {f'{hit / orc:.1%}' if hit is not None and orc else 'n/a'} "
+            f"| {fmt(t['p50'])} / {fmt(t['p90'])} / {fmt(t['p99'])} | {fmt(m['e2e_ms']['p50'])} "
+            f"| {m['requests'] - m['completed']} | {fmt(m.get('router_cpu_ms_per_request'))}"
+            f"{f' ({fmt(tok)})' if (tok := m.get('tokenizer_ms_per_request')) is not None else ''} "
+            f"| {fmt(busiest_share(m.get('cache')))} |"
+        )
+    lines.append(f"| oracle (one infinite shared cache) | {fmt(orc, '%')} | 100% | | | | | |")
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    s = report["trace"]
+    lines = [
+        f"### `{report['workload']}` on {report['testbed']}",
+        "",
+        f"- Workload: {report['description']}",
+        f"- Schedule: {s['requests']} requests over {s['span_s']} s, mean prompt {s['mean_prompt_tokens']} tokens "
+        f"(max {s['max_prompt_tokens']})",
+        f"- Engines: {report['setup']}",
+        f"- Peers: {report['peers']}",
+        f"- Command: `{report['command']}`",
+        "",
+        table(report),
+        "",
+    ]
+    lines += [f"- `{m['router']}` = `{m['command']}`" for m in report["routers"]]
+    for m in report["routers"]:
+        if m.get("router_counters"):
+            lines.append(
+                f"- {m['router']} counters: " + ", ".join(f"{k} {v:g}" for k, v in m["router_counters"].items())
+            )
+        if m["completed"] < m["requests"]:
+            example = next(iter(m.get("error_examples", {}).values()), "")[:200]
+            lines.append(f"- {m['router']}: {m['requests'] - m['completed']} failed, e.g. {example}")
+    return "\n".join(lines) + "\n"
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--testbed", choices=("mocker", "vllm"), default="mocker")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic")
+    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, from {', '.join(ROUTERS)}")
+    p.add_argument("--quick", action="store_true", help="a short run: a third of the sessions, at most 3 turns")
+    p.add_argument("--workers", type=int, default=4, help="engines")
+    p.add_argument("--num-gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = from --cache-fraction)")
+    p.add_argument("--cache-fraction", type=float, default=0.5,
+                   help="all engines' caches together hold this share of the schedule's distinct blocks")  # fmt: skip
+    p.add_argument("--speedup-ratio", type=float, default=4.0, help="mocker engine speed")
+    p.add_argument("--max-concurrency", type=int, default=12, help="client requests in flight at most")
+    p.add_argument("--max-duration", type=float, default=600.0, help="seconds per router before cancelling")
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--bin-dir", default=None, help=f"the peers' bin directory (default: ${PEERS_BIN_ENV})")
+    p.add_argument("--out-dir", default="bench/out/peers")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    labels = [r.strip() for r in args.routers.split(",") if r.strip()]
+    unknown = [r for r in labels if r not in ROUTERS]
+    if unknown:
+        raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
+    specs = [ROUTERS[r] for r in labels]
+    args.bin_dir = peers_bin(args.bin_dir)
+    if args.bin_dir is None and any(s.kind != "kvroute" for s in specs):
+        raise SystemExit(missing_reason())
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: engines stop
+    workload: Workload = WORKLOADS[args.workload]
+    if args.quick:
+        workload = workload.quick()
+    trace = session_trace(workload, args.seed)
+    prompts = [r.tokens for r in trace.requests]
+    orc = oracle(prompts, BLOCK_SIZE)
+    blocks = blocks_per_engine(trace, args)
+    print(f"== {trace.name} on {args.testbed}: {trace.summary()}")
+    print(f"   {workload.describe()}")
+    print(
+        f"   oracle {orc.token_share:.1%}; {distinct_blocks(prompts, BLOCK_SIZE)} distinct blocks of {BLOCK_SIZE}, "
+        f"{blocks} per engine x {args.workers}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    rows = (run_mockers if args.testbed == "mocker" else run_vllm)(trace, specs, args, blocks)
+    versions = peer_versions(args.bin_dir) if args.bin_dir else {}
+    engine = (
+        f"{args.workers} mockers, speedup ratio {args.speedup_ratio:g}, fresh per router"
+        if args.testbed == "mocker"
+        else f"{args.workers} vLLM {vllm_cpu.VERSION} CPU engines (tiny model), prefix caches reset per router"
+    )
+    report = {
+        "workload": trace.name,
+        "testbed": args.testbed,
+        "description": workload.describe(),
+        "trace": trace.summary(),
+        "oracle": orc.as_dict(),
+        "setup": f"{engine}; block size {BLOCK_SIZE}, {blocks} KV blocks each; client max {args.max_concurrency} "
+        f"in flight; seed {args.seed}",
+        "peers": ", ".join(f"{k} {v}" for k, v in versions.items()) + " (default settings)" if versions else "none",
+        "command": "python -m bench peers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "load_after": load_avg()},
+        "total_s": round(time.perf_counter() - t0, 1),
+        "routers": rows,
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"{trace.name}-{args.testbed}{'-quick' if args.quick else ''}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    text = markdown(report)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(text)
+    print()
+    print(text)
+    print(f"wrote {stem}.md, {stem}.json ({report['total_s']:.0f} s)")
+    return 0 if all(m["completed"] == m["requests"] for m in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

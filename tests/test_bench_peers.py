@@ -1,0 +1,71 @@
+"""The peers benchmark's harness (python -m bench peers): the peer routers start, route through it to real
+mocker processes, and every router's row is complete. A tiny run, not a benchmark: no figure is asserted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import peers
+from bench.sessions import SessionGroup, Workload, completion_text, session_trace
+
+TINY = Workload(
+    "tiny",
+    (
+        SessionGroup("tiny", sessions=3, turns=2, prefixes=2, prefix_tokens=(200, 300), user_tokens=32,
+                     reply_tokens=32, output_tokens=2, start_window_s=0.5, think_s=0.1, think_min_s=0.1),
+    ),
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def peers_bin() -> str:
+    """The peers' bin directory; skips (fails under KVROUTE_REQUIRE_PEERS, as in CI) without it."""
+    path = peers.peers_bin()
+    if path is None:
+        if os.environ.get(peers.REQUIRE_ENV):
+            pytest.fail(peers.missing_reason())
+        pytest.skip(peers.missing_reason())
+    return path
+
+
+def test_each_turn_repeats_the_session_so_far():
+    """Turn k's prompt is a prefix of turn k+1's, in text and in the engine's tokens (the reuse the
+    routers compete for); chat groups send messages that extend the same way."""
+    trace = session_trace(TINY)
+    assert len(trace.requests) == 6
+    by_session: dict[int | None, list] = {}
+    for r in trace.requests:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        first, second = turns
+        assert first.text is not None and second.text is not None and second.text.startswith(first.text)
+        assert second.tokens[: len(first.tokens) - 1] == first.tokens[:-1]
+    chat = session_trace(Workload("chat", (SessionGroup("c", 1, 2, 1, (50, 60), api="chat"),)))
+    first, second = chat.requests
+    assert first.text is None and first.messages is not None and second.messages is not None
+    assert second.messages[: len(first.messages)] == first.messages
+    assert completion_text(first.messages).endswith("Assistant:")
+
+
+def test_every_router_serves_every_request_and_reports_a_hit_rate(peers_bin: str, tmp_path):
+    """Each peer (and kvroute) in front of two fresh mockers: all requests answered, the engines' counters
+    read, the router's CPU measured."""
+    labels = ["sglang-cache_aware", "sglang-power_of_two", "vllm-kv_aware", "vllm-cache_aware", "kvroute-latency"]
+    args = peers.parser().parse_args(["--workers", "2", "--out-dir", str(tmp_path), "--speedup-ratio", "0"])
+    args.bin_dir = peers_bin
+    trace = session_trace(TINY)
+    prompt_tokens = sum(len(r.tokens) for r in trace.requests)
+    rows = peers.run_mockers(
+        trace, [peers.ROUTERS[label] for label in labels], args, peers.blocks_per_engine(trace, args)
+    )
+    assert [r["router"] for r in rows] == labels
+    for row in rows:
+        assert row["completed"] == row["requests"] == len(trace.requests), (row["router"], row["error_examples"])
+        assert row["hit_rate"] is not None, row["router"]
+        # every prompt token reached an engine and was counted there (the hit rate covers the whole schedule)
+        assert row["cache"]["queries"] >= prompt_tokens, row["router"]
+        assert row["router_cpu_s"] is not None and row["router_cpu_s"] >= 0, row["router"]
+    table = peers.table({"oracle": {"token_share": 0.5}, "routers": rows})
+    assert all(label in table for label in labels)
