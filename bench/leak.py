@@ -725,6 +725,12 @@ def run_vllm(
         )
         result["migrations"] = _migrations(cluster.frontend_url or "")
         result["tap_incomplete"] = list(tap.incomplete)
+        url = cluster.frontend_url or ""
+        result["hash_parity"] = {
+            "alarm": _metric(url, "kvroute_hash_parity_mismatch"),
+            "matches": _metric(url, "kvroute_hash_parity_checks_total", result="match"),
+            "mismatches": _metric(url, "kvroute_hash_parity_checks_total", result="mismatch"),
+        }
         rss = [rss_baseline] + [c["frontend_rss_mb"] for c in done]
         cluster.check_alive()
     finally:
@@ -734,6 +740,7 @@ def run_vllm(
         result["ok"]
         and not result["tap_incomplete"]
         and not result["probes"]["mismatches"]
+        and not result["hash_parity"]["alarm"]
         and all(c["mid_stream"] and c["witness_complete"] for c in done)
         and set(outcomes) <= {"ok", "cancelled_before_first_byte", "cancelled_mid_stream"}
     )
@@ -748,12 +755,17 @@ def run_vllm(
     }
 
 
-def _migrations(url: str) -> float:
+def _metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the frontend's samples of ``name`` with ``labels``."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-        if line.startswith("dynamo_frontend_model_migration_total{")
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items())
     )
+
+
+def _migrations(url: str) -> float:
+    return _metric(url, "dynamo_frontend_model_migration_total")
 
 
 def _main_vllm(args: argparse.Namespace) -> dict[str, Any]:
