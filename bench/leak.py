@@ -16,6 +16,17 @@ Afterwards (every mocker back and healthy in the frontend): every row of ``/load
 frontend's queued / in-flight / active gauges are 0, and the embedded index (``/admin/kv_dump``)
 equals the union of the mockers' caches (``/mocker/kv_blocks``) per worker and rank, exactly.
 Writes ``leak.json`` under ``--out``; exits 1 if a check fails.
+
+    python -m bench leak --engines vllm        # 2 vLLM CPU engines, 3 restarts (KVROUTE_VLLM_PYTHON)
+
+``--engines vllm`` (``run_vllm``; CI: the last test of tests/test_vllm_e2e.py on its shared engines):
+scripted multi-turn conversations (some abandoned by the client) go through the frontend while
+``--restarts`` times an engine is SIGKILLed in the middle of a long witness stream and started again
+on its ports; the witness must end as one complete stream (migrated), no other request may fail.
+The same checks follow; vLLM has no cache dump, so the engines' caches are what their own KV events
+say (``EventTap``: subscribed apart from the frontend, restarted with the engine), and requests of
+the load are sent again pinned to each engine: the overlap kvroute predicts must equal the
+``cached_tokens`` vLLM reports. The frontend's RSS is read after every cycle.
 """
 
 from __future__ import annotations
@@ -477,9 +488,12 @@ class EngineRestarts:
     SIGKILLs that engine mid-stream and starts it again on its ports; the witness must still end as
     one complete stream (migrated). The frontend's RSS is read after every cycle."""
 
+    PORT_ATTEMPTS = 3
+
     def __init__(
         self, cluster: Any, engines: list[Any], tap: EventTap, witness_tokens: int, timeout: float = 600.0
     ) -> None:
+        self.port_retries = 0
         self.cluster = cluster
         self.engines = engines
         self.tap = tap
@@ -491,19 +505,42 @@ class EngineRestarts:
         """Kill engine ``i``, start it again, wait until it and the frontend's view of it are healthy;
         the seconds it was down."""
         from kvroute_common.local_cluster import Child
+        from kvroute_common.ports import free_port_block
         from kvroute_common.processes import wait_until
 
         engine, worker = self.engines[i], self.cluster.workers[i]
         t0 = time.monotonic()
         engine.kill()
         self.tap.restart(i)
-        engine.start().wait_ready()
+        for attempt in range(self.PORT_ATTEMPTS):
+            offset = os.path.getsize(engine.log_path) if os.path.exists(engine.log_path) else 0
+            try:
+                engine.start().wait_ready()
+                break
+            except RuntimeError:
+                with open(engine.log_path, "rb") as f:
+                    f.seek(offset)
+                    log = f.read().decode("utf-8", "replace")
+                # another process bound one of its KV-event ports while it was down (ports below the
+                # ephemeral range are free for anyone to take): new ones, which the frontend reads
+                # from the engine's /kv_event_sources (its workers are given by URL)
+                if attempt == self.PORT_ATTEMPTS - 1 or "Address already in use (addr='tcp://" not in log:
+                    raise
+                engine.kv_port = free_port_block(engine.dp_size)
+                engine.replay_port = free_port_block(engine.dp_size)
+                self.tap.restart(i)
+                self.port_retries += 1
         worker.child = Child(worker.child.name, engine.proc, engine.log_path)
 
         def back() -> bool:
             rows = httpx.get(f"{self.url}/admin/workers", timeout=5).json()["workers"]
             row = next(r for r in rows if r["id"] == worker.worker_id)
-            return bool(row["healthy"]) and row.get("kv_events", {}).get("status") == "active"
+            listeners = row.get("kv_events", {}).get("listeners", {})
+            return (
+                bool(row["healthy"])
+                and row.get("kv_events", {}).get("status") == "active"
+                and listeners.get("0", {}).get("endpoint") == engine.kv_endpoint()
+            )
 
         wait_until(back, self.timeout, 0.2, f"worker {worker.worker_id} healthy in the frontend again")
         return time.monotonic() - t0
@@ -712,7 +749,9 @@ def run_vllm(
     try:
         fe_args = ["--log-level", "warning", "--migration-limit", "3", "--health-check-interval", "0.5"]
         fe_args += ["--kv-cache-block-size", str(engines[0].block_size)]
-        cluster.start_frontend("kv", extra_args=fe_args, model_path=model_dir)
+        # workers given by URL: the frontend reads each engine's KV-event endpoints from it, again
+        # after a restart (an engine restarted on other event ports is followed)
+        cluster.start_frontend("kv", extra_args=fe_args, model_path=model_dir, kv_events=False)
         cluster.wait_frontend_ready(SERVED_NAME, 120)
         t0 = time.monotonic()
         restarts = EngineRestarts(cluster, engines, tap, witness_tokens)
@@ -748,6 +787,7 @@ def run_vllm(
         "engines": "vllm",
         "outcomes": dict(sorted(outcomes.items())),
         "restart_cycles": done,
+        "restart_port_retries": restarts.port_retries,
         "frontend_rss_mb": [round(x, 1) for x in rss],
         "load_seconds": round(load_s, 1),
         **result,
