@@ -19,7 +19,10 @@ cache contents. What is shown against the real engines:
   conversation, the predicted overlap equal to vLLM's cache reads;
 - tokenizer parity is proven from vLLM's own rendering as workers join, and an engine with another
   chat template raises the alarm before any request;
-- the template arguments besides the messages (tools, thinking switches, defaults) are vLLM's.
+- the template arguments besides the messages (tools, thinking switches, defaults) are vLLM's;
+- engines killed mid-stream and restarted three times under a multi-turn load (bench/leak.py's
+  vLLM run): no client error, loads back at 0, the index equal to what the engines' own KV events
+  say they hold, predicted overlaps equal to vLLM's cached tokens, the frontend's memory flat.
 """
 
 from __future__ import annotations
