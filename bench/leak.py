@@ -16,6 +16,17 @@ Afterwards (every mocker back and healthy in the frontend): every row of ``/load
 frontend's queued / in-flight / active gauges are 0, and the embedded index (``/admin/kv_dump``)
 equals the union of the mockers' caches (``/mocker/kv_blocks``) per worker and rank, exactly.
 Writes ``leak.json`` under ``--out``; exits 1 if a check fails.
+
+    python -m bench leak --engines vllm        # 2 vLLM CPU engines, 3 restarts (KVROUTE_VLLM_PYTHON)
+
+``--engines vllm`` (``run_vllm``; CI: the last test of tests/test_vllm_e2e.py on its shared engines):
+scripted multi-turn conversations (some abandoned by the client) go through the frontend while
+``--restarts`` times an engine is SIGKILLed in the middle of a long witness stream and started again
+on its ports; the witness must end as one complete stream (migrated), no other request may fail.
+The same checks follow; vLLM has no cache dump, so the engines' caches are what their own KV events
+say (``EventTap``: subscribed apart from the frontend, restarted with the engine), and requests of
+the load are sent again pinned to each engine: the overlap kvroute predicts must equal the
+``cached_tokens`` vLLM reports. The frontend's RSS is read after every cycle.
 """
 
 from __future__ import annotations
@@ -26,8 +37,10 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -103,6 +116,78 @@ def _wait_http(url: str, timeout: float, worker: Any = None) -> None:
         time.sleep(0.1)
 
 
+def _json(text: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return {"error": f"not JSON: {text[:200]}"}
+    return obj if isinstance(obj, dict) else {"error": f"not an object: {text[:200]}"}
+
+
+async def _exchange(
+    c: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    cut_chunks: int | None = None,
+    on_first_byte: Callable[[], None] | None = None,
+    headers: dict[str, str] | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[str, str]:
+    """One chat request read to its end (or to ``cut_chunks`` events, then abandoned): its outcome and
+    the assistant's text (``on_event`` sees every streamed event). An error event inside a 200 stream
+    is an error, not a completed answer."""
+    req = c.build_request("POST", f"{url}/v1/chat/completions", json=body, headers=headers)
+    resp = await c.send(req, stream=True)
+    try:
+        if on_first_byte is not None:
+            on_first_byte()
+        chunks = 0
+        done = error = False
+        text: list[str] = []
+        unary: list[str] = []
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+                if line == "data: [DONE]":
+                    done = True
+                else:
+                    event = _json(line[6:])
+                    error = error or "error" in event
+                    if on_event is not None:
+                        on_event(event)
+                    text += [(ch.get("delta") or {}).get("content") or "" for ch in event.get("choices") or []]
+                if cut_chunks is not None and chunks >= cut_chunks:
+                    return "cancelled_mid_stream", ""
+            elif not body.get("stream") and line:
+                unary.append(line)
+        if cut_chunks is not None:
+            return "cancelled_mid_stream", ""  # the answer was shorter than the cut: closed at its end
+        if resp.status_code != 200:
+            return f"status_{resp.status_code}", ""
+        if unary:
+            done = True
+            text += [
+                (ch.get("message") or {}).get("content") or "" for ch in _json("".join(unary)).get("choices") or []
+            ]
+        if error:
+            return "stream_error", ""
+        return ("ok" if done else "incomplete"), "".join(text)
+    finally:
+        await resp.aclose()
+
+
+async def _abandoned(url: str, body: dict[str, Any], delay: float) -> tuple[str, str]:
+    """A request the client gives up on after ``delay`` seconds, before its first byte unless the
+    answer was quicker. On a client of its own: cancelling httpx's ``send`` while it waits for the
+    response head can leave its connection pool a slot short for good (httpcore 1.0.9), and a shared
+    pool ran out after enough cancellations (every client then waited for a connection)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as own:
+        try:
+            return await asyncio.wait_for(_exchange(own, url, body), timeout=delay)
+        except TimeoutError:
+            return "cancelled_before_first_byte", ""
+
+
 async def _drive(url: str, n: int, concurrency: int, cancel: float, fault: float, seed: int, faults: Faults) -> Counter:
     """N requests over ``concurrency`` clients; returns outcome counts."""
     systems, words = _prompt_pool(seed)
@@ -126,39 +211,11 @@ async def _drive(url: str, n: int, concurrency: int, cancel: float, fault: float
         kind = "cancel" if r < cancel else "fault" if r < cancel + fault else "normal"
         cut_chunks = rng.randint(1, 6) if kind == "cancel" and rng.random() < 0.5 else None  # mid-stream
         before_first_byte = kind == "cancel" and cut_chunks is None
-        req = c.build_request("POST", f"{url}/v1/chat/completions", json=body)
-
-        async def run() -> str:
-            resp = await c.send(req, stream=True)
-            try:
-                if kind == "fault":
-                    faults.inject()
-                chunks = 0
-                done = False
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: "):
-                        chunks += 1
-                        done = done or line == "data: [DONE]"
-                        if cut_chunks is not None and chunks >= cut_chunks:
-                            return "cancelled_mid_stream"
-                    elif not stream and line:
-                        done = True
-                if cut_chunks is not None:
-                    return "cancelled_mid_stream"  # the answer was shorter than the cut: closed at its end
-                if resp.status_code != 200:
-                    return f"status_{resp.status_code}"
-                return "ok" if done else "incomplete"
-            finally:
-                await resp.aclose()
-
-        if before_first_byte:
-            try:
-                out[await asyncio.wait_for(run(), timeout=rng.uniform(0.0, 0.05))] += 1
-            except TimeoutError:
-                out["cancelled_before_first_byte"] += 1
-            return
         try:
-            out[await run()] += 1
+            if before_first_byte:
+                out[(await _abandoned(url, body, rng.uniform(0.0, 0.05)))[0]] += 1
+            else:
+                out[(await _exchange(c, url, body, cut_chunks, faults.inject if kind == "fault" else None))[0]] += 1
         except httpx.HTTPError as exc:
             out[f"client_error_{type(exc).__name__}"] += 1
 
@@ -211,9 +268,29 @@ def mocker_blocks(workers: list[Any]) -> dict[tuple[int, int], set[tuple[int, in
     return out
 
 
-def check(cluster: Any, timeout: float = 60.0) -> dict[str, Any]:
-    """Poll until the invariants hold or ``timeout`` passes; the last observation either way."""
+def index_diff(
+    have: dict[tuple[int, int], set[tuple[int, int]]], want: dict[tuple[int, int], set[tuple[int, int]]]
+) -> dict[str, dict[str, int]]:
+    """Per ``worker:rank`` whose blocks differ: how many the index misses and how many it has extra."""
+    return {
+        f"{k[0]}:{k[1]}": {
+            "missing": len(want.get(k, set()) - have.get(k, set())),
+            "extra": len(have.get(k, set()) - want.get(k, set())),
+        }
+        for k in sorted(set(want) | set(have))
+        if want.get(k, set()) != have.get(k, set())
+    }
+
+
+def check(
+    cluster: Any,
+    timeout: float = 60.0,
+    cache_blocks: Callable[[], dict[tuple[int, int], set[tuple[int, int]]]] | None = None,
+) -> dict[str, Any]:
+    """Poll until the invariants hold or ``timeout`` passes; the last observation either way.
+    ``cache_blocks`` reads the engines' caches (default: the mockers' ``/mocker/kv_blocks``)."""
     url = cluster.frontend_url
+    read_caches = cache_blocks or (lambda: mocker_blocks(cluster.workers))
     deadline = time.monotonic() + timeout
     while True:
         loads = httpx.get(f"{url}/loads", timeout=10).json()
@@ -221,23 +298,16 @@ def check(cluster: Any, timeout: float = 60.0) -> dict[str, Any]:
         gauges = _gauges(httpx.get(f"{url}/metrics", timeout=10).text)
         health = httpx.get(f"{url}/health", timeout=10).json()
         unhealthy = [i.get("worker_id") for i in health.get("instances", []) if not i.get("healthy")]
-        want = mocker_blocks(cluster.workers)
+        want = read_caches()
         have = index_blocks(httpx.get(f"{url}/admin/kv_dump", timeout=30).json())
-        diff = {
-            f"{k[0]}:{k[1]}": {
-                "missing": len(want.get(k, set()) - have.get(k, set())),
-                "extra": len(have.get(k, set()) - want.get(k, set())),
-            }
-            for k in set(want) | set(have)
-            if want.get(k, set()) != have.get(k, set())
-        }
+        diff = index_diff(have, want)
         result = {
             "loads_rows": len(loads),
             "loads_nonzero": busy,
             "gauges": gauges,
             "unhealthy_workers": unhealthy,
             "index_blocks": sum(len(v) for v in have.values()),
-            "mocker_blocks": sum(len(v) for v in want.values()),
+            "engine_blocks": sum(len(v) for v in want.values()),
             "index_diff": diff,
         }
         ok = not busy and not any(gauges.values()) and not unhealthy and not diff and len(loads) == len(cluster.workers)
@@ -247,13 +317,543 @@ def check(cluster: Any, timeout: float = 60.0) -> dict[str, Any]:
         time.sleep(0.5)
 
 
+# -- real engines (vLLM's CPU build) ----------------------------------------------------------------
+
+
+class EventTap:
+    """What each vLLM engine holds, read from its own KV events: one subscriber thread per engine
+    rank applying them to an index of its own (the indexer's decoding and hashing, so its dump
+    compares block for block with the frontend's). vLLM has no cache dump endpoint; its events are
+    its own account of its cache. An engine that was already running is caught up from its replay
+    socket (from batch 0); ``restart(i)`` (after the engine was killed, before it starts again)
+    forgets the old process's blocks and subscribes afresh, so the new process's events are read
+    from its first batch. A batch this tap cannot account for (a gap its replay did not fill, or a
+    replay buffer that no longer starts at 0) is counted in ``incomplete``: then the comparison
+    proves nothing and the check fails."""
+
+    POLL_MS = 100
+    REPLAY_TIMEOUT_MS = 5000
+
+    def __init__(self, engines: list[Any], block_size: int) -> None:
+        import zmq
+
+        from indexer.core import KvIndex
+
+        self.engines = engines
+        self.ctx = zmq.Context()
+        self.index = KvIndex(block_size)
+        self.lock = threading.Lock()
+        self.incomplete: list[str] = []
+        self._threads: dict[int, tuple[threading.Thread, threading.Event]] = {}
+        for i in range(len(engines)):
+            self._start(i, catch_up=True)
+
+    def _start(self, i: int, catch_up: bool) -> None:
+        stop = threading.Event()
+        ready = threading.Event()
+        thread = threading.Thread(target=self._run, args=(i, stop, ready, catch_up), daemon=True)
+        thread.start()
+        ready.wait(10.0)  # subscribed (and caught up) before the caller goes on
+        self._threads[i] = (thread, stop)
+
+    def _run(self, i: int, stop: threading.Event, ready: threading.Event, catch_up: bool) -> None:
+        import zmq
+
+        from indexer.normalize import EventApplier
+        from indexer.wire import decode_batch, parse_seq
+
+        engine = self.engines[i]
+        subs = []
+        last: dict[int, int | None] = {}
+        appliers = {}
+        for rank in range(engine.dp_size):
+            sub = self.ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(engine.kv_endpoint(rank))
+            subs.append(sub)
+            last[rank] = None
+            appliers[rank] = EventApplier(self.index, i + 1, rank)
+
+        def apply(rank: int, seq: int, payload: bytes) -> None:
+            with self.lock:
+                appliers[rank].apply_batch(decode_batch(payload))
+            last[rank] = seq
+
+        def replay(rank: int, start: int) -> None:
+            dealer = self.ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            try:
+                dealer.connect(engine.replay_endpoint(rank))
+                dealer.send_multipart([b"", start.to_bytes(8, "big")])
+                first = True
+                while True:
+                    if not dealer.poll(self.REPLAY_TIMEOUT_MS):
+                        self.incomplete.append(f"worker {i + 1} rank {rank}: replay from {start} timed out")
+                        return
+                    *_, seq_frame, payload = dealer.recv_multipart()
+                    if not payload:
+                        return
+                    seq = parse_seq(seq_frame)
+                    if first and seq != start:
+                        self.incomplete.append(f"worker {i + 1} rank {rank}: replay from {start} began at {seq}")
+                    first = False
+                    if last[rank] is None or seq > last[rank]:  # type: ignore[operator]
+                        apply(rank, seq, payload)
+            finally:
+                dealer.close(0)
+
+        try:
+            if catch_up:
+                for rank in range(engine.dp_size):
+                    replay(rank, 0)
+            ready.set()
+            poller = zmq.Poller()
+            for sub in subs:
+                poller.register(sub, zmq.POLLIN)
+            while not stop.is_set():
+                for sock, _ in poller.poll(self.POLL_MS):
+                    rank = subs.index(sock)
+                    frames = sock.recv_multipart()
+                    if len(frames) != 3:
+                        continue
+                    seq, prev = parse_seq(frames[1]), last[rank]
+                    if prev is not None and seq <= prev:
+                        continue  # already applied from a replay
+                    expected = 0 if prev is None else prev + 1
+                    if seq > expected:
+                        replay(rank, expected)
+                        prev = last[rank]
+                        if prev is not None and seq <= prev:
+                            continue
+                        if seq != (0 if prev is None else prev + 1):
+                            self.incomplete.append(f"worker {i + 1} rank {rank}: batches before {seq} lost")
+                    apply(rank, seq, frames[2])
+        finally:
+            ready.set()
+            for sub in subs:
+                sub.close(0)
+
+    def _stop(self, i: int) -> None:
+        thread, stop = self._threads.pop(i)
+        stop.set()
+        thread.join(10.0)
+
+    def restart(self, i: int) -> None:
+        """Engine ``i`` (0-based) was killed: its cache is gone; read the next process from its start."""
+        self._stop(i)
+        with self.lock:
+            for rank in range(self.engines[i].dp_size):
+                self.index.apply_cleared(i + 1, rank)
+        self._start(i, catch_up=False)
+
+    def blocks(self) -> dict[tuple[int, int], set[tuple[int, int]]]:
+        """The engines' blocks as ``index_blocks`` reads the frontend's dump."""
+        with self.lock:
+            return index_blocks({"tap": {"events": self.index.dump_events()}})
+
+    def close(self) -> None:
+        for i in list(self._threads):
+            self._stop(i)
+        self.ctx.term()
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MB (/proc)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _serving_worker(url: str, body: dict[str, Any], timeout: float) -> int:
+    """The worker whose index holds ``body``'s prompt (a prompt of its own: only its engine has it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(f"{url}/admin/route", json=body, timeout=10)
+        r.raise_for_status()
+        holding = [c["worker_id"] for c in r.json()["candidates"] if c["overlap_blocks"] > 0]
+        if len(holding) == 1:
+            return int(holding[0])
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no single worker holds the witness prompt after {timeout:g} s: {r.json()}")
+        time.sleep(0.1)
+
+
+class EngineRestarts:
+    """Restart cycles of real engines under load. Each cycle streams a long witness request (a prompt
+    of its own), finds the engine serving it from the frontend's index once a few events arrived,
+    SIGKILLs that engine mid-stream and starts it again on its ports; the witness must still end as
+    one complete stream (migrated). The frontend's RSS is read after every cycle."""
+
+    PORT_ATTEMPTS = 3
+
+    def __init__(
+        self, cluster: Any, engines: list[Any], tap: EventTap, witness_tokens: int, timeout: float = 600.0
+    ) -> None:
+        self.port_retries = 0
+        self.cluster = cluster
+        self.engines = engines
+        self.tap = tap
+        self.witness_tokens = witness_tokens
+        self.timeout = timeout
+        self.url = cluster.frontend_url
+
+    def _restart(self, i: int) -> float:
+        """Kill engine ``i``, start it again, wait until it and the frontend's view of it are healthy;
+        the seconds it was down."""
+        from kvroute_common.local_cluster import Child
+        from kvroute_common.ports import free_port_block
+        from kvroute_common.processes import wait_until
+
+        engine, worker = self.engines[i], self.cluster.workers[i]
+        t0 = time.monotonic()
+        engine.kill()
+        self.tap.restart(i)
+        for attempt in range(self.PORT_ATTEMPTS):
+            offset = os.path.getsize(engine.log_path) if os.path.exists(engine.log_path) else 0
+            try:
+                engine.start().wait_ready()
+                break
+            except RuntimeError:
+                with open(engine.log_path, "rb") as f:
+                    f.seek(offset)
+                    log = f.read().decode("utf-8", "replace")
+                # another process bound one of its KV-event ports while it was down (ports below the
+                # ephemeral range are free for anyone to take): new ones, which the frontend reads
+                # from the engine's /kv_event_sources (its workers are given by URL)
+                if attempt == self.PORT_ATTEMPTS - 1 or "Address already in use (addr='tcp://" not in log:
+                    raise
+                engine.kv_port = free_port_block(engine.dp_size)
+                engine.replay_port = free_port_block(engine.dp_size)
+                self.tap.restart(i)
+                self.port_retries += 1
+        worker.child = Child(worker.child.name, engine.proc, engine.log_path)
+
+        def back() -> bool:
+            rows = httpx.get(f"{self.url}/admin/workers", timeout=5).json()["workers"]
+            row = next(r for r in rows if r["id"] == worker.worker_id)
+            listeners = row.get("kv_events", {}).get("listeners", {})
+            return (
+                bool(row["healthy"])
+                and row.get("kv_events", {}).get("status") == "active"
+                and listeners.get("0", {}).get("endpoint") == engine.kv_endpoint()
+            )
+
+        wait_until(back, self.timeout, 0.2, f"worker {worker.worker_id} healthy in the frontend again")
+        return time.monotonic() - t0
+
+    async def cycle(self, c: httpx.AsyncClient, n: int) -> dict[str, Any]:
+        from kvroute_common.real_engines.vllm_cpu import SERVED_NAME
+
+        system = " ".join(f"Witness {n}, rule {k}: keep streaming through restarts." for k in range(24))
+        body = {
+            "model": SERVED_NAME,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Tell a long story."}],
+            "max_tokens": self.witness_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        events: list[dict[str, Any]] = []
+        streaming = asyncio.Event()
+
+        def on_event(event: dict[str, Any]) -> None:
+            events.append(event)
+            if len(events) >= 3:
+                streaming.set()
+
+        task = asyncio.get_running_loop().create_task(_exchange(c, self.url, body, on_event=on_event))
+        waiter = asyncio.get_running_loop().create_task(streaming.wait())
+        await asyncio.wait([task, waiter], timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if not streaming.is_set():
+            task.cancel()
+            raise RuntimeError(f"witness {n} did not stream: {task.result() if task.done() else 'timed out'}")
+        route_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        victim = await asyncio.to_thread(_serving_worker, self.url, route_body, 30.0)
+        events_at_kill = len(events)
+        mid_stream = not task.done()
+        down_s = await asyncio.to_thread(self._restart, victim - 1)
+        outcome, _ = await asyncio.wait_for(task, self.timeout)
+        finishes = [ch.get("finish_reason") for e in events for ch in e.get("choices") or [] if ch.get("finish_reason")]
+        usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None) or {}
+        return {
+            "victim": victim,
+            "killed_after_events": events_at_kill,
+            "mid_stream": mid_stream,
+            "down_s": round(down_s, 1),
+            "witness": outcome,
+            "witness_complete": outcome == "ok"
+            and len({e.get("id") for e in events}) == 1
+            and finishes == ["length"]
+            and usage.get("completion_tokens") == self.witness_tokens,
+            "frontend_rss_mb": round(rss_mb(self.cluster.frontend.proc.pid), 1),
+        }
+
+
+async def _converse(
+    c: httpx.AsyncClient,
+    url: str,
+    stop: asyncio.Event,
+    concurrency: int,
+    cancel: float,
+    seed: int,
+    scripts: int = 16,
+    think: float = 0.2,
+) -> tuple[Counter, list[dict[str, Any]]]:
+    """Multi-turn conversations on ``concurrency`` clients until ``stop``: each picks one of ``scripts``
+    scripted conversations (4 shared system prompts, 2-5 user turns, each turn the whole conversation
+    so far with the engine's greedy answers) and pauses up to ``think`` seconds between turns (the
+    pace of a user, so the engines restarting are not starved of CPU). A bounded set of scripts keeps
+    the engines' caches, and so the index, at a steady size once each has run: the frontend's memory
+    is then comparable from cycle to cycle. A conversation ends early when its client abandons a
+    request. Returns outcome counts and the completed requests (the last of each script's turns)."""
+    from kvroute_common.real_engines.vllm_cpu import SERVED_NAME
+
+    systems, words = _prompt_pool(seed)
+    rng = random.Random(seed)
+    script_rng = random.Random(seed + 1)
+    script_turns = [
+        [" ".join(script_rng.choice(words) for _ in range(script_rng.randint(10, 40))) for _ in range(2 + k % 4)]
+        for k in range(scripts)
+    ]
+    out: Counter = Counter()
+    served: dict[tuple[int, int], dict[str, Any]] = {}
+
+    async def conversation(k: int) -> None:
+        messages = [{"role": "system", "content": systems[k % 4]}]
+        for turn, user in enumerate(script_turns[k]):
+            messages = [*messages, {"role": "user", "content": user}]
+            body = {
+                "model": SERVED_NAME,
+                "messages": messages,
+                "stream": rng.random() < 0.8,
+                "max_tokens": 4 + (7 * k + turn) % 13,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            r = rng.random()
+            cut_chunks = rng.randint(1, 4) if r < cancel / 2 else None
+            try:
+                if cancel / 2 <= r < cancel:
+                    outcome, text = await _abandoned(url, body, rng.uniform(0.0, 0.05))
+                else:
+                    outcome, text = await _exchange(c, url, body, cut_chunks)
+            except httpx.HTTPError as exc:
+                outcome, text = f"client_error_{type(exc).__name__}", ""
+            out[outcome] += 1
+            if outcome != "ok":
+                return
+            served[(k, turn)] = body
+            messages = [*messages, {"role": "assistant", "content": text or "ok"}]
+            await asyncio.sleep(rng.uniform(0.0, think))  # think time: pacing, not synchronisation
+
+    async def client() -> None:
+        while not stop.is_set():
+            await conversation(rng.randrange(scripts))
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return out, list(served.values())
+
+
+def probe(url: str, bodies: list[dict[str, Any]], workers: list[int], tap: EventTap, n: int) -> dict[str, Any]:
+    """Requests of the load sent again, unary, pinned to each worker in turn: the overlap kvroute
+    predicted must equal the tokens vLLM reports cached. Before each, the index equals the tap (the
+    previous probe's blocks learnt), so the prediction is exact."""
+    from kvroute_common.real_engines.vllm_cpu import expected_cached
+
+    rng = random.Random(len(bodies))
+    picked = rng.sample(bodies, min(n, len(bodies)))
+    rows = []
+    for worker in workers:
+        for body in picked:
+            _wait_index_equals(url, tap)
+            probe_body = {**body, "stream": False, "max_tokens": 1, "nvext": {"extra_fields": ["routing"]}}
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                json=probe_body,
+                headers={"x-dynamo-worker-instance-id": str(worker)},
+                timeout=120,
+            )
+            r.raise_for_status()
+            out = r.json()
+            overlap = int(out["nvext"]["routing"]["overlap_blocks"])
+            prompt = int(out["usage"]["prompt_tokens"])
+            cached = int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            rows.append({"worker": worker, "overlap_blocks": overlap, "prompt_tokens": prompt, "cached_tokens": cached,
+                         "match": cached == expected_cached(overlap, prompt)})  # fmt: skip
+    _wait_index_equals(url, tap)
+    return {
+        "probes": len(rows),
+        "matches": sum(r["match"] for r in rows),
+        "with_overlap": sum(r["overlap_blocks"] > 0 for r in rows),
+        "mismatches": [r for r in rows if not r["match"]],
+    }
+
+
+def _wait_index_equals(url: str, tap: EventTap, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        diff = index_diff(index_blocks(httpx.get(f"{url}/admin/kv_dump", timeout=30).json()), tap.blocks())
+        if not diff:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the index differs from the engines' caches after {timeout:g} s: {diff}")
+        time.sleep(0.2)
+
+
+async def _vllm_load(
+    restarts: EngineRestarts, cycles: int, concurrency: int, cancel: float, seed: int
+) -> tuple[Counter, list[dict[str, Any]], list[dict[str, Any]], float]:
+    """The conversations run while ``cycles`` restart cycles happen one after the other."""
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=concurrency * 2 + 2, max_keepalive_connections=concurrency + 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as c:
+        load = asyncio.get_running_loop().create_task(_converse(c, restarts.url, stop, concurrency, cancel, seed))
+        try:
+            baseline = rss_mb(restarts.cluster.frontend.proc.pid)
+            done = [await restarts.cycle(c, n) for n in range(cycles)]
+        except BaseException:
+            load.cancel()
+            raise
+        stop.set()
+        outcomes, served = await load
+    return outcomes, served, done, baseline
+
+
+def run_vllm(
+    engines: list[Any],
+    model_dir: str,
+    cycles: int = 3,
+    concurrency: int = 3,
+    cancel: float = 0.1,
+    seed: int = 0,
+    probes: int = 4,
+    witness_tokens: int = 400,
+    log_dir: str | None = None,
+) -> dict[str, Any]:
+    """The leak test against running vLLM engines (each becomes worker index+1): a frontend (kv,
+    ``--migration-limit 3``), conversations through it while ``cycles`` engines are killed mid-stream
+    and restarted, then ``check`` against the engines' own KV events and the probes. The engines are
+    left running (restarted ones on their ports)."""
+    from bench.real_engines import engine_workers
+    from kvroute_common.local_cluster import Cluster
+    from kvroute_common.real_engines.vllm_cpu import SERVED_NAME
+
+    cluster = Cluster(log_dir=log_dir)
+    cluster.workers = engine_workers(engines)
+    tap = EventTap(engines, engines[0].block_size)
+    try:
+        fe_args = ["--log-level", "warning", "--migration-limit", "3", "--health-check-interval", "0.5"]
+        fe_args += ["--kv-cache-block-size", str(engines[0].block_size)]
+        # workers given by URL: the frontend reads each engine's KV-event endpoints from it, again
+        # after a restart (an engine restarted on other event ports is followed)
+        cluster.start_frontend("kv", extra_args=fe_args, model_path=model_dir, kv_events=False)
+        cluster.wait_frontend_ready(SERVED_NAME, 120)
+        t0 = time.monotonic()
+        restarts = EngineRestarts(cluster, engines, tap, witness_tokens)
+        outcomes, served, done, rss_baseline = asyncio.run(_vllm_load(restarts, cycles, concurrency, cancel, seed))
+        load_s = time.monotonic() - t0
+        cluster.wait_frontend_ready(SERVED_NAME, 120)
+        result = check(cluster, cache_blocks=tap.blocks)
+        result["probes"] = probe(
+            cluster.frontend_url or "", served, [w.worker_id for w in cluster.workers], tap, probes
+        )
+        result["migrations"] = _migrations(cluster.frontend_url or "")
+        result["tap_incomplete"] = list(tap.incomplete)
+        url = cluster.frontend_url or ""
+        result["hash_parity"] = {
+            "alarm": _metric(url, "kvroute_hash_parity_mismatch"),
+            "matches": _metric(url, "kvroute_hash_parity_checks_total", result="match"),
+            "mismatches": _metric(url, "kvroute_hash_parity_checks_total", result="mismatch"),
+        }
+        rss = [rss_baseline] + [c["frontend_rss_mb"] for c in done]
+        cluster.check_alive()
+    finally:
+        tap.close()
+        cluster.stop()
+    result["ok"] = bool(
+        result["ok"]
+        and not result["tap_incomplete"]
+        and not result["probes"]["mismatches"]
+        and not result["hash_parity"]["alarm"]
+        and all(c["mid_stream"] and c["witness_complete"] for c in done)
+        and set(outcomes) <= {"ok", "cancelled_before_first_byte", "cancelled_mid_stream"}
+    )
+    return {
+        "engines": "vllm",
+        "outcomes": dict(sorted(outcomes.items())),
+        "restart_cycles": done,
+        "restart_port_retries": restarts.port_retries,
+        "frontend_rss_mb": [round(x, 1) for x in rss],
+        "load_seconds": round(load_s, 1),
+        **result,
+        "loadavg": os.getloadavg(),
+    }
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the frontend's samples of ``name`` with ``labels``."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items())
+    )
+
+
+def _migrations(url: str) -> float:
+    return _metric(url, "dynamo_frontend_model_migration_total")
+
+
+def _main_vllm(args: argparse.Namespace) -> dict[str, Any]:
+    """``--engines vllm``: start the engines (the tiny model), run ``run_vllm``, stop them."""
+    import shutil
+    import tempfile
+
+    from kvroute_common.real_engines import vllm_cpu
+
+    python = vllm_cpu.vllm_python()
+    if python is None:
+        raise SystemExit(vllm_cpu.missing_reason())
+    log_dir = os.path.join(args.out, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="kvroute-tiny-")
+    engines = []
+    try:
+        model_dir = vllm_cpu.write_tiny_model(python, os.path.join(tmp, "model"), seed=args.seed)
+        engines = [
+            vllm_cpu.VllmEngine(python, model_dir, log_path=os.path.join(log_dir, f"vllm-{i}.log"))
+            for i in range(1, args.workers + 1)
+        ]
+        t0 = time.monotonic()
+        vllm_cpu.start_engines(engines)
+        startup_s = time.monotonic() - t0
+        report = run_vllm(engines, model_dir, args.restarts, args.concurrency, args.cancel, args.seed, log_dir=log_dir)
+        report["engine_startup_s"] = round(startup_s, 1)
+        return report
+    finally:
+        for e in engines:
+            e.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench leak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument(
+        "--engines",
+        choices=("mocker", "vllm"),
+        default="mocker",
+        help="mocker: --requests through mockers with --faults; vllm: vLLM CPU engines (KVROUTE_VLLM_PYTHON) "
+        "restarted --restarts times under a multi-turn load (default %(default)s)",
+    )
     p.add_argument("--requests", type=int, default=10_000)
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--workers", type=int, default=None, help="engines (default 4 mockers, 2 vLLM)")
+    p.add_argument("--concurrency", type=int, default=None, help="clients (default 16 with mockers, 3 with vLLM)")
     p.add_argument(
         "--cancel", type=float, default=0.10, help="share of requests the client abandons (default %(default)s)"
     )
@@ -264,21 +864,40 @@ def main(argv: list[str] | None = None) -> int:
         help="share of requests that kill and restart a mocker (default %(default)s)",
     )
     p.add_argument("--max-down", type=int, default=1, help="mockers down at once at most (default %(default)s)")
+    p.add_argument("--restarts", type=int, default=3, help="vllm: restart cycles (default %(default)s)")
     p.add_argument("--speedup-ratio", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="leak-out")
     args = p.parse_args(argv)
-    if (
+    vllm = args.engines == "vllm"
+    args.workers = args.workers or (2 if vllm else 4)
+    args.concurrency = args.concurrency or (3 if vllm else 16)
+    if vllm and (args.workers < 2 or args.restarts < 1 or not 0 <= args.cancel <= 1):
+        p.error(
+            "--engines vllm needs workers >= 2 (one serves while the other restarts), restarts >= 1, 0 <= cancel <= 1"
+        )
+    if not vllm and (
         args.requests <= 0
         or args.concurrency <= 0
         or not 0 <= args.cancel + args.faults <= 1
         or not 0 < args.max_down < args.workers
     ):
         p.error("need requests > 0, concurrency > 0, 0 <= cancel + faults <= 1, 0 < max-down < workers")
+    os.makedirs(args.out, exist_ok=True)
+    if vllm:
+        report = {"args": vars(args), **_main_vllm(args)}
+        ok = bool(report["ok"])
+    else:
+        report, ok = _main_mocker(args)
+    with open(os.path.join(args.out, "leak.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1), flush=True)
+    return 0 if ok else 1
 
+
+def _main_mocker(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     from kvroute_common.local_cluster import MockerOptions, start_cluster
 
-    os.makedirs(args.out, exist_ok=True)
     opts = MockerOptions(speedup_ratio=args.speedup_ratio, num_gpu_blocks=1024)
     fe_args = ["--log-level", "warning", "--migration-limit", "3"]
     t0 = time.monotonic()
@@ -293,11 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.wait_workers_ready(90)
         cluster.wait_frontend_ready(MODEL, 90)
         result = check(cluster)
-        result["migrations"] = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in httpx.get(f"{cluster.frontend_url}/metrics", timeout=10).text.splitlines()
-            if line.startswith("dynamo_frontend_model_migration_total{")
-        )
+        result["migrations"] = _migrations(cluster.frontend_url or "")
         cluster.check_alive()
     report = {
         "args": vars(args),
@@ -309,10 +924,7 @@ def main(argv: list[str] | None = None) -> int:
         **result,
         "loadavg": os.getloadavg(),
     }
-    with open(os.path.join(args.out, "leak.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print(json.dumps(report, indent=1), flush=True)
-    return 0 if result["ok"] and sum(outcomes.values()) == args.requests else 1
+    return report, bool(result["ok"] and sum(outcomes.values()) == args.requests)
 
 
 if __name__ == "__main__":

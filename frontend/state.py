@@ -555,7 +555,7 @@ class FrontendState:
 
             async def unregister() -> None:
                 try:
-                    await events.unregister(worker.id, registered)
+                    await events.unregister(worker.id, registered, forget_watermark=True)
                     log.info("worker %s: KV-event stream stopped, its cached blocks forgotten", worker.id)
                 except Exception as exc:
                     log.warning("worker %s: could not stop its KV-event stream: %s", worker.id, exc)

@@ -165,9 +165,19 @@ class IndexerRegistry:
         return listener
 
     async def unregister(
-        self, instance_id: int, model_name: str, tenant_id: str | None = None, dp_rank: int | None = None
+        self,
+        instance_id: int,
+        model_name: str,
+        tenant_id: str | None = None,
+        dp_rank: int | None = None,
+        forget_watermark: bool = False,
     ) -> None:
-        """Remove an instance (tenant omitted: the whole instance) or one of its DP ranks."""
+        """Remove an instance (tenant omitted: the whole instance) or one of its DP ranks. The
+        sequence watermark outlives this (the standalone service's documented behaviour) unless
+        ``forget_watermark``: the frontend's choice, whose unregistered worker is registered again
+        only as a new reading of the engine (its blocks were dropped here, so the next stream must
+        start with no watermark: its first batch then shows a gap from 0 and the replay gives back
+        what the engine still holds)."""
         inst = self.instances.get(instance_id)
         if inst is None:
             raise RegistryError(404, f"instance {instance_id} not found")
@@ -181,15 +191,19 @@ class IndexerRegistry:
             if listener is None:
                 raise RegistryError(404, f"instance {instance_id} dp_rank {dp_rank} not found")
             await listener.stop()
+            if forget_watermark:
+                self._seq_states.pop((instance_id, dp_rank), None)
             if part is not None:
                 part.index.remove_worker(instance_id, dp_rank)
             if inst.listeners:
                 return
         else:
-            listeners = list(inst.listeners.values())
+            listeners = list(inst.listeners.items())
             inst.listeners.clear()
-            for listener in listeners:
+            for rank, listener in listeners:
                 await listener.stop()
+                if forget_watermark:
+                    self._seq_states.pop((instance_id, rank), None)
         del self.instances[instance_id]
         if part is not None:
             part.index.remove_worker(instance_id)

@@ -25,7 +25,7 @@ import zmq
 from test_mocker_events import BS, INSTANCE, MODEL, complete, indexer_blocks, mocker_blocks, prompt_text
 
 from bench.leak import index_blocks
-from support import free_port_block, free_ports, service, wait_until
+from support import free_port_block, free_ports, frontend_client, service, wait_until
 
 
 def mocker_args(port: int, pub: int, rep: int, *extra: str) -> list[str]:
@@ -182,6 +182,49 @@ def test_engine_restart_resets_its_blocks_and_the_index_relearns():
             wait_until(relearnt, timeout=60, interval=0.5, what="index equal to the new engine's cache")
             assert not (indexer_blocks(ix, 0) & old)
             assert metric(ix, "kvroute_kv_event_engine_restarts_total") == 1
+
+
+def test_a_live_worker_removed_and_added_again_is_relearnt_from_its_replay_socket():
+    """A worker taken out of the frontend while its engine keeps running (``DELETE /admin/workers``; a
+    discovery lapse or a workers-file edit does the same) loses its blocks with its KV-event stream;
+    given back, its new stream must start from no watermark, so the first batch it receives shows a
+    gap from 0 and the engine's replay socket gives back every block it still holds. The watermark
+    used to outlive the removal: the new stream went on after it and the older blocks were never
+    learnt again (the index stayed short of the engine's cache for good)."""
+    port = free_ports(1)[0]
+    pub, rep = free_port_block(1), free_port_block(1)
+    with mocker(port, pub, rep) as m:
+        spec = {
+            "id": 1,
+            "url": m["url"],
+            "kv_events_endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{rep}",
+        }
+        with frontend_client([",".join(f"{k}={v}" for k, v in spec.items())]) as fe:
+
+            def index_equals_cache() -> bool:
+                cache = mocker_blocks(m, 0)
+                return bool(cache) and index_blocks(fe.get("/admin/kv_dump").json()).get((1, 0)) == cache
+
+            for i in range(5):
+                complete(m, prompt_text(40 + i), 0)
+            wait_until(index_equals_cache, timeout=30, what="index equal to the engine's cache")
+            before = mocker_blocks(m, 0)
+            assert fe.delete("/admin/workers/1").status_code == 200
+            wait_until(lambda: not index_blocks(fe.get("/admin/kv_dump").json()), timeout=30, what="blocks forgotten")
+            assert fe.post("/admin/workers", json=spec).status_code == 201
+            n = iter(range(1000))
+
+            def relearnt() -> bool:
+                # the new subscriber misses what is published before it connects: a slow trickle of
+                # requests until a batch arrives
+                if index_equals_cache():
+                    return True
+                complete(m, prompt_text(30 + next(n)), 0)
+                return False
+
+            wait_until(relearnt, timeout=30, interval=0.5, what="index equal to the engine's cache again")
+            assert before <= index_blocks(fe.get("/admin/kv_dump").json())[(1, 0)]
 
 
 def test_indexer_restarted_with_peers_under_traffic_ends_identical_to_the_peer():

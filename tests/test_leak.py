@@ -60,4 +60,4 @@ def test_leak_short(tmp_path):
         report["outcomes"].get("cancelled_before_first_byte", 0) + report["outcomes"].get("cancelled_mid_stream", 0) > 0
     )
     assert report["loads_nonzero"] == [] and not any(report["gauges"].values())
-    assert report["index_diff"] == {} and report["index_blocks"] == report["mocker_blocks"] > 0
+    assert report["index_diff"] == {} and report["index_blocks"] == report["engine_blocks"] > 0

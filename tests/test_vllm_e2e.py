@@ -19,7 +19,10 @@ cache contents. What is shown against the real engines:
   conversation, the predicted overlap equal to vLLM's cache reads;
 - tokenizer parity is proven from vLLM's own rendering as workers join, and an engine with another
   chat template raises the alarm before any request;
-- the template arguments besides the messages (tools, thinking switches, defaults) are vLLM's.
+- the template arguments besides the messages (tools, thinking switches, defaults) are vLLM's;
+- engines killed mid-stream and restarted three times under a multi-turn load (bench/leak.py's
+  vLLM run): no client error, loads back at 0, the index equal to what the engines' own KV events
+  say they hold, predicted overlaps equal to vLLM's cached tokens, the frontend's memory flat.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import openai
 import pytest
 import zmq
 
-from kvroute_common.real_engines.vllm_cpu import BLOCK_SIZE, SERVED_NAME, VllmEngine, start_engines
+from kvroute_common.real_engines.vllm_cpu import BLOCK_SIZE, SERVED_NAME, VllmEngine, expected_cached, start_engines
 from support import free_port, service, wait_until
 
 MODEL = SERVED_NAME
@@ -182,12 +185,6 @@ def system_prompt(tag: str, sentences: int = 24) -> str:
 
 def cached_tokens(response: dict[str, Any]) -> int:
     return int((response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
-def expected_cached(overlap_blocks: int, prompt_tokens: int) -> int:
-    """vLLM recomputes at least the prompt's last token: a fully cached, block-aligned prompt hits
-    one block less than it holds."""
-    return min(overlap_blocks, (prompt_tokens - 1) // BLOCK_SIZE) * BLOCK_SIZE
 
 
 def wait_indexed(fe: Kvroute, body: dict[str, Any], worker: int, prompt_tokens: int, rank: int = 0) -> None:
@@ -775,3 +772,33 @@ def test_through_an_envoy_gateway_with_kvroute_as_its_endpoint_picker(vllm_engin
             next(s.iter_raw())
         wait_until(fe.idle, WAIT, what="loads back at 0 after the client left mid-stream")
         assert fe.metric("kvroute_hash_parity_mismatch") == 0
+
+
+def test_engines_restarted_under_load_leave_no_load_and_an_index_equal_to_their_caches(
+    vllm_engines: dict[str, Any],
+) -> None:
+    """bench/leak.py against the pair: multi-turn conversations (some abandoned by the client) through
+    a kv frontend (``--migration-limit 3``) while an engine is SIGKILLed three times, each time in the
+    middle of a long witness stream, and restarted on its ports. No client sees an error; every
+    witness is one complete stream; loads and request gauges return to 0; the index equals what the
+    engines' own KV events say they hold (each restarted engine: only blocks stored since its
+    restart); the overlap kvroute predicts equals vLLM's cached tokens on requests of the load pinned
+    to each engine; the frontend's memory stays flat from cycle to cycle."""
+    from bench.leak import run_vllm
+
+    engines: list[VllmEngine] = vllm_engines["pair"]
+    report = run_vllm(engines, vllm_engines["model_dir"], cycles=3, concurrency=2)
+    summary = json.dumps({k: v for k, v in report.items() if k != "probes"}, indent=1)
+    assert set(report["outcomes"]) <= {"ok", "cancelled_before_first_byte", "cancelled_mid_stream"}, summary
+    assert report["outcomes"].get("ok", 0) >= 10, summary
+    cycles = report["restart_cycles"]
+    assert len(cycles) == 3 and all(c["mid_stream"] and c["witness_complete"] for c in cycles), summary
+    assert report["migrations"] >= 3, summary
+    assert report["loads_nonzero"] == [] and not any(report["gauges"].values()), summary
+    assert report["unhealthy_workers"] == [] and report["tap_incomplete"] == [], summary
+    assert report["index_diff"] == {} and report["index_blocks"] == report["engine_blocks"] > 0, summary
+    probes = report["probes"]
+    assert probes["mismatches"] == [] and probes["probes"] == 8 and probes["with_overlap"] > 0, probes
+    rss = report["frontend_rss_mb"][1:]  # after each cycle
+    assert max(rss) - rss[0] < 10, summary
+    assert report["ok"], summary

@@ -60,6 +60,13 @@ def missing_reason() -> str:
     )
 
 
+def expected_cached(overlap_blocks: int, prompt_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """The cached tokens vLLM reports for a prompt of which ``overlap_blocks`` full blocks are cached:
+    it recomputes at least the prompt's last token, so a fully cached, block-aligned prompt hits one
+    block less than it holds."""
+    return min(overlap_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
 def write_tiny_model(python: str, out_dir: str, loras: Sequence[str] = (), seed: int = 0) -> str:
     """A tiny random-weight Llama using kvroute's built-in tokenizer (+ LoRA adapters in ``loras/NAME``)."""
     args = [python, TINY_MODEL_SCRIPT, "--out", out_dir, "--seed", str(seed)]
