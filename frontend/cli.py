@@ -188,10 +188,12 @@ def check_model_path(path: str | None) -> None:
 
 
 def _import_before_serving(state) -> None:
-    """Modules the first worker's attachment would import on the event loop (30-45 ms each)."""
+    """Modules the first worker's attachment (30-45 ms each) and the first request (anyio's asyncio
+    backend, 13 ms: starlette's first request) would import on the event loop."""
     import importlib
 
     modules = ["h11", "httpcore._async.http11", "httpcore._sync.http11"]  # the control-plane client's
+    modules.append("anyio._backends._asyncio")
     if state.remote_index is None and state.config.kv_aware and state.config.uses_indexer:
         modules.append("indexer.registry")  # the embedded index and its KV-event listeners
     for name in modules:
@@ -380,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         [reuse_port_socket(ns.http_host, ns.http_port)] if os.environ.get(ENV_REUSE_PORT) else None
     )  # --workers N child
     _import_before_serving(state)
+    state.tokenize.start()  # the tokenizer threads: started here, not by the first long prompts on the loop
     tune_gc()  # the embedded index and the tokenizers are large, long-lived heaps: rare full collections
     server.run(sockets=sockets)
     return 0 if server.started else 1

@@ -247,6 +247,29 @@ def test_offload_runs_long_prompts_on_a_thread_and_short_ones_inline() -> None:
         TokenizeOffload(-1)
 
 
+def test_started_offload_runs_long_prompts_on_threads_started_before_any_request() -> None:
+    off = TokenizeOffload(100)
+    off.start()
+    started = set(threading.enumerate())
+    gate = threading.Barrier(2, timeout=10)  # both prompts on a thread at once: two threads, both started
+
+    def fn(nogil: bool = False) -> threading.Thread:
+        gate.wait()
+        return threading.current_thread()
+
+    async def main() -> list[threading.Thread]:
+        return list(await asyncio.gather(off.run(1000, fn), off.run(1000, fn)))
+
+    try:
+        ran_on = asyncio.run(main())
+    finally:
+        off.close()
+    assert len(set(ran_on)) == 2 and set(ran_on) <= started and set(threading.enumerate()) <= started
+    never = TokenizeOffload(0)
+    never.start()  # never offloads: no thread
+    assert set(threading.enumerate()) <= started
+
+
 def test_prompt_chars_and_responses_to_chat() -> None:
     assert (
         prompt_chars(
