@@ -141,6 +141,18 @@ def test_error_event_and_conversion_rules() -> None:
     assert sent == {"model": "m", "stream": True, "max_tokens": 3, "stream_options": {"include_usage": True}}
 
 
+def test_streaming_body_appends_to_the_raw_bytes_and_reencodes_only_when_it_must() -> None:
+    want = {"stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 100_000}], "max_tokens": 1}
+    raw = b'{ "model": "m", "messages": [{"role": "user", "content": "' + b"x" * 100_000 + b'"}], "max_tokens": 1 }\n'
+    sent = streaming_body(body, raw)
+    assert sent.startswith(raw[:40]) and orjson.loads(sent) == {**body, **want}  # the client's bytes, extended
+    for fields in ({"stream": False}, {"stream_options": {"include_usage": False}}):
+        with_field = {**body, **fields}  # appending would duplicate a key: the body is encoded again
+        sent = streaming_body(with_field, orjson.dumps(with_field))
+        assert orjson.loads(sent) == {**body, **want} and sent.count(b'"stream"') == 1
+
+
 def test_capacity_from_vllm_metrics_and_server_info() -> None:
     text = (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
