@@ -16,7 +16,6 @@ def main(argv: list[str] | None = None) -> int:
     from mocker.api import build_app
 
     app = build_app(cfg)
-    app.state.mocker.tokenize.start()  # its tokenizer threads before serving, as the frontend does
     uvicorn.run(
         app,
         host=cfg.host,
