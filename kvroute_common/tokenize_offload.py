@@ -7,7 +7,13 @@ Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``
   ``re``-based fast path (``PromptEncoder``) hold it (one 3 MB ``re.findall`` holds it ~90 ms), so
   the thread path encodes with ``encode_batch_fast`` (same ids, ``nogil=True``).
 * Rendering the chat template (jinja, pure Python) keeps the GIL only between bytecodes: the loop
-  gets it back every switch interval (5 ms), so rendering in the thread is fine.
+  gets it back within a switch interval, so rendering in the thread is fine (0.3 ms for a 128 k-token
+  message, ~1 ms for 3 MB).
+* The switch interval is what every GIL hand-back costs the loop while a thread runs Python code
+  (a long prompt's block hashes, its render): the loop gives the GIL up at every socket call and
+  waits that long to get it back. CPython's 5 ms made a socket round trip beside a hashing thread
+  take p99 29-31 ms (p90 5.2 ms); with 0.5 ms, 8.3-8.7 ms (p90 0.7-1.0 ms) (``python -m bench
+  gil_handback``). The frontend runs with ``LOOP_SWITCH_INTERVAL_MS`` (``--switch-interval-ms``).
 * The threads keep the loop's OS priority: a lower one (nice +10) was measured worse on a loaded
   machine, since a descheduled thread that holds the GIL mid-render stalls the loop (priority inversion).
 * A thread hop costs ~0.1 ms; short prompts stay inline on the cached fast path, which is quicker
@@ -29,6 +35,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 DEFAULT_OFFLOAD_CHARS = 16384
+LOOP_SWITCH_INTERVAL_MS = 0.5
+"""The frontend's GIL switch interval (``sys.setswitchinterval``; CPython's default is 5 ms)."""
 # two threads: one huge prompt does not hold up the next one; more would only fight over 2 cores
 _MAX_THREADS = 2
 

@@ -418,6 +418,19 @@ def test_stall_logger_names_what_held_the_loop(caplog: pytest.LogCaptureFixture)
     assert "event loop held for" in record.getMessage() and "hold_the_loop_for_a_while" in record.getMessage()
 
 
+def test_switch_interval_defaults_to_the_loops_and_a_non_positive_one_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from frontend.cli import build_parser, make_state
+    from kvroute_common.tokenize_offload import LOOP_SWITCH_INTERVAL_MS
+
+    assert build_parser().parse_args([]).switch_interval_ms == LOOP_SWITCH_INTERVAL_MS < 5
+    monkeypatch.setenv("KVROUTE_SWITCH_INTERVAL_MS", "2")
+    assert build_parser().parse_args([]).switch_interval_ms == 2.0
+    with pytest.raises(SystemExit, match="--switch-interval-ms must be > 0"):
+        make_state(build_parser().parse_args(["--switch-interval-ms", "0"]))
+
+
 def test_a_huge_chat_message_is_rendered_and_tokenized_off_the_loop_a_tiny_one_inline() -> None:
     import copy
     import threading
