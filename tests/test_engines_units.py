@@ -237,6 +237,18 @@ def test_gil_free_encode_gives_the_same_ids_and_refuses_long_prompts() -> None:
     assert chat_request_token_ids(tok, body, nogil=True, limit=len(ids) + 1) == ids
 
 
+def test_inline_encode_of_few_or_many_unseen_pieces_gives_the_backends_ids() -> None:
+    from kvroute_common.tokenizer import PromptEncoder
+
+    tok = load_tokenizer(None)
+    enc = PromptEncoder(tok)  # empty caches: every piece is unseen once
+    few = "hi 4711 there"  # under GIL_HELD_PIECES: encoded one by one
+    many = " ".join(f"w{i}x{i * 7}" for i in range(3 * enc.GIL_HELD_PIECES))  # over it: one batch
+    for text in (few, many, few + " " + many):
+        assert enc.encode(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        assert enc.encode(text, add_special_tokens=True) == tok.backend_tokenizer.encode(text).ids
+
+
 def test_offload_runs_long_prompts_on_a_thread_and_short_ones_inline() -> None:
     off = TokenizeOffload(100)
     seen: list[tuple[str, bool]] = []
