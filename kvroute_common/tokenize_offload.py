@@ -11,9 +11,9 @@ Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``
   message, ~1 ms for 3 MB).
 * The switch interval is what every GIL hand-back costs the loop while a thread runs Python code
   (a long prompt's block hashes, its render): the loop gives the GIL up at every socket call and
-  waits that long to get it back. CPython's 5 ms made a socket round trip beside a hashing thread
-  take p99 29-31 ms (p90 5.2 ms); with 0.5 ms, 8.3-8.7 ms (p90 0.7-1.0 ms) (``python -m bench
-  gil_handback``). The frontend runs with ``LOOP_SWITCH_INTERVAL_MS`` (``--switch-interval-ms``).
+  waits that long to get it back. A socket round trip beside a thread hashing a 128 k-token prompt,
+  on the loaded machine (``python -m bench gil_handback``): p99 20-40 ms at CPython's 5 ms, 2.6-15.7 ms
+  at 0.5 ms. The frontend runs with ``LOOP_SWITCH_INTERVAL_MS`` (``--switch-interval-ms``).
 * The threads keep the loop's OS priority: a lower one (nice +10) was measured worse on a loaded
   machine, since a descheduled thread that holds the GIL mid-render stalls the loop (priority inversion).
 * A thread hop costs ~0.1 ms; short prompts stay inline on the cached fast path, which is quicker

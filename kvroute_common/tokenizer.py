@@ -92,7 +92,7 @@ def _load_tokenizer(model_path: str | None):
     # The encoder's set-up parses the whole tokenizer spec (tens of ms for a large vocabulary): done
     # here, where the tokenizer is loaded, instead of on the first request.
     prompt_encoder(tok)
-    # So is the chat template's first render (jinja's import and the template's compile: 5-27 ms),
+    # So is the chat template's first render (it compiles the template: 5-27 ms on this machine),
     # which the first (short, inline) chat request would otherwise pay on the event loop.
     if getattr(tok, "chat_template", None):
         try:
