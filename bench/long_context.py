@@ -341,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(map(str, LENGTHS)),
         help="prompt lengths of the loop part for --before (a slow checkout may not finish the longest)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the before / after pair is measured, alternating (a shared machine's load drifts) [1]",
+    )
     ap.add_argument("--out", default=None, help="also write the JSON result here")
     args = ap.parse_args(argv)
     random.seed(0)
@@ -348,13 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     checkouts = ([("before", os.path.abspath(args.before))] if args.before else []) + [("after", here)]
     result: dict[str, Any] = {"load_average": os.getloadavg(), "runs": []}
     try:
-        for label, directory in checkouts:
-            os.chdir(directory)  # the children are `python -m frontend` / `mocker` from here
-            lengths = [int(x) for x in args.before_lengths.split(",")] if label == "before" else LENGTHS
-            for t in [t.strip() for t in args.tokenizers.split(",") if t.strip()]:
-                run = _run(t, args, lengths)
-                run["checkout"] = f"{label} ({directory})"
-                result["runs"].append(run)
+        for rnd in range(args.rounds):
+            for label, directory in checkouts:
+                os.chdir(directory)  # the children are `python -m frontend` / `mocker` from here
+                lengths = [int(x) for x in args.before_lengths.split(",")] if label == "before" else LENGTHS
+                for t in [t.strip() for t in args.tokenizers.split(",") if t.strip()]:
+                    run = _run(t, args, lengths)
+                    run["checkout"] = f"{label} ({directory})"
+                    run["round"] = rnd + 1
+                    run["load_average"] = os.getloadavg()
+                    result["runs"].append(run)
     finally:
         os.chdir(here)
     result["load_average_after"] = os.getloadavg()
