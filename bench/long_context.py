@@ -13,11 +13,16 @@ a kv-mode frontend. ``--index remote`` puts the KV-event ingestion in a standalo
   while long prompts arrive at fixed rates: 32 k tokens at 2/s, 128 k at 2/s, 400 k at 1 every 2 s,
   and three 3 MB chat prompts at once (over every engine's context: refused). Each long prompt is
   fresh random text (the tokenizer's caches do not help). Reported: the tiny requests' p50 / p99 /
-  worst over the window, and the long requests' statuses.
+  worst over the window, the long requests' statuses, and per second of the window how long the
+  frontend's loop thread ran and how long it was runnable but waited for a CPU (schedstat).
+* **The chat shape** (``--shapes chat``): the same with chat requests on both sides, as an agent sends
+  them: a ~128 k-token user message in ``/v1/chat/completions`` at 2/s, and three 3 MB chat prompts at
+  once, while tiny chat requests are sent every 10 ms (each rendered through the chat template).
 * **Loop and CPU time per request against prompt length.** Long prompts of 1 k to 400 k tokens are
   sent one at a time; the frontend's event-loop thread's run time (``/proc/PID/task/PID/schedstat``,
   nanoseconds) and the whole process's CPU time are read before and after: what one request of that
-  length costs the loop (everything else waits for it) and in all (the tokenizer threads included).
+  length costs the loop (everything else waits for it) and in all (the tokenizer threads included);
+  with the chat shape, also 128 k-token user messages in chat requests.
 
 ``--before DIR`` measures another checkout first, in the same run (``git worktree add /tmp/before
 <commit>``): its ``python -m frontend`` and ``python -m mocker`` are started from that directory.
@@ -46,6 +51,8 @@ SCENARIOS = [  # (name, prompt tokens, long prompts per second, seconds)
     ("128k tokens, 2/s", 128_000, 2.0, 8.0),
     ("400k tokens, 1 every 2 s", 400_000, 0.5, 10.0),
 ]
+CHAT_SCENARIOS = [("chat: 128k-token user message, 2/s", 128_000, 2.0, 8.0)]  # tiny requests are chat too
+SHAPES = ("completions", "chat")
 LENGTHS = [1_000, 8_000, 32_000, 128_000, 400_000]
 
 
@@ -61,15 +68,25 @@ def _completion(tokens: int, seed: int, chars_per_token: float) -> bytes:
     return json.dumps({"model": MODEL, "prompt": text, "max_tokens": 1}).encode()
 
 
+def _chat_tokens(tokens: int, seed: int, chars_per_token: float) -> bytes:
+    return _chat(int(tokens * chars_per_token * 0.97), seed)
+
+
 def _chat(chars: int, seed: int) -> bytes:
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": big_text(chars, seed)}]}
     return json.dumps(body).encode()
 
 
-def _loop_ns(pid: int) -> int:
-    """Run time (ns) of the process's main thread, where the frontend's event loop runs."""
+def _loop_sched(pid: int) -> tuple[int, int]:
+    """(run time, time runnable but waiting for a CPU), ns, of the process's main thread, where the
+    frontend's event loop runs."""
     with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
-        return int(f.read().split()[0])
+        run, wait = f.read().split()[:2]
+    return int(run), int(wait)
+
+
+def _loop_ns(pid: int) -> int:
+    return _loop_sched(pid)[0]
 
 
 def _cpu_s(pid: int) -> float:
@@ -78,9 +95,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _long_sender(client: Any, bodies: list[bytes], rate: float, statuses: list[int], tokens: list[int]) -> None:
+async def _long_sender(
+    client: Any, path: str, bodies: list[bytes], rate: float, statuses: list[int], tokens: list[int]
+) -> None:
     async def one(body: bytes) -> None:
-        r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        r = await client.post(path, content=body, headers={"content-type": "application/json"})
         statuses.append(r.status_code)
         if r.status_code == 200:
             tokens.append(r.json()["usage"]["prompt_tokens"])
@@ -95,7 +114,13 @@ async def _long_sender(client: Any, bodies: list[bytes], rate: float, statuses: 
     await asyncio.gather(*tasks)
 
 
-async def _scenario(url: str, bodies: list[bytes], rate: float, at_once: bool) -> dict[str, Any]:
+async def _scenario(
+    url: str, pid: int, bodies: list[bytes], rate: float, at_once: bool, chat: bool = False
+) -> dict[str, Any]:
+    """Tiny requests open loop while ``bodies`` arrive at ``rate`` (or all ``at_once``, as chat
+    requests); ``chat``: the tiny and the long requests are chat requests. Also reported, per second
+    of the window: how long the frontend's loop thread ran, and how long it was runnable but waited
+    for a CPU (other threads and processes on the cores: every request waits as long)."""
     import httpx
 
     samples: list[tuple[float, float]] = []
@@ -108,9 +133,11 @@ async def _scenario(url: str, bodies: list[bytes], rate: float, at_once: bool) -
         httpx.AsyncClient(base_url=url, timeout=600.0) as big,
     ):
         for i in range(20):  # warm the connections
-            await tiny.post("/v1/completions", json={"model": MODEL, "prompt": f"warm {i}", "max_tokens": 1})
-        sender = asyncio.create_task(_tiny_open_loop_completions(tiny, 0.01, samples, stop))
+            path, body = _tiny_request(chat, f"warm {i}")
+            await tiny.post(path, json=body)
+        sender = asyncio.create_task(_tiny_open_loop(tiny, 0.01, samples, stop, chat))
         t0 = time.perf_counter()
+        sched0 = _loop_sched(pid)
         if not bodies:  # the idle baseline: tiny requests alone
             await asyncio.sleep(3.0)
         elif at_once:
@@ -120,23 +147,39 @@ async def _scenario(url: str, bodies: list[bytes], rate: float, at_once: bool) -
             )
             statuses += [a.status_code for a in answers]
         else:
-            await _long_sender(big, bodies, rate, statuses, tokens)
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            await _long_sender(big, path, bodies, rate, statuses, tokens)
         t1 = time.perf_counter()
+        sched1 = _loop_sched(pid)
         stop.set()
         await sender
     window = [ms for t, ms in samples if t0 <= t < t1]
+    secs = t1 - t0
     return {
         "tiny_ms": _summary(window),
+        "loop_run_ms_per_s": round((sched1[0] - sched0[0]) / 1e6 / secs, 1),
+        "loop_cpu_wait_ms_per_s": round((sched1[1] - sched0[1]) / 1e6 / secs, 1),
         "long_statuses": sorted(set(statuses)),
         "long_prompt_tokens": round(sum(tokens) / len(tokens)) if tokens else None,
         "seconds": round(t1 - t0, 1),
     }
 
 
-async def _tiny_open_loop_completions(
-    client: Any, interval: float, out: list[tuple[float, float]], stop: asyncio.Event
+def _tiny_request(chat: bool, text: str) -> tuple[str, dict[str, Any]]:
+    """A tiny request's path and JSON body: chat (rendered through the chat template) or completion."""
+    if chat:
+        return "/v1/chat/completions", {
+            "model": MODEL,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": text}],
+        }
+    return "/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}
+
+
+async def _tiny_open_loop(
+    client: Any, interval: float, out: list[tuple[float, float]], stop: asyncio.Event, chat: bool
 ) -> None:
-    """Like tokenize_stall's open loop, with completions (no chat template on the tiny path)."""
+    """Like tokenize_stall's open loop, with completions (no chat template on the tiny path) or chat."""
     loop = asyncio.get_running_loop()
     tasks = []
     next_t = loop.time()
@@ -144,7 +187,8 @@ async def _tiny_open_loop_completions(
 
     async def one(k: int) -> None:
         t = time.perf_counter()
-        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": f"hi {k}", "max_tokens": 1})
+        path, body = _tiny_request(chat, f"hi {k}")
+        r = await client.post(path, json=body)
         if r.status_code != 200:
             raise RuntimeError(f"tiny request failed: {r.status_code} {r.text[:200]}")
         out.append((t, (time.perf_counter() - t) * 1e3))
@@ -157,16 +201,20 @@ async def _tiny_open_loop_completions(
     await asyncio.gather(*tasks)
 
 
-def _per_request(url: str, pid: int, length: int, n: int, cpt: float) -> dict[str, Any]:
+def _per_request(url: str, pid: int, length: int, n: int, cpt: float, chat: bool = False) -> dict[str, Any]:
     import httpx
 
-    bodies = [_completion(length, 1000 + k, cpt) for k in range(n)]
+    if chat:
+        path, bodies = "/v1/chat/completions", [_chat_tokens(length, 3000 + k, cpt) for k in range(n)]
+    else:
+        path, bodies = "/v1/completions", [_completion(length, 1000 + k, cpt) for k in range(n)]
     with httpx.Client(base_url=url, timeout=600.0) as c:
-        c.post("/v1/completions", json={"model": MODEL, "prompt": "warm", "max_tokens": 1})
+        warm_path, warm = _tiny_request(chat, "warm")
+        c.post(warm_path, json=warm)
         loop0, cpu0 = _loop_ns(pid), _cpu_s(pid)
         tokens = []
         for body in bodies:
-            r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            r = c.post(path, content=body, headers={"content-type": "application/json"})
             if r.status_code != 200:
                 raise RuntimeError(f"{length}-token request failed: {r.status_code} {r.text[:300]}")
             tokens.append(r.json()["usage"]["prompt_tokens"])
@@ -229,23 +277,42 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
         url = cluster.frontend_url
         assert url is not None and cluster.frontend is not None
         pid = cluster.frontend.proc.pid
+        shapes = [x.strip() for x in args.shapes.split(",")]
         if "latency" in args.parts:
-            idle = asyncio.run(_scenario(url, [], 1.0, False)) if args.idle else None
-            if idle is not None:
-                out["scenarios"]["none (idle, 3 s)"] = idle
-            for name, tokens, rate, secs in SCENARIOS:
-                n = max(1, int(rate * secs))
-                bodies = [_completion(tokens, k, cpt) for k in range(n)]
-                out["scenarios"][name] = r = asyncio.run(_scenario(url, bodies, rate, False))
+            if "completions" in shapes:
+                if args.idle:
+                    out["scenarios"]["none (idle, 3 s)"] = asyncio.run(_scenario(url, pid, [], 1.0, False))
+                for name, tokens, rate, secs in SCENARIOS:
+                    n = max(1, int(rate * secs))
+                    bodies = [_completion(tokens, k, cpt) for k in range(n)]
+                    out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, rate, False))
+                    print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
+                bodies = [_chat(3_000_000, 500 + k) for k in range(3)]
+                name = "three 3 MB chat prompts at once"
+                out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, 1.0, True))
                 print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
-            bodies = [_chat(3_000_000, 500 + k) for k in range(3)]
-            out["scenarios"]["three 3 MB chat prompts at once"] = r = asyncio.run(_scenario(url, bodies, 1.0, True))
-            print(f"[{tokenizer}] three 3 MB at once: {json.dumps(r)}", flush=True)
+            if "chat" in shapes:
+                if args.idle:
+                    out["scenarios"]["chat: none (idle, 3 s)"] = asyncio.run(
+                        _scenario(url, pid, [], 1.0, False, chat=True)
+                    )
+                for name, tokens, rate, secs in CHAT_SCENARIOS:
+                    n = max(1, int(rate * secs))
+                    bodies = [_chat_tokens(tokens, 2000 + k, cpt) for k in range(n)]
+                    out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, rate, False, chat=True))
+                    print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
+                bodies = [_chat(3_000_000, 600 + k) for k in range(3)]
+                name = "chat: three 3 MB chat prompts at once"
+                out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, 1.0, True, chat=True))
+                print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
         if "loop" in args.parts:
             for length in lengths:
                 n = 4 if length >= 400_000 else 10
                 out["lengths"][str(length)] = r = _per_request(url, pid, length, n, cpt)
                 print(f"[{tokenizer}] {length} tokens: {json.dumps(r)}", flush=True)
+            if "chat" in shapes:  # a 128k-token user message: the loop's share of the chat path
+                out["lengths"]["chat 128000"] = r = _per_request(url, pid, 128_000, 10, cpt, chat=True)
+                print(f"[{tokenizer}] chat 128000 tokens: {json.dumps(r)}", flush=True)
     finally:
         cluster.stop()
         if indexer is not None:
@@ -261,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--tokenizers", default="builtin", help="comma-separated: builtin, hf [builtin]")
     ap.add_argument("--parts", default="latency,loop", help="comma-separated: latency, loop [both]")
+    ap.add_argument(
+        "--shapes", default=",".join(SHAPES), help="comma-separated latency shapes: completions, chat [both]"
+    )
     ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle baseline")
     ap.add_argument(
         "--index", choices=["embedded", "remote"], default="embedded", help="where KV events are ingested [embedded]"
@@ -271,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(map(str, LENGTHS)),
         help="prompt lengths of the loop part for --before (a slow checkout may not finish the longest)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the before / after pair is measured, alternating (a shared machine's load drifts) [1]",
+    )
     ap.add_argument("--out", default=None, help="also write the JSON result here")
     args = ap.parse_args(argv)
     random.seed(0)
@@ -278,13 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     checkouts = ([("before", os.path.abspath(args.before))] if args.before else []) + [("after", here)]
     result: dict[str, Any] = {"load_average": os.getloadavg(), "runs": []}
     try:
-        for label, directory in checkouts:
-            os.chdir(directory)  # the children are `python -m frontend` / `mocker` from here
-            lengths = [int(x) for x in args.before_lengths.split(",")] if label == "before" else LENGTHS
-            for t in [t.strip() for t in args.tokenizers.split(",") if t.strip()]:
-                run = _run(t, args, lengths)
-                run["checkout"] = f"{label} ({directory})"
-                result["runs"].append(run)
+        for rnd in range(args.rounds):
+            for label, directory in checkouts:
+                os.chdir(directory)  # the children are `python -m frontend` / `mocker` from here
+                lengths = [int(x) for x in args.before_lengths.split(",")] if label == "before" else LENGTHS
+                for t in [t.strip() for t in args.tokenizers.split(",") if t.strip()]:
+                    run = _run(t, args, lengths)
+                    run["checkout"] = f"{label} ({directory})"
+                    run["round"] = rnd + 1
+                    run["load_average"] = os.getloadavg()
+                    result["runs"].append(run)
     finally:
         os.chdir(here)
     result["load_average_after"] = os.getloadavg()

@@ -10,6 +10,7 @@ import sys
 from kvroute_common.drain import add_drain_arg
 from kvroute_common.gc_policy import tune_gc
 from kvroute_common.security import add_security_args
+from kvroute_common.tokenize_offload import LOOP_SWITCH_INTERVAL_MS
 from router.config import JETSTREAM_FLAGS, RouterConfig, add_router_args
 
 log = logging.getLogger("frontend")
@@ -91,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="log where the event loop was whenever a callback due on it waited MS milliseconds or more "
         "(what every request on the process waited for); 0 = off [env KVROUTE_LOG_LOOP_STALLS_MS; default 0]",
+    )
+    g.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=os.environ.get("KVROUTE_SWITCH_INTERVAL_MS", str(LOOP_SWITCH_INTERVAL_MS)),
+        metavar="MS",
+        help="the GIL switch interval: how long the event loop waits for the GIL while a tokenizer thread runs "
+        "Python code (a long prompt's hashes); CPython's default is 5 "
+        f"[env KVROUTE_SWITCH_INTERVAL_MS; default {LOOP_SWITCH_INTERVAL_MS}]",
     )
     g.add_argument(
         "--tokenizer-offload-chars",
@@ -201,10 +211,12 @@ def check_model_path(path: str | None) -> None:
 
 
 def _import_before_serving(state) -> None:
-    """Modules the first worker's attachment would import on the event loop (30-45 ms each)."""
+    """Modules the first worker's attachment (30-45 ms each) and the first request (anyio's asyncio
+    backend, 13 ms: starlette's first request) would import on the event loop."""
     import importlib
 
     modules = ["h11", "httpcore._async.http11", "httpcore._sync.http11"]  # the control-plane client's
+    modules.append("anyio._backends._asyncio")
     if state.remote_index is None and state.config.kv_aware and state.config.uses_indexer:
         modules.append("indexer.registry")  # the embedded index and its KV-event listeners
     for name in modules:
@@ -288,6 +300,8 @@ def make_state(ns: argparse.Namespace):
     if ns.log_loop_stalls < 0:
         raise SystemExit("--log-loop-stalls must be >= 0 (0 = off)")
     state.loop_stall_threshold = ns.log_loop_stalls / 1000
+    if ns.switch_interval_ms <= 0:
+        raise SystemExit("--switch-interval-ms must be > 0")
     if config.router_replica_sync or ns.replica_sync_bind:
         if not ns.replica_sync_bind:
             raise SystemExit(
@@ -398,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         [reuse_port_socket(ns.http_host, ns.http_port)] if os.environ.get(ENV_REUSE_PORT) else None
     )  # --workers N child
     _import_before_serving(state)
+    state.tokenize.start()  # the tokenizer threads: started here, not by the first long prompts on the loop
     tune_gc()  # the embedded index and the tokenizers are large, long-lived heaps: rare full collections
+    sys.setswitchinterval(ns.switch_interval_ms / 1000)  # the loop's wait for the GIL (tokenize_offload)
     server.run(sockets=sockets)
     return 0 if server.started else 1

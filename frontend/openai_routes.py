@@ -504,7 +504,7 @@ class OpenAIRoutes:
         session = ctx.session
         # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
         as_stream = not stream and ctx.kind in ("chat", "completions") and convertible(ctx.body)
-        body = streaming_body(ctx.body) if as_stream else ctx.out_body
+        body = streaming_body(ctx.body, ctx.out_body) if as_stream else ctx.out_body
         body = _priority_for_worker(body, hints, worker)  # the chosen engine's priority sign
         watch = None
         upstream = None

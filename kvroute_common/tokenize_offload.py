@@ -7,11 +7,20 @@ Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``
   ``re``-based fast path (``PromptEncoder``) hold it (one 3 MB ``re.findall`` holds it ~90 ms), so
   the thread path encodes with ``encode_batch_fast`` (same ids, ``nogil=True``).
 * Rendering the chat template (jinja, pure Python) keeps the GIL only between bytecodes: the loop
-  gets it back every switch interval (5 ms), so rendering in the thread is fine.
+  gets it back within a switch interval, so rendering in the thread is fine (0.3 ms for a 128 k-token
+  message, ~1 ms for 3 MB).
+* The switch interval is what every GIL hand-back costs the loop while a thread runs Python code
+  (a long prompt's block hashes, its render): the loop gives the GIL up at every socket call and
+  waits that long to get it back. A socket round trip beside a thread hashing a 128 k-token prompt,
+  on the loaded machine (``python -m bench gil_handback``): p99 20-40 ms at CPython's 5 ms, 2.6-15.7 ms
+  at 0.5 ms. The frontend runs with ``LOOP_SWITCH_INTERVAL_MS`` (``--switch-interval-ms``).
 * The threads keep the loop's OS priority: a lower one (nice +10) was measured worse on a loaded
   machine, since a descheduled thread that holds the GIL mid-render stalls the loop (priority inversion).
 * A thread hop costs ~0.1 ms; short prompts stay inline on the cached fast path, which is quicker
   than the backend for text it has seen (shared system prompts).
+* The threads are started before serving (``start``): ``Thread.start`` waits until the new thread
+  runs, and started on the loop by the first long prompts, the second one held the loop 39 ms on the
+  loaded machine (``--log-loop-stalls``, three 3 MB chat prompts at once).
 
 Prompts above ``threshold_chars`` characters of text are offloaded (default 16384: where an inline
 encode of fresh text starts to cost ~10 ms of loop time). ``threshold_chars=0`` never offloads.
@@ -21,10 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 DEFAULT_OFFLOAD_CHARS = 16384
+LOOP_SWITCH_INTERVAL_MS = 0.5
+"""The frontend's GIL switch interval (``sys.setswitchinterval``; CPython's default is 5 ms)."""
 # two threads: one huge prompt does not hold up the next one; more would only fight over 2 cores
 _MAX_THREADS = 2
 
@@ -84,15 +96,31 @@ class TokenizeOffload:
     def offloads(self, chars: int) -> bool:
         return 0 < self.threshold_chars < chars
 
+    def start(self, timeout: float = 30.0) -> None:
+        """Start every thread of the pool now, off the event loop (before serving): a pool started by
+        ``run`` starts its threads on the loop, which waits for each to run. No-op when it never offloads."""
+        if self.threshold_chars == 0 or self._pool is not None:
+            return
+        pool = self._new_pool()
+        # each task holds its thread until all are running, so every submit starts a new thread
+        ready = threading.Barrier(_MAX_THREADS + 1)
+        for _ in range(_MAX_THREADS):
+            pool.submit(ready.wait, timeout)
+        ready.wait(timeout)
+
+    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        self._pool = concurrent.futures.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="tokenize")
+        return self._pool
+
     async def run(self, chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, nogil=..., **kwargs)``: inline for short prompts, in a thread (``nogil=True``) for long ones."""
+        """``fn(*args, nogil=..., **kwargs)``: inline for short prompts, in a thread (``nogil=True``) for long ones
+        (a pool not ``start``-ed starts its threads here, on the loop)."""
         if not self.offloads(chars):
             return fn(*args, nogil=False, **kwargs)
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="tokenize")
+        pool = self._pool if self._pool is not None else self._new_pool()
         self.offloaded += 1
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, nogil=True, **kwargs))
+        return await loop.run_in_executor(pool, lambda: fn(*args, nogil=True, **kwargs))
 
     def close(self) -> None:
         if self._pool is not None:

@@ -92,6 +92,13 @@ def _load_tokenizer(model_path: str | None):
     # The encoder's set-up parses the whole tokenizer spec (tens of ms for a large vocabulary): done
     # here, where the tokenizer is loaded, instead of on the first request.
     prompt_encoder(tok)
+    # So is the chat template's first render (it compiles the template: 5-27 ms on this machine),
+    # which the first (short, inline) chat request would otherwise pay on the event loop.
+    if getattr(tok, "chat_template", None):
+        try:
+            render_chat_prompt(tok, [{"role": "user", "content": "warm"}])
+        except PromptError:  # a template that refuses this conversation renders on the first request
+            pass
     return tok
 
 
@@ -301,6 +308,10 @@ class PromptEncoder:
     """Encodes text to exactly the ids of ``tokenizer.backend_tokenizer.encode`` (see module doc)."""
 
     PIECE_CACHE_MAX = 400_000
+    # Unseen pieces up to this many are encoded one by one, holding the GIL: this path runs on the event
+    # loop, and the batch call releases the GIL, after which the loop waits for it behind any thread
+    # running Python code (--log-loop-stalls caught tiny requests there, 20 ms and more).
+    GIL_HELD_PIECES = 32
     SEGMENT_CACHE_MAX = 256
     SEGMENT_CACHE_MIN_CHARS = 256
 
@@ -457,7 +468,10 @@ class PromptEncoder:
         cache = self._pieces
         missing = [p for p in set(pieces) if p not in cache]
         if missing:
-            encs = self._batch_fast(missing, add_special_tokens=False)
+            if len(missing) <= self.GIL_HELD_PIECES:
+                encs = [self.backend.encode(p, add_special_tokens=False) for p in missing]
+            else:
+                encs = self._batch_fast(missing, add_special_tokens=False)
             with self._lock:
                 if len(cache) + len(missing) > self.PIECE_CACHE_MAX:
                     cache.clear()

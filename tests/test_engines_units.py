@@ -141,6 +141,18 @@ def test_error_event_and_conversion_rules() -> None:
     assert sent == {"model": "m", "stream": True, "max_tokens": 3, "stream_options": {"include_usage": True}}
 
 
+def test_streaming_body_appends_to_the_raw_bytes_and_reencodes_only_when_it_must() -> None:
+    want = {"stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 100_000}], "max_tokens": 1}
+    raw = b'{ "model": "m", "messages": [{"role": "user", "content": "' + b"x" * 100_000 + b'"}], "max_tokens": 1 }\n'
+    sent = streaming_body(body, raw)
+    assert sent.startswith(raw[:40]) and orjson.loads(sent) == {**body, **want}  # the client's bytes, extended
+    for fields in ({"stream": False}, {"stream_options": {"include_usage": False}}):
+        with_field = {**body, **fields}  # appending would duplicate a key: the body is encoded again
+        sent = streaming_body(with_field, orjson.dumps(with_field))
+        assert orjson.loads(sent) == {**body, **want} and sent.count(b'"stream"') == 1
+
+
 def test_capacity_from_vllm_metrics_and_server_info() -> None:
     text = (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
@@ -225,6 +237,18 @@ def test_gil_free_encode_gives_the_same_ids_and_refuses_long_prompts() -> None:
     assert chat_request_token_ids(tok, body, nogil=True, limit=len(ids) + 1) == ids
 
 
+def test_inline_encode_of_few_or_many_unseen_pieces_gives_the_backends_ids() -> None:
+    from kvroute_common.tokenizer import PromptEncoder
+
+    tok = load_tokenizer(None)
+    enc = PromptEncoder(tok)  # empty caches: every piece is unseen once
+    few = "hi 4711 there"  # under GIL_HELD_PIECES: encoded one by one
+    many = " ".join(f"w{i}x{i * 7}" for i in range(3 * enc.GIL_HELD_PIECES))  # over it: one batch
+    for text in (few, many, few + " " + many):
+        assert enc.encode(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        assert enc.encode(text, add_special_tokens=True) == tok.backend_tokenizer.encode(text).ids
+
+
 def test_offload_runs_long_prompts_on_a_thread_and_short_ones_inline() -> None:
     off = TokenizeOffload(100)
     seen: list[tuple[str, bool]] = []
@@ -245,6 +269,29 @@ def test_offload_runs_long_prompts_on_a_thread_and_short_ones_inline() -> None:
     assert not TokenizeOffload(0).offloads(10**9)
     with pytest.raises(ValueError):
         TokenizeOffload(-1)
+
+
+def test_started_offload_runs_long_prompts_on_threads_started_before_any_request() -> None:
+    off = TokenizeOffload(100)
+    off.start()
+    started = set(threading.enumerate())
+    gate = threading.Barrier(2, timeout=10)  # both prompts on a thread at once: two threads, both started
+
+    def fn(nogil: bool = False) -> threading.Thread:
+        gate.wait()
+        return threading.current_thread()
+
+    async def main() -> list[threading.Thread]:
+        return list(await asyncio.gather(off.run(1000, fn), off.run(1000, fn)))
+
+    try:
+        ran_on = asyncio.run(main())
+    finally:
+        off.close()
+    assert len(set(ran_on)) == 2 and set(ran_on) <= started and set(threading.enumerate()) <= started
+    never = TokenizeOffload(0)
+    never.start()  # never offloads: no thread
+    assert set(threading.enumerate()) <= started
 
 
 def test_prompt_chars_and_responses_to_chat() -> None:

@@ -445,3 +445,57 @@ def test_stall_logger_names_what_held_the_loop(caplog: pytest.LogCaptureFixture)
         asyncio.run(main())
     [record] = [r for r in caplog.records if r.name == "frontend.loop_lag"]
     assert "event loop held for" in record.getMessage() and "hold_the_loop_for_a_while" in record.getMessage()
+
+
+def test_switch_interval_defaults_to_the_loops_and_a_non_positive_one_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from frontend.cli import build_parser, make_state
+    from kvroute_common.tokenize_offload import LOOP_SWITCH_INTERVAL_MS
+
+    assert build_parser().parse_args([]).switch_interval_ms == LOOP_SWITCH_INTERVAL_MS < 5
+    monkeypatch.setenv("KVROUTE_SWITCH_INTERVAL_MS", "2")
+    assert build_parser().parse_args([]).switch_interval_ms == 2.0
+    with pytest.raises(SystemExit, match="--switch-interval-ms must be > 0"):
+        make_state(build_parser().parse_args(["--switch-interval-ms", "0"]))
+
+
+def test_a_huge_chat_message_is_rendered_and_tokenized_off_the_loop_a_tiny_one_inline() -> None:
+    import copy
+    import threading
+    from typing import Any
+
+    from frontend.models import ModelEntry
+    from frontend.prompt import tokenize_request
+    from kvroute_common.tokenize_offload import TokenizeOffload
+    from kvroute_common.tokenizer import chat_request_token_ids, load_tokenizer
+    from slot_tracker.core import SlotRegistry
+
+    tok = copy.copy(load_tokenizer(None))  # the real tokenizer and template; its renders are recorded
+    rendered_on: list[threading.Thread] = []
+    render = tok.apply_chat_template
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        rendered_on.append(threading.current_thread())
+        return render(*args, **kwargs)
+
+    tok.apply_chat_template = recorded
+    entry = ModelEntry("m", 16, tok, SlotRegistry(), None, None, BusyThresholds())
+    offload = TokenizeOffload()
+    offload.start()
+    huge = {"model": "m", "messages": [{"role": "user", "content": "lorem ipsum dolor " * 20_000}]}
+    tiny = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def main() -> tuple[list[int], list[int], threading.Thread]:
+        big = await tokenize_request(offload, entry, huge, "chat")
+        small = await tokenize_request(offload, entry, tiny, "chat")
+        return list(big.tokens), list(small.tokens), threading.current_thread()
+
+    try:
+        big, small, loop_thread = asyncio.run(main())
+    finally:
+        offload.close()
+    assert rendered_on[0] is not loop_thread and rendered_on[0].name.startswith("tokenize")
+    assert rendered_on[1] is loop_thread
+    base = load_tokenizer(None)
+    assert big == chat_request_token_ids(base, huge) and small == chat_request_token_ids(base, tiny)

@@ -298,3 +298,18 @@ def test_tools_reach_the_template_as_vllms_request_model_dumps_them():
         },
     ]
     assert list(engine_tool_dicts(tools)[2]["function"]) == ["name", "description", "parameters", "defer_loading"]
+
+
+def test_loading_a_tokenizer_renders_its_chat_template_once_so_the_first_chat_request_does_not() -> None:
+    """The template's compile happens at load (off the event loop), not on the first chat request."""
+    code = (
+        "from transformers.utils.chat_template_utils import _compile_jinja_template as compiled\n"
+        "from kvroute_common.tokenizer import load_tokenizer\n"
+        "assert compiled.cache_info().currsize == 0\n"
+        "load_tokenizer(None)\n"
+        "print(compiled.cache_info().currsize)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "1"
