@@ -71,8 +71,11 @@ class RouterSpec:
     label: str
     kind: Kind
     policy: str  # kvroute's --router-mode, or the peer's --policy
+    gateway: bool = False  # kvroute as the endpoint picker of an Envoy gateway (--epp-port), Envoy in front
 
     def describe(self) -> str:
+        if self.kind == "kvroute" and self.gateway:
+            return f"Envoy (ext_proc, bodies full duplex) + python -m frontend --router-mode {self.policy} --epp-port P"
         if self.kind == "kvroute":
             return f"python -m frontend --router-mode {self.policy}"
         return f"{'smg launch' if self.kind == 'smg' else 'vllm-router'} --policy {self.policy}"
@@ -88,8 +91,11 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("vllm-kv_aware", "vllm-router", "kv_aware"),
         RouterSpec("vllm-cache_aware", "vllm-router", "cache_aware"),
         RouterSpec("round_robin", "kvroute", "round_robin"),
+        RouterSpec("kvroute-latency-gateway", "kvroute", "latency", gateway=True),
     )
 }
+# the rows of a plain run: the gateway row is asked for by name (it shows the picker routes as the proxy)
+DEFAULT_ROUTERS = [label for label, spec in ROUTERS.items() if not spec.gateway]
 
 
 # -- the peers' environment ---------------------------------------------------------------------------
@@ -134,10 +140,13 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
     a completion."""
     metrics_url = ""
     if spec.kind == "kvroute":
-        url = cluster.start_frontend(
-            spec.policy, extra_args=("--kv-cache-block-size", str(bed.block_size)), model_path=bed.model_path
-        )
+        epp = cluster.port() if spec.gateway else None
+        extra = ("--kv-cache-block-size", str(bed.block_size), *(("--epp-port", str(epp)) if epp else ()))
+        url = cluster.start_frontend(spec.policy, extra_args=extra, model_path=bed.model_path)
         cluster.wait_frontend_ready(bed.model, timeout=READY_TIMEOUT)
+        if epp is not None:  # requests go through Envoy, which asks the frontend where each one goes
+            metrics_url = f"{url}/metrics"
+            url = cluster.start_gateway(epp, READY_TIMEOUT)
     else:
         if bin_dir is None:
             raise RuntimeError(missing_reason())
@@ -395,7 +404,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--testbed", choices=("mocker", "vllm"), default="mocker")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic")
-    p.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, from {', '.join(ROUTERS)}")
+    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help=f"comma-separated, from {', '.join(ROUTERS)}")
     p.add_argument("--quick", action="store_true", help="a short run: a third of the sessions, at most 3 turns")
     p.add_argument("--workers", type=int, default=4, help="engines")
     p.add_argument("--num-gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = from --cache-fraction)")

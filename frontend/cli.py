@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "flags":
         from . import flag_reference
 
-        return flag_reference.main(argv[1:])
+        return flag_reference.main(argv[1:], build_parser)
     ns = build_parser().parse_args(argv)
     from .supervisor import ENV_REUSE_PORT, child_index, reuse_port_socket, supervise
 

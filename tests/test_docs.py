@@ -23,7 +23,7 @@ def read(path: str) -> str:
 
 def test_the_flag_reference_is_the_one_the_cli_generates() -> None:
     document = read("docs/flags.md")
-    generated = markdown()
+    generated = markdown(build_parser)
     assert document.count(BEGIN) == 1 and document.count(END) == 1
     assert splice(document, generated) == document, (
         "docs/flags.md is stale: python -m frontend flags --write docs/flags.md"
