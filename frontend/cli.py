@@ -193,6 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_epp_installed() -> None:
+    """Fail fast: ``--epp-port`` without the ``epp`` extra is an exit with the install line, not a
+    traceback from the server's start-up."""
+    import importlib.util
+
+    missing = [m for m in ("grpc", "grpc_health", "envoy.service") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"--epp-port needs the endpoint picker's packages ({', '.join(missing)} missing): "
+            "pip install 'kvroute[epp]' (grpcio, grpcio-health-checking, xds-protos)"
+        )
+
+
 def check_model_path(path: str | None) -> None:
     """Fail fast: a ``--model-path`` that does not load is an exit with the reason, not a frontend
     that starts and answers 404 later. Loading here also warms the tokenizer cache."""
@@ -382,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     from .app import build_app
 
     epp = (ns.http_host, ns.epp_port) if ns.epp_port is not None else None
+    if epp is not None:
+        check_epp_installed()
     app = guard_app(build_app(state, epp), ns, drain)
     config = uvicorn.Config(
         app,

@@ -499,3 +499,15 @@ def test_a_huge_chat_message_is_rendered_and_tokenized_off_the_loop_a_tiny_one_i
     assert rendered_on[1] is loop_thread
     base = load_tokenizer(None)
     assert big == chat_request_token_ids(base, huge) and small == chat_request_token_ids(base, tiny)
+
+
+def test_epp_port_without_the_epp_extra_is_a_usage_error_naming_the_install(monkeypatch) -> None:
+    import importlib.util
+
+    from frontend.cli import check_epp_installed
+
+    check_epp_installed()  # the test environment has the extra
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "grpc" else real(name))
+    with pytest.raises(SystemExit, match=r"pip install 'kvroute\[epp\]'"):
+        check_epp_installed()
