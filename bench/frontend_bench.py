@@ -61,10 +61,10 @@ def bench_decision(
     iterations: int = 300, workers: int = 4, dp_size: int = 2, cold: bool = False, seed: int = 0
 ) -> dict[str, Any]:
     """p50 of the whole routing decision for an ~8k-token chat prompt over workers*dp_size ranks."""
-    from frontend.models import BusyThresholds, ModelEntry
-    from frontend.prompt import body_tokens
-    from frontend.request_router import RequestRouter
-    from frontend.workers import Worker, WorkerSpec
+    from frontend.pool.workers import Worker, WorkerSpec
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.prompt import body_tokens
+    from frontend.routing.request_router import RequestRouter
     from indexer.core import KvIndex
     from kvroute_common.hashing import block_hashes
     from kvroute_common.tokenizer import load_tokenizer
@@ -175,7 +175,7 @@ def _cpu_seconds(pid: int) -> float:
 
 async def _hammer(url: str, body: bytes, n: int, concurrency: int, path: str = "/v1/chat/completions") -> float:
     """Send n requests with the given concurrency over keep-alive connections; returns elapsed seconds."""
-    from frontend.upstream import UpstreamPool
+    from frontend.dispatch.upstream import UpstreamPool
 
     pool = UpstreamPool(url)
     headers = [("content-type", "application/json")]

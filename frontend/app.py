@@ -9,21 +9,20 @@ import contextlib
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 
+from frontend.api.admin import AdminRoutes, _tracker_routes
+from frontend.api.dashboard import DashboardRoutes
+from frontend.api.errors import openai_exception_handlers
+from frontend.api.openai_routes import OpenAIRoutes
+from frontend.api.openapi import build_document
+from frontend.state import FrontendState
 from kvroute_common.http import exception_handlers, route
 from kvroute_common.openapi import openapi_route
-
-from .admin import AdminRoutes, _tracker_routes
-from .dashboard import DashboardRoutes
-from .errors import openai_exception_handlers
-from .openai_routes import OpenAIRoutes
-from .openapi import build_document
-from .state import FrontendState
 
 
 def build_app(state: FrontendState, epp: tuple[str, int] | None = None) -> Starlette:
     """``epp``: (host, port) of the endpoint picker (``--epp-port``), served for the app's lifetime."""
     oa = OpenAIRoutes(state)
-    state._init_speculative(oa.send_pinned)
+    state._init_speculative(oa.path.send_pinned)
     ad = AdminRoutes(state)
     dash = DashboardRoutes(state)
     routes: list[BaseRoute] = [
@@ -62,9 +61,9 @@ def build_app(state: FrontendState, epp: tuple[str, int] | None = None) -> Starl
         picker = None
         try:
             if epp is not None:
-                from .endpoint_picker import EndpointPicker
+                from frontend.gateway.endpoint_picker import EndpointPicker
 
-                picker = EndpointPicker(state, oa)
+                picker = EndpointPicker(state, oa.path)
                 app.state.endpoint_picker = picker
                 await picker.start(*epp)
             yield

@@ -185,9 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_drain_arg(g)
     add_security_args(
         p
-    )  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/access.py)
+    )  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/api/access.py)
     add_router_args(p)
-    from .discovery import add_discovery_args
+    from frontend.pool.discovery import add_discovery_args
 
     add_discovery_args(p)
     return p
@@ -258,9 +258,9 @@ def _processes(value: str) -> int:
 
 
 def make_state(ns: argparse.Namespace):
-    from .discovery import build_backends, replica_advertise
-    from .state import FrontendState
-    from .workers import parse_worker_arg
+    from frontend.pool.discovery import build_backends, replica_advertise
+    from frontend.pool.workers import parse_worker_arg
+    from frontend.state import FrontendState
 
     check_model_path(ns.model_path)
     config = RouterConfig.from_args(ns)
@@ -295,10 +295,9 @@ def make_state(ns: argparse.Namespace):
             raise SystemExit("--serve-indexer serves an embedded index; with --use-remote-indexer there is none")
         if ns.remote_indexer_timeout <= 0:
             raise SystemExit("--remote-indexer-timeout must be > 0")
+        from frontend.api.access import access_level
+        from frontend.routing.remote_index import RemoteIndexers
         from kvroute_common.security import outgoing_token, policy_from_args
-
-        from .access import access_level
-        from .remote_index import RemoteIndexers
 
         token = outgoing_token(policy_from_args(ns, access_level), ns)
         try:
@@ -323,7 +322,7 @@ def make_state(ns: argparse.Namespace):
         from slot_tracker.replica_sync import ReplicaSync
 
         peers = [p.strip() for p in ns.replica_sync_peers.split(",") if p.strip()]
-        from .supervisor import child_index
+        from frontend.supervisor import child_index
 
         # the --workers N siblings: private endpoints, so events may travel in batches (cheaper per request)
         batch = child_index() is not None
@@ -356,19 +355,19 @@ def make_state(ns: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
-        from . import demo
+        from frontend import demo
 
         return demo.main(argv[1:]) or 0
     if argv and argv[0] == "register":
-        from .discovery import register
+        from frontend.pool.discovery import register
 
         return register.main(argv[1:]) or 0
     if argv and argv[0] == "flags":
-        from . import flag_reference
+        from frontend import flag_reference
 
         return flag_reference.main(argv[1:], build_parser)
     ns = build_parser().parse_args(argv)
-    from .supervisor import ENV_REUSE_PORT, child_index, reuse_port_socket, supervise
+    from frontend.supervisor import ENV_REUSE_PORT, child_index, reuse_port_socket, supervise
 
     index = child_index()
     tag = f"[p{index}] " if index is not None else ""
@@ -391,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     state = make_state(ns)
     import uvicorn
 
-    from .access import guard_app
-    from .app import build_app
+    from frontend.api.access import guard_app
+    from frontend.app import build_app
 
     epp = (ns.http_host, ns.epp_port) if ns.epp_port is not None else None
     if epp is not None:

@@ -12,28 +12,26 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily
 
+from frontend.observability.metrics import PREFILL_WORKER_TYPE, WORKER_TYPE, CallbackCollector, FrontendMetrics
+from frontend.observability.parity import ParityMonitor
+from frontend.observability.request_metrics import RequestMetrics
+from frontend.pool.workers import Worker, WorkerPool, WorkersFileWatcher
+from frontend.routing.decision_log import DecisionLog
+from frontend.routing.eligibility import queue_has_capacity, warmup_target_busy
+from frontend.routing.models import TENANT, BusyThresholds, ModelEntry
+from frontend.routing.request_router import RequestRouter
 from router.config import RouterConfig, decode_router_config, prefill_router_config
 
-from .decision_log import DecisionLog
-from .eligibility import queue_has_capacity, warmup_target_busy
-from .metrics import PREFILL_WORKER_TYPE, WORKER_TYPE, CallbackCollector, FrontendMetrics
-from .models import TENANT, BusyThresholds, ModelEntry
-from .parity import ParityMonitor
-from .request_metrics import RequestMetrics
-from .request_router import RequestRouter
-from .workers import Worker, WorkerPool, WorkersFileWatcher
-
 if TYPE_CHECKING:
+    from frontend.api.hints import RequestHints
+    from frontend.observability.loop_lag import StallLogger
+    from frontend.pool.discovery import DiscoveryBackend
+    from frontend.routing.admission import AdmissionQueue
+    from frontend.routing.remote_index import RemoteIndexers
+    from frontend.routing.speculative import SendFn, SpeculativePrefiller
     from indexer.registry import IndexerRegistry
     from router.session import SessionTable
     from slot_tracker.replica_sync import ReplicaSync
-
-    from .admission import AdmissionQueue
-    from .discovery import DiscoveryBackend
-    from .hints import RequestHints
-    from .loop_lag import StallLogger
-    from .remote_index import RemoteIndexers
-    from .speculative import SendFn, SpeculativePrefiller
 
 REMOTE_REGISTER_INTERVAL = 5.0  # seconds between re-assertions of the workers on their remote indexer shards
 log = logging.getLogger("frontend")
@@ -77,7 +75,7 @@ class FrontendState:
         self.slots = slot_registry
         self.events: IndexerRegistry | None = None  # created on first use inside the loop
         self.models: dict[str, ModelEntry] = {}
-        # disaggregated serving: per model, the prefill-role workers (frontend/disagg.py routes them)
+        # disaggregated serving: per model, the prefill-role workers (frontend/routing/disagg.py routes them)
         self.prefill_models: dict[str, ModelEntry] = {}
         self.thresholds: dict[str, BusyThresholds] = {}
         self.router = RequestRouter(config, self.metrics)
@@ -129,7 +127,7 @@ class FrontendState:
         cfg = self.config
         self.nvext_enabled = not _truthy(os.environ.get("DYN_DISABLE_FRONTEND_NVEXT"))
         if cfg.router_queue_threshold is not None:
-            from .admission import AdmissionQueue
+            from frontend.routing.admission import AdmissionQueue
 
             self.admission = AdmissionQueue(
                 cfg.router_queue_policy,
@@ -149,7 +147,7 @@ class FrontendState:
             self.sessions = SessionTable(cfg.router_session_affinity_ttl_secs)
 
     def _init_speculative(self, send_pinned: SendFn) -> None:
-        from .speculative import SpeculativePrefiller
+        from frontend.routing.speculative import SpeculativePrefiller
 
         self.speculative = SpeculativePrefiller(send_pinned, max_in_flight=4, is_busy=self._rank_busy)
 
@@ -494,7 +492,7 @@ class FrontendState:
 
     async def _check_rendering(self, worker: Worker) -> None:
         """Tokenizer parity before traffic: the engine's rendering of probe requests against ours."""
-        from . import render_parity
+        from frontend.pool import render_parity
 
         table = self.model_table(worker)
         bases = [m for m in worker.attached_models if m not in worker.adapters and m in table]
@@ -581,7 +579,7 @@ class FrontendState:
                 await self.pool.check_all()
         self.pool.start()
         self._spawn(self._expiry_loop())
-        from .loop_lag import StallLogger, watch_loop_lag
+        from frontend.observability.loop_lag import StallLogger, watch_loop_lag
 
         self._spawn(watch_loop_lag(self.metrics.loop_lag.observe))
         if self.loop_stall_threshold > 0:
@@ -593,7 +591,7 @@ class FrontendState:
 
     async def _start_discovery(self) -> None:
         """Start the discovery backends: they all write to this frontend's worker pool."""
-        from .discovery import DiscoveryTarget
+        from frontend.pool.discovery import DiscoveryTarget
 
         target = DiscoveryTarget(self.pool, self.model_paths, self.replica_sync)
         for backend in self.discovery:

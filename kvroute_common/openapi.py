@@ -1,7 +1,7 @@
 """OpenAPI 3.1 building blocks shared by the three HTTP services' documents (served at ``/openapi.json``).
 
 Each service keeps its document in one module (``slot_tracker/openapi.py``, ``indexer/openapi.py``,
-``frontend/openapi.py``); what they share lives here: the two error shapes (the services'
+``frontend/api/openapi.py``); what they share lives here: the two error shapes (the services'
 ``{"error": "..."}`` and the ``/v1`` routes' OpenAI-style body), the ``{"status":"ok"}`` answer,
 the statuses every JSON POST route can give (``kvroute_common.http.read_json``: 400, 413, 415,
 422), request-body schemas derived from the msgspec Structs the handlers decode into (so a

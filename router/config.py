@@ -507,7 +507,7 @@ def add_router_args(parser: argparse.ArgumentParser, environ: dict[str, str] | N
     )
 
 
-# Disaggregated serving (frontend/disagg.py) routes each phase with a variant of the frontend's settings.
+# Disaggregated serving (frontend/routing/disagg.py) routes each phase with a variant of the frontend's settings.
 def prefill_router_config(cfg: RouterConfig) -> RouterConfig:
     """The prefill router: the frontend's settings with active-block (and output-block) tracking off."""
     return dataclasses.replace(cfg, router_track_active_blocks=False, router_track_output_blocks=False)

@@ -1,7 +1,7 @@
 """The slot tracker's OpenAPI document (``GET /openapi.json``): the standalone service's routes.
 
 ``tracker_paths`` / ``tracker_schemas`` are the same routes as served on the frontend's port
-(``frontend/openapi.py`` includes them), so the two documents cannot disagree. Request bodies come
+(``frontend/api/openapi.py`` includes them), so the two documents cannot disagree. Request bodies come
 from the Structs in ``slot_tracker.service``; statuses from its handlers and the core.
 """
 

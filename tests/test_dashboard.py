@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.dashboard import Dashboard
-from frontend.decision_log import DecisionLog
+from frontend.api.dashboard import Dashboard
+from frontend.routing.decision_log import DecisionLog
 from kvroute_common.local_cluster import MockerOptions, start_cluster
 from support import REPO_ROOT, wait_until
 

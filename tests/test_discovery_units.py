@@ -9,12 +9,12 @@ import json
 import pytest
 
 from frontend.cli import build_parser
-from frontend.discovery import build_backends, replica_advertise
-from frontend.discovery.base import DiscoveryTarget
-from frontend.discovery.etcd import normalize_prefix, parse_peer_entries, parse_worker_entries
-from frontend.discovery.etcd_client import parse_endpoints, prefix_range_end
-from frontend.discovery.kubernetes import pod_worker_id, ready_endpoints, worker_spec
-from frontend.workers import WorkerPool
+from frontend.pool.discovery import build_backends, replica_advertise
+from frontend.pool.discovery.base import DiscoveryTarget
+from frontend.pool.discovery.etcd import normalize_prefix, parse_peer_entries, parse_worker_entries
+from frontend.pool.discovery.etcd_client import parse_endpoints, prefix_range_end
+from frontend.pool.discovery.kubernetes import pod_worker_id, ready_endpoints, worker_spec
+from frontend.pool.workers import WorkerPool
 from support import free_port
 
 

@@ -149,8 +149,8 @@ def test_disaggregated_hops_get_each_engines_sign(cluster):
 
 
 def _worker(engine_spec: str | None, detected: str, low_first: bool | None = None) -> SimpleNamespace:
-    from frontend.capacity import EngineCapacity
-    from frontend.workers import WorkerSpec
+    from frontend.pool.capacity import EngineCapacity
+    from frontend.pool.workers import WorkerSpec
 
     raw = {"id": 1, "url": "http://127.0.0.1:1"}
     if engine_spec is not None:
@@ -161,8 +161,8 @@ def _worker(engine_spec: str | None, detected: str, low_first: bool | None = Non
 
 
 def test_for_worker_rewrites_only_for_higher_first_engines():
-    from frontend.engine_polarity import for_worker
-    from frontend.hints import RequestHints
+    from frontend.api.hints import RequestHints
+    from frontend.routing.engine_polarity import for_worker
 
     hints = RequestHints(priority=4)
     body = orjson.dumps({"model": MODEL, "priority": -4, "messages": []})
@@ -177,7 +177,7 @@ def test_for_worker_rewrites_only_for_higher_first_engines():
 
 
 def test_engine_spec_key_is_validated():
-    from frontend.workers import WorkerSpec, parse_worker_arg
+    from frontend.pool.workers import WorkerSpec, parse_worker_arg
 
     assert parse_worker_arg("id=1,url=http://127.0.0.1:1,engine=SGLang").engine == "sglang"
     with pytest.raises(ValueError, match="engine must be one of vllm, sglang"):

@@ -9,7 +9,8 @@ import threading
 import orjson
 import pytest
 
-from frontend.capacity import (
+from frontend.dispatch.unary_stream import UnaryAssembler, convertible, streaming_body
+from frontend.pool.capacity import (
     EngineCapacity,
     apply_metrics,
     apply_models,
@@ -18,7 +19,6 @@ from frontend.capacity import (
     engine_kind,
     unknown_capacity_message,
 )
-from frontend.unary_stream import UnaryAssembler, convertible, streaming_body
 from kvroute_common.openai_api import OpenAIError, responses_to_chat
 from kvroute_common.tokenize_offload import TokenizeOffload, prompt_chars
 from kvroute_common.tokenizer import PromptTooLong, chat_request_token_ids, load_tokenizer, prompt_encoder

@@ -1,4 +1,4 @@
-"""The async router-queue gate (frontend/admission.py) over a simulated capacity.
+"""The async router-queue gate (frontend/routing/admission.py) over a simulated capacity.
 
 A "worker" has ``cap`` concurrent prefill slots; a request books a slot right after ``wait``
 returns and frees it when its ``done`` event fires, then calls ``notify`` like the frontend does.
@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from frontend.admission import AdmissionQueue
-from frontend.eligibility import DEFAULT_MAX_NUM_BATCHED_TOKENS, any_rank_free, rank_is_busy
-from frontend.hints import RequestHints
+from frontend.api.hints import RequestHints
+from frontend.routing.admission import AdmissionQueue
+from frontend.routing.eligibility import DEFAULT_MAX_NUM_BATCHED_TOKENS, any_rank_free, rank_is_busy
 
 MODEL = "m"
 
@@ -365,7 +365,7 @@ class FakeReceive:
 
 
 def test_disconnect_while_held_leaves_the_queue():
-    from frontend.admission import ClientDisconnected
+    from frontend.routing.admission import ClientDisconnected
 
     async def main():
         sim = Sim(cap=1)

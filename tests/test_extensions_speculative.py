@@ -1,4 +1,4 @@
-"""Speculative prefill (frontend/speculative.py): next-turn prompt, text collection, bounded scheduling."""
+"""Speculative prefill (frontend/routing/speculative.py): next-turn prompt, text collection, bounded scheduling."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import orjson
 
-from frontend.speculative import SpeculativePrefiller, TurnTextCollector, next_turn_body, strip_thinking
+from frontend.routing.speculative import SpeculativePrefiller, TurnTextCollector, next_turn_body, strip_thinking
 
 
 def run(coro):

@@ -9,15 +9,15 @@ import socket
 
 import pytest
 
-from frontend.eligibility import rank_overloaded
-from frontend.models import BusyThresholds, validate_update
-from frontend.workers import (
+from frontend.pool.workers import (
     WorkerSpec,
     parse_cache_config_info,
     parse_worker_arg,
     parse_workers_document,
     url_worker_id,
 )
+from frontend.routing.eligibility import rank_overloaded
+from frontend.routing.models import BusyThresholds, validate_update
 from indexer.approx import ApproxIndex
 from kvroute_common.hashing import block_hashes
 
@@ -190,7 +190,7 @@ def test_upstream_client_streams_reuses_and_reports_errors() -> None:
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    from frontend.upstream import UpstreamConnectError, UpstreamPool, UpstreamTimeout
+    from frontend.dispatch.upstream import UpstreamConnectError, UpstreamPool, UpstreamTimeout
     from support import free_port
 
     gate: asyncio.Queue = asyncio.Queue()
@@ -264,7 +264,7 @@ def test_upstream_client_streams_reuses_and_reports_errors() -> None:
 
 
 def test_metric_buckets_are_the_references() -> None:
-    from frontend import metrics as m
+    from frontend.observability import metrics as m
 
     assert m.REQUEST_DURATION_BUCKETS == [0, 2, 4, 8, 16, 32, 64, 130, 260, 510]
     assert m.ISL_BUCKETS == [0, 100, 210, 430, 870, 1800, 3600, 7400, 15000, 31000, 63000, 130000]
@@ -294,7 +294,7 @@ def test_metric_buckets_are_the_references() -> None:
 
 
 def test_lora_adapters_are_the_models_listed_with_a_served_parent() -> None:
-    from frontend.workers import lora_adapters
+    from frontend.pool.workers import lora_adapters
 
     data = [
         {"id": "base", "parent": None},
@@ -309,7 +309,7 @@ def test_lora_adapters_are_the_models_listed_with_a_served_parent() -> None:
 
 
 def test_an_adapter_entry_hashes_with_its_name_and_books_on_its_base_model() -> None:
-    from frontend.models import BusyThresholds, ModelEntry
+    from frontend.routing.models import BusyThresholds, ModelEntry
     from kvroute_common.hashing import local_block_hashes
     from slot_tracker.core import SlotRegistry
 
@@ -327,7 +327,7 @@ def test_an_adapter_entry_hashes_with_its_name_and_books_on_its_base_model() -> 
 def test_a_worker_url_the_http_client_cannot_use_is_refused_as_the_specs_error() -> None:
     import pytest
 
-    from frontend.workers import WorkerSpec
+    from frontend.pool.workers import WorkerSpec
 
     with pytest.raises(ValueError, match="not a usable URL"):
         WorkerSpec.from_mapping({"id": 1, "url": "http://\uda1d\uddd3"})  # found by the OpenAPI fuzzer: was a 500
@@ -341,7 +341,7 @@ def test_worker_pool_prepares_a_discovered_worker_before_attaching_it() -> None:
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from frontend.workers import WorkerPool, WorkerSpec
+    from frontend.pool.workers import WorkerPool, WorkerSpec
     from support import free_port
 
     async def models(request):
@@ -391,7 +391,7 @@ def test_loop_lag_watch_sees_a_blocked_loop() -> None:
     """A callback that holds the loop 60 ms shows as one lag observation of about that much."""
     import time
 
-    from frontend.loop_lag import watch_loop_lag
+    from frontend.observability.loop_lag import watch_loop_lag
 
     lags: list[float] = []
 
@@ -421,7 +421,7 @@ def test_stall_logger_names_what_held_the_loop(caplog: pytest.LogCaptureFixture)
     import logging
     import time
 
-    from frontend.loop_lag import StallLogger
+    from frontend.observability.loop_lag import StallLogger
 
     def hold_the_loop_for_a_while() -> None:
         time.sleep(0.15)
@@ -441,9 +441,9 @@ def test_stall_logger_names_what_held_the_loop(caplog: pytest.LogCaptureFixture)
         finally:
             stalls.stop()
 
-    with caplog.at_level(logging.WARNING, logger="frontend.loop_lag"):
+    with caplog.at_level(logging.WARNING, logger="frontend.observability.loop_lag"):
         asyncio.run(main())
-    [record] = [r for r in caplog.records if r.name == "frontend.loop_lag"]
+    [record] = [r for r in caplog.records if r.name == "frontend.observability.loop_lag"]
     assert "event loop held for" in record.getMessage() and "hold_the_loop_for_a_while" in record.getMessage()
 
 
@@ -465,8 +465,8 @@ def test_a_huge_chat_message_is_rendered_and_tokenized_off_the_loop_a_tiny_one_i
     import threading
     from typing import Any
 
-    from frontend.models import ModelEntry
-    from frontend.prompt import tokenize_request
+    from frontend.routing.models import ModelEntry
+    from frontend.routing.prompt import tokenize_request
     from kvroute_common.tokenize_offload import TokenizeOffload
     from kvroute_common.tokenizer import chat_request_token_ids, load_tokenizer
     from slot_tracker.core import SlotRegistry

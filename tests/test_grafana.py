@@ -232,7 +232,7 @@ def declared_frontend_labels() -> dict[str, tuple[str, ...]]:
     """Label names of the frontend's own counters/histograms as declared (for families still without samples)."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from frontend.metrics import FrontendMetrics
+    from frontend.observability.metrics import FrontendMetrics
 
     return {
         m._name: tuple(m._labelnames)
@@ -337,8 +337,8 @@ def test_checker_rejects_made_up_metrics_and_labels() -> None:
 
 
 def test_prometheus_configs_point_at_the_services() -> None:
+    from frontend.api.openapi import build_document as frontend_document
     from frontend.cli import build_parser
-    from frontend.openapi import build_document as frontend_document
     from indexer.app import build_parser as indexer_parser
     from indexer.openapi import build_document as indexer_document
 

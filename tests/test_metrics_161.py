@@ -9,8 +9,8 @@ import contextlib
 
 import httpx
 
-from frontend.admission import AdmissionQueue
-from frontend.hints import RequestHints
+from frontend.api.hints import RequestHints
+from frontend.routing.admission import AdmissionQueue
 from support import free_ports, service, wait_until
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 from prometheus_client import CollectorRegistry
 
-from frontend.parity import ParityMonitor, RequestProbe, UsageTap, parse_usage, stream_body_with_usage
+from frontend.observability.parity import ParityMonitor, RequestProbe, UsageTap, parse_usage, stream_body_with_usage
 
 
 def test_stream_body_asks_for_usage_without_reserialising_when_it_can() -> None:
@@ -129,7 +129,7 @@ def test_alarm_needs_repeated_mismatches_without_a_match_and_one_match_clears_it
         assert mon.record(1, "usage", matched, 16) is False
     assert gauge(1) == 0.0
     # a mismatched worker: three pieces are not enough evidence, the fourth raises the alarm with a log line
-    with caplog.at_level("WARNING", logger="frontend.parity"):
+    with caplog.at_level("WARNING", logger="frontend.observability.parity"):
         assert [mon.record(2, "events", False, 16) for _ in range(4)] == [False, False, False, True]
     assert gauge(2) == 1.0 and mon.describe(2)["mismatch"] is True
     assert any("worker 2" in r.getMessage() and "never match" in r.getMessage() for r in caplog.records)

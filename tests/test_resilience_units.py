@@ -1,5 +1,5 @@
-"""In-process pieces of request resilience: queue bounds (frontend/admission.py), the migration
-continuation and SSE rewriting (frontend/migration.py), the upstream idle timeout and the flags."""
+"""In-process pieces of request resilience: queue bounds (frontend/routing/admission.py), the migration
+continuation and SSE rewriting (frontend/dispatch/migration.py), the upstream idle timeout and the flags."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from frontend.admission import AdmissionQueue, QueueRejected
-from frontend.hints import RequestHints
-from frontend.migration import SseTracker, continuation_body, migratable
-from frontend.upstream import UpstreamPool, UpstreamTimeout
+from frontend.api.hints import RequestHints
+from frontend.dispatch.migration import SseTracker, continuation_body, migratable
+from frontend.dispatch.upstream import UpstreamPool, UpstreamTimeout
+from frontend.routing.admission import AdmissionQueue, QueueRejected
 from router.config import RouterConfig, add_router_args
 
 MODEL = "m"

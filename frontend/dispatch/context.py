@@ -1,0 +1,141 @@
+"""What one generation request carries down the request path, and where it came from (the HTTP API, or
+a gateway asking the endpoint picker); ``Send`` is the step that takes a booked request to its worker."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.types import Receive
+
+from frontend.api.hints import RequestTiming
+from frontend.dispatch.lifecycle import Lease
+from frontend.dispatch.stream_dialect import ANTHROPIC, OPENAI, StreamDialect
+from frontend.observability.parity import RequestProbe
+from frontend.routing import disagg as _disagg
+from frontend.routing.models import ModelEntry
+from frontend.routing.prompt import Prompt
+from frontend.routing.routing_record import wants_routing
+from frontend.state import FrontendState
+from kvroute_common.openai_api import read_openai_body
+
+if TYPE_CHECKING:
+    from frontend.api.hints import RequestHints
+    from frontend.observability.metrics import ModelMetrics
+    from router.session import SessionLease
+
+log = logging.getLogger("frontend")
+_perf = time.perf_counter
+
+
+class RequestContext:
+    """What one generation request carries through the pipeline."""
+
+    __slots__ = (
+        "entry",
+        "mm",
+        "hints",
+        "timing",
+        "session",
+        "tokens",
+        "body",
+        "out_body",
+        "stream",
+        "chat",
+        "t_start",
+        "endpoint",
+        "receive",
+        "recorded",
+        "probe",
+        "strip_usage",
+        "migrations",
+        "failed_workers",
+        "pinned",
+        "kind",
+        "path",
+        "prefill",
+        "soft_target",
+        "prompt",
+    )
+    # set by the route before the request is routed
+    t_start: float
+    chat: bool
+    endpoint: str
+    stream: bool
+    body: dict[str, Any]
+    out_body: bytes
+    tokens: Sequence[int]
+    prompt: Prompt
+
+    def __init__(self) -> None:
+        self.kind = "chat"  # chat | completions | responses | messages | embeddings (see _KINDS)
+        self.path = "/v1/chat/completions"
+        self.recorded = False  # a lease has recorded the request's end in the metrics
+        self.probe: RequestProbe | None = None  # the parity evidence of the current attempt
+        self.strip_usage = False  # the engine was asked for stream usage the client did not want
+        self.migrations = 0  # times this request moved to another worker (--migration-limit)
+        self.failed_workers: set[int] | None = None  # workers it failed on: not chosen again for it
+        self.pinned = False
+        self.prefill: _disagg.PrefillResult | None = None  # once a prefill worker computed the prompt
+        self.soft_target: tuple[int, int | None] | None = None  # soft session affinity: preferred (worker, rank)
+        self.receive: Receive | None = None
+        self.hints: RequestHints | None = None
+        self.timing: RequestTiming | None = None
+        self.session: SessionLease | None = None
+        self.entry: ModelEntry
+        self.mm: ModelMetrics
+
+    @property
+    def dialect(self) -> StreamDialect:
+        return ANTHROPIC if self.kind == "messages" else OPENAI
+
+    @property
+    def rewrite(self) -> bool:
+        """Whether the response must be looked into (response nvext, speculative prefill)."""
+        h = self.hints
+        return h is not None and (
+            h.want_worker_id or h.want_timing or h.want_stop_reason or h.speculative_prefill or wants_routing(h)
+        )
+
+
+class RequestSource(Protocol):
+    """Where a generation request comes from: the HTTP API, or a gateway asking the endpoint picker."""
+
+    @property
+    def headers(self) -> Headers:
+        """The request's headers (``x-dynamo-*`` routing hints)."""
+
+    @property
+    def receive(self) -> Receive | None:
+        """The client's ASGI receive (disconnect detection), None without one."""
+
+    async def read(self, limit: int) -> tuple[bytes, dict[str, Any]]:
+        """The raw body and its JSON object (OpenAIError 413 / 400)."""
+
+    def excluded(self, state: FrontendState) -> set[int] | None:
+        """Workers this request must not go to (a gateway's endpoint subset), None for none."""
+
+
+class HttpSource:
+    """A request on the frontend's own HTTP API."""
+
+    __slots__ = ("request", "headers", "receive")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.headers = request.headers
+        self.receive: Receive | None = request.receive
+
+    async def read(self, limit: int) -> tuple[bytes, dict[str, Any]]:
+        return await read_openai_body(self.request, limit)
+
+    def excluded(self, state: FrontendState) -> set[int] | None:
+        return None
+
+
+# the proxy's dispatch (RequestPath.send), or the endpoint picker's hand-over to its gateway
+Send = Callable[[RequestContext, Lease], Awaitable[Any]]

@@ -1,0 +1,221 @@
+"""Dispatch to a worker and pass its response through, driving the request's lease.
+
+The lease (``frontend/dispatch/lifecycle.py``) is the booking of one routed request. Every exit path of a
+stream ends in ``Lease.release()`` (idempotent): normal end of stream, worker error, client
+disconnect, cancellation. The first body bytes from the worker mark prefill complete.
+
+Streaming responses are a small ASGI callable (:class:`StreamProxy`) rather than Starlette's
+``StreamingResponse``: it forwards each chunk the moment the worker sends it (no buffering), and it
+watches the client's ``http.disconnect`` concurrently so a client that goes away while the worker
+is still thinking frees its load at once and aborts the worker's request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from frontend.dispatch.lifecycle import Lease
+from frontend.dispatch.stream_dialect import OPENAI, StreamDialect
+from frontend.dispatch.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+
+log = logging.getLogger("frontend.dispatch.proxy")
+_now = time.perf_counter
+
+
+def upstream_headers(rank: int, request_id: str) -> list[tuple[str, str]]:
+    return [("content-type", "application/json"), ("x-data-parallel-rank", str(rank)), ("x-request-id", request_id)]
+
+
+class ChunkPipeline:
+    """What every chunk of a worker's streamed response does to its request, whoever relays it (the
+    proxy here, or Envoy through the endpoint picker): the first token marks prefill complete, tokens
+    are counted, and the migration tracker, the usage tap and the response rewriter see the chunk in
+    that order (each may hold or change bytes). ``feed`` returns what the client gets now."""
+
+    __slots__ = ("lease", "dialect", "rewriter", "tap", "tracker", "first")
+
+    def __init__(self, lease: Lease, dialect: StreamDialect, rewriter: Any, tap: Any, tracker: Any = None) -> None:
+        self.lease = lease
+        self.dialect = dialect
+        self.rewriter = rewriter
+        self.tap = tap
+        self.tracker = tracker
+        self.first = True
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not chunk:
+            return b""
+        rw = self.rewriter
+        if self.first and self.dialect.has_token(chunk):  # first token (vLLM-style role chunks carry none)
+            self.first = False
+            self.lease.first_token()
+            if rw is not None:
+                rw.first_token()
+        n = self.dialect.tokens(chunk)
+        if n:
+            self.lease.tokens(n)
+        if self.tracker is not None:
+            chunk = self.tracker.feed(chunk)
+            if not chunk:
+                return b""
+        if self.tap is not None:  # after the tracker: it reads the usage counted over both workers
+            chunk = self.tap.feed(chunk)
+            if not chunk:
+                return b""
+        if rw is not None:
+            chunk = rw.chunk(chunk)
+        return chunk
+
+    def flush(self) -> bytes:
+        """What is still held at the end of the worker's stream."""
+        rest = self.tap.flush() if self.tap is not None else b""
+        if self.rewriter is not None:
+            rest = (self.rewriter.chunk(rest) if rest else b"") + self.rewriter.flush()
+        return rest
+
+
+class StreamProxy:
+    """ASGI response that relays a worker's SSE stream chunk by chunk and always releases the lease."""
+
+    __slots__ = (
+        "upstream",
+        "lease",
+        "headers",
+        "on_failure",
+        "rewriter",
+        "tap",
+        "idle_timeout",
+        "migrator",
+        "preamble",
+        "dialect",
+    )
+
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        lease: Lease,
+        headers: list[tuple[bytes, bytes]],
+        on_failure: Any,
+        rewriter: Any = None,
+        tap: Any = None,
+        idle_timeout: float | None = None,
+        migrator: Any = None,
+        dialect: StreamDialect = OPENAI,
+    ) -> None:
+        self.upstream = upstream
+        self.lease = lease
+        self.headers = headers
+        self.on_failure = on_failure  # callable(lease, exc) for worker failures mid-stream
+        self.rewriter = rewriter  # response nvext / speculative prefill (only when the request asked)
+        self.tap = tap  # parity.UsageTap: reads (and strips) the engine's usage event
+        self.idle_timeout = idle_timeout  # --stream-idle-timeout: cut a worker that goes silent mid-stream
+        # --migration-limit: ``tracker`` (migration.SseTracker) and ``async resume(lease, exc) ->
+        # (upstream, lease) | None`` that continues the request on another worker
+        self.migrator = migrator
+        self.preamble = b""  # SSE events sent before the worker's stream (nvext.annotations)
+        self.dialect = dialect  # the API's stream format (OpenAI chunks or Anthropic events)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            if self.preamble:
+                await send({"type": "http.response.body", "body": self.preamble, "more_body": True})
+            pump = asyncio.ensure_future(self._pump(send))
+            watch = asyncio.ensure_future(_wait_disconnect(receive))
+            try:
+                done, _ = await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not watch.done():
+                    watch.cancel()
+            if pump not in done:  # the client went away first
+                pump.cancel()
+                self._cancelled()
+                try:
+                    await pump
+                except (asyncio.CancelledError, Exception):
+                    pass
+            else:
+                exc = pump.exception()
+                if isinstance(exc, OSError):  # send failed: client gone
+                    self._cancelled()
+                elif exc is not None:
+                    raise exc
+        except asyncio.CancelledError:
+            self._cancelled()
+            raise
+        finally:
+            self.lease.release()  # the current one: a migrated stream moved on to another lease
+            await self.upstream.aclose()
+
+    def _cancelled(self) -> None:
+        lease = self.lease
+        if lease.released or lease.status == "error":
+            return
+        lease.client_gone()
+
+    async def _pump(self, send: Any) -> None:
+        rw = self.rewriter
+        tap = self.tap
+        mig = self.migrator
+        tracker = mig.tracker if mig is not None else None
+        dialect = self.dialect
+        while True:
+            lease = self.lease
+            chunks = ChunkPipeline(lease, dialect, rw, tap, tracker)
+            try:
+                async for chunk in self.upstream.aiter_raw(self.idle_timeout):
+                    chunk = chunks.feed(chunk)
+                    if chunk:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                rest = chunks.flush()
+                if rest:
+                    await send({"type": "http.response.body", "body": rest, "more_body": True})
+            except OSError:
+                raise
+            except UpstreamError as exc:
+                if tracker is not None and tracker.done:  # lost after its [DONE]: the response is complete
+                    break
+                timeout = isinstance(exc, UpstreamTimeout)
+                if timeout:  # silent, not dead: the worker stays in the candidate set
+                    lease.fail(504, "response_timeout")
+                else:
+                    lease.fail(500, "internal")
+                    self.on_failure(lease, exc)
+                if mig is not None and tracker is not None and not tracker.finished:
+                    if tap is not None:  # the continuation's usage is not this routing decision's evidence
+                        tap.probe = None
+                    upstream, self.lease = await mig.resume(lease, exc)
+                    if rw is not None:
+                        rw.lease = self.lease
+                    if upstream is not None:
+                        old, self.upstream = self.upstream, upstream
+                        await old.aclose()
+                        continue
+                    lease = self.lease
+                if tracker is not None and tracker.finished:
+                    err = b"data: [DONE]\n\n"  # every choice ended: only the terminator was lost
+                else:
+                    status = 504 if timeout else 500
+                    msg = (
+                        f"worker {lease.decision.worker.id} stopped sending mid-stream: {exc}"
+                        if timeout
+                        else f"worker {lease.decision.worker.id} failed mid-stream: {exc}"
+                    )
+                    err = dialect.failure(status, msg)
+                await send({"type": "http.response.body", "body": err, "more_body": True})
+            break
+        lease = self.lease
+        lease.release()
+        if rw is not None:
+            rw.finished(lease)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,831 @@
+"""The request path every transport shares: a generation request from parse to its end.
+
+Parse -> hints (nvext + headers) -> tokenize -> admission (router queue) -> route (indexer overlaps +
+tracker loads + cost) -> book -> send -> first token = prefill complete -> end / error / disconnect =
+free, with migration to another worker when one fails. The HTTP API (``frontend/api/openai_routes.py``)
+sends through the proxy (``RequestPath.send``); the endpoint picker (``frontend/gateway``) hands the
+booking to its gateway instead."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from frontend.api.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
+from frontend.api.hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
+from frontend.api.validation import validate_messages, validate_sampling, validate_tools
+from frontend.dispatch.context import RequestContext, RequestSource, Send
+from frontend.dispatch.lifecycle import Lease
+from frontend.dispatch.migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
+from frontend.dispatch.proxy import StreamProxy, upstream_headers
+from frontend.dispatch.response_rewriter import ResponseRewriter
+from frontend.dispatch.unary_stream import UnaryAssembler, convertible, streaming_body
+from frontend.dispatch.upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
+from frontend.observability.parity import UsageTap, stream_body_with_usage
+from frontend.routing import disagg as _disagg
+from frontend.routing.admission import ClientDisconnected, QueueRejected
+from frontend.routing.engine_polarity import for_worker as _priority_for_worker
+from frontend.routing.models import ModelEntry
+from frontend.routing.prompt import Prompt, hash_tokens, tokenize_request
+from frontend.routing.routing_record import wants_routing
+from frontend.state import FrontendState
+from kvroute_common import anthropic_api
+from kvroute_common.http import ApiError
+
+if TYPE_CHECKING:
+    from frontend.api.hints import RequestHints
+
+log = logging.getLogger("frontend")
+_perf = time.perf_counter
+
+BODY_LIMIT = 45 * 1024 * 1024  # DYN_HTTP_BODY_LIMIT_MB default
+# Retry-After of a backpressure 529: the queue drains as prefills complete (well under a second on
+# a healthy worker), so a client that waits one second finds fresh capacity numbers.
+RETRY_AFTER_SECS = "1"
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class RequestPath:
+    """Decide, book, send and follow one request (``generate``), for the proxy and the picker."""
+
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    async def generate(self, source: RequestSource, kind: str, send: Send) -> Any:
+        """One generation request, whatever carries it: parse, hints, tokenize, admission, then route,
+        book and ``send`` (the proxy dispatches to the worker; the endpoint picker hands the decision
+        to its gateway). Returns ``send``'s result, or an error response in the API's shape."""
+        result = await self._pipeline(source, kind, send)
+        return as_anthropic(result) if kind == "messages" else result
+
+    async def _pipeline(self, source: RequestSource, kind: str, send: Send) -> Any:
+        state = self.state
+        ctx = RequestContext()
+        ctx.t_start = _perf()
+        ctx.receive = source.receive
+        chat = kind in ("chat", "responses", "messages")
+        ctx.kind = kind
+        ctx.chat = chat
+        ctx.endpoint, ctx.path = _KINDS[kind]
+        endpoint = ctx.endpoint
+        mm = None
+        try:
+            raw, body = await source.read(BODY_LIMIT)
+            model = body.get("model")
+            if not isinstance(model, str) or not model:
+                raise OpenAIError(400, "'model' is required", "model")
+            entry = state.models.get(model)
+            if entry is None:
+                if model in state.prefill_models:
+                    raise OpenAIError(503, f"model {model} has prefill workers but no decode worker")
+                raise model_not_found(model)
+            stream = body.get("stream", False)
+            if stream is None:
+                stream = False
+            if not isinstance(stream, bool):
+                raise OpenAIError(400, "'stream' must be a boolean", "stream")
+            ctx.entry, ctx.stream, ctx.body = entry, stream, body
+            if kind == "messages":  # the engine validates sampling in its own (Anthropic) terms
+                anthropic_api.validate_request(body)
+            elif kind != "embeddings":
+                validate_sampling(body, chat)
+            if kind == "chat":
+                validate_messages(body.get("messages"))
+                validate_tools(body)
+            ctx.mm = mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
+            mm.started.inc()
+            mm.inflight.inc()
+            mm.active.inc()
+            mm.queued.inc()
+
+            modified = False
+            hints = None
+            if parse_request_hints is not None:
+                had_nvext = "nvext" in body
+                try:
+                    hints = parse_request_hints(body, source.headers, nvext_enabled=state.nvext_enabled)
+                    check_supported(hints, chat, stream)
+                except ApiError as exc:
+                    raise OpenAIError(exc.status, exc.message) from None
+                modified = had_nvext
+                if apply_to_body(hints, body):
+                    modified = True
+                if hints.priority is not None and engine_priority is not None:
+                    p = engine_priority(hints)
+                    if p is not None:
+                        body["priority"] = p
+                        modified = True
+                if hints.want_timing and RequestTiming is not None:
+                    ctx.timing = RequestTiming()
+                if hints.cache_salt and body.get("cache_salt") != hints.cache_salt:
+                    body["cache_salt"] = hints.cache_salt  # vLLM's field: the worker hashes its blocks with it too
+                    modified = True
+            ctx.hints = hints
+
+            t_tok = _perf()
+            salt = hints.cache_salt if hints is not None else None
+            if hints is not None and hints.token_data:
+                prompt = await hash_tokens(state.tokenize, entry, hints.token_data, salt)
+            else:
+                prompt = await tokenize_request(state.tokenize, entry, body, kind, salt)
+            state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
+            ctx.prompt = prompt
+            ctx.tokens = tokens = prompt.tokens
+            if stream and kind != "messages":  # the engine's usage (cached tokens) feeds the parity alarm
+                # and the decomposition (an Anthropic stream always carries its usage)
+                spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
+                if spliced is not None:
+                    raw = spliced
+                elif ctx.strip_usage:
+                    modified = True
+            ctx.out_body = orjson.dumps(body) if modified else raw
+
+            pinned_worker = hints.pinned_worker_id if hints is not None else None
+            pinned_rank = hints.pinned_dp_rank if hints is not None else None
+            if state.sessions is not None and hints is not None and hints.session_id:
+                try:
+                    ctx.session = state.sessions.lease(model, hints.session_id)
+                except Exception as exc:  # router.session.SessionError
+                    raise OpenAIError(getattr(exc, "status", 400), getattr(exc, "message", str(exc))) from None
+                target = ctx.session.target
+                if target is not None and state.config.router_session_affinity_mode == "soft":
+                    ctx.soft_target = target  # a preference (also over headers and nvext), not a pin
+                    pinned_worker = pinned_rank = None
+                elif target is not None:  # a live binding beats headers and nvext
+                    pinned_worker, pinned_rank = target
+            try:
+                if state.admission is not None and hints is not None:
+                    if ctx.timing is not None:
+                        ctx.timing.router_queue_depth = state.admission.depth(model)
+                    try:
+                        await state.admission.wait(
+                            model,
+                            hints,
+                            new_tokens=len(tokens),
+                            receive=source.receive,
+                            cached_tokens=lambda: state.router.best_cached_tokens(entry, prompt.local_hashes or []),
+                        )
+                    except ClientDisconnected:
+                        mm.inflight.dec()
+                        mm.active.dec()
+                        mm.queued.dec()
+                        mm.finished("error", "cancelled")
+                        state.metrics.disconnected.inc()
+                        state.metrics.cancellations.labels(model, endpoint, mm.request_type).inc()
+                        if ctx.session is not None:
+                            ctx.session.release()
+                        return Response(b"", status_code=499)
+                    except QueueRejected as exc:
+                        return self._rejected(ctx, exc)
+                if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(
+                    state, model, hints
+                ):  # OpenAI generation only
+                    ctx.prefill = await _disagg.run_prefill(state, ctx)
+                ctx.failed_workers = source.excluded(state)
+                return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
+            except BaseException:
+                if ctx.session is not None:
+                    ctx.session.release()
+                raise
+        except OpenAIError as exc:
+            if mm is not None:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", _error_type(exc.status))
+                if exc.status == 529:
+                    state.metrics.rejections.labels(mm.model, endpoint).inc()
+            return openai_error_response(exc.status, exc.message, exc.param)
+        except asyncio.CancelledError:
+            if mm is not None and not ctx.recorded:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", "cancelled")
+            raise
+        except ClientDisconnect:
+            # the client went away while still sending its body: a cancellation, not a server error
+            state.metrics.disconnected.inc()
+            if mm is not None and not ctx.recorded:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", "cancelled")
+            return Response(b"", status_code=499)
+        except Exception as exc:  # a bug or an unexpected library error: still an OpenAI-shaped 500
+            log.exception("request failed")
+            if mm is not None and not ctx.recorded:
+                mm.inflight.dec()
+                mm.active.dec()
+                mm.queued.dec()
+                mm.finished("error", "internal")
+            return openai_error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _rejected(self, ctx: RequestContext, exc: Exception) -> Response:
+        """Backpressure from the router queue: 529 + Retry-After at once, nothing booked."""
+        state, mm = self.state, ctx.mm
+        mm.inflight.dec()
+        mm.active.dec()
+        mm.queued.dec()
+        mm.finished("error", "overload")
+        state.metrics.rejections.labels(mm.model, ctx.endpoint).inc()
+        state.metrics.queue_backpressure.labels(mm.model, "decode", "default", getattr(exc, "reason", "")).inc()
+        if ctx.session is not None:
+            ctx.session.release()
+        return openai_error_response(529, getattr(exc, "message", str(exc)), headers={"retry-after": RETRY_AFTER_SECS})
+
+    async def _dispatch(
+        self, ctx: RequestContext, pinned_worker: int | None, pinned_rank: int | None, send: Send
+    ) -> Any:
+        state = self.state
+        entry = ctx.entry
+        ctx.pinned = pinned_worker is not None
+        attempts = 0
+        # a prompt prefilled on a prefill worker is routed load-only (frontend/routing/disagg.py)
+        router = state.router if ctx.prefill is None else state.disagg_decode_router
+        previous: Lease | None = None  # the attempt this one re-sends (its TTFT and hooks are the request's)
+        while True:
+            attempts += 1
+            salt = ctx.hints.cache_salt if ctx.hints is not None else None
+            record = wants_routing(ctx.hints)
+            decision = None
+            remote, source = (None, None)
+            if router is state.router and ctx.kind != "embeddings":
+                remote, source = await self.remote_overlaps(entry, ctx.prompt)
+            if ctx.soft_target is not None and attempts == 1:
+                try:  # soft affinity: the bound worker if it can take the request now
+                    decision = router.route(
+                        entry,
+                        ctx.tokens,
+                        ctx.soft_target[0],
+                        ctx.soft_target[1],
+                        salt,
+                        record=record,
+                        exclude=ctx.failed_workers,
+                        use_overlap=ctx.kind != "embeddings",
+                        hashes=ctx.prompt.hashes,
+                        overlaps=remote,
+                    )
+                except OpenAIError:
+                    decision = None  # gone, unhealthy or busy: route freely, the session follows
+            if decision is None:
+                decision = router.route(
+                    entry,
+                    ctx.tokens,
+                    pinned_worker,
+                    pinned_rank,
+                    salt,
+                    record=record,
+                    exclude=ctx.failed_workers,
+                    use_overlap=ctx.kind != "embeddings",
+                    hashes=ctx.prompt.hashes,
+                    overlaps=remote,
+                )
+            decision.overlap_source = source
+            request_id = state.next_request_id()
+            try:
+                router.book(entry, request_id, decision)
+            except Exception as exc:
+                raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
+            state.metrics.router_started.inc()
+            lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
+            if previous is not None:
+                lease.inherit(previous)
+            # embeddings leave no KV cache behind: no hash-parity evidence to collect
+            ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
+            if state.config.router_track_output_blocks:
+                lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
+            _record_routed(state, ctx.mm, decision)
+            if ctx.timing is not None and ctx.prefill is None:
+                from frontend.api.hints import kv_hit_rate
+
+                ctx.timing.dispatched = time.monotonic()
+                ctx.timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, entry.block_size)
+            try:
+                response = await send(ctx, lease)
+            except BaseException:
+                lease.status, lease.error_type = "error", "cancelled"
+                lease.release()
+                ctx.recorded = True
+                raise
+            if response is _MIGRATE:  # the worker failed before answering: the same request goes elsewhere
+                lease.release(final=False)
+                previous = lease
+                continue
+            if response is _RETRY:
+                if attempts < 3 and pinned_worker is None:
+                    lease.release(final=False)
+                    previous = lease
+                    continue
+                lease.status, lease.error_type = "error", "unavailable"
+                lease.release()
+                if ctx.session is not None:
+                    ctx.session.invalidate()
+                    ctx.session.release()
+                return openai_error_response(503, f"worker {decision.worker.id} is unreachable")
+            return response
+
+    async def send(self, ctx: RequestContext, lease: Lease) -> Any:
+        """One attempt on the lease's worker. Returns a response, or _RETRY when the worker was unreachable."""
+        state = self.state
+        decision = lease.decision
+        worker = decision.worker
+        path = ctx.path
+        headers = upstream_headers(decision.dp_rank, lease.request_id)
+        hints = ctx.hints
+        client_id = hints.request_id if hints is not None else None
+        if hints is not None and (client_id or hints.metadata):
+            from frontend.api.hints import worker_headers
+
+            headers = worker_headers(headers, hints)
+        stream = ctx.stream
+        session = ctx.session
+        # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
+        as_stream = not stream and ctx.kind in ("chat", "completions") and convertible(ctx.body)
+        body = streaming_body(ctx.body, ctx.out_body) if as_stream else ctx.out_body
+        body = _priority_for_worker(body, hints, worker)  # the chosen engine's priority sign
+        watch = None
+        upstream = None
+        if not stream and ctx.receive is not None:
+            # a unary request can run for a long time: a client that goes away must free its load now
+            watch = _watch_disconnect(ctx.receive)
+        try:
+            upstream = await worker.upstream.request("POST", path, body, headers, stream or as_stream)
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise
+            _current_task().uncancel()
+            lease.client_gone()
+            lease.release()
+            if session is not None:
+                session.release()
+            return Response(b"", status_code=499)
+        except UpstreamConnectError as exc:
+            # never reached the worker: take it out (it is now excluded) and let the caller route again
+            state.pool.mark_failed(worker, str(exc))
+            return _RETRY
+        except UpstreamTimeout as exc:
+            _lease_abort(lease, 504)
+            if session is not None:
+                session.release()
+            return openai_error_response(504, str(exc))
+        except (UpstreamError, OSError) as exc:
+            state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+            if self._may_migrate(ctx):
+                self._count_migration(ctx, worker.id, NEW_REQUEST)
+                return _MIGRATE
+            _lease_abort(lease, 502)
+            if session is not None:
+                session.invalidate()
+                session.release()
+            return openai_error_response(502, f"worker {worker.id} failed: {exc}")
+        finally:
+            if watch is not None and (not as_stream or upstream is None):
+                watch.stop()
+        if upstream.status != 200:
+            if watch is not None:
+                watch.stop()
+            if stream or as_stream:
+                try:
+                    data = await upstream.aread()
+                except UpstreamError:
+                    data = b""
+                await upstream.aclose()
+            else:
+                data = upstream.content
+            if session is not None:
+                session.release()
+            return _upstream_error(lease, upstream.status, data)
+        if session is not None:
+            session.bind(decision.worker.id, decision.dp_rank, rebind=ctx.soft_target is not None)
+            lease.hooks.append(_SessionHook(session))
+        rewriter = ResponseRewriter(self.state, ctx, lease) if ctx.rewrite else None
+        if stream:
+            migrator = _Migrator(self, ctx) if self._may_migrate(ctx) else None
+            resp_headers = _SSE_HEADERS + [(b"x-data-parallel-rank", str(decision.dp_rank).encode())]
+            if client_id:
+                resp_headers.append((b"x-dynamo-request-id", client_id.encode()))
+            proxy = StreamProxy(
+                upstream,
+                lease,
+                resp_headers,
+                self._stream_failed,
+                rewriter,
+                UsageTap(ctx.probe, ctx.strip_usage, ctx.dialect.usage_key, ctx.dialect.parse_usage),
+                state.config.stream_idle_timeout,
+                migrator,
+                ctx.dialect,
+            )
+            if hints is not None and hints.annotations and ctx.kind != "messages":
+                proxy.preamble = self._annotations(ctx, hints)
+            return proxy
+        if as_stream:
+            return await self._reassemble(ctx, lease, upstream, rewriter, watch)
+        data = upstream.content
+        if ctx.probe is not None:
+            ctx.probe.usage(*ctx.dialect.parse_usage(data))
+        lease.first_token(streamed=False)
+        n = ctx.dialect.body_tokens(data)
+        if n:
+            lease.tokens(n)
+        if rewriter is not None:
+            data = rewriter.unary(data)
+        lease.release()
+        if rewriter is not None:
+            rewriter.finished(lease)
+        return _PassThrough(data, upstream.header(b"content-type", b"application/json"), decision.dp_rank, client_id)
+
+    def _annotations(self, ctx: RequestContext, hints: RequestHints) -> bytes:
+        """nvext.annotations as SSE events ahead of the stream (formatted prompt, prompt token ids)."""
+        from frontend.api.hints import annotation_events
+
+        text: str | None = None
+        if "formatted_prompt" in (hints.annotations or ()):
+            from kvroute_common.tokenizer import chat_template_kwargs, render_chat_prompt
+
+            if ctx.chat:
+                text = render_chat_prompt(ctx.entry.tokenizer, ctx.body["messages"], **chat_template_kwargs(ctx.body))
+            else:
+                prompt = ctx.body.get("prompt")
+                text = prompt if isinstance(prompt, str) else str(ctx.entry.tokenizer.decode(ctx.tokens))
+        return annotation_events(hints, text, list(ctx.tokens))
+
+    async def _reassemble(
+        self, ctx: RequestContext, lease: Lease, upstream: Any, rewriter: ResponseRewriter | None, watch: Any
+    ) -> Any:
+        """A non-streaming request's engine stream: first token = prefill complete, then one OpenAI body."""
+        state = self.state
+        worker = lease.decision.worker
+        asm = UnaryAssembler(ctx.chat)
+        limit = worker.upstream.timeout  # --request-timeout bounds the whole unary answer, as before
+        try:
+            async with asyncio.timeout(limit):
+                async for chunk in upstream.aiter_raw(state.config.stream_idle_timeout):
+                    n = asm.feed(chunk)
+                    if n:
+                        if not lease.prefilled:
+                            lease.first_token()
+                            if rewriter is not None:
+                                rewriter.first_token()
+                        lease.tokens(n)
+        except TimeoutError:
+            _lease_abort(lease, 504)
+            return openai_error_response(504, f"worker {worker.id} did not answer within {limit} s")
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                lease.status, lease.error_type = "error", "cancelled"
+                lease.release()
+                raise
+            _current_task().uncancel()
+            lease.client_gone()
+            lease.release()
+            return Response(b"", status_code=499)
+        except UpstreamError as exc:
+            silent = isinstance(exc, UpstreamTimeout)  # --stream-idle-timeout: silent, not dead (stays a candidate)
+            if not silent:
+                state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+            if self._may_migrate(ctx):  # nothing reached the client yet: the whole request goes elsewhere
+                self._count_migration(ctx, worker.id, NEW_REQUEST)
+                return _MIGRATE
+            status = 504 if silent else 502
+            _lease_abort(lease, status)
+            return openai_error_response(
+                status, f"worker {worker.id} {'went silent' if silent else 'failed'} mid-response: {exc}"
+            )
+        finally:
+            if watch is not None:
+                watch.stop()
+            await upstream.aclose()
+        if asm.error is not None:
+            code = asm.error.get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            message = asm.error.get("message")
+            msg = message if isinstance(message, str) else f"worker {worker.id} failed"
+            _lease_abort(lease, status)
+            return openai_error_response(
+                status if status < 500 else 500, msg if status < 500 else "Internal server error"
+            )
+        data = asm.body()
+        if ctx.probe is not None:
+            ctx.probe.usage_from_body(data)
+        if rewriter is not None:
+            data = rewriter.unary(data)
+        lease.release()
+        if rewriter is not None:
+            rewriter.finished(lease)
+        return _PassThrough(
+            data, b"application/json", lease.decision.dp_rank, ctx.hints.request_id if ctx.hints is not None else None
+        )
+
+    async def remote_overlaps(
+        self, entry: ModelEntry, prompt: Prompt
+    ) -> tuple[dict[tuple[int, int], int] | None, str | None]:
+        """``--use-remote-indexer``: the overlaps for this decision and where they came from
+        (``(None, None)``: the embedded index is used; an indexer that did not answer: no overlaps)."""
+        remote = self.state.remote_index
+        if remote is None or prompt.local_hashes is None or not self.state.config.kv_aware:
+            return None, None
+        from frontend.routing.remote_index import REMOTE, REMOTE_UNAVAILABLE
+
+        hashes = prompt.local_array if prompt.local_array is not None else prompt.local_hashes
+        found = await remote.overlaps(entry.base, hashes, entry.block_size)
+        return (found, REMOTE) if found is not None else ({}, REMOTE_UNAVAILABLE)
+
+    def _may_migrate(self, ctx: RequestContext) -> bool:
+        """--migration-limit: budget left, not pinned, one choice."""
+        return (
+            ctx.migrations < self.state.config.migration_limit
+            and not ctx.pinned
+            and ctx.kind in ("chat", "completions")
+            and migratable(ctx.body)
+        )
+
+    def _count_migration(self, ctx: RequestContext, failed_worker: int, kind: str) -> None:
+        ctx.migrations += 1
+        if ctx.failed_workers is None:
+            ctx.failed_workers = set()
+        ctx.failed_workers.add(failed_worker)
+        self.state.metrics.migrations.labels(ctx.entry.name, kind).inc()
+        log.warning(
+            "request migrating from worker %s (%s, %d of %d)",
+            failed_worker,
+            kind,
+            ctx.migrations,
+            self.state.config.migration_limit,
+        )
+
+    async def _continue_stream(self, ctx: RequestContext, tracker: SseTracker, lease: Lease) -> tuple[Any, Lease]:
+        """A stream broke mid-way: continue it on another worker (a new routing decision and
+        booking; the failed worker's booking is freed at once). Returns the new upstream response,
+        or None when it cannot continue (budget spent, no worker, the new worker refused), and the
+        lease that now carries the request (the caller ends the request with it)."""
+        state = self.state
+        entry = ctx.entry
+        lease.free_booking()
+        from kvroute_common.tokenizer import encode_text
+
+        body = continuation_body(
+            ctx.body,
+            ctx.chat,
+            tracker.generated_text(),
+            tracker.generated,
+            lambda text: encode_text(entry.tokenizer, text),
+        )
+        try:
+            if body is None:
+                raise OpenAIError(400, "the prompt cannot be continued")
+            salt = ctx.hints.cache_salt if ctx.hints is not None else None
+            prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat, salt)
+        except OpenAIError as exc:
+            log.warning("cannot migrate: continued prompt rejected: %s", exc.message)
+            return None, lease
+        raw = orjson.dumps(body)
+        path = "/v1/chat/completions" if ctx.chat else "/v1/completions"
+        while self._may_migrate(ctx):
+            self._count_migration(ctx, lease.decision.worker.id, ONGOING_REQUEST)
+            remote, source = await self.remote_overlaps(entry, prompt)
+            try:
+                decision = state.router.route(
+                    entry,
+                    prompt.tokens,
+                    None,
+                    None,
+                    salt,
+                    exclude=ctx.failed_workers,
+                    hashes=prompt.hashes,
+                    overlaps=remote,
+                )
+                decision.overlap_source = source
+            except OpenAIError as exc:
+                log.warning("cannot migrate: %s", exc.message)
+                return None, lease
+            request_id = state.next_request_id()
+            try:
+                state.router.book(entry, request_id, decision)
+            except Exception as exc:
+                log.warning("cannot migrate: booking worker %s failed: %s", decision.worker.id, exc)
+                return None, lease
+            state.metrics.router_started.inc()
+            new = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
+            new.inherit(lease)
+            new.status, new.error_type = lease.status, lease.error_type  # until it delivers
+            lease.released = True  # its booking is freed; the request now ends with ``new``
+            lease = new
+            if state.config.router_track_output_blocks:
+                lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
+            _record_routed(state, ctx.mm, decision)
+            worker = decision.worker
+            try:
+                upstream = await worker.upstream.request(
+                    "POST",
+                    path,
+                    _priority_for_worker(raw, ctx.hints, worker),
+                    upstream_headers(decision.dp_rank, request_id),
+                    True,
+                )
+            except asyncio.CancelledError:
+                lease.status, lease.error_type = "error", "cancelled"
+                lease.release()
+                raise
+            except (UpstreamError, OSError) as exc:
+                if not isinstance(exc, UpstreamTimeout):
+                    state.pool.mark_failed(worker, f"{type(exc).__name__}: {exc}")
+                lease.free_booking()
+                continue
+            if upstream.status != 200:
+                try:
+                    data = await upstream.aread()
+                except UpstreamError:
+                    data = b""
+                await upstream.aclose()
+                lease.free_booking()
+                log.warning(
+                    "cannot migrate: worker %s answered %s: %s", worker.id, upstream.status, _error_message(data)
+                )
+                return None, lease
+            lease.status, lease.error_type = "success", ""
+            tracker.switch()
+            return upstream, lease
+        return None, lease
+
+    def _stream_failed(self, lease: Lease, exc: BaseException) -> None:
+        self.state.pool.mark_failed(lease.decision.worker, f"{type(exc).__name__}: {exc}")
+
+    async def send_pinned(self, body: dict, worker_id: int, dp_rank: int | None) -> None:
+        """Speculative prefill warm-up: a non-streaming request pinned to (worker, rank), full lifecycle."""
+        state = self.state
+        model = body.get("model")
+        entry = state.models.get(model) if isinstance(model, str) else None
+        if entry is None:
+            return
+        ctx = RequestContext()
+        ctx.t_start = _perf()
+        ctx.chat = "messages" in body
+        ctx.endpoint = "chat_completions" if ctx.chat else "completions"
+        ctx.entry, ctx.stream, ctx.body = entry, False, body
+        ctx.prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat)
+        ctx.tokens = ctx.prompt.tokens
+        ctx.out_body = orjson.dumps(body)
+        ctx.mm = mm = state.metrics.model_children(entry.name, ctx.endpoint, "unary")
+        mm.started.inc()
+        mm.inflight.inc()
+        mm.active.inc()
+        mm.queued.inc()
+        try:
+            await self._dispatch(ctx, worker_id, dp_rank, self.send)
+        except OpenAIError as exc:
+            mm.inflight.dec()
+            mm.active.dec()
+            mm.queued.dec()
+            mm.finished("error", _error_type(exc.status))
+            raise
+
+
+class _SessionHook:
+    """Ends the session's lease with the request (restarting its idle TTL); failures unbind it."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def on_tokens(self, lease: Lease, n: int) -> None:
+        pass
+
+    def on_release(self, lease: Lease) -> None:
+        if lease.status == "error" and lease.error_type not in ("cancelled", ""):
+            self.session.invalidate()
+        self.session.release()
+
+
+_RETRY = object()
+
+
+_MIGRATE = object()
+
+
+class _Migrator:
+    """What a migratable stream needs to continue elsewhere (see frontend/dispatch/migration.py)."""
+
+    __slots__ = ("routes", "ctx", "tracker")
+
+    def __init__(self, routes: RequestPath, ctx: RequestContext) -> None:
+        self.routes = routes
+        self.ctx = ctx
+        self.tracker = SseTracker(ctx.chat, len(ctx.tokens))
+
+    async def resume(self, lease: Lease, exc: BaseException) -> tuple[Any, Lease] | None:
+        return await self.routes._continue_stream(self.ctx, self.tracker, lease)
+
+
+_KINDS = {
+    "chat": ("chat_completions", "/v1/chat/completions"),
+    "completions": ("completions", "/v1/completions"),
+    "responses": ("responses", "/v1/responses"),
+    "embeddings": ("embeddings", "/v1/embeddings"),
+    "messages": ("messages", "/v1/messages"),
+}
+
+
+class _watch_disconnect:
+    """Cancels the current task when the client disconnects (one extra task, only for unary requests)."""
+
+    __slots__ = ("task", "gone", "_owner")
+
+    def __init__(self, receive: Any) -> None:
+        self.gone = False
+        self._owner = _current_task()
+        self.task = asyncio.get_running_loop().create_task(self._run(receive))
+
+    async def _run(self, receive: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                self._owner.cancel()
+                return
+
+    def stop(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+
+
+class _PassThrough:
+    """A worker's complete JSON answer, sent as is (cheaper than building a starlette Response)."""
+
+    __slots__ = ("body", "content_type", "rank", "request_id")
+
+    def __init__(self, body: bytes, content_type: bytes, rank: int, request_id: str | None = None) -> None:
+        self.body, self.content_type, self.rank, self.request_id = body, content_type, rank, request_id
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers = [
+            (b"content-type", self.content_type),
+            (b"content-length", str(len(self.body)).encode()),
+            (b"x-data-parallel-rank", str(self.rank).encode()),
+        ]
+        if self.request_id:
+            headers.append((b"x-dynamo-request-id", self.request_id.encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def _record_routed(state: FrontendState, mm: Any, decision: Any) -> None:
+    isl = decision.isl
+    mm.isl.observe(isl)
+    mm.cached.observe(decision.cached_tokens)
+    m = state.metrics
+    m.router_isl.observe(isl)
+    if isl:
+        m.router_kv_hit_rate.observe(decision.cached_tokens / isl)
+    state.worker_gauges(decision.worker.id, decision.dp_rank)[1].set(isl)
+
+
+def _current_task() -> asyncio.Task[Any]:
+    """The running task (a coroutine of a request handler always has one)."""
+    task = asyncio.current_task()
+    assert task is not None
+    return task
+
+
+def _lease_abort(lease: Lease, status: int) -> None:
+    lease.status, lease.error_type = "error", _error_type(status)
+    lease.release()
+
+
+def _upstream_error(lease: Lease, status: int, data: bytes) -> Response:
+    """Worker said no: 4xx passes through with its message, 5xx becomes a generic 500."""
+    _lease_abort(lease, status)
+    if 400 <= status < 500:
+        msg = _error_message(data) or f"worker returned {status}"
+        return openai_error_response(status, msg)
+    return openai_error_response(500, "Internal server error")
+
+
+def _error_message(data: bytes) -> str | None:
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data.decode("utf-8", "replace")[:500] or None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(obj.get("message"), str):
+            return obj["message"]
+    return None
+
+
+def _error_type(status: int) -> str:
+    from frontend.api.errors import error_type_label
+
+    return error_type_label(status)

@@ -1,0 +1,177 @@
+"""A request body to the prompt the router routes: its token ids and their block hashes.
+
+Both are computed together, inline for short prompts and on a tokenizer thread for long ones
+(``kvroute_common.tokenize_offload``): the block and sequence hashes of a long prompt cost as much as
+its tokenization, so they are never computed on the event loop either. A prompt longer than the
+model's workers accept is refused here, before anything is hashed or booked (on the thread, before
+its ids are even built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from frontend.api.errors import OpenAIError
+from frontend.api.validation import PromptLimit, check_context_length, check_prompt_fits
+from kvroute_common import anthropic_api
+from kvroute_common.hashing import local_block_hashes, sequence_hashes, token_array
+
+if TYPE_CHECKING:
+    from frontend.routing.models import ModelEntry
+    from kvroute_common.tokenize_offload import TokenizeOffload
+
+
+class Prompt:
+    """Token ids and (for routing) their local block hashes and chained sequence hashes. A long
+    prompt's ids are a compact ``array('I')`` (built and its list freed on the tokenizer thread: a
+    list of 128 k ints takes ~1 ms to free, wherever the last reference goes), and its local hashes
+    are also kept as a u64 array (``local_array``, built there too: what a remote index is sent)."""
+
+    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt", "local_array")
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        local_hashes: list[int] | None = None,
+        seq_hashes: list[int] | None = None,
+        salt: str | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.local_hashes = local_hashes
+        self.seq_hashes = seq_hashes
+        self.salt = salt  # the cache salt the hashes were computed with
+        self.local_array: np.ndarray | None = None
+
+    @property
+    def hashes(self) -> tuple[list[int], list[int]] | None:
+        if self.local_hashes is None or self.seq_hashes is None:
+            return None
+        return self.local_hashes, self.seq_hashes
+
+
+def hashed(entry: ModelEntry, tokens: Sequence[int], salt: str | None) -> Prompt:
+    """``tokens`` with the block hashes the router looks up and books (the model's block size and
+    LoRA adapter, the request's cache salt)."""
+    local = local_block_hashes(tokens, entry.block_size, entry.lora_name, salt)
+    return Prompt(tokens, local, sequence_hashes(local), salt)
+
+
+def body_tokens(
+    entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, limit: PromptLimit | None = None
+) -> list[int]:
+    """The engine's prompt tokens, checked against what the most capable worker takes (``limit``:
+    its context length, as vLLM checks it, and its KV capacity).
+
+    ``nogil``: running on a worker thread (kvroute_common.tokenize_offload); there the over-long
+    prompt is refused before its ids are built and a long id list is freed on the thread, never on
+    the loop."""
+    from kvroute_common.tokenizer import PromptError, PromptTooLong, chat_request_token_ids, completion_prompt_token_ids
+
+    stop_at = limit.tokens if (nogil and limit is not None) else None
+    try:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
+            # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
+            # continue_final_message, tools, documents): the router must hash the engine's tokens
+            tokens = chat_request_token_ids(entry.tokenizer, body, nogil=nogil, limit=stop_at)
+        else:
+            if "prompt" not in body:
+                raise OpenAIError(400, "'prompt' is required", "prompt")
+            tokens = completion_prompt_token_ids(entry.tokenizer, body["prompt"], nogil=nogil, limit=stop_at)
+    except PromptTooLong as exc:
+        check_prompt_fits(exc.n_tokens, body, limit, chat, exc.exact)
+        raise OpenAIError(400, str(exc)) from None  # pragma: no cover - the check above raises
+    except PromptError as exc:
+        raise OpenAIError(400, str(exc)) from None
+    check_prompt_fits(len(tokens), body, limit, chat)
+    return tokens
+
+
+def embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, limit: PromptLimit | None = None) -> list[int]:
+    """All inputs' tokens, concatenated (for load accounting; embeddings are routed by load)."""
+    from kvroute_common.tokenizer import PromptError, completion_prompt_token_ids
+
+    inp = body.get("input")
+    if isinstance(inp, str) or (isinstance(inp, list) and inp and all(type(t) is int for t in inp)):
+        items = [inp]
+    elif isinstance(inp, list) and inp and all(isinstance(t, (str, list)) for t in inp):
+        items = inp
+    else:
+        raise OpenAIError(
+            400,
+            "'input' must be a non-empty string, list of strings, list of token ids or list of token-id lists",
+            "input",
+        )
+    out: list[int] = []
+    try:
+        for item in items:
+            ids = completion_prompt_token_ids(entry.tokenizer, item, nogil=nogil)
+            check_context_length(len(ids), {}, limit.context if limit is not None else None, False)
+            out += ids
+    except PromptError as exc:
+        raise OpenAIError(400, str(exc), "input") from None
+    return out
+
+
+async def tokenize_request(
+    offload: TokenizeOffload, entry: ModelEntry, body: dict, kind: str | bool, salt: str | None = None
+) -> Prompt:
+    """The request's tokens and block hashes: inline for short prompts, on a worker thread above the
+    offload threshold (hashes with the cache ``salt``; embeddings get none, they are routed by load).
+
+    ``kind``: chat | completions | responses | messages | embeddings (a bool means chat / completions)."""
+    from kvroute_common.openai_api import responses_to_chat
+    from kvroute_common.tokenize_offload import prompt_chars
+
+    if isinstance(kind, bool):
+        kind = "chat" if kind else "completions"
+    chars = prompt_chars(body)
+    if kind == "embeddings":
+        tokens = await offload.run(chars, embedding_tokens, entry, body, limit=entry.prompt_limit())
+        return Prompt(tokens)
+    if kind == "responses":
+        body = responses_to_chat(body)
+    elif kind == "messages":
+        body = messages_to_chat(entry, body)
+    return await offload.run(
+        chars, _tokens_and_hashes, entry, body, kind != "completions", salt, limit=entry.prompt_limit()
+    )
+
+
+async def hash_tokens(offload: TokenizeOffload, entry: ModelEntry, tokens: list[int], salt: str | None) -> Prompt:
+    """Given token ids (``nvext.token_data``) with their hashes, on a thread when there are many."""
+    return await offload.run(len(tokens) * 4, _hashed, entry, tokens, salt)
+
+
+def _hashed(entry: ModelEntry, tokens: list[int], salt: str | None, nogil: bool = False) -> Prompt:
+    return hashed(entry, tokens, salt)
+
+
+def _tokens_and_hashes(
+    entry: ModelEntry, body: dict, chat: bool, salt: str | None, nogil: bool = False, limit: PromptLimit | None = None
+) -> Prompt:
+    tokens = body_tokens(entry, body, chat, nogil, limit)
+    if nogil:  # on the tokenizer thread: compact ids, the list freed here
+        prompt = hashed(entry, token_array(tokens), salt)
+        prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
+        return prompt
+    return hashed(entry, tokens, salt)
+
+
+def tokenize_request_sync(entry: ModelEntry, body: dict, kind: str) -> list[int]:
+    """A short request's tokens on the calling thread (chat | completions | messages), no length check."""
+    if kind == "messages":
+        body = messages_to_chat(entry, body)
+    return body_tokens(entry, body, kind != "completions")
+
+
+def messages_to_chat(entry: ModelEntry, body: dict) -> dict:
+    """An Anthropic Messages request as the chat request the engine renders (its template decides
+    whether inline system messages are merged into the leading one)."""
+    template = anthropic_api.tokenizer_template(entry.tokenizer)
+    return anthropic_api.to_chat(body, anthropic_api.requires_system_first(template))
