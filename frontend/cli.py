@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     tls = ssl_options(ns)
     drain = Drain(ns.drain_timeout)
     state = make_state(ns)
+    state.busy_probes.append(lambda: drain.inflight > 0)
     import uvicorn
 
     from frontend.api.access import guard_app

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily
@@ -109,6 +110,9 @@ class FrontendState:
         self.shutting_down = False
         self.loop_stall_threshold = 0.0  # --log-loop-stalls, in seconds (0 = off)
         self.stall_logger: StallLogger | None = None
+        # whether a transport has requests in flight (HTTP: the drain counter; the endpoint picker: its
+        # streams): the loop-lag watch measures every 20 ms only then
+        self.busy_probes: list[Callable[[], bool]] = []
         self.admission: AdmissionQueue | None = None
         self.sessions: SessionTable | None = None
         self.speculative: SpeculativePrefiller | None = None
@@ -581,13 +585,17 @@ class FrontendState:
         self._spawn(self._expiry_loop())
         from frontend.observability.loop_lag import StallLogger, watch_loop_lag
 
-        self._spawn(watch_loop_lag(self.metrics.loop_lag.observe))
+        self._spawn(watch_loop_lag(self.metrics.loop_lag.observe, busy=self.serving_requests))
         if self.loop_stall_threshold > 0:
             self.stall_logger = StallLogger(asyncio.get_running_loop(), self.loop_stall_threshold).start()
         if self.remote_index is not None and self.remote_index.register:
             self._spawn(self._remote_registration_loop())
         if self.sessions is not None:
             self._spawn(self._session_reaper())
+
+    def serving_requests(self) -> bool:
+        """Whether any transport has a request in flight (``busy_probes``)."""
+        return any(probe() for probe in self.busy_probes)
 
     async def _start_discovery(self) -> None:
         """Start the discovery backends: they all write to this frontend's worker pool."""

@@ -415,6 +415,32 @@ def test_loop_lag_watch_sees_a_blocked_loop() -> None:
     asyncio.run(main())
 
 
+def test_loop_lag_watch_wakes_the_loop_at_its_fast_cadence_only_while_busy() -> None:
+    """Idle (no request in flight) the watch sleeps ``idle_interval``, busy it sleeps ``interval``: each
+    cadence is seen by making the other one far too long to produce a second observation."""
+    from frontend.observability.loop_lag import watch_loop_lag
+
+    async def observations(busy: bool, interval: float, idle_interval: float) -> int:
+        lags: list[float] = []
+        watch = asyncio.get_running_loop().create_task(
+            watch_loop_lag(lags.append, interval=interval, busy=lambda: busy, idle_interval=idle_interval)
+        )
+        try:
+            for _ in range(2000):  # bounded: until three observations or ~10 s
+                if len(lags) >= 3:
+                    break
+                await asyncio.sleep(0.005)
+            return len(lags)
+        finally:
+            watch.cancel()
+
+    async def main() -> None:
+        assert await observations(busy=False, interval=3600.0, idle_interval=0.01) >= 3
+        assert await observations(busy=True, interval=0.01, idle_interval=3600.0) >= 3
+
+    asyncio.run(main())
+
+
 def test_stall_logger_names_what_held_the_loop(caplog: pytest.LogCaptureFixture) -> None:
     """--log-loop-stalls: a callback that holds the loop past the threshold is logged with the loop
     thread's stack, and nothing is logged while the loop keeps up."""

@@ -381,6 +381,8 @@ class EndpointPicker:
         self.port: int | None = None
         self.health: Any = None  # epp_protocol.Health
         self._watch: asyncio.Future[None] | None = None
+        self.streams = 0  # ext_proc streams open (one per HTTP request the gateway carries)
+        state.busy_probes.append(lambda: self.streams > 0)
 
     async def start(self, host: str, port: int) -> int:
         import grpc
@@ -414,6 +416,7 @@ class EndpointPicker:
     async def process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
         """``ExternalProcessor.Process``: one bidirectional stream per HTTP request."""
         stream = _Stream(self)
+        self.streams += 1
         try:
             async for request in requests:
                 async for response in stream.handle(request):
@@ -421,4 +424,5 @@ class EndpointPicker:
                 if stream.picked is not None and stream.picked.lease.released:
                     return
         finally:
+            self.streams -= 1
             stream.finish()  # the gateway closed the stream before the response ended: free at once

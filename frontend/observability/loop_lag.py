@@ -2,7 +2,11 @@
 
 Whatever holds the loop (a long prompt's KV events applied, a slow callback, a full garbage collection,
 the process starved of CPU) delays every request by as much, and none of the per-request timings shows
-it. A timer due every ``interval`` measures it at no cost worth counting (50 wake-ups a second).
+it. A timer due every ``interval`` measures it while requests are in flight; with none, every
+``IDLE_INTERVAL``: each wake-up of the loop costs ~0.1 ms of CPU on a virtual machine (timer, epoll,
+scheduler; ``python -m bench wakeup_cost``), so 50 a second on an idle frontend were 5-7 ms of CPU per
+second, which the peer benchmark charged to its requests (issue 28). A lag matters only to requests
+that wait behind it.
 """
 
 from __future__ import annotations
@@ -18,17 +22,27 @@ from collections.abc import Callable
 log = logging.getLogger("frontend.observability.loop_lag")
 
 INTERVAL = 0.02
-"""Seconds between two measurements."""
+"""Seconds between two measurements while requests are in flight."""
+IDLE_INTERVAL = 1.0
+"""Seconds between two measurements while none is (a request arriving meanwhile waits at most this long
+for the fast cadence; its own wait is still measured by the timer due then)."""
 
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-async def watch_loop_lag(observe: Callable[[float], None], interval: float = INTERVAL) -> None:
-    """Observe, every ``interval``, how much later than due the loop woke this task. Runs until cancelled."""
+async def watch_loop_lag(
+    observe: Callable[[float], None],
+    interval: float = INTERVAL,
+    busy: Callable[[], bool] | None = None,
+    idle_interval: float = IDLE_INTERVAL,
+) -> None:
+    """Observe how much later than due the loop woke this task: every ``interval`` while ``busy()`` (always
+    without ``busy``), every ``idle_interval`` otherwise. Runs until cancelled."""
     loop = asyncio.get_running_loop()
     while True:
-        due = loop.time() + interval
-        await asyncio.sleep(interval)
+        wait = interval if busy is None or busy() else idle_interval
+        due = loop.time() + wait
+        await asyncio.sleep(wait)
         observe(max(0.0, loop.time() - due))
 
 
