@@ -43,5 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- |")
     for interval in (float(x) for x in args.intervals.split(",")):
         wakes, run_s, charged_s = uvloop.run(_measure(interval, args.seconds))
-        print(f"| {interval * 1000:g} ms | {wakes} | {1e6 * run_s / max(1, wakes):.0f} us | {1000 * charged_s / args.seconds:.1f} ms |")
+        per_wake_us = 1e6 * run_s / max(1, wakes)
+        print(f"| {interval * 1000:g} ms | {wakes} | {per_wake_us:.0f} us | {1000 * charged_s / args.seconds:.1f} ms |")
     return 0
