@@ -16,6 +16,10 @@ pre-tokenises with Python's ``re`` (identical semantics for that pattern), then 
 through a cache of piece -> ids, asking the real tokenizer (one batched call) only for unseen
 pieces. Whole segments between special tokens (e.g. a long system prompt) are cached too. Any other
 tokenizer goes straight to its backend encode.
+
+Both paths reuse earlier prompts: a long text is cut where the pre-tokenizer is sure to split and each
+chunk's ids are cached (``kvroute_common/text_chunks.py``), so each turn of a multi-turn session encodes
+only what it added to the history (issue 28). Tokenizers without a known safe cut are encoded whole.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
+
+from kvroute_common.text_chunks import ChunkCache, chunk_ends, cut_rule
 
 DEFAULT_MODEL_NAME = "kvroute-demo"
 BUILTIN_TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer_data")
@@ -314,8 +320,15 @@ class PromptEncoder:
     GIL_HELD_PIECES = 32
     SEGMENT_CACHE_MAX = 256
     SEGMENT_CACHE_MIN_CHARS = 256
+    # Texts at least this long are cut into chunks whose ids are cached (kvroute_common/text_chunks.py):
+    # a chunk ends at the first safe cut this many characters after its start, so a new turn encodes
+    # at most about this much of its history again, and a 16 KB prompt is ~30 cache lookups.
+    CHUNK_MIN_CHARS = 512
+    CHUNK_CACHE_BYTES = 64 * 1024 * 1024
 
     def __init__(self, tokenizer) -> None:
+        import json
+
         self.backend = tokenizer.backend_tokenizer
         # ids without offsets, GIL released (tokenizers >= 0.21); encode_batch otherwise
         self._batch_fast = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
@@ -327,19 +340,36 @@ class PromptEncoder:
         self.special_ids: dict[str, int] = {}
         self.prefix: list[int] = []
         self.suffix: list[int] = []
-        self._setup_fast_path(tokenizer)
+        self.cuts: re.Pattern[str] | None = None  # where text may be cut into chunks (None: never)
+        self.chunks = ChunkCache(self.CHUNK_CACHE_BYTES)
+        try:
+            spec = json.loads(self.backend.to_str())
+        except Exception:  # pragma: no cover - exotic backends
+            return
+        if not self._find_special_affixes():
+            return
+        self._setup_fast_path(spec)
+        if getattr(self.backend, "truncation", None) is None and getattr(self.backend, "padding", None) is None:
+            self.cuts = cut_rule(spec)
 
     @property
     def fast(self) -> bool:
         return self.piece_re is not None
 
-    def _setup_fast_path(self, tokenizer) -> None:
-        import json
+    def _find_special_affixes(self) -> bool:
+        """The ids ``add_special_tokens=True`` puts around a text's (BOS, EOS), from a probe; False when
+        the post-processor does something else."""
+        probe = "a"
+        core = self.backend.encode(probe, add_special_tokens=False).ids
+        full = self.backend.encode(probe, add_special_tokens=True).ids
+        n = len(core)
+        for i in range(len(full) - n + 1):
+            if full[i : i + n] == core:
+                self.prefix, self.suffix = full[:i], full[i + n :]
+                return True
+        return False  # pragma: no cover - post-processor we do not understand
 
-        try:
-            spec = json.loads(self.backend.to_str())
-        except Exception:  # pragma: no cover - exotic backends
-            return
+    def _setup_fast_path(self, spec: dict[str, Any]) -> None:
         if spec.get("normalizer") is not None:
             return
         model = spec.get("model") or {}
@@ -377,17 +407,6 @@ class PromptEncoder:
             alts = sorted(self.special_ids, key=len, reverse=True)  # leftmost-longest, like HF
             self.special_re = re.compile("|".join(re.escape(a) for a in alts))
         self.piece_re = piece_re
-        probe = "a"
-        core = self.backend.encode(probe, add_special_tokens=False).ids
-        full = self.backend.encode(probe, add_special_tokens=True).ids
-        n = len(core)
-        for i in range(len(full) - n + 1):
-            if full[i : i + n] == core:
-                self.prefix, self.suffix = full[:i], full[i + n :]
-                break
-        else:  # pragma: no cover - post-processor we do not understand
-            self.piece_re = None
-            return
         # self-check on a mixed sample; any disagreement disables the fast path
         sample = "Hello  world!\n\n  x=42;\t<|im_start|>ünï ☃ code()  \r\n end "
         if self._encode_fast(sample) != self.backend.encode(sample, add_special_tokens=False).ids:
@@ -397,22 +416,29 @@ class PromptEncoder:
         self, text: str, add_special_tokens: bool = False, nogil: bool = False, limit: int | None = None
     ) -> list[int]:
         """``nogil=True``: one backend ``encode_batch_fast`` call, which releases the GIL for the whole
-        encode (``backend.encode`` and our ``re``-based fast path hold it), for worker threads.
+        encode (``backend.encode`` and our ``re``-based fast path hold it), for worker threads. Texts
+        of ``CHUNK_MIN_CHARS`` or more, with a tokenizer whose safe cuts are known, are encoded from
+        their chunks' cached ids (``_encode_chunked``), so a prompt repeating a cached history encodes
+        only its new tail.
         ``limit`` (nogil path): a prompt of ``limit`` tokens or more raises PromptTooLong before its
         ids are built (building a list of millions of ints holds the GIL for tens of ms)."""
         if not isinstance(text, str):
             raise PromptError("prompt must be a string")
         try:
-            if nogil:
-                if limit is not None and len(text) > max(EARLY_STOP_CHARS, 2 * limit):
-                    self._refuse_early(text, limit)
+            if nogil and limit is not None and len(text) > max(EARLY_STOP_CHARS, 2 * limit):
+                self._refuse_early(text, limit)
+            if self.cuts is not None and len(text) >= self.CHUNK_MIN_CHARS:
+                affixes = len(self.prefix) + len(self.suffix) if add_special_tokens else 0
+                ids = self._encode_chunked(text, nogil, None if limit is None or not nogil else (limit, affixes))
+            elif nogil:
                 enc = self._batch_fast([text], add_special_tokens=add_special_tokens)[0]
                 if limit is not None and len(enc) >= limit:
                     raise PromptTooLong(len(enc), limit)
                 return enc.ids
-            if self.piece_re is None:
+            elif self.piece_re is None:
                 return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-            ids = self._encode_fast(text)
+            else:
+                ids = self._encode_fast(text)
         except PromptError:
             raise
         except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot encode
@@ -420,6 +446,51 @@ class PromptEncoder:
         if add_special_tokens and (self.prefix or self.suffix):
             return self.prefix + ids + self.suffix
         return ids
+
+    def _encode_chunked(self, text: str, nogil: bool, limit: tuple[int, int] | None = None) -> list[int]:
+        """The ids of ``text`` (no special tokens added) from its chunks' cached ids; only the chunks not
+        in the cache are encoded: with the backend call that releases the GIL on a worker thread, else
+        on the fast path or one by one (holding the GIL, as GIL_HELD_PIECES explains). ``limit`` (worker
+        threads: the limit, and the special tokens the prompt gets): PromptTooLong from the chunks'
+        lengths, before the new chunks' id lists are built."""
+        assert self.cuts is not None
+        cache = self.chunks
+        parts: list[list[int] | None] = []
+        missing: list[str] = []
+        start = 0
+        for end in chunk_ends(text, self.cuts, self.CHUNK_MIN_CHARS):
+            chunk = text[start:end] if start or end < len(text) else text
+            ids = cache.get(chunk)
+            if ids is None:
+                missing.append(chunk)
+            parts.append(ids)
+            start = end
+        encoded: list[list[int]] = []
+        if missing:
+            if nogil:
+                encodings = self._batch_fast(missing, add_special_tokens=False)
+                self._check_limit(sum(len(e) for e in encodings), parts, limit)
+                encoded = [e.ids for e in encodings]
+            elif self.piece_re is not None:
+                encoded = [self._encode_fast(c, cache_segments=False) for c in missing]
+            else:
+                encoded = [self.backend.encode(c, add_special_tokens=False).ids for c in missing]
+            for chunk, ids in zip(missing, encoded, strict=True):
+                cache.put(chunk, ids)
+        else:
+            self._check_limit(0, parts, limit)
+        out: list[int] = []
+        fresh = iter(encoded)
+        for p in parts:
+            out += p if p is not None else next(fresh)
+        return out
+
+    @staticmethod
+    def _check_limit(new: int, parts: list[list[int] | None], limit: tuple[int, int] | None) -> None:
+        if limit is not None:
+            n = new + sum(len(p) for p in parts if p is not None) + limit[1]
+            if n >= limit[0]:
+                raise PromptTooLong(n, limit[0])
 
     def _refuse_early(self, text: str, limit: int) -> None:
         """A text far longer than ``limit`` tokens is counted in pieces, and refused (PromptTooLong with a
@@ -440,22 +511,22 @@ class PromptEncoder:
                 raise PromptTooLong(counted - EARLY_STOP_MARGIN * cuts, limit, exact=False)
             start = end
 
-    def _encode_fast(self, text: str) -> list[int]:
+    def _encode_fast(self, text: str, cache_segments: bool = True) -> list[int]:
         if self.special_re is None:
-            return self._encode_segment(text)
+            return self._encode_segment(text, cache_segments)
         out: list[int] = []
         pos = 0
         for m in self.special_re.finditer(text):
             if m.start() > pos:
-                out += self._encode_segment(text[pos : m.start()])
+                out += self._encode_segment(text[pos : m.start()], cache_segments)
             out.append(self.special_ids[m.group()])
             pos = m.end()
         if pos < len(text):
-            out += self._encode_segment(text[pos:] if pos else text)
+            out += self._encode_segment(text[pos:] if pos else text, cache_segments)
         return out
 
-    def _encode_segment(self, segment: str) -> list[int]:
-        cacheable = len(segment) >= self.SEGMENT_CACHE_MIN_CHARS
+    def _encode_segment(self, segment: str, cache_segments: bool = True) -> list[int]:
+        cacheable = cache_segments and len(segment) >= self.SEGMENT_CACHE_MIN_CHARS
         if cacheable:
             hit = self._segments.get(segment)
             if hit is not None:

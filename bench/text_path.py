@@ -1,0 +1,66 @@
+"""The router's text path alone, per request of a session workload: tokenize (and hash) every prompt of the
+schedule in arrival order, as the frontend does, with and without the chunk cache.
+
+Why: ``python -m bench peers`` measures a router's whole CPU per request; this isolates the part that
+grows with the history a multi-turn prompt repeats (issue 28). Prompts above the frontend's offload
+threshold take the worker-thread path (``nogil``: the backend's GIL-free encode), the others the inline
+path, so both are measured. Each variant gets a fresh encoder (empty caches); the ids are checked equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from bench.sessions import WORKLOADS, session_trace
+from kvroute_common.hashing import local_block_hashes, sequence_hashes
+from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS
+from kvroute_common.tokenizer import PromptEncoder, load_tokenizer
+
+
+def run(encoder: PromptEncoder, prompts: list[str], block_size: int, offload_chars: int) -> tuple[list[float], list]:
+    """CPU ms per prompt (tokenize + block and sequence hashes) and the ids."""
+    per: list[float] = []
+    out = []
+    for text in prompts:
+        t0 = time.thread_time()
+        ids = encoder.encode(text, add_special_tokens=True, nogil=0 < offload_chars < len(text))
+        sequence_hashes(local_block_hashes(ids, block_size))
+        per.append(1000 * (time.thread_time() - t0))
+        out.append(ids)
+    return per, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench text_path", description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="agentic", choices=sorted(WORKLOADS))
+    ap.add_argument("--model-path", default=None, help="an HF tokenizer directory (default: the built-in one)")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--offload-chars", type=int, default=DEFAULT_OFFLOAD_CHARS)
+    ap.add_argument("--rounds", type=int, default=3, help="each variant this many times, alternating")
+    args = ap.parse_args(argv)
+    trace = session_trace(WORKLOADS[args.workload], tokenizer_path=args.model_path)
+    prompts = [r.text for r in trace.requests if r.text is not None]
+    tok = load_tokenizer(args.model_path)
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    mean = sum(map(len, prompts)) / len(prompts)
+    print(f"load average {load}; {len(prompts)} prompts, mean {mean:.0f} chars; offload above {args.offload_chars}")
+    results: dict[str, list[float]] = {"whole prompts": [], "chunk cache": []}
+    reference = None
+    for _ in range(args.rounds):
+        for name in results:
+            enc = PromptEncoder(tok)
+            if name == "whole prompts":
+                enc.cuts = None
+            per, ids = run(enc, prompts, args.block_size, args.offload_chars)
+            if reference is None:
+                reference = ids
+            elif ids != reference:
+                raise SystemExit(f"{name}: different ids")
+            results[name].append(sum(per) / len(per))
+    print("| text path | CPU ms / request (tokenize + hash), each round |")
+    print("| --- | --- |")
+    for name, rounds in results.items():
+        print(f"| {name} | {' / '.join(f'{r:.2f}' for r in rounds)} |")
+    return 0

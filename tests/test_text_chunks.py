@@ -1,0 +1,215 @@
+"""The chunk cache gives exactly the ids of a full tokenization (hash parity with the engines depends on it).
+
+Differential: random texts (whitespace runs, newlines, unicode, special tokens, contractions) and growing
+multi-turn histories, through the encoder's chunked path (inline and worker-thread) against the
+tokenizer's own full encode, for the built-in tokenizer and for HF tokenizers of each known pre-tokenizer
+family (GPT-2's ByteLevel regex, Llama-3's and Qwen2's split patterns, Qwen2's with its NFC normalizer),
+trained here on a small corpus with the ``tokenizers`` library (no download).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute_common.text_chunks import (
+    CUTS_GPT2,
+    LLAMA3_PATTERN,
+    QWEN2_PATTERN,
+    ChunkCache,
+    chunk_ends,
+    cut_rule,
+)
+from kvroute_common.tokenizer import (
+    PromptEncoder,
+    PromptTooLong,
+    chat_prompt_token_ids,
+    load_tokenizer,
+    render_chat_prompt,
+)
+
+SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+# pieces that meet at cuts in every way the patterns treat differently
+ALPHABET = list("abc XYZ019\t\n\r  .,;:!?'\"()<>|_-ünï☃€😀\u00a0\u2028") + [
+    "\n\n",
+    "  \n",
+    "\r\n",
+    "!\n",
+    " \n\n ",
+    "word ",
+    " the",
+    "'s",
+    "'T",
+    "123456",
+    "\n\nUser: ",
+    "\n\nAssistant:",
+]
+
+
+def random_text(rng: random.Random, specials: list[str], n: int) -> str:
+    alphabet = ALPHABET + specials
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+def hf_tokenizer(family: str):
+    """A real HF fast tokenizer of the given pre-tokenizer family, trained on pseudo-text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    if family == "gpt2":
+        t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        pattern = LLAMA3_PATTERN if family == "llama3" else QWEN2_PATTERN
+        t.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if family == "qwen2-nfc":
+        t.normalizer = normalizers.NFC()
+    rng = random.Random(3)
+    corpus = [random_text(rng, [], 200) for _ in range(300)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=700, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    t.train_from_iterator(corpus, trainer)
+    t.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[(SPECIALS[0], 0)])
+    t.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=t)
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama3", "qwen2-nfc"])
+def hf(request):
+    return hf_tokenizer(request.param)
+
+
+def assert_like_full_encode(tok, enc: PromptEncoder, text: str) -> None:
+    for special in (False, True):
+        want = tok.backend_tokenizer.encode(text, add_special_tokens=special).ids
+        for nogil in (False, True):
+            assert enc.encode(text, special, nogil=nogil) == want, (repr(text), special, nogil)
+
+
+def test_the_builtin_tokenizer_and_every_known_family_get_a_cut_rule(builtin, hf) -> None:
+    for tok in (builtin, hf):
+        enc = PromptEncoder(tok)
+        assert enc.cuts is not None
+    assert PromptEncoder(builtin).fast  # the built-in one keeps its re-based fast path for new chunks
+
+
+def test_random_texts_encode_like_the_full_tokenization(builtin, hf) -> None:
+    rng = random.Random(11)
+    for tok, specials in ((builtin, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]), (hf, SPECIALS)):
+        enc = PromptEncoder(tok)
+        for _ in range(150):
+            text = random_text(rng, specials, rng.randint(200, 1500))
+            assert_like_full_encode(tok, enc, text)
+        assert enc.chunks.hits > 0  # each text was encoded four times: the later ones came from the cache
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(ALPHABET + ["<|im_end|>", "<|im_start|>"]), min_size=0, max_size=600))
+def test_any_text_encodes_like_the_full_tokenization_with_the_builtin_tokenizer(parts: list[str]) -> None:
+    tok = load_tokenizer(None)
+    enc = PromptEncoder(tok)
+    enc.CHUNK_MIN_CHARS = 8  # many cuts in short texts
+    assert_like_full_encode(tok, enc, "".join(parts))
+
+
+def test_growing_sessions_reuse_their_history_and_stay_exact(builtin, hf) -> None:
+    """Each turn repeats the previous prompt and adds to it: its ids are the full encode's, and only a
+    tail is new to the cache."""
+    rng = random.Random(5)
+    for tok in (builtin, hf):
+        enc = PromptEncoder(tok)
+        system = random_text(rng, [], 3000)
+        for session in range(3):
+            history = system
+            for turn in range(5):
+                history += f"\n\nUser: {random_text(rng, [], rng.randint(50, 900))}"
+                prompt = history + "\n\nAssistant:"
+                misses = enc.chunks.misses
+                assert_like_full_encode(tok, enc, prompt)
+                new_chunks = enc.chunks.misses - misses
+                if session or turn:  # the shared system prompt (and the history) came from the cache
+                    assert new_chunks <= 1 + (len(prompt) - len(system)) // enc.CHUNK_MIN_CHARS, (session, turn)
+                history += f"\n\nAssistant: {random_text(rng, [], rng.randint(50, 900))}"
+
+
+def test_rendered_chat_prompts_encode_like_the_full_tokenization(builtin) -> None:
+    rng = random.Random(9)
+    messages = [{"role": "system", "content": random_text(rng, [], 2000)}]
+    for _ in range(6):
+        messages.append({"role": "user", "content": random_text(rng, [], rng.randint(100, 1500))})
+        text = render_chat_prompt(builtin, messages)
+        want = builtin.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        for nogil in (False, True):
+            assert chat_prompt_token_ids(builtin, messages, nogil=nogil) == want
+        messages.append({"role": "assistant", "content": random_text(rng, [], rng.randint(100, 1500))})
+
+
+def test_a_prompt_over_the_limit_is_refused_on_the_chunked_path(builtin) -> None:
+    enc = PromptEncoder(builtin)
+    text = "\n".join(f"line number {i} of a long prompt" for i in range(400))
+    n = len(builtin.backend_tokenizer.encode(text, add_special_tokens=True).ids)
+    assert enc.encode(text, True, nogil=True, limit=n + 1) == builtin.backend_tokenizer.encode(text).ids
+    with pytest.raises(PromptTooLong) as exc:
+        enc.encode(text, True, nogil=True, limit=n)  # now every chunk is cached
+    assert exc.value.n_tokens == n and exc.value.exact
+
+
+def test_cuts_land_only_where_the_rule_allows_and_depend_only_on_the_text_before(builtin) -> None:
+    text = "first line\n\nsecond line with words\nthird " * 40
+    ends = chunk_ends(text, CUTS_GPT2, 64)
+    assert ends[-1] == len(text)
+    for a, b in zip([0, *ends], ends, strict=False):
+        assert b - a >= 64 or b == len(text)
+    for end in ends[:-1]:
+        assert text[end] in "\n " and text[end - 1] not in " \t\r\n"
+    longer = text + "more text after it"
+    assert chunk_ends(longer, CUTS_GPT2, 64)[: len(ends) - 1] == ends[:-1]
+
+
+def test_unknown_pre_tokenizers_and_risky_added_tokens_get_no_cuts(builtin) -> None:
+    spec = json.loads(builtin.backend_tokenizer.to_str())
+    assert cut_rule(spec) is not None
+    other = json.loads(json.dumps(spec))
+    other["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\w+|\s+"
+    assert cut_rule(other) is None
+    newline_token = json.loads(json.dumps(spec))
+    newline_token["added_tokens"].append({**spec["added_tokens"][0], "id": 99_999, "content": "x\ny"})
+    assert cut_rule(newline_token) is None
+    lowercase = json.loads(json.dumps(spec))
+    lowercase["normalizer"] = {"type": "Lowercase"}
+    assert cut_rule(lowercase) is None
+    prefix_space = json.loads(json.dumps(spec))
+    prefix_space["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}
+    assert cut_rule(prefix_space) is None
+    prefix_space["pre_tokenizer"]["add_prefix_space"] = False
+    assert cut_rule(prefix_space) is CUTS_GPT2  # GPT-2: ByteLevel with its own regex
+
+
+def test_the_cache_keeps_to_its_byte_budget_and_drops_the_least_recently_used() -> None:
+    cache = ChunkCache(max_bytes=4000)
+    ids = list(range(20))
+    for i in range(100):
+        cache.put(f"chunk {i:03d} " * 10, ids)
+        if i == 50:
+            assert cache.get("chunk 001 " * 10) is None  # long gone
+        assert cache.bytes <= cache.max_bytes
+    assert 0 < len(cache) < 100
+    newest = "chunk 099 " * 10
+    assert cache.get(newest) == ids
+    cache.put("too big" * 1000, ids)  # larger than the whole budget: not kept
+    assert cache.get("too big" * 1000) is None and cache.get(newest) == ids
