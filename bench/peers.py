@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import httpx
@@ -72,8 +72,13 @@ class RouterSpec:
     kind: Kind
     policy: str  # kvroute's --router-mode, or the peer's --policy
     gateway: bool = False  # kvroute as the endpoint picker of an Envoy gateway (--epp-port), Envoy in front
+    checkout: str | None = None  # kvroute: another checkout's frontend (--before), None = this one
 
     def describe(self) -> str:
+        where = f" (checkout {self.checkout})" if self.checkout else ""
+        return self._describe() + where
+
+    def _describe(self) -> str:
         if self.kind == "kvroute" and self.gateway:
             return f"Envoy (ext_proc, bodies full duplex) + python -m frontend --router-mode {self.policy} --epp-port P"
         if self.kind == "kvroute":
@@ -142,7 +147,7 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
     if spec.kind == "kvroute":
         epp = cluster.port() if spec.gateway else None
         extra = ("--kv-cache-block-size", str(bed.block_size), *(("--epp-port", str(epp)) if epp else ()))
-        url = cluster.start_frontend(spec.policy, extra_args=extra, model_path=bed.model_path)
+        url = cluster.start_frontend(spec.policy, extra_args=extra, model_path=bed.model_path, checkout=spec.checkout)
         cluster.wait_frontend_ready(bed.model, timeout=READY_TIMEOUT)
         if epp is not None:  # requests go through Envoy, which asks the frontend where each one goes
             metrics_url = f"{url}/metrics"
@@ -417,6 +422,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bin-dir", default=None, help=f"the peers' bin directory (default: ${PEERS_BIN_ENV})")
     p.add_argument("--out-dir", default="bench/out/peers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--before", default=None,
+                   help="another checkout of kvroute (git worktree add DIR REV): each kvroute row also runs with its "
+                   "frontend, just before this checkout's, in the same run")  # fmt: skip
     return p
 
 
@@ -427,6 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
     specs = [ROUTERS[r] for r in labels]
+    if args.before:
+        before = os.path.abspath(args.before)
+        specs = [
+            x
+            for s in specs
+            for x in ((replace(s, label=f"{s.label} (before)", checkout=before), s) if s.kind == "kvroute" else (s,))
+        ]
     args.bin_dir = peers_bin(args.bin_dir)
     if args.bin_dir is None and any(s.kind != "kvroute" for s in specs):
         raise SystemExit(missing_reason())

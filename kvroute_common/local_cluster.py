@@ -131,9 +131,15 @@ class Cluster:
 
     # -- starting ---------------------------------------------------------------------------------
     def _spawn(
-        self, name: str, args: Sequence[str], env: dict[str, str] | None = None, program: str | None = None
+        self,
+        name: str,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        program: str | None = None,
+        cwd: str | None = None,
     ) -> Child:
-        """``program`` (default: our python) with ``args``, logging to ``<log_dir>/<name>.log``."""
+        """``program`` (default: our python) with ``args``, logging to ``<log_dir>/<name>.log`` (``cwd``:
+        where it starts; ``python -m`` imports from there first)."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         full_env = dict(os.environ)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -146,6 +152,7 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=full_env,
+                cwd=cwd,
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
@@ -195,7 +202,9 @@ class Cluster:
         extra_args: Sequence[str] = (),
         model_path: str | None = None,
         kv_events: bool = True,
+        checkout: str | None = None,
     ) -> str:
+        """``checkout``: run the frontend of that checkout of kvroute (a before/after comparison)."""
         port = port or self.port()
         args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", router_mode]
         for w in self.workers:
@@ -209,7 +218,8 @@ class Cluster:
         if model_path:
             args += ["--model-path", model_path]
         args += list(extra_args)
-        self.frontend = self._spawn("frontend", args)
+        env = {"PYTHONPATH": checkout} if checkout else None
+        self.frontend = self._spawn("frontend", args, env, cwd=checkout)
         self.frontend_url = f"http://127.0.0.1:{port}"
         return self.frontend_url
 

@@ -387,6 +387,61 @@ def test_worker_pool_prepares_a_discovered_worker_before_attaching_it() -> None:
     asyncio.run(main())
 
 
+def test_health_probes_on_the_request_path_client_see_slow_failing_and_gone_workers() -> None:
+    """The probe's GET /health: a 200 keeps the worker, a health endpoint slower than the health timeout
+    or answering 503 takes it out after the failures it is allowed, a closed port takes it out at once."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from frontend.pool.workers import WorkerPool, WorkerSpec
+    from support import free_port
+
+    behaviour = {"status": 200, "hang": False}
+    hung = asyncio.Event()
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def health(request):
+        if behaviour["hang"]:
+            await hung.wait()  # set only once the test is done with slow answers
+        return JSONResponse({}, status_code=behaviour["status"])
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/health", health)])
+
+    async def main() -> None:
+        port = free_port()
+        server, task = await _serve(app, port)
+        pool = WorkerPool(lambda w: None, lambda w: None, health_timeout=1.0, failures_to_unhealthy=2)
+        try:
+            worker = pool.add(WorkerSpec(id=1, url=f"http://127.0.0.1:{port}"), "test")
+            await pool.check_all()
+            assert worker.healthy and worker.last_error is None
+            behaviour["hang"] = True
+            await pool.check_all()
+            assert worker.healthy and "no answer within the health timeout" in (worker.last_error or "")
+            await pool.check_all()
+            assert not worker.healthy
+            behaviour.update(hang=False, status=200)
+            hung.set()  # the handlers of the probes that gave up finish (the server can stop)
+            await pool.check_all()  # rediscovered, healthy again
+            assert worker.healthy and worker.last_error is None
+            behaviour["status"] = 503
+            await pool.check_all()
+            await pool.check_all()
+            assert not worker.healthy and worker.last_error == "health check returned 503"
+        finally:
+            server.should_exit = True
+            await task
+        behaviour["status"] = 200
+        await pool.check_all()  # nothing listens on the port now: refused, out at once
+        assert not worker.healthy and worker.unreachable
+        await pool.stop()
+
+    asyncio.run(main())
+
+
 def test_loop_lag_watch_sees_a_blocked_loop() -> None:
     """A callback that holds the loop 60 ms shows as one lag observation of about that much."""
     import time
