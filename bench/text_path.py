@@ -5,6 +5,8 @@ Why: ``python -m bench peers`` measures a router's whole CPU per request; this i
 grows with the history a multi-turn prompt repeats (issue 28). Prompts above the frontend's offload
 threshold take the worker-thread path (``nogil``: the backend's GIL-free encode), the others the inline
 path, so both are measured. Each variant gets a fresh encoder (empty caches); the ids are checked equal.
+``--backend-only`` encodes new text with the tokenizer's backend, as for tokenizers without the ``re``
+fast path (an HF Llama-3 tokenizer).
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--offload-chars", type=int, default=DEFAULT_OFFLOAD_CHARS)
     ap.add_argument("--rounds", type=int, default=3, help="each variant this many times, alternating")
+    ap.add_argument(
+        "--backend-only",
+        action="store_true",
+        help="new text through the backend's encode, never the re fast path: what an HF tokenizer whose "
+        "pattern Python's re cannot run (Llama-3's \\p classes) costs",
+    )
     args = ap.parse_args(argv)
     trace = session_trace(WORKLOADS[args.workload], tokenizer_path=args.model_path)
     prompts = [r.text for r in trace.requests if r.text is not None]
@@ -51,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name in results:
             enc = PromptEncoder(tok)
+            if args.backend_only:
+                enc.piece_re = None
             if name == "whole prompts":
                 enc.cuts = None
             per, ids = run(enc, prompts, args.block_size, args.offload_chars)
