@@ -170,8 +170,8 @@ def test_chat_prompt_expands_each_image_where_the_template_put_it(vlm_dir: str) 
 
 
 @contextlib.contextmanager
-def image_server(images: dict[str, bytes]) -> Iterator[str]:
-    """Serves ``images`` by path on loopback, counting GETs per path."""
+def image_server(images: dict[str, bytes]) -> Iterator[tuple[str, dict[str, int]]]:
+    """Serves ``images`` by path on loopback; its URL and the GETs per path."""
     hits: dict[str, int] = {}
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -188,11 +188,10 @@ def image_server(images: dict[str, bytes]) -> Iterator[str]:
 
     port = free_port()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.hits = hits  # type: ignore[attr-defined]  # read by the test
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", hits
     finally:
         server.shutdown()
         server.server_close()
@@ -221,8 +220,8 @@ def test_images_are_routed_on_their_identity_through_the_frontend(vlm_dir: str) 
     with (
         mocker_url(MODEL, *flags, block_size=BS) as one,
         mocker_url(MODEL, *flags, block_size=BS) as two,
-        frontend_client([one, two], *flags) as fe,
-        image_server({"/a.png": shot_a, "/big.png": b"x" * 4096}) as site,
+        frontend_client([one, two], *flags, "--mm-max-image-bytes", "100000") as fe,
+        image_server({"/a.png": shot_a}) as (site, hits),
     ):
         first = routed(fe, turn(data_url(shot_a)), **{"x-dynamo-worker-instance-id": "1"})
         n = first["usage"]["prompt_tokens"]
@@ -246,9 +245,23 @@ def test_images_are_routed_on_their_identity_through_the_frontend(vlm_dir: str) 
         via_url = routed(fe, turn(url))
         assert via_url["nvext"]["routing"]["overlap_blocks"] == n // BS
         routed(fe, turn(url))
+        assert hits["/a.png"] == 1 + 2  # the router once; the mocker (the engine) once per request
+
+        # an Anthropic Messages image block is the same image: the conversation follows it
+        b64 = base64.b64encode(shot_a).decode()
+        source = {"type": "base64", "media_type": "image/png", "data": b64}
+        block = [{"type": "text", "text": words}, {"type": "image", "source": source}]
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": block}]}
+        r = fe.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["cache_read_input_tokens"] == n // BS * BS
 
         # an image that cannot be fetched, or a bad data URL, is the client's error
-        for bad in (f"{site}/missing.png", "data:image/png;base64,@@"):
+        noise = Image.frombytes("RGB", (200, 200), os.urandom(200 * 200 * 3))
+        buf = io.BytesIO()
+        noise.save(buf, "PNG")
+        too_big = data_url(buf.getvalue())  # over the frontend's --mm-max-image-bytes
+        for bad in (f"{site}/missing.png", "data:image/png;base64,@@", too_big):
             r = fe.post("/v1/chat/completions", json={"model": MODEL, "messages": turn(bad), "max_tokens": 2})
             assert r.status_code == 400, r.text
             assert "image" in r.json()["error"]["message"]
