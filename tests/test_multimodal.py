@@ -27,7 +27,7 @@ import zmq
 from PIL import Image
 
 from indexer.normalize import _mm_from_extra_keys
-from kvroute_common.hashing import local_block_hashes, mm_object_hash
+from kvroute_common.hashing import list_to_i64, local_block_hashes, mm_object_hash
 from kvroute_common.multimodal import (
     Idefics3Layout,
     ImageContext,
@@ -40,7 +40,7 @@ from kvroute_common.multimodal import (
 )
 from kvroute_common.ports import free_port
 from kvroute_common.tokenizer import PromptError, chat_prompt, load_tokenizer
-from support import frontend_client, mocker_url, wait_until
+from support import frontend_client, mocker_url, service, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_VLM = os.path.join(REPO, "kvroute_common", "real_engines", "tiny_vlm.py")
@@ -300,3 +300,47 @@ def test_the_mocker_keys_image_blocks_in_its_events(vlm_dir: str) -> None:
     ident = vllm_image_identifier(RGB_PNG, False, vlm_dir)
     flat = [k for ks in keys for k in ks or () if k]
     assert flat and all(pair[0][0] == ident for pair in flat)
+
+
+def test_the_standalone_indexer_matches_image_blocks_by_their_keys(vlm_dir: str) -> None:
+    """``python -m indexer`` fed by a mocker's image events: ``/query_by_hash`` with the request's image-keyed
+    hashes finds every block; the same tokens hashed without the image's key find only the blocks before it."""
+    kv, port = free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    layout = load_layout(vlm_dir)
+    assert layout is not None
+    tok, ctx = load_tokenizer(vlm_dir), ImageContext(layout, vlm_dir)
+    args = ["-m", "indexer", "--host", "127.0.0.1", "--port", str(port)]
+    with (
+        service(args, ready_url=f"{base}/health"),
+        mocker_url(MODEL, "--model-path", vlm_dir, block_size=BS, kv_port=kv) as url,
+    ):
+        reg = {"instance_id": 7, "endpoint": f"tcp://127.0.0.1:{kv}", "model_name": MODEL, "block_size": BS}
+        assert httpx.post(f"{base}/register", json=reg).status_code == 201
+
+        def matched_tokens(hashes: list[int]) -> int:
+            body = {"block_hashes": list_to_i64(hashes), "model_name": MODEL}
+            scores = httpx.post(f"{base}/query_by_hash", json=body).json()["scores"]  # {id: {rank: tokens}}
+            return max((int(n) for ranks in scores.values() for n in ranks.values()), default=0)
+
+        sent: list[tuple[list[int], list[int], int]] = []
+
+        def send_new_image() -> tuple[list[int], list[int], int]:
+            # a new image each time: events published before the indexer's subscription joined are lost
+            shot = png((100, 80), (200, 10, len(sent)))
+            msgs = [{"role": "user", "content": [{"type": "text", "text": "see " * 40}, image_part(data_url(shot))]}]
+            tokens, images = chat_prompt(tok, msgs, ctx)
+            keyed = local_block_hashes(tokens, BS, mm_hashes=block_mm_hashes(images, len(tokens), BS))
+            httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1})
+            sent.append((keyed, local_block_hashes(tokens, BS), images[0].offset))
+            return sent[-1]
+
+        def one_indexed() -> bool:
+            if any(matched_tokens(keyed) == len(keyed) * BS for keyed, _, _ in sent):
+                return True
+            send_new_image()
+            return False
+
+        wait_until(one_indexed, 30, interval=0.5, what="an image's blocks indexed")
+        keyed, plain, offset = next(s for s in sent if matched_tokens(s[0]) == len(s[0]) * BS)
+        assert matched_tokens(plain) == offset // BS * BS  # the placeholder tokens alone are not the image
