@@ -189,7 +189,8 @@ class Idefics3Layout:
     ``image_seq_len`` image tokens, framed by ``<fake_token_around_image>`` and a tile or global tag."""
 
     family = "idefics3"
-    placeholder = "<image>"
+    image_token = "<image>"  # the token the chat template renders per image, replaced by the run
+    placeholder_text = "<image>"  # what vLLM puts in front of a string template's text per image
 
     def __init__(self, image_config: Mapping[str, Any], processor_config: Mapping[str, Any]) -> None:
         self.image_seq_len = int(processor_config.get("image_seq_len", 169))
@@ -253,10 +254,51 @@ def _scale_below_upper_bound(height: int, width: int, max_len: int) -> tuple[int
     return max(height, 1), max(width, 1)
 
 
-ImageLayout = Idefics3Layout
+class Qwen2VLLayout:
+    """Qwen2-VL / Qwen2.5-VL: the image is resized to multiples of ``patch_size * merge_size`` within
+    ``[min_pixels, max_pixels]`` (``smart_resize``), and its ``<|image_pad|>`` becomes one pad per merged
+    patch. Checked against transformers' processor; vLLM's CPU build here cannot serve the model (its
+    processor module needs torchvision), so no real-engine test holds it."""
+
+    family = "qwen2_vl"
+    image_token = "<|image_pad|>"
+    placeholder_text = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, image_config: Mapping[str, Any], processor_config: Mapping[str, Any]) -> None:
+        size = image_config.get("size") or {}
+        self.patch = int(image_config.get("patch_size", 14))
+        self.merge = int(image_config.get("merge_size", 2))
+        self.min_pixels = int(image_config.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
+        self.max_pixels = int(image_config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
+
+    def tokens(self, width: int, height: int) -> int:
+        """Pads for an image: its resized patch grid over the merge window."""
+        factor = self.patch * self.merge
+        if max(height, width) / min(height, width) > 200:
+            raise ImageError(f"the image's aspect ratio must be below 200, got {width}x{height}")
+        h, w = round(height / factor) * factor, round(width / factor) * factor
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h = math.ceil(height * beta / factor) * factor
+            w = math.ceil(width * beta / factor) * factor
+        return (h // self.patch) * (w // self.patch) // (self.merge * self.merge)
+
+    def replacement(self, width: int, height: int) -> str:
+        return self.image_token * self.tokens(width, height)
+
+
+ImageLayout = Idefics3Layout | Qwen2VLLayout
 LAYOUTS: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], ImageLayout]] = {
     "idefics3": Idefics3Layout,
     "Idefics3ImageProcessor": Idefics3Layout,
+    "Qwen2VLImageProcessor": Qwen2VLLayout,
+    "Qwen2VLImageProcessorFast": Qwen2VLLayout,
+    "qwen2_vl": Qwen2VLLayout,
+    "qwen2_5_vl": Qwen2VLLayout,
 }
 
 

@@ -273,13 +273,13 @@ def chat_prompt(
     """Token ids of a chat request as the engine runs them, with each image's placeholder expanded
     to its token run (``images``: the model's layout and id; None routes image parts as text), and
     where each image's run lies."""
-    placeholder = images.layout.placeholder if images is not None else None
+    placeholder = images.layout.placeholder_text if images is not None else None
     text, refs = render_chat(tokenizer, messages, placeholder, **template_kwargs)
     encoder = prompt_encoder(tokenizer)
     tokens = encoder.encode(text, add_special_tokens=False, nogil=nogil, limit=limit)
     if not refs or images is None:
         return tokens, []
-    image_token = tokenizer.convert_tokens_to_ids(images.layout.placeholder)
+    image_token = tokenizer.convert_tokens_to_ids(images.layout.image_token)
     try:
         return expand_images(tokens, image_token, refs, images, encoder.encode_cached)
     except ImageError as exc:

@@ -31,7 +31,9 @@ from kvroute_common.hashing import list_to_i64, local_block_hashes, mm_object_ha
 from kvroute_common.multimodal import (
     Idefics3Layout,
     ImageContext,
+    ImageError,
     Placeholder,
+    Qwen2VLLayout,
     block_extra_keys,
     block_mm_hashes,
     inspect_image,
@@ -120,6 +122,20 @@ def test_idefics3_tile_grid_is_the_processors(vlm_dir: str) -> None:
     framed = "<fake_token_around_image><global-img><image><image><image><fake_token_around_image>"
     assert one_tile.replacement(500, 500) == framed
     assert load_layout(os.path.join(REPO, "kvroute_common", "tokenizer_data")) is None  # a text model
+
+
+def test_qwen2_vl_pads_are_the_processors(tmp_path: Any) -> None:
+    """Pads per image of transformers' Qwen2-VL image processor (defaults, and a small max_pixels)."""
+    (tmp_path / "preprocessor_config.json").write_text('{"image_processor_type": "Qwen2VLImageProcessor"}')
+    default = load_layout(str(tmp_path))
+    assert isinstance(default, Qwen2VLLayout)
+    small = Qwen2VLLayout({"min_pixels": 4 * 28 * 28, "max_pixels": 64 * 28 * 28}, {})
+    sizes = [(100, 80), (80, 100), (28, 28), (1, 1), (27, 29), (1000, 10), (640, 480), (1920, 1080), (4000, 3000)]
+    assert [default.tokens(w, h) for w, h in sizes] == [12, 12, 4, 4, 6, 20, 391, 1222, 1230]
+    assert [small.tokens(w, h) for w, h in sizes] == [12, 12, 4, 4, 6, 20, 54, 60, 54]
+    assert default.replacement(28, 28) == "<|image_pad|>" * 4
+    with pytest.raises(ImageError):
+        default.tokens(1000, 4)  # the processor refuses an aspect ratio over 200
 
 
 def test_block_keys_follow_vllms_overlap_rule() -> None:
