@@ -53,6 +53,12 @@ class ImageError(ValueError):
     """An image part that cannot be read (a client error: 400)."""
 
 
+class ImageNotKeyable(Exception):
+    """An image the engine may accept but the router cannot see: given by ``uuid`` alone (the engine has it
+    cached) or by a URL scheme only the engine can open (``file://`` with ``--allowed-local-media-path``).
+    The request is routed on its text."""
+
+
 @dataclass(frozen=True, slots=True)
 class ImageRef:
     """One image part of a request, in prompt order."""
@@ -358,7 +364,7 @@ class ImageContext:
     def image_bytes(self, ref: ImageRef) -> bytes:
         url = ref.url
         if url is None:
-            raise ImageError("an image given by uuid alone cannot be laid out; send its image_url too")
+            raise ImageNotKeyable("an image given by uuid alone")
         if url.startswith("data:"):
             return data_url_bytes(url, self.max_bytes)
         if ref.remote:
@@ -366,7 +372,7 @@ class ImageContext:
             if data is None:
                 raise ImageError(f"the image at {url} was not fetched")
             return data
-        raise ImageError("image_url must be an http(s) URL or a base64 data URL")
+        raise ImageNotKeyable(f"an image at {url.split(':', 1)[0]}: URL")
 
 
 def expand_images(

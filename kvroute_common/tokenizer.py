@@ -35,6 +35,7 @@ from kvroute_common.multimodal import (
     ImageContext,
     ImageError,
     ImageLayout,
+    ImageNotKeyable,
     ImageRef,
     Placeholder,
     expand_images,
@@ -197,15 +198,15 @@ _warned_parts: set[str] = set()
 
 
 def _warn_unkeyed(kind: str) -> None:
-    """Once per part type: media the router does not key is routed on the request's text alone."""
+    """Once per kind: media the router does not key is routed on the request's text alone."""
     if kind not in _warned_parts:
         _warned_parts.add(kind)
         import logging
 
         logging.getLogger(__name__).warning(
-            "content parts of type %r are routed on the request's text only (kvroute keys images of the "
-            "model families in docs/multimodal.md; audio and video are not keyed)",
-            kind,
+            "requests with %s are routed on their text only (kvroute keys images of the model families in "
+            "docs/multimodal.md; audio and video are not keyed)",
+            kind if " " in kind else f"content parts of type {kind!r}",
         )
 
 
@@ -284,6 +285,9 @@ def chat_prompt(
         return expand_images(tokens, image_token, refs, images, encoder.encode_cached)
     except ImageError as exc:
         raise PromptError(str(exc)) from None
+    except ImageNotKeyable as exc:
+        _warn_unkeyed(str(exc))
+        return chat_prompt(tokenizer, messages, None, nogil=nogil, limit=limit, **template_kwargs)
 
 
 _UNSET = (None, "auto")  # explicit request fields with these values leave chat_template_kwargs' value

@@ -175,9 +175,12 @@ def test_chat_prompt_expands_each_image_where_the_template_put_it(vlm_dir: str) 
     # a uuid is the image's identity; the same image with another uuid is another image
     _, (named,) = chat_prompt(tok, [{"role": "user", "content": [image_part(red, uuid="shot-1")]}], ctx)
     assert named.identifier == "shot-1"
-    # without a layout (ctx None) the image is routed as text
+    # without a layout (ctx None) the image is routed as text; so is one only the engine can see
     assert chat_prompt(tok, msgs, None) == (base, [])
-    for bad in ("data:image/png;base64,@@@", "data:text/plain,hi", "file:///etc/passwd", data_url(b"not an image")):
+    for unseen in (image_part("file:///srv/shots/1.png"), {"type": "image_url", "uuid": "cached-on-the-engine"}):
+        parts = [{"type": "text", "text": "what is this?"}, unseen]
+        assert chat_prompt(tok, [{"role": "user", "content": parts}], ctx) == (base, [])
+    for bad in ("data:image/png;base64,@@@", "data:text/plain,hi", data_url(b"not an image")):
         with pytest.raises(PromptError):
             chat_prompt(tok, [{"role": "user", "content": [image_part(bad)]}], ctx)
 
