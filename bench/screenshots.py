@@ -287,7 +287,7 @@ def markdown(report: dict) -> str:
         f"- Workload: {report['description']}",
         f"- Schedule: {s['requests']} requests over {s['span_s']} s, mean prompt {s['mean_prompt_tokens']} tokens "
         f"(max {s['max_prompt_tokens']}); {report['images']}",
-        f"- Command: `{report['command']}`; {report['total_s']:.0f} s; load {report['machine']['load_before']} "
+        f"- Command: `{report['command']}`; {report['total_s']:.0f} s; {report['machine']['load_before']} "
         f"before, {report['machine']['load_after']} after",
         "",
         table(report),
