@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -107,6 +108,27 @@ def test_exif_rotation_swaps_the_size() -> None:
     img.save(buf, "JPEG", exif=exif)
     info = inspect_image(buf.getvalue())
     assert (info.width, info.height) == (10, 40)
+
+
+def test_png_exif_after_the_pixels_is_read_without_decoding_them() -> None:
+    """A PNG's eXIf chunk may follow its pixel data (where vLLM's loader, which decodes the image,
+    still applies it); the router finds it without decoding a pixel: the same answer with the pixel
+    data destroyed."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    plain = png((40, 10), (1, 2, 3))
+    chunk = b"eXIf" + exif.tobytes()
+    late = (
+        plain[:-12] + (len(chunk) - 4).to_bytes(4, "big") + chunk + zlib.crc32(chunk).to_bytes(4, "big") + plain[-12:]
+    )
+    with Image.open(io.BytesIO(late)) as img:
+        assert "exif" not in img.info and img.getexif().get(0x0112) == 6  # Pillow: only after decoding it all
+    idat = late.index(b"IDAT") + 4
+    broken = late[:idat] + bytes(8) + late[idat + 8 :]
+    for data in (late, broken):
+        info = inspect_image(data)
+        assert (info.width, info.height) == (10, 40)
+    assert (inspect_image(plain).width, inspect_image(plain).height) == (40, 10)
 
 
 def test_idefics3_tile_grid_is_the_processors(vlm_dir: str) -> None:
