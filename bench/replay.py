@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import httpx
 import orjson
@@ -91,10 +92,11 @@ async def send_one(
     max_tokens: int,
     result: RequestResult,
     text: str | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
 ) -> None:
     """Streamed completion of a token-id prompt (or of ``text``, or a chat of ``messages``); records TTFT,
-    latency and the usage's cached tokens."""
+    latency and the usage's cached tokens. A chat stream's role-only first chunk is not a token (the
+    mocker sends it at once, vLLM with the first token), so TTFT is the first chunk with content."""
     path, prompt = (
         ("chat/completions", {"messages": messages}) if messages else ("completions", {"prompt": text or tokens})
     )
@@ -122,6 +124,8 @@ async def send_one(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
+                if _ROLE_ONLY.search(data):
+                    continue
                 if '"usage"' in data and not _NULL_USAGE.search(data):  # only the usage chunk is decoded
                     if not _read_usage(data, result):
                         continue  # the usage-only chunk (no choices) is not a token
@@ -136,6 +140,7 @@ async def send_one(
 
 
 _NULL_USAGE = re.compile(r'"usage"\s*:\s*null')
+_ROLE_ONLY = re.compile(r'"delta"\s*:\s*\{\s*"role"\s*:\s*"assistant"\s*,\s*"content"\s*:\s*""\s*\}')
 
 
 def _read_usage(data: str, result: RequestResult) -> bool:

@@ -85,7 +85,7 @@ class TraceRequest:
     max_tokens: int
     session: int | None = None
     text: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -272,13 +272,21 @@ def oracle(prompts: Iterable[Sequence[int]], block_size: int, recompute_last_tok
     With ``recompute_last_token`` (what vLLM does: a prompt always computes at least its last token),
     a prompt of n tokens can hit at most (n - 1) // block_size blocks.
     """
+    keyed = ((len(tokens), block_hashes(list(tokens), block_size)[1]) for tokens in prompts)
+    return oracle_of_keys(keyed, block_size, recompute_last_token)
+
+
+def oracle_of_keys(
+    prompts: Iterable[tuple[int, Sequence[int]]], block_size: int, recompute_last_token: bool = True
+) -> Oracle:
+    """:func:`oracle` over prompts given as (token count, sequence hashes of the full blocks): for keys
+    that tokens alone do not give (blocks holding an image are keyed by the image's identity too)."""
     seen: set[int] = set()
     prompt_tokens = prompt_blocks = hits = 0
-    for tokens in prompts:
-        _, seq = block_hashes(list(tokens), block_size)
-        prompt_tokens += len(tokens)
+    for n_tokens, seq in prompts:
+        prompt_tokens += n_tokens
         prompt_blocks += len(seq)
-        cap = (len(tokens) - 1) // block_size if recompute_last_token else len(seq)
+        cap = (n_tokens - 1) // block_size if recompute_last_token else len(seq)
         for i, h in enumerate(seq):
             if i < cap and h in seen:
                 hits += 1

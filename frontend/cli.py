@@ -9,6 +9,7 @@ import sys
 
 from kvroute_common.drain import add_drain_arg
 from kvroute_common.gc_policy import tune_gc
+from kvroute_common.multimodal import DEFAULT_MAX_IMAGE_BYTES, HASH_ALGORITHMS, ImageOptions
 from kvroute_common.security import add_security_args
 from kvroute_common.tokenize_offload import LOOP_SWITCH_INTERVAL_MS
 from router.config import JETSTREAM_FLAGS, RouterConfig, add_router_args
@@ -101,6 +102,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="the GIL switch interval: how long the event loop waits for the GIL while a tokenizer thread runs "
         "Python code (a long prompt's hashes); CPython's default is 5 "
         f"[env KVROUTE_SWITCH_INTERVAL_MS; default {LOOP_SWITCH_INTERVAL_MS}]",
+    )
+    g.add_argument(
+        "--mm-model-id",
+        default=os.environ.get("KVROUTE_MM_MODEL_ID"),
+        metavar="ID",
+        help="the model id vLLM hashes images with (the path or name its engines were started with) "
+        "[env KVROUTE_MM_MODEL_ID; default: the engines' root in /v1/models]",
+    )
+    g.add_argument(
+        "--mm-hash-algorithm",
+        choices=HASH_ALGORITHMS,
+        default=os.environ.get("KVROUTE_MM_HASH_ALGORITHM", "blake3"),
+        help="the engines' --mm-hasher-algorithm [env KVROUTE_MM_HASH_ALGORITHM; default blake3]",
+    )
+    g.add_argument(
+        "--mm-max-image-bytes",
+        type=int,
+        default=_env_int("KVROUTE_MM_MAX_IMAGE_BYTES") or DEFAULT_MAX_IMAGE_BYTES,
+        metavar="N",
+        help="a larger image (data URL or fetched) is refused with 400 "
+        f"[env KVROUTE_MM_MAX_IMAGE_BYTES; default {DEFAULT_MAX_IMAGE_BYTES}]",
+    )
+    g.add_argument(
+        "--mm-fetch-timeout",
+        type=float,
+        default=float(os.environ.get("KVROUTE_MM_FETCH_TIMEOUT", "10")),
+        metavar="SECONDS",
+        help="an http(s) image not fetched in this time is refused with 400 [env KVROUTE_MM_FETCH_TIMEOUT; default 10]",
     )
     g.add_argument(
         "--tokenizer-offload-chars",
@@ -286,6 +315,7 @@ def make_state(ns: argparse.Namespace):
         health_interval=ns.health_check_interval,
         request_timeout=ns.request_timeout,
         tokenize_offload_chars=ns.tokenizer_offload_chars,
+        image_options=ImageOptions(ns.mm_model_id, ns.mm_hash_algorithm, ns.mm_max_image_bytes, ns.mm_fetch_timeout),
     )
     remote = [u.strip() for u in ns.use_remote_indexer.split(",") if u.strip()]
     if remote:

@@ -19,8 +19,10 @@ from frontend.observability.request_metrics import RequestMetrics
 from frontend.pool.workers import Worker, WorkerPool, WorkersFileWatcher
 from frontend.routing.decision_log import DecisionLog
 from frontend.routing.eligibility import queue_has_capacity, warmup_target_busy
+from frontend.routing.images import ImageCache
 from frontend.routing.models import TENANT, BusyThresholds, ModelEntry
 from frontend.routing.request_router import RequestRouter
+from kvroute_common.multimodal import ImageOptions
 from router.config import RouterConfig, decode_router_config, prefill_router_config
 
 if TYPE_CHECKING:
@@ -58,6 +60,7 @@ class FrontendState:
         slot_registry: Any = None,
         metrics: FrontendMetrics | None = None,
         tokenize_offload_chars: int | None = None,
+        image_options: ImageOptions | None = None,
     ) -> None:
         from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS, TokenizeOffload
 
@@ -67,6 +70,9 @@ class FrontendState:
             DEFAULT_OFFLOAD_CHARS if tokenize_offload_chars is None else tokenize_offload_chars
         )
         self.model_path = model_path
+        self.image_options = image_options or ImageOptions()
+        # remote images by URL: a screenshot an agent sends again is fetched once
+        self.image_cache = ImageCache()
         self.model_paths: dict[str, str] = dict(model_paths or {})
         self.metrics = metrics or FrontendMetrics()
         if slot_registry is None:
@@ -442,6 +448,7 @@ class FrontendState:
                     approx,
                     thresholds,
                     base=worker.adapters.get(model),
+                    image_options=self.image_options,
                 )
             elif worker.block_size and cfg.kv_cache_block_size is None and worker.block_size != entry.block_size:
                 worker.last_error = f"block size {worker.block_size} differs from model {model}'s {entry.block_size}"
@@ -626,6 +633,7 @@ class FrontendState:
         if self.replica_sync is not None:
             await self.replica_sync.stop()
         await self.pool.stop()
+        await self.image_cache.aclose()
         self.tokenize.close()
         if self.remote_index is not None:
             await self.remote_index.close()

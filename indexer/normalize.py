@@ -12,6 +12,7 @@ block-size warning budget are per (instance, dp_rank) stream, as in the referenc
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,7 +20,7 @@ import xxhash
 
 from indexer.core import DEVICE, KvIndex, tier_for_medium
 from indexer.wire import Cleared, DecodedBatch, Removed, Stored
-from kvroute_common.hashing import hash_seed, local_block_hashes, pack_tokens
+from kvroute_common.hashing import hash_seed, local_block_hashes, mm_object_hash, pack_tokens
 
 log = logging.getLogger("indexer.normalize")
 
@@ -47,6 +48,31 @@ def _salt_from_extra_keys(extra_keys: list[Any] | None, lora_name: str | None) -
     return None
 
 
+def _mm_from_extra_keys(extra_keys: list[Any] | None) -> list[list[int] | None] | None:
+    """Per block, the multimodal objects vLLM keys it with: ``[identifier, offset]`` pairs (vLLM >= 0.19)
+    or bare 64-hex-digit identifiers (earlier releases); LoRA names and salts in the list are skipped."""
+    if not extra_keys:
+        return None
+    out: list[list[int] | None] = []
+    found = False
+    for entry in extra_keys:
+        keys: list[int] | None = None
+        if isinstance(entry, (list, tuple)):
+            for item in entry:
+                if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str):
+                    ident = item[0]
+                elif isinstance(item, str) and len(item) == 64 and _HEX.fullmatch(item):
+                    ident = item
+                else:
+                    continue
+                keys = keys or []
+                keys.append(mm_object_hash(ident))
+        found = found or keys is not None
+        out.append(keys)
+    return out if found else None
+
+
+_HEX = re.compile(r"[0-9a-fA-F]{64}")
 _PLAIN_SEED = hash_seed()
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -165,10 +191,11 @@ class EventApplier:
         if len(tokens) > need:
             tokens = tokens[:need]
         try:
-            if namespace is None and ev.lora_name is None and ev.mm_hashes is None and not ev.eagle and bs > 0:
+            mm = ev.mm_hashes if ev.mm_hashes is not None else _mm_from_extra_keys(ev.extra_keys)
+            if namespace is None and ev.lora_name is None and mm is None and not ev.eagle and bs > 0:
                 local = _plain_hashes(tokens, bs)
             else:
-                local = local_block_hashes(tokens, bs, ev.lora_name, namespace, ev.mm_hashes, ev.eagle)
+                local = local_block_hashes(tokens, bs, ev.lora_name, namespace, mm, ev.eagle)
         except ValueError:
             self._count("stored", "invalid")
             return

@@ -44,6 +44,20 @@ def hash_seed(lora_name: str | None = None, cache_salt: str | None = None) -> in
     return seed
 
 
+def mm_object_hash(identifier: str) -> int:
+    """The u64 a multimodal object (an image) adds to the local hash of each block it overlaps.
+
+    vLLM's identifiers are 64-hex-digit digests: their first 16 digits, read as hex (what the
+    reference router takes from vLLM's ``extra_keys``). Any other identifier (a request's ``uuid``)
+    is hashed to 64 bits."""
+    if len(identifier) == 64:
+        try:
+            return int(identifier[:16], 16)
+        except ValueError:
+            pass
+    return _xxh3(identifier.encode("utf-8"), 0)
+
+
 def pack_tokens(tokens: Sequence[int] | bytes | memoryview) -> bytes:
     """Tokens as one u32-little-endian byte string (bulk conversion, never per token).
 

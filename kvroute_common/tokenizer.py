@@ -33,6 +33,18 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
+from kvroute_common.multimodal import (
+    IMAGE_PART,
+    UNKEYED_PARTS,
+    ImageContext,
+    ImageError,
+    ImageLayout,
+    ImageNotKeyable,
+    ImageRef,
+    Placeholder,
+    expand_images,
+    image_ref,
+)
 from kvroute_common.text_chunks import ChunkCache, chunk_ends, cut_rule
 
 DEFAULT_MODEL_NAME = "kvroute-demo"
@@ -64,6 +76,12 @@ class PromptTooLong(PromptError):
 
 _tokenizers: dict[str | None, Any] = {}
 _tokenizers_lock = threading.Lock()
+_layouts: dict[int, Any] = {}  # id(tokenizer) -> its model's image layout (kvroute_common.multimodal)
+
+
+def image_layout(tokenizer) -> ImageLayout | None:
+    """The image placeholder layout of the model whose tokenizer this is (None: text only)."""
+    return _layouts.get(id(tokenizer))
 
 
 def load_tokenizer(model_path: str | None = None):
@@ -95,6 +113,9 @@ def _load_tokenizer(model_path: str | None):
     tok = AutoTokenizer.from_pretrained(path, local_files_only=local or model_path is None)
     if not getattr(tok, "is_fast", False):
         raise PromptError(f"tokenizer at {path!r} is not a fast (tokenizers-backed) tokenizer")
+    from kvroute_common.multimodal import load_layout
+
+    _layouts[id(tok)] = load_layout(path) if local else None
     # The encoder's set-up parses the whole tokenizer spec (tens of ms for a large vocabulary): done
     # here, where the tokenizer is loaded, instead of on the first request.
     prompt_encoder(tok)
@@ -120,12 +141,20 @@ def _template_loops_over_content(template: str) -> bool:
     return bool(_CONTENT_LOOP.search(template))
 
 
-def _normalise_messages(messages: Sequence[Mapping[str, Any]], keep_parts: bool) -> list[dict]:
-    """OpenAI messages -> template input. Text parts are joined with '\\n' for string-format
-    templates, as vLLM does; other fields (name, tool_calls, ...) pass through."""
+def _normalise_messages(
+    messages: Sequence[Mapping[str, Any]], keep_parts: bool, image_placeholder: str | None = None
+) -> tuple[list[dict], list[ImageRef]]:
+    """OpenAI messages -> template input, and the images in prompt order.
+
+    Text parts are joined with '\\n' for string-format templates, as vLLM does; other fields (name,
+    tool_calls, ...) pass through. With an ``image_placeholder`` (the model's layout is known) an
+    image part becomes ``{"type": "image"}`` for templates that loop over parts, or the placeholder
+    text in front of the message's text for string templates (vLLM's two content formats); without
+    one, and for audio and video parts, the part is left out: the request is routed on its text."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
         raise PromptError("messages must be a non-empty list")
     out = []
+    images: list[ImageRef] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise PromptError(f"messages[{i}] must be an object")
@@ -134,28 +163,69 @@ def _normalise_messages(messages: Sequence[Mapping[str, Any]], keep_parts: bool)
             raise PromptError(f"messages[{i}].role must be a non-empty string")
         content = msg.get("content")
         if isinstance(content, list):
-            texts = []
+            parts: list[dict[str, Any]] = []
+            texts: list[str] = []
+            n_images = 0
             for j, part in enumerate(content):
-                if not isinstance(part, Mapping) or part.get("type") not in ("text", "input_text"):
-                    raise PromptError(f"messages[{i}].content[{j}]: only text content parts are supported")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise PromptError(f"messages[{i}].content[{j}].text must be a string")
-                texts.append(text)
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind in ("text", "input_text"):
+                    text = part.get("text")
+                    if not isinstance(text, str):
+                        raise PromptError(f"messages[{i}].content[{j}].text must be a string")
+                    texts.append(text)
+                    parts.append({"type": "text", "text": text})
+                elif kind == IMAGE_PART or kind in UNKEYED_PARTS:
+                    if kind != IMAGE_PART or image_placeholder is None:
+                        _warn_unkeyed(str(kind))
+                        continue
+                    images.append(image_ref(part, f"messages[{i}].content[{j}]"))
+                    parts.append({"type": "image"})
+                    n_images += 1
+                else:
+                    raise PromptError(f"messages[{i}].content[{j}]: unsupported content part type {kind!r}")
             if keep_parts:
-                content = [{"type": "text", "text": t} for t in texts]
+                content = parts
             else:
-                content = "\n".join(texts)
+                text = "\n".join(texts)
+                content = text
+                if image_placeholder and n_images > text.count(image_placeholder):
+                    missing = [image_placeholder] * (n_images - text.count(image_placeholder))
+                    content = "\n".join(missing + ([text] if text else []))
         elif content is not None and not isinstance(content, str):
             raise PromptError(f"messages[{i}].content must be a string, a list of parts or null")
         m = dict(msg)
         m["content"] = content
         out.append(m)
-    return out
+    return out, images
+
+
+_warned_parts: set[str] = set()
+
+
+def _warn_unkeyed(kind: str) -> None:
+    """Once per kind: media the router does not key is routed on the request's text alone."""
+    if kind not in _warned_parts:
+        _warned_parts.add(kind)
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "requests with %s are routed on their text only (kvroute keys images of the model families in "
+            "docs/multimodal.md; audio and video are not keyed)",
+            kind if " " in kind else f"content parts of type {kind!r}",
+        )
 
 
 def render_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> str:
-    """The chat template rendered to text (``add_generation_prompt=True`` unless overridden).
+    """The chat template rendered to text (``add_generation_prompt=True`` unless overridden); image
+    parts are left out (see :func:`render_chat`)."""
+    return render_chat(tokenizer, messages, None, **template_kwargs)[0]
+
+
+def render_chat(
+    tokenizer, messages: Sequence[Mapping[str, Any]], image_placeholder: str | None, **template_kwargs: Any
+) -> tuple[str, list[ImageRef]]:
+    """The chat template rendered to text, and the request's images in the order their placeholders
+    appear (``image_placeholder``: the model's; None renders the text alone).
 
     ``template_kwargs`` go to ``apply_chat_template``: ``tools``, ``documents``, ``chat_template``,
     ``continue_final_message``, ``add_generation_prompt`` and any template variable (vLLM's
@@ -167,12 +237,15 @@ def render_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], **templ
     if isinstance(template, dict):  # named templates: vLLM uses "default" (or tool_use with tools)
         template = template.get("default") or next(iter(template.values()))
         template_kwargs["chat_template"] = template
-    conv = _normalise_messages(messages, _template_loops_over_content(template))
+    try:
+        conv, images = _normalise_messages(messages, _template_loops_over_content(template), image_placeholder)
+    except ImageError as exc:
+        raise PromptError(str(exc)) from None
     template_kwargs.setdefault("add_generation_prompt", True)
     if template_kwargs.get("continue_final_message"):
         template_kwargs["add_generation_prompt"] = False
     try:
-        return tokenizer.apply_chat_template(conv, tokenize=False, **template_kwargs)
+        return tokenizer.apply_chat_template(conv, tokenize=False, **template_kwargs), images
     except PromptError:
         raise
     except Exception as exc:  # jinja errors, raise_exception() in the template
@@ -187,12 +260,39 @@ def chat_prompt_token_ids(
     limit: int | None = None,
     **template_kwargs: Any,
 ) -> list[int]:
-    """Token ids of a chat request exactly as vLLM computes them (render, encode w/o specials).
+    """Token ids of a text chat request exactly as vLLM computes them (render, encode w/o specials).
 
     ``nogil=True`` (worker threads): encode with the backend call that releases the GIL; ``limit``:
     raise PromptTooLong instead of building the ids of a prompt with that many tokens or more."""
-    text = render_chat_prompt(tokenizer, messages, **template_kwargs)
-    return prompt_encoder(tokenizer).encode(text, add_special_tokens=False, nogil=nogil, limit=limit)
+    return chat_prompt(tokenizer, messages, None, nogil=nogil, limit=limit, **template_kwargs)[0]
+
+
+def chat_prompt(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    images: ImageContext | None,
+    *,
+    nogil: bool = False,
+    limit: int | None = None,
+    **template_kwargs: Any,
+) -> tuple[list[int], list[Placeholder]]:
+    """Token ids of a chat request as the engine runs them, with each image's placeholder expanded
+    to its token run (``images``: the model's layout and id; None routes image parts as text), and
+    where each image's run lies."""
+    placeholder = images.layout.placeholder_text if images is not None else None
+    text, refs = render_chat(tokenizer, messages, placeholder, **template_kwargs)
+    encoder = prompt_encoder(tokenizer)
+    tokens = encoder.encode(text, add_special_tokens=False, nogil=nogil, limit=limit)
+    if not refs or images is None:
+        return tokens, []
+    image_token = tokenizer.convert_tokens_to_ids(images.layout.image_token)
+    try:
+        return expand_images(tokens, image_token, refs, images, encoder.encode_cached)
+    except ImageError as exc:
+        raise PromptError(str(exc)) from None
+    except ImageNotKeyable as exc:
+        _warn_unkeyed(str(exc))
+        return chat_prompt(tokenizer, messages, None, nogil=nogil, limit=limit, **template_kwargs)
 
 
 _UNSET = (None, "auto")  # explicit request fields with these values leave chat_template_kwargs' value
@@ -280,10 +380,17 @@ def engine_tool_dicts(tools: Any) -> list[dict[str, Any]]:
 def chat_request_token_ids(
     tokenizer, body: Mapping[str, Any], nogil: bool = False, limit: int | None = None
 ) -> list[int]:
-    """Token ids of an OpenAI chat request body (messages + vLLM's template arguments)."""
+    """Token ids of an OpenAI chat request body (messages + vLLM's template arguments), text only."""
+    return chat_request_prompt(tokenizer, body, None, nogil, limit)[0]
+
+
+def chat_request_prompt(
+    tokenizer, body: Mapping[str, Any], images: ImageContext | None, nogil: bool = False, limit: int | None = None
+) -> tuple[list[int], list[Placeholder]]:
+    """Token ids of an OpenAI chat request body with its images expanded, and where the images lie."""
     if "messages" not in body:
         raise PromptError("messages is required")
-    return chat_prompt_token_ids(tokenizer, body["messages"], nogil=nogil, limit=limit, **chat_template_kwargs(body))
+    return chat_prompt(tokenizer, body["messages"], images, nogil=nogil, limit=limit, **chat_template_kwargs(body))
 
 
 def completion_prompt_token_ids(tokenizer, prompt: Any, nogil: bool = False, limit: int | None = None) -> list[int]:
@@ -335,6 +442,7 @@ class PromptEncoder:
         self._lock = threading.Lock()
         self._pieces: dict[str, list[int]] = {}
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
+        self._repeats: dict[str, list[int]] = {}  # short texts that recur whole (image placeholder runs)
         self.piece_re: re.Pattern[str] | None = None
         self.special_re: re.Pattern[str] | None = None
         self.special_ids: dict[str, int] = {}
@@ -446,6 +554,18 @@ class PromptEncoder:
         if add_special_tokens and (self.prefix or self.suffix):
             return self.prefix + ids + self.suffix
         return ids
+
+    REPEATS_MAX = 256
+
+    def encode_cached(self, text: str) -> list[int]:
+        """Ids of a short text that recurs whole (an image's placeholder run: one per image size)."""
+        ids = self._repeats.get(text)
+        if ids is None:
+            ids = self.encode(text)
+            if len(self._repeats) >= self.REPEATS_MAX:
+                self._repeats.clear()
+            self._repeats[text] = ids
+        return list(ids)
 
     def _encode_chunked(self, text: str, nogil: bool, limit: tuple[int, int] | None = None) -> list[int]:
         """The ids of ``text`` (no special tokens added) from its chunks' cached ids; only the chunks not

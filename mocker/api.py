@@ -19,8 +19,10 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
+import httpx
 import orjson
 import zmq.asyncio
 from starlette.applications import Starlette
@@ -29,12 +31,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvroute_common import anthropic_api
+from kvroute_common.multimodal import ImageContext, Placeholder, remote_image_urls
 from kvroute_common.openai_api import OpenAIError, read_openai_body, responses_to_chat
 from kvroute_common.tokenize_offload import TokenizeOffload, prompt_chars
 from kvroute_common.tokenizer import (
     PromptError,
-    chat_request_token_ids,
+    chat_request_prompt,
     completion_prompt_token_ids,
+    image_layout,
     load_tokenizer,
 )
 from mocker import anthropic
@@ -102,6 +106,9 @@ class Mocker:
         self.adapters = cfg.adapters()  # LoRA adapter -> path
         self.adapter_ids = {name: i for i, name in enumerate(self.adapters, 1)}
         self.tokenizer = load_tokenizer(cfg.model_path)
+        layout = image_layout(self.tokenizer)
+        # images keyed as vLLM keys them, with the model id it reports as its root in /v1/models
+        self.images = ImageContext(layout, cfg.model_path or cfg.served_model_name) if layout is not None else None
         if cfg.chat_template:  # a copy: the loaded tokenizer is shared per path
             self.tokenizer = copy.copy(self.tokenizer)
             self.tokenizer.chat_template = _read_template(cfg.chat_template)
@@ -403,7 +410,34 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], chat: bool) -> Response:
+async def chat_prompt(m: Mocker, body: dict) -> tuple[list[int], list[Placeholder]]:
+    """A chat body's tokens as vLLM runs them, images expanded (remote ones fetched first), and where
+    the images lie."""
+    images = m.images
+    if images is not None:
+        urls = remote_image_urls(body)
+        if urls:
+            images = replace(images, fetched=await fetch_images(urls, images.max_bytes))
+    return await m.tokenize.run(prompt_chars(body), chat_request_prompt, m.tokenizer, body, images)
+
+
+async def fetch_images(urls: list[str], max_bytes: int) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    async with httpx.AsyncClient(follow_redirects=True, timeout=10.0) as client:
+        for url in urls:
+            try:
+                resp = await client.get(url)
+            except httpx.HTTPError as exc:
+                raise OpenAIError(400, f"the image at {url} could not be fetched: {exc}") from None
+            if resp.status_code != 200 or len(resp.content) > max_bytes:
+                raise OpenAIError(400, f"the image at {url} could not be fetched (HTTP {resp.status_code})")
+            out[url] = resp.content
+    return out
+
+
+async def _generate(
+    m: Mocker, request: Request, body: dict, prompt: list[int], chat: bool, images: list[Placeholder] | None = None
+) -> Response:
     model = _check_model(m, body)
     rank = m.dp_rank(request)
     p = _params(m, body, len(prompt), chat)
@@ -428,6 +462,7 @@ async def _generate(m: Mocker, request: Request, body: dict, prompt: list[int], 
         priority=p.priority,
     )
     seq.remote_tokens = p.remote_tokens
+    seq.images = images or []
     if model in m.adapters:  # its blocks are keyed by the adapter, as vLLM's are
         seq.lora_name, seq.lora_id = model, m.adapter_ids[model]
     engine = m.ranks[rank]
@@ -635,18 +670,20 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
 
         return wrapped
 
-    async def messages_prompt(request: Request, generating: bool = True) -> tuple[dict, list[int]]:
+    async def messages_prompt(
+        request: Request, generating: bool = True
+    ) -> tuple[dict, tuple[list[int], list[Placeholder]]]:
         """A Messages request as vLLM takes it: validated, rendered as the chat request it generates, tokenized."""
         body = await _body(request)
         _check_model(m, body)
         anthropic_api.validate_request(body, require_max_tokens=generating)
         chat = anthropic.chat_body(body, anthropic_api.tokenizer_template(m.tokenizer))
-        return chat, await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
+        return chat, await chat_prompt(m, chat)
 
     async def messages(request: Request) -> Response:
         """Anthropic Messages, as vLLM serves them: rendered and generated as chat, answered as messages."""
-        chat, prompt = await messages_prompt(request)
-        answer = await _generate(m, request, chat, prompt, chat=True)
+        chat, (prompt, images) = await messages_prompt(request)
+        answer = await _generate(m, request, chat, prompt, chat=True, images=images)
         if answer.status_code != 200:
             return anthropic.from_openai_error(answer)
         if isinstance(answer, StreamingResponse):
@@ -654,14 +691,14 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         return json_response(anthropic.message(orjson.loads(answer.body)))
 
     async def count_tokens(request: Request) -> Response:
-        _chat, prompt = await messages_prompt(request, generating=False)
+        _chat, (prompt, _images) = await messages_prompt(request, generating=False)
         return json_response({"input_tokens": len(prompt)})
 
     async def chat_completions(request: Request) -> Response:
         body = await _body(request)
         _check_model(m, body)
-        prompt = await m.tokenize.run(prompt_chars(body), chat_request_token_ids, m.tokenizer, body)
-        return await _generate(m, request, body, prompt, chat=True)
+        prompt, images = await chat_prompt(m, body)
+        return await _generate(m, request, body, prompt, chat=True, images=images)
 
     async def completions(request: Request) -> Response:
         body = await _body(request)
@@ -685,8 +722,8 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
                 chat[key] = body[key]
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
-        prompt = await m.tokenize.run(prompt_chars(chat), chat_request_token_ids, m.tokenizer, chat)
-        answer = await _generate(m, request, chat, prompt, chat=True)
+        prompt, images = await chat_prompt(m, chat)
+        answer = await _generate(m, request, chat, prompt, chat=True, images=images)
         if answer.status_code != 200:
             return answer
         done = orjson.loads(answer.body)
@@ -801,7 +838,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         body = await _body(request)
         _check_model(m, body)
         if "messages" in body:
-            tokens = chat_request_token_ids(m.tokenizer, body)
+            tokens, _images = await chat_prompt(m, body)
         elif isinstance(body.get("prompt"), str):
             if _opt_bool(body, "add_special_tokens", True):
                 tokens = completion_prompt_token_ids(m.tokenizer, body["prompt"])
@@ -814,7 +851,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
     async def render_chat(request: Request) -> Response:
         body = await _body(request)
         _check_model(m, body)
-        ids = await m.tokenize.run(prompt_chars(body), chat_request_token_ids, m.tokenizer, body)
+        ids, _images = await chat_prompt(m, body)
         return json_response({"request_id": uuid.uuid4().hex, "token_ids": ids})
 
     async def render_completion(request: Request) -> Response:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvroute_common.hashing import local_block_hashes, pack_tokens, sequence_hashes
+from kvroute_common.multimodal import Placeholder, block_mm_hashes
 from mocker.kv_cache import Block, KvCache
 from mocker.perf_model import PerfModel
 
@@ -51,6 +52,7 @@ class Sequence:
     """One request inside the engine."""
 
     __slots__ = (
+        "images",
         "request_id",
         "tokens",
         "prompt_len",
@@ -122,6 +124,7 @@ class Sequence:
         self.remote_tokens = 0
         self.lora_name: str | None = None  # a LoRA adapter's request: its blocks are keyed by the adapter
         self.lora_id: int | None = None
+        self.images: list[Placeholder] = []  # the prompt's image token runs: their blocks are keyed by the image
 
     def update_hashes(self, block_size: int) -> None:
         """Extend the block hashes to every full block of the known tokens."""
@@ -129,7 +132,9 @@ class Sequence:
         have = len(self.seq_hashes)
         if n_full <= have:
             return
-        local = local_block_hashes(self.tokens[have * block_size : n_full * block_size], block_size, self.lora_name)
+        mm = block_mm_hashes(self.images, n_full * block_size, block_size)[have:] if self.images else None
+        tokens = self.tokens[have * block_size : n_full * block_size]
+        local = local_block_hashes(tokens, block_size, self.lora_name, None, mm)
         self.local_hashes.extend(local)
         self.seq_hashes.extend(sequence_hashes(local, self.seq_hashes[-1] if have else None))
 
@@ -379,6 +384,7 @@ class RankScheduler:
                 seq.tokens,
                 seq.lora_name,
                 seq.lora_id,
+                seq.images,
             )
             seq.num_cached_blocks = n_full
 

@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
 
 import xxhash
 
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvroute_common.multimodal import Placeholder, block_extra_keys
 
 MEDIUM_GPU = "GPU"
 GROUP_IDX = 0  # the single KV cache group of a plain decoder
@@ -181,6 +184,7 @@ class KvCache:
         tokens: list[int],
         lora_name: str | None = None,
         lora_id: int | None = None,
+        images: Sequence[Placeholder] = (),
     ) -> None:
         """Mark ``blocks[start:len(seq_hashes)]`` (now full and computed) as cached content.
 
@@ -215,7 +219,9 @@ class KvCache:
                     lora_id=lora_id,
                     medium=MEDIUM_GPU,
                     lora_name=lora_name,
-                    extra_keys=[None] * len(hashes),
+                    extra_keys=[_tuple_keys(block_extra_keys(images, i, bs)) for i in range(start, end)]
+                    if images
+                    else [None] * len(hashes),
                     group_idx=GROUP_IDX,
                     kv_cache_spec_kind=SPEC_KIND,
                 )
@@ -250,3 +256,8 @@ class KvCache:
             for h, first in self.cached.items()
             for b in (first, *self.copies.get(h, ()))
         ]
+
+
+def _tuple_keys(keys: list[list[Any]] | None) -> tuple[Any, ...] | None:
+    """An event's per-block extra keys as vLLM publishes them: a tuple of ``(identifier, offset)`` pairs."""
+    return None if keys is None else tuple(tuple(k) for k in keys)

@@ -175,10 +175,21 @@ def test_bad_messages_rejected(tok):
         "hi",
         [{"content": "x"}],
         [{"role": "user", "content": 5}],
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": [{"type": "hologram", "text": "x"}]}],
     ):
         with pytest.raises(PromptError):
             chat_prompt_token_ids(tok, bad)
+
+
+def test_media_parts_of_a_text_model_are_routed_on_the_text(tok):
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "look"}]}]
+    for kind, part in (
+        ("image_url", {"image_url": {"url": "https://example.com/a.png"}}),
+        ("input_audio", {"input_audio": {"data": "", "format": "wav"}}),
+        ("video_url", {"video_url": {"url": "https://example.com/a.mp4"}}),
+    ):
+        with_media = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": kind, **part}]}]
+        assert chat_prompt_token_ids(tok, with_media) == chat_prompt_token_ids(tok, text_only)
 
 
 def test_fast_encoder_is_exact_on_random_text(tok):

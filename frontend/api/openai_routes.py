@@ -80,7 +80,7 @@ class OpenAIRoutes:
             raise ApiError(404, f"Model not found: {model}")
         chat = "messages" in body
         try:
-            prompt = await tokenize_request(state.tokenize, entry, body, chat)
+            prompt = await tokenize_request(state.tokenize, entry, body, chat, image_cache=state.image_cache)
             prefill = _disagg.explain_prefill(state, entry.name, prompt.tokens)
             # with a prefill pool the decode side is routed load-only (unless it falls back to decode-only)
             router = state.router if prefill is None or "error" in prefill else state.disagg_decode_router

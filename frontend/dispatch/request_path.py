@@ -134,7 +134,7 @@ class RequestPath:
             if hints is not None and hints.token_data:
                 prompt = await hash_tokens(state.tokenize, entry, hints.token_data, salt)
             else:
-                prompt = await tokenize_request(state.tokenize, entry, body, kind, salt)
+                prompt = await tokenize_request(state.tokenize, entry, body, kind, salt, state.image_cache)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
             ctx.prompt = prompt
             ctx.tokens = tokens = prompt.tokens
@@ -582,7 +582,7 @@ class RequestPath:
             if body is None:
                 raise OpenAIError(400, "the prompt cannot be continued")
             salt = ctx.hints.cache_salt if ctx.hints is not None else None
-            prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat, salt)
+            prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat, salt, state.image_cache)
         except OpenAIError as exc:
             log.warning("cannot migrate: continued prompt rejected: %s", exc.message)
             return None, lease
@@ -670,7 +670,7 @@ class RequestPath:
         ctx.chat = "messages" in body
         ctx.endpoint = "chat_completions" if ctx.chat else "completions"
         ctx.entry, ctx.stream, ctx.body = entry, False, body
-        ctx.prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat)
+        ctx.prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat, image_cache=state.image_cache)
         ctx.tokens = ctx.prompt.tokens
         ctx.out_body = orjson.dumps(body)
         ctx.mm = mm = state.metrics.model_children(entry.name, ctx.endpoint, "unary")

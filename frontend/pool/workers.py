@@ -275,6 +275,8 @@ class Worker:
     models: list[str] = field(default_factory=list)
     # LoRA adapters among the models: adapter -> the base model it applies to (/v1/models' parent)
     adapters: dict[str, str] = field(default_factory=dict)
+    # each model's root in /v1/models: the path or name the engine loaded (vLLM hashes images with it)
+    model_roots: dict[str, str] = field(default_factory=dict)
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     max_num_batched_tokens: int | None = None
@@ -514,6 +516,12 @@ class WorkerPool:
             if not models:
                 raise ValueError("worker serves no model")
             worker.adapters = lora_adapters(data)
+        data = (models_json.get("data") if isinstance(models_json, dict) else None) or []
+        worker.model_roots = {
+            m["id"]: m["root"]
+            for m in data
+            if isinstance(m, dict) and isinstance(m.get("id"), str) and isinstance(m.get("root"), str)
+        }
         from frontend.pool.capacity import read_capacity, unknown_capacity_message
 
         cap = await read_capacity(

@@ -4,11 +4,13 @@ thresholds are data here; the checks that use them are ``frontend/routing/eligib
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from frontend.api.validation import PromptLimit
 from kvroute_common.constants import DEFAULT_TENANT as TENANT
+from kvroute_common.multimodal import ImageContext, ImageOptions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -79,6 +81,7 @@ class ModelEntry:
         "lora_name",
         "_slots",
         "_events",
+        "image_options",
     )
 
     def __init__(
@@ -91,8 +94,10 @@ class ModelEntry:
         approx: ApproxIndex | None,
         thresholds: BusyThresholds,
         base: str | None = None,
+        image_options: ImageOptions | None = None,
     ) -> None:
         self.name = name
+        self.image_options = image_options or ImageOptions()
         # a LoRA adapter of model ``base``: its blocks are the base model's KV cache, hashed with the
         # adapter's name as the engine's events are, and its requests load the base model's workers
         self.base = base or name
@@ -119,6 +124,23 @@ class ModelEntry:
         if self._events is not None:
             return self._events.index(self.base, TENANT)
         return None
+
+    def image_context(self, fetched: Mapping[str, bytes] | None = None) -> ImageContext | None:
+        """How this model's images are keyed (None: a text model, or no engine has said which model it
+        loaded): the layout of its tokenizer's model and the id vLLM hashes images with."""
+        from kvroute_common.tokenizer import image_layout
+
+        layout = image_layout(self.tokenizer)
+        if layout is None:
+            return None
+        opts = self.image_options
+        model_id = opts.model_id
+        if model_id is None:
+            roots = [w.model_roots.get(self.base) for w in self.workers.values()]
+            model_id = next((r for r in roots if r), None)
+            if model_id is None:
+                return None
+        return ImageContext(layout, model_id, opts.algorithm, fetched, opts.max_bytes)
 
     def known_worker_ids(self) -> set[int]:
         return set(self.workers)

@@ -18,8 +18,10 @@ from frontend.api.errors import OpenAIError
 from frontend.api.validation import PromptLimit, check_context_length, check_prompt_fits
 from kvroute_common import anthropic_api
 from kvroute_common.hashing import local_block_hashes, sequence_hashes, token_array
+from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes, remote_image_urls
 
 if TYPE_CHECKING:
+    from frontend.routing.images import ImageCache
     from frontend.routing.models import ModelEntry
     from kvroute_common.tokenize_offload import TokenizeOffload
 
@@ -52,25 +54,41 @@ class Prompt:
         return self.local_hashes, self.seq_hashes
 
 
-def hashed(entry: ModelEntry, tokens: Sequence[int], salt: str | None) -> Prompt:
+def hashed(entry: ModelEntry, tokens: Sequence[int], salt: str | None, images: Sequence[Placeholder] = ()) -> Prompt:
     """``tokens`` with the block hashes the router looks up and books (the model's block size and
-    LoRA adapter, the request's cache salt)."""
-    local = local_block_hashes(tokens, entry.block_size, entry.lora_name, salt)
+    LoRA adapter, the request's cache salt, and the identity of each image in the blocks it spans)."""
+    bs = entry.block_size
+    mm = block_mm_hashes(images, len(tokens), bs) if images else None
+    local = local_block_hashes(tokens, bs, entry.lora_name, salt, mm)
     return Prompt(tokens, local, sequence_hashes(local), salt)
 
 
 def body_tokens(
     entry: ModelEntry, body: dict, chat: bool, nogil: bool = False, limit: PromptLimit | None = None
 ) -> list[int]:
-    """The engine's prompt tokens, checked against what the most capable worker takes (``limit``:
-    its context length, as vLLM checks it, and its KV capacity).
+    """The engine's prompt tokens (images keyed as text), see :func:`body_prompt`."""
+    return body_prompt(entry, body, chat, None, nogil, limit)[0]
+
+
+def body_prompt(
+    entry: ModelEntry,
+    body: dict,
+    chat: bool,
+    images: ImageContext | None,
+    nogil: bool = False,
+    limit: PromptLimit | None = None,
+) -> tuple[list[int], list[Placeholder]]:
+    """The engine's prompt tokens, each image expanded to its token run (``images``: how this model
+    keys them; None routes image parts as text), and where the images lie, checked against what the
+    most capable worker takes (``limit``: its context length, as vLLM checks it, and its KV capacity).
 
     ``nogil``: running on a worker thread (kvroute_common.tokenize_offload); there the over-long
     prompt is refused before its ids are built and a long id list is freed on the thread, never on
     the loop."""
-    from kvroute_common.tokenizer import PromptError, PromptTooLong, chat_request_token_ids, completion_prompt_token_ids
+    from kvroute_common.tokenizer import PromptError, PromptTooLong, chat_request_prompt, completion_prompt_token_ids
 
     stop_at = limit.tokens if (nogil and limit is not None) else None
+    placeholders: list[Placeholder] = []
     try:
         if chat:
             messages = body.get("messages")
@@ -78,7 +96,7 @@ def body_tokens(
                 raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
             # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
             # continue_final_message, tools, documents): the router must hash the engine's tokens
-            tokens = chat_request_token_ids(entry.tokenizer, body, nogil=nogil, limit=stop_at)
+            tokens, placeholders = chat_request_prompt(entry.tokenizer, body, images, nogil=nogil, limit=stop_at)
         else:
             if "prompt" not in body:
                 raise OpenAIError(400, "'prompt' is required", "prompt")
@@ -89,7 +107,7 @@ def body_tokens(
     except PromptError as exc:
         raise OpenAIError(400, str(exc)) from None
     check_prompt_fits(len(tokens), body, limit, chat)
-    return tokens
+    return tokens, placeholders
 
 
 def embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, limit: PromptLimit | None = None) -> list[int]:
@@ -119,10 +137,17 @@ def embedding_tokens(entry: ModelEntry, body: dict, nogil: bool = False, limit: 
 
 
 async def tokenize_request(
-    offload: TokenizeOffload, entry: ModelEntry, body: dict, kind: str | bool, salt: str | None = None
+    offload: TokenizeOffload,
+    entry: ModelEntry,
+    body: dict,
+    kind: str | bool,
+    salt: str | None = None,
+    image_cache: ImageCache | None = None,
 ) -> Prompt:
     """The request's tokens and block hashes: inline for short prompts, on a worker thread above the
     offload threshold (hashes with the cache ``salt``; embeddings get none, they are routed by load).
+    A chat request's images are keyed as the engine keys them when the model's layout is known; its
+    remote images are fetched first (``image_cache``).
 
     ``kind``: chat | completions | responses | messages | embeddings (a bool means chat / completions)."""
     from kvroute_common.openai_api import responses_to_chat
@@ -138,8 +163,14 @@ async def tokenize_request(
         body = responses_to_chat(body)
     elif kind == "messages":
         body = messages_to_chat(entry, body)
+    images = entry.image_context() if kind != "completions" else None
+    if images is not None and image_cache is not None:
+        urls = remote_image_urls(body)
+        if urls:
+            images.fetched = await image_cache.fetch_all(urls, entry.image_options)
+            chars += sum(len(data) for data in images.fetched.values())  # decoded and hashed with the prompt
     return await offload.run(
-        chars, _tokens_and_hashes, entry, body, kind != "completions", salt, limit=entry.prompt_limit()
+        chars, _tokens_and_hashes, entry, body, kind != "completions", salt, images, limit=entry.prompt_limit()
     )
 
 
@@ -153,14 +184,20 @@ def _hashed(entry: ModelEntry, tokens: list[int], salt: str | None, nogil: bool 
 
 
 def _tokens_and_hashes(
-    entry: ModelEntry, body: dict, chat: bool, salt: str | None, nogil: bool = False, limit: PromptLimit | None = None
+    entry: ModelEntry,
+    body: dict,
+    chat: bool,
+    salt: str | None,
+    images: ImageContext | None,
+    nogil: bool = False,
+    limit: PromptLimit | None = None,
 ) -> Prompt:
-    tokens = body_tokens(entry, body, chat, nogil, limit)
+    tokens, placeholders = body_prompt(entry, body, chat, images, nogil, limit)
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
-        prompt = hashed(entry, token_array(tokens), salt)
+        prompt = hashed(entry, token_array(tokens), salt, placeholders)
         prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
         return prompt
-    return hashed(entry, tokens, salt)
+    return hashed(entry, tokens, salt, placeholders)
 
 
 def tokenize_request_sync(entry: ModelEntry, body: dict, kind: str) -> list[int]:

@@ -35,6 +35,9 @@ BLOCK_SIZE = 32
 SERVED_NAME = "tiny"
 START_TIMEOUT = 480.0  # several engines loading side by side on 2 cores
 TINY_MODEL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_model.py")
+TINY_VLM_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_vlm.py")
+# a vision-language engine: images per prompt (the profile run sizes its encoder cache for this many), no video
+VLM_ARGS = ["--limit-mm-per-prompt", '{"image": 4, "video": 0}']
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -72,6 +75,13 @@ def write_tiny_model(python: str, out_dir: str, loras: Sequence[str] = (), seed:
     args = [python, TINY_MODEL_SCRIPT, "--out", out_dir, "--seed", str(seed)]
     for name in loras:
         args += ["--lora", name]
+    subprocess.run(args, check=True, capture_output=True, timeout=300, env={**os.environ, **ENGINE_ENV})
+    return out_dir
+
+
+def write_tiny_vlm(python: str, out_dir: str, seed: int = 0) -> str:
+    """A tiny random-weight Idefics3-shaped vision-language model using kvroute's tokenizer (tiny_vlm.py)."""
+    args = [python, TINY_VLM_SCRIPT, "--out", out_dir, "--seed", str(seed)]
     subprocess.run(args, check=True, capture_output=True, timeout=300, env={**os.environ, **ENGINE_ENV})
     return out_dir
 
