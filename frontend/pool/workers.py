@@ -272,6 +272,9 @@ class Worker:
     source: str  # "cli" | "file" | "api"
     client: httpx.AsyncClient  # control plane: health checks and discovery
     upstream: UpstreamPool  # request path
+    # health checks: the request path's cheap client, on a connection of its own (a request never
+    # finds a probe's kept-alive connection, so how it fails when the engine dies is unchanged)
+    health: UpstreamPool | None = None
     models: list[str] = field(default_factory=list)
     # LoRA adapters among the models: adapter -> the base model it applies to (/v1/models' parent)
     adapters: dict[str, str] = field(default_factory=dict)
@@ -411,6 +414,7 @@ class WorkerPool:
             source=source,
             client=make_client(spec.url, self.request_timeout),
             upstream=UpstreamPool(spec.url, timeout=self.request_timeout),
+            health=UpstreamPool(spec.url, max_idle=1),
         )
         self.workers[spec.id] = worker
         self._spawn(self.probe(worker))
@@ -424,6 +428,8 @@ class WorkerPool:
         self._on_removed(worker)
         self._spawn(worker.client.aclose())
         self._spawn(worker.upstream.aclose())
+        if worker.health is not None:
+            self._spawn(worker.health.aclose())
         return worker
 
     def sync_source(self, source: str, specs: list[WorkerSpec]) -> None:
@@ -447,11 +453,12 @@ class WorkerPool:
 
     # ---- discovery and health ---------------------------------------------------------------
     async def _health_status(self, worker: Worker) -> int:
-        """``GET /health`` on the request path's keep-alive client: an httpx request costs ~1 ms of CPU,
-        and the probes of 4 workers every 2 s were ~2 ms of CPU per second on an idle frontend, which
-        ``bench peers`` charges to every request of a run (issue 28). A probe that times out closes its
-        connection (TimeoutError)."""
-        resp = await asyncio.wait_for(worker.upstream.request("GET", "/health", b""), self.health_timeout)
+        """``GET /health`` with the request path's keep-alive client (its own connection): an httpx
+        request costs ~1 ms of CPU, and the probes of 4 workers every 2 s were ~2 ms of CPU per second on
+        an idle frontend, which ``bench peers`` charges to every request of a run (issue 28). A probe that
+        times out closes its connection (TimeoutError)."""
+        client = worker.health if worker.health is not None else worker.upstream
+        resp = await asyncio.wait_for(client.request("GET", "/health", b""), self.health_timeout)
         return resp.status
 
     async def probe(self, worker: Worker) -> bool:
@@ -616,6 +623,8 @@ class WorkerPool:
         for w in list(self.workers.values()):
             await w.client.aclose()
             await w.upstream.aclose()
+            if w.health is not None:
+                await w.health.aclose()
 
     def _spawn(self, coro) -> None:
         try:
