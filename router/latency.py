@@ -6,7 +6,9 @@ For each candidate (worker, DP rank):
                   + this request's uncached tokens there (isl - overlap_blocks * block_size)
     est_ttft_s  = base_s + s_per_token * (work_tokens + DECODE_TOKENS_PER_BLOCK * decode_blocks)
 
-plus, on ranks holding less of the prompt than the best rank, ``RECOMPUTE_WEIGHT`` (1) x the time
+plus, where the rank's cache would evict blocks other requests used recently to make room for this
+prompt (``router.footprint``: its live blocks would no longer fit), the time to compute those again,
+and, on ranks holding less of the prompt than the best rank, ``RECOMPUTE_WEIGHT`` (1) x the time
 to compute again the blocks another rank already holds. That work is paid twice: by this request
 (it is in ``work_tokens``) and by the cluster, which spends prefill capacity and cache space on a
 second copy of a prefix (later requests of that prefix then find it split or evicted). Without it
@@ -24,8 +26,10 @@ random among ties, optional temperature).
 each routed, streamed request is one observation ``(work_tokens, decode_blocks) -> ttft``, fitted
 by ridge regression towards a prior with exponential forgetting (recent observations count most, so
 a rank that slows down is seen within about ``window`` requests), with outliers down-weighted
-(Huber) and both coefficients bounded. Before any observation the prior decides, so a new rank is
-judged like its peers; a rank is re-observed only when it is chosen (a rank learned slow is tried
+(Huber) and both coefficients bounded. A rank observed fewer than ``MIN_OBSERVATIONS`` times is scored
+with its observed peers' model (the prior only when no rank is observed yet): scored with the prior,
+an engine that never got a request looked 9x slower than its learned peers on the mockers and never
+got its first one. A rank is re-observed only when it is chosen (a rank learned slow is tried
 again once the others have queued more work than its estimate). The decode weight is fixed, not
 fitted: work and decode blocks rise together (both grow with in-flight requests), so a free fit
 cannot tell them apart. Assumptions: the engine prefills in arrival order (work queued ahead of the
@@ -52,6 +56,7 @@ MIN_TOKENS_PER_S = 100.0
 MAX_TOKENS_PER_S = 1e8
 MAX_BASE_S = 10.0
 HUBER_K = 3.0
+MIN_OBSERVATIONS = 4  # a rank observed less than this is judged by its observed peers' model
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,16 +200,23 @@ def scoring_models(models: LatencyModels, keys: list[WorkerRank], ref_tokens: fl
     faster, which sends it more work (offline, one rank took half of all requests and the p90 TTFT
     rose 1.3x). Only a difference larger than ``SAME_SPEED_RATIO`` at this request's size (a slower
     GPU, a throttled or overloaded engine) is trusted; within the band every rank is scored alike,
-    and ranks scored alike are ranked by their work and reuse alone.
+    and ranks scored alike are ranked by their work and reuse alone. The median is the observed ranks'
+    (at least ``MIN_OBSERVATIONS``), and a rank not yet observed is scored with it: a serving pool is
+    alike until shown otherwise, and the prior is no measurement of these engines.
     """
     own = [models.get(k) for k in keys]
     if len(own) < 2:
         return own
+    observed = [i for i, m in enumerate(own) if m.observations >= MIN_OBSERVATIONS]
+    if not observed:
+        return own
     est = [m.predict(ref_tokens, 0.0) for m in own]
-    median = sorted(range(len(own)), key=est.__getitem__)[(len(own) - 1) // 2]
+    median = sorted(observed, key=est.__getitem__)[(len(observed) - 1) // 2]
     mid, mid_est = own[median], est[median]
     return [
-        m if e > mid_est * SAME_SPEED_RATIO or e * SAME_SPEED_RATIO < mid_est else mid
+        m
+        if m.observations >= MIN_OBSERVATIONS and (e > mid_est * SAME_SPEED_RATIO or e * SAME_SPEED_RATIO < mid_est)
+        else mid
         for m, e in zip(own, est, strict=True)
     ]
 
@@ -217,11 +229,13 @@ def score_latency(
     models: LatencyModels,
     track_prefill_tokens: bool = True,
     recompute_weight: float = RECOMPUTE_WEIGHT,
+    overflow: Mapping[WorkerRank, int] | None = None,
 ) -> list[WorkerCost]:
     """Estimated TTFT of every candidate as its cost, in milliseconds (lower is better).
 
     ``WorkerCost.prefill_tokens`` is the work the estimate charges (queued + uncached tokens),
-    ``decode_blocks`` the decode pressure, ``cost`` the estimate in ms.
+    ``decode_blocks`` the decode pressure, ``cost`` the estimate in ms. ``overflow``: live blocks each
+    rank would evict to take this prompt (``router.footprint``); each is charged as computing it again.
     """
     out: list[WorkerCost] = []
     loads = list(loads)
@@ -241,6 +255,8 @@ def score_latency(
             est_ms += (
                 recompute_weight * min(best - overlap, isl_tokens // block_size) * block_size * model.s_per_token * 1e3
             )
+        if overflow:  # live blocks pushed out here, computed again by the requests that wanted them
+            est_ms += overflow.get(key, 0) * block_size * model.s_per_token * 1e3
         out.append(
             WorkerCost(
                 load.worker_id,
