@@ -77,6 +77,14 @@ class LiveFootprint:
         excess = live + added - capacity_blocks
         return 0 if excess <= 0 else min(added, excess)
 
+    def pressure_blocks(self, key: WorkerRank, capacity_blocks: int, now: float) -> float:
+        """The rank's live blocks weighted by how full they make its cache (live / capacity, at most 1): a
+        rank whose live set fills half its cache weighs a quarter of a full one's, block for block."""
+        live = self.live_blocks(key, now)
+        if capacity_blocks <= 0:
+            return 0.0
+        return live * min(1.0, live / capacity_blocks)
+
     def touch(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> None:
         """The prompt was routed to the rank: its blocks are live there from now."""
         blocks = self._ranks.get(key)

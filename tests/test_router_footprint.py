@@ -57,3 +57,14 @@ def test_forgetting_a_worker_and_bad_horizons() -> None:
     assert fp.snapshot(0.0) == {"2:0": 2}
     with pytest.raises(ValueError):
         LiveFootprint(0.0)
+
+
+def test_pressure_grows_with_how_full_the_live_set_makes_the_cache() -> None:
+    fp = LiveFootprint()
+    fp.touch((1, 0), _chain(list(range(40))), now=0.0)  # 10 live blocks
+    assert fp.pressure_blocks((1, 0), capacity_blocks=20, now=1.0) == pytest.approx(5.0)  # half full: 10 x 1/2
+    assert fp.pressure_blocks((1, 0), capacity_blocks=10, now=1.0) == pytest.approx(10.0)  # full
+    assert fp.pressure_blocks((1, 0), capacity_blocks=5, now=1.0) == pytest.approx(10.0)  # over: at most 1 per block
+    assert fp.pressure_blocks((1, 0), capacity_blocks=10_000, now=1.0) < 0.02  # a huge cache: almost nothing
+    assert fp.pressure_blocks((2, 0), capacity_blocks=10, now=1.0) == 0.0
+    assert fp.pressure_blocks((1, 0), capacity_blocks=0, now=1.0) == 0.0

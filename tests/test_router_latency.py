@@ -206,3 +206,23 @@ def test_evicting_live_blocks_is_charged_as_their_recompute() -> None:
     # a deeper overflow (its live set far over capacity: every block it takes pushes a live one out)
     # makes the empty rank the better place despite the 60 cached blocks (80 x 32 + 60 x 32 there)
     assert choose(score_latency(loads, overlaps, 80 * 32, 32, models, overflow={(1, 0): 130})).worker_id == 2
+
+
+def test_a_new_session_goes_where_the_cache_has_room() -> None:
+    """The room term: a new session whose system prompt (32 blocks) sits on a rank whose live set fills
+    its cache goes to the empty rank, where its later turns will not push the others' history out; with
+    room on the holder it stays with its prefix."""
+    models = LatencyModels(LatencyPrior(), block_size=32)
+    loads = [CandidateLoad(1, 0, 0, 0, 1), CandidateLoad(2, 0, 0, 0, 0)]
+    overlaps, isl = {(1, 0): 32}, 40 * 32
+    full = {(1, 0): 300.0, (2, 0): 0.0}  # rank 1: 300 live blocks in a 300-block cache
+    costs = {c.worker_id: c.cost for c in score_latency(loads, overlaps, isl, 32, models, pressure=full)}
+    # rank 1: 8 new blocks + a quarter block per live block; rank 2: the whole prompt + the 32 blocks again
+    assert costs[1] - costs[2] == pytest.approx((8 * 32 + 300 * 32 / 4 - 40 * 32 - 32 * 32) / 20000 * 1e3)
+    assert choose(score_latency(loads, overlaps, isl, 32, models, pressure=full)).worker_id == 2
+    half = {(1, 0): 150 * 0.5, (2, 0): 0.0}  # 150 live blocks in the same cache: weighs a quarter as much
+    assert choose(score_latency(loads, overlaps, isl, 32, models, pressure=half)).worker_id == 1
+    assert choose(score_latency(loads, overlaps, isl, 32, models)).worker_id == 1  # no cache terms: sticky
+    # a fresh prompt (cached nowhere) goes to the rank with less live data, all else equal
+    fresh = score_latency(loads, {}, isl, 32, models, pressure={(1, 0): 10.0, (2, 0): 40.0})
+    assert choose(fresh).worker_id == 1

@@ -164,13 +164,22 @@ class RequestRouter:
             if cfg.router_mode == "latency":
                 lmodels = self.latency_models(entry)
                 fp, now = self.footprint(entry), time.monotonic()
-                overflow = {
-                    (w.id, r): fp.overflow_blocks((w.id, r), seq, w.num_gpu_blocks, now)
-                    for w, r in candidates
-                    if w.num_gpu_blocks  # unknown capacity: no eviction charge
-                }
+                overflow: dict[tuple[int, int], int] = {}
+                pressure: dict[tuple[int, int], float] = {}
+                for cand, r in candidates:
+                    if cand.num_gpu_blocks:  # unknown capacity: no cache terms
+                        key = (cand.id, r)
+                        overflow[key] = fp.overflow_blocks(key, seq, cand.num_gpu_blocks, now)
+                        pressure[key] = fp.pressure_blocks(key, cand.num_gpu_blocks, now)
                 costs = score_latency(
-                    loads, overlaps, isl, bs, lmodels, cfg.router_track_prefill_tokens, overflow=overflow
+                    loads,
+                    overlaps,
+                    isl,
+                    bs,
+                    lmodels,
+                    cfg.router_track_prefill_tokens,
+                    overflow=overflow,
+                    pressure=pressure,
                 )
             else:
                 lmodels = None
