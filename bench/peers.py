@@ -73,12 +73,13 @@ class RouterSpec:
     kind: Kind
     policy: str  # kvroute's --router-mode, or the peer's --policy
     gateway: bool = False  # kvroute as the endpoint picker of an Envoy gateway (--epp-port), Envoy in front
+    extra: tuple[str, ...] = ()  # more kvroute flags (a variant of a mode)
 
     def describe(self) -> str:
         if self.kind == "kvroute" and self.gateway:
             return f"Envoy (ext_proc, bodies full duplex) + python -m frontend --router-mode {self.policy} --epp-port P"
         if self.kind == "kvroute":
-            return f"python -m frontend --router-mode {self.policy}"
+            return " ".join(("python -m frontend --router-mode", self.policy, *self.extra))
         return f"{'smg launch' if self.kind == 'smg' else 'vllm-router'} --policy {self.policy}"
 
 
@@ -93,10 +94,12 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("vllm-cache_aware", "vllm-router", "cache_aware"),
         RouterSpec("round_robin", "kvroute", "round_robin"),
         RouterSpec("kvroute-latency-gateway", "kvroute", "latency", gateway=True),
+        # latency mode without its cache terms (what they bring, measured)
+        RouterSpec("kvroute-latency-nocache", "kvroute", "latency", extra=("--router-latency-live-horizon", "0")),
     )
 }
-# the rows of a plain run: the gateway row is asked for by name (it shows the picker routes as the proxy)
-DEFAULT_ROUTERS = [label for label, spec in ROUTERS.items() if not spec.gateway]
+# the rows of a plain run: the gateway and the variant rows are asked for by name
+DEFAULT_ROUTERS = [label for label, spec in ROUTERS.items() if not spec.gateway and not spec.extra]
 
 
 # -- the peers' environment ---------------------------------------------------------------------------
@@ -142,7 +145,8 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
     metrics_url = ""
     if spec.kind == "kvroute":
         epp = cluster.port() if spec.gateway else None
-        extra = ("--kv-cache-block-size", str(bed.block_size), *(("--epp-port", str(epp)) if epp else ()))
+        extra = ("--kv-cache-block-size", str(bed.block_size), *spec.extra,
+                 *(("--epp-port", str(epp)) if epp else ()))  # fmt: skip
         url = cluster.start_frontend(spec.policy, extra_args=extra, model_path=bed.model_path)
         cluster.wait_frontend_ready(bed.model, timeout=READY_TIMEOUT)
         if epp is not None:  # requests go through Envoy, which asks the frontend where each one goes
@@ -272,7 +276,8 @@ def run_mockers(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namesp
     opts = _run_options(args, DEFAULT_MODEL)
     rows = []
     for spec in specs:
-        cluster = Cluster(log_dir=os.path.join(args.out_dir, "logs", f"{trace.name}-mocker-{spec.label}"))
+        tag = getattr(args, "log_tag", trace.name)
+        cluster = Cluster(log_dir=os.path.join(args.out_dir, "logs", f"{tag}-mocker-{spec.label}"))
         try:
             for _ in range(args.workers):
                 cluster.start_mocker(mocker)
@@ -313,7 +318,8 @@ def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace
         bed = Testbed(vllm_cpu.SERVED_NAME, model_dir, model_dir)
         opts = _run_options(args, vllm_cpu.SERVED_NAME)
         for spec in specs:
-            cluster = Cluster(log_dir=os.path.join(log_dir, f"{trace.name}-vllm-{spec.label}"))
+            tag = getattr(args, "log_tag", trace.name)
+            cluster = Cluster(log_dir=os.path.join(log_dir, f"{tag}-vllm-{spec.label}"))
             cluster.workers = engine_workers(engines)
 
             def settle(c: Cluster = cluster) -> None:
@@ -525,6 +531,7 @@ def run_cell(workload: Workload, load: float, specs: Sequence[RouterSpec], args:
     blocks = blocks_per_engine(trace, args)
     cell = argparse.Namespace(**vars(args))
     cell.max_concurrency = max(1, round(args.max_concurrency * load))
+    cell.log_tag = f"{trace.name}-load{load:g}"  # each cell's router logs in their own directory
     print(f"== {trace.name} at load {load:g} on {args.testbed}: {trace.summary()} ({load_avg()})")
     print(f"   {shaped.describe()}")
     print(

@@ -159,6 +159,11 @@ def test_latency_mode_and_flags_parse() -> None:
     assert cfg.router_latency_prefill_tokens_per_s == 50000.0 and cfg.router_latency_window == 100.0
     cfg = RouterConfig.from_args(p.parse_args(["--router-latency-window", "20"]))
     assert cfg.router_latency_window == 20.0
+    assert cfg.router_latency_live_horizon == 10.0
+    cfg = RouterConfig.from_args(p.parse_args(["--router-latency-live-horizon", "0"]))
+    assert cfg.router_latency_live_horizon == 0.0  # the cache terms off
+    with pytest.raises(SystemExit):
+        p.parse_args(["--router-latency-live-horizon", "-1"])
     with pytest.raises(SystemExit):
         p.parse_args(["--router-latency-prefill-tokens-per-s", "0"])
     assert not RouterConfig(router_mode="round_robin").kv_aware

@@ -51,6 +51,7 @@ class RequestRouter:
             window=getattr(config, "router_latency_window", 100.0),
         )
         self._footprints: dict[str, LiveFootprint] = {}  # latency mode: live blocks per rank, per model
+        self._live_horizon = float(getattr(config, "router_latency_live_horizon", 10.0))  # 0: no cache terms
 
     def latency_models(self, entry: ModelEntry) -> LatencyModels:
         """The learned per-rank TTFT models of ``entry``'s workers (latency mode)."""
@@ -63,7 +64,7 @@ class RequestRouter:
         """The blocks recently routed to each rank of ``entry`` (latency mode's eviction charge)."""
         fp = self._footprints.get(entry.name)
         if fp is None:
-            fp = self._footprints[entry.name] = LiveFootprint()
+            fp = self._footprints[entry.name] = LiveFootprint(self._live_horizon or 1.0)
         return fp
 
     def observe_first_token(self, entry: ModelEntry, decision: Decision, now: float) -> None:
@@ -167,7 +168,7 @@ class RequestRouter:
                 overflow: dict[tuple[int, int], int] = {}
                 pressure: dict[tuple[int, int], float] = {}
                 for cand, r in candidates:
-                    if cand.num_gpu_blocks:  # unknown capacity: no cache terms
+                    if cand.num_gpu_blocks and self._live_horizon:  # unknown capacity: no cache terms
                         key = (cand.id, r)
                         overflow[key] = fp.overflow_blocks(key, seq, cand.num_gpu_blocks, now)
                         pressure[key] = fp.pressure_blocks(key, cand.num_gpu_blocks, now)
@@ -246,7 +247,7 @@ class RequestRouter:
         tracker.add(request_id, decision.worker.id, decision.dp_rank, decision.tracked_hashes, new_isl)
         if self.decisions is not None:
             self.decisions.record(self.label, self.config, entry, request_id, decision)
-        if self.config.router_mode == "latency" and decision.seq_hashes:
+        if self.config.router_mode == "latency" and self._live_horizon and decision.seq_hashes:
             self.footprint(entry).touch((decision.worker.id, decision.dp_rank), decision.seq_hashes, time.monotonic())
         approx = entry.approx
         if approx is not None and decision.local_hashes:
