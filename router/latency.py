@@ -26,7 +26,7 @@ the caches overflow; a rank with no live blocks is free, so a cold engine is fil
 others hold anything; scaled by fullness it fades where caches are far larger than what is live (the
 Mooncake trace's 40k blocks per engine: 98 % of the oracle, 96 % unscaled). Its weight comes from the
 offline simulation (``python -m bench routing_sim`` on bench/sessions.py's five workloads at two loads,
-6 seeds): 1/4 of a block gave 94-99 % of the oracle in every cell against 89-94 % with neither cache
+6 seeds): 1/4 of a block gave 93.5-99 % of the oracle in every cell against 89-94 % with neither cache
 term (kv mode: 90-99 %); 1/8 and 1/2 were worse on the agentic and the long-context workloads.
 
 ``decode_blocks`` is the decode pressure: the KV blocks the rank would hold with this request
