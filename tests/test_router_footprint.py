@@ -68,3 +68,44 @@ def test_pressure_grows_with_how_full_the_live_set_makes_the_cache() -> None:
     assert fp.pressure_blocks((1, 0), capacity_blocks=10_000, now=1.0) < 0.02  # a huge cache: almost nothing
     assert fp.pressure_blocks((2, 0), capacity_blocks=10, now=1.0) == 0.0
     assert fp.pressure_blocks((1, 0), capacity_blocks=0, now=1.0) == 0.0
+
+
+def test_the_frontend_router_books_into_the_footprint_and_charges_it() -> None:
+    """RequestRouter in latency mode: a booked prompt's blocks become live on its rank, and the next
+    prompt, which would overflow that rank's cache, goes to the other rank (equal otherwise). With
+    --router-latency-live-horizon 0 nothing is recorded."""
+    import time
+
+    from frontend.pool.workers import Worker, WorkerSpec
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.request_router import RequestRouter
+    from router.config import RouterConfig
+    from slot_tracker.core import SlotRegistry
+
+    def pool() -> ModelEntry:
+        slots = SlotRegistry()
+        entry = ModelEntry("m", 16, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
+        for i in (1, 2):  # routing reads neither the control-plane client nor the upstream pool
+            slots.register(i, "m", "default", 16, 0, 1)
+            spec = WorkerSpec(i, f"http://w{i}")
+            entry.workers[i] = Worker(spec, "cli", None, None, num_gpu_blocks=20, healthy=True)  # type: ignore[arg-type]
+        return entry
+
+    def second_costs(horizon: float) -> tuple[RequestRouter, ModelEntry, int, dict[int, float]]:
+        """Book a 10-block prompt, let it finish (nothing in flight any more), then price a 15-block one."""
+        entry = pool()
+        router = RequestRouter(RouterConfig(router_mode="latency", router_latency_live_horizon=horizon))
+        first = router.route(entry, list(range(160)))
+        router.book(entry, "r1", first)
+        entry.tracker.free("r1")
+        second = router.route(entry, list(range(1000, 1240)), explain=True)  # 10 + 15 > 20 on the first rank
+        assert second.costs is not None
+        return router, entry, first.worker.id, {c.worker_id: c.cost for c in second.costs}
+
+    router, entry, used, costs = second_costs(10.0)
+    assert router.footprint(entry).live_blocks((used, 0), time.monotonic()) == 10
+    other = 3 - used
+    assert costs[used] > costs[other]  # 5 live blocks evicted + the room term there
+    router, entry, used, costs = second_costs(0.0)  # the cache terms off: nothing recorded, a tie
+    assert router.footprint(entry).snapshot(time.monotonic()) == {}
+    assert costs[1] == costs[2]
