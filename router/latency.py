@@ -24,10 +24,11 @@ myopic: a new session's first request adds a few blocks to a full rank, but its 
 it there and keep pushing the others' history out. The room term spreads the live footprint before
 the caches overflow; a rank with no live blocks is free, so a cold engine is filled as soon as the
 others hold anything; scaled by fullness it fades where caches are far larger than what is live (the
-Mooncake trace's 40k blocks per engine: 98 % of the oracle, 96 % unscaled). Its weight comes from the
-offline simulation (``python -m bench routing_sim`` on bench/sessions.py's five workloads at two loads,
-6 seeds): 1/4 of a block gave 93.5-99 % of the oracle in every cell against 89-94 % with neither cache
-term (kv mode: 90-99 %); 1/8 and 1/2 were worse on the agentic and the long-context workloads.
+Mooncake trace's 40k blocks per engine: 98 % of the oracle, 96 % unscaled, 99 % without the cache
+terms). Its weight comes from the offline simulation (``python -m bench routing_sim`` on
+bench/sessions.py's five workloads at two loads, 6 seeds): 1/4 of a block gave 93.5-99 % of the
+oracle in every cell against 89-94 % with neither cache term (kv mode: 90-99 %); 1/8 and 1/2 were
+worse on the agentic and the long-context workloads.
 
 ``decode_blocks`` is the decode pressure: the KV blocks the rank would hold with this request
 (in-flight prompt blocks + this request's blocks not already in flight there, as in ``kv`` mode);
