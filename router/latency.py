@@ -27,8 +27,8 @@ others hold anything; scaled by fullness it fades where caches are far larger th
 Mooncake trace's 40k blocks per engine: 98 % of the oracle, 96 % unscaled, 99 % without the cache
 terms). Its weight comes from the offline simulation (``python -m bench routing_sim`` on
 bench/sessions.py's five workloads at two loads, 6 seeds): 1/4 of a block gave 93.5-99 % of the
-oracle in every cell against 89-94 % with neither cache term (kv mode: 90-99 %); 1/8 and 1/2 were
-worse on the agentic and the long-context workloads.
+oracle in every cell against 89-94 % with neither cache term (kv mode: 90-99 %); of the weights tried
+(1/32 ... 2) 0.2-0.3 were alike, 1/8 lost on agentic, 1/2 on agentic and rag, 1 on long-context.
 
 ``decode_blocks`` is the decode pressure: the KV blocks the rank would hold with this request
 (in-flight prompt blocks + this request's blocks not already in flight there, as in ``kv`` mode);
