@@ -37,6 +37,7 @@ from typing import Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.peers_plot import plot_workload
 from bench.real_engines import ENGINE_ENV, MODEL_POSITIONS, engine_workers, reset_caches, wait_idle, warm_up
 from bench.replay import ModeSpec, RunOptions, failed_row, fmt, load_avg, measure, read_counter
 from bench.sessions import WORKLOADS, Workload, session_trace
@@ -73,6 +74,7 @@ class RouterSpec:
     policy: str  # kvroute's --router-mode, or the peer's --policy
     gateway: bool = False  # kvroute as the endpoint picker of an Envoy gateway (--epp-port), Envoy in front
     checkout: str | None = None  # kvroute: another checkout's frontend (--before), None = this one
+    extra: tuple[str, ...] = ()  # more kvroute flags (a variant of a mode)
 
     def describe(self) -> str:
         where = f" (checkout {self.checkout})" if self.checkout else ""
@@ -82,7 +84,7 @@ class RouterSpec:
         if self.kind == "kvroute" and self.gateway:
             return f"Envoy (ext_proc, bodies full duplex) + python -m frontend --router-mode {self.policy} --epp-port P"
         if self.kind == "kvroute":
-            return f"python -m frontend --router-mode {self.policy}"
+            return " ".join(("python -m frontend --router-mode", self.policy, *self.extra))
         return f"{'smg launch' if self.kind == 'smg' else 'vllm-router'} --policy {self.policy}"
 
 
@@ -97,10 +99,12 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("vllm-cache_aware", "vllm-router", "cache_aware"),
         RouterSpec("round_robin", "kvroute", "round_robin"),
         RouterSpec("kvroute-latency-gateway", "kvroute", "latency", gateway=True),
+        # latency mode without its cache terms (what they bring, measured)
+        RouterSpec("kvroute-latency-nocache", "kvroute", "latency", extra=("--router-latency-live-horizon", "0")),
     )
 }
-# the rows of a plain run: the gateway row is asked for by name (it shows the picker routes as the proxy)
-DEFAULT_ROUTERS = [label for label, spec in ROUTERS.items() if not spec.gateway]
+# the rows of a plain run: the gateway and the variant rows are asked for by name
+DEFAULT_ROUTERS = [label for label, spec in ROUTERS.items() if not spec.gateway and not spec.extra]
 
 
 # -- the peers' environment ---------------------------------------------------------------------------
@@ -146,7 +150,8 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
     metrics_url = ""
     if spec.kind == "kvroute":
         epp = cluster.port() if spec.gateway else None
-        extra = ("--kv-cache-block-size", str(bed.block_size), *(("--epp-port", str(epp)) if epp else ()))
+        extra = ("--kv-cache-block-size", str(bed.block_size), *spec.extra,
+                 *(("--epp-port", str(epp)) if epp else ()))  # fmt: skip
         url = cluster.start_frontend(spec.policy, extra_args=extra, model_path=bed.model_path, checkout=spec.checkout)
         cluster.wait_frontend_ready(bed.model, timeout=READY_TIMEOUT)
         if epp is not None:  # requests go through Envoy, which asks the frontend where each one goes
@@ -276,7 +281,8 @@ def run_mockers(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namesp
     opts = _run_options(args, DEFAULT_MODEL)
     rows = []
     for spec in specs:
-        cluster = Cluster(log_dir=os.path.join(args.out_dir, "logs", f"{trace.name}-mocker-{spec.label}"))
+        tag = getattr(args, "log_tag", trace.name)
+        cluster = Cluster(log_dir=os.path.join(args.out_dir, "logs", f"{tag}-mocker-{spec.label}"))
         try:
             for _ in range(args.workers):
                 cluster.start_mocker(mocker)
@@ -289,35 +295,72 @@ def run_mockers(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namesp
     return rows
 
 
-def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace, blocks: int) -> list[dict]:
-    """Real vLLM CPU engines started once; before every router their prefix caches are reset."""
-    python = vllm_cpu.vllm_python()
-    if python is None:
-        raise SystemExit(vllm_cpu.missing_reason())
-    longest = max(len(r.tokens) + r.max_tokens for r in trace.requests)
-    if longest > MODEL_POSITIONS:
-        raise SystemExit(f"the longest request needs {longest} positions; the tiny model has {MODEL_POSITIONS}")
-    log_dir = os.path.join(args.out_dir, "logs")
-    os.makedirs(log_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="kvroute-tiny-")
-    engines: list[vllm_cpu.VllmEngine] = []
-    rows = []
-    try:
-        model_dir = vllm_cpu.write_tiny_model(python, os.path.join(tmp, "model"), seed=args.seed)
+class VllmEngines:
+    """The real vLLM CPU engines of a run, started on first use and kept while the cache size and context
+    length asked for stay the same (the loads of one workload share them; caches reset per router)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        python = vllm_cpu.vllm_python()
+        if python is None:
+            raise SystemExit(vllm_cpu.missing_reason())
+        self.python, self.args = python, args
+        self.log_dir = os.path.join(args.out_dir, "logs")
+        self.tmp = tempfile.mkdtemp(prefix="kvroute-tiny-")
+        self.model_dir = ""
+        self.engines: list[vllm_cpu.VllmEngine] = []
+        self.shape: tuple[int, int] | None = None  # (blocks, max_model_len) of the running engines
+
+    def ensure(self, trace: Trace, blocks: int) -> list[vllm_cpu.VllmEngine]:
+        longest = max(len(r.tokens) + r.max_tokens for r in trace.requests)
+        if longest > MODEL_POSITIONS:
+            raise SystemExit(f"the longest request needs {longest} positions; the tiny model has {MODEL_POSITIONS}")
         max_len = min(MODEL_POSITIONS, max(2048, -(-longest // 1024) * 1024))
-        engines = [
-            vllm_cpu.VllmEngine(python, model_dir, num_gpu_blocks=blocks, max_model_len=max_len, env=dict(ENGINE_ENV),
-                                log_path=os.path.join(log_dir, f"vllm-{i}.log"), extra_args=list(VLLM_ENGINE_ARGS))
-            for i in range(1, args.workers + 1)
+        if self.shape == (blocks, max_len):
+            return self.engines
+        self.stop()
+        os.makedirs(self.log_dir, exist_ok=True)
+        if not self.model_dir:
+            self.model_dir = vllm_cpu.write_tiny_model(
+                self.python, os.path.join(self.tmp, "model"), seed=self.args.seed
+            )
+        self.engines = [
+            vllm_cpu.VllmEngine(self.python, self.model_dir, num_gpu_blocks=blocks, max_model_len=max_len,
+                                env=dict(ENGINE_ENV), log_path=os.path.join(self.log_dir, f"vllm-{i}.log"),
+                                extra_args=list(VLLM_ENGINE_ARGS))
+            for i in range(1, self.args.workers + 1)
         ]  # fmt: skip
         t0 = time.perf_counter()
-        vllm_cpu.start_engines(engines)
-        print(f"   {args.workers} vLLM engines ready in {time.perf_counter() - t0:.0f} s ({load_avg()})", flush=True)
-        print(f"   warm-up {warm_up(engines, trace, args.seed):.0f} s", flush=True)
-        bed = Testbed(vllm_cpu.SERVED_NAME, model_dir, model_dir)
+        vllm_cpu.start_engines(self.engines)
+        self.shape = (blocks, max_len)
+        print(
+            f"   {len(self.engines)} vLLM engines ready in {time.perf_counter() - t0:.0f} s ({load_avg()})", flush=True
+        )
+        print(f"   warm-up {warm_up(self.engines, trace, self.args.seed):.0f} s", flush=True)
+        return self.engines
+
+    def stop(self) -> None:
+        for e in self.engines:
+            e.stop()
+        self.engines, self.shape = [], None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace, blocks: int) -> list[dict]:
+    """Real vLLM CPU engines (``args.vllm_engines``, or started for this call); before every router
+    their prefix caches are reset."""
+    own = getattr(args, "vllm_engines", None) is None
+    pool: VllmEngines = VllmEngines(args) if own else args.vllm_engines
+    rows = []
+    try:
+        engines = pool.ensure(trace, blocks)
+        bed = Testbed(vllm_cpu.SERVED_NAME, pool.model_dir, pool.model_dir)
         opts = _run_options(args, vllm_cpu.SERVED_NAME)
         for spec in specs:
-            cluster = Cluster(log_dir=os.path.join(log_dir, f"{trace.name}-vllm-{spec.label}"))
+            tag = getattr(args, "log_tag", trace.name)
+            cluster = Cluster(log_dir=os.path.join(pool.log_dir, f"{tag}-vllm-{spec.label}"))
             cluster.workers = engine_workers(engines)
 
             def settle(c: Cluster = cluster) -> None:
@@ -332,9 +375,8 @@ def run_vllm(trace: Trace, specs: Sequence[RouterSpec], args: argparse.Namespace
             finally:
                 cluster.stop()
     finally:
-        for e in engines:
-            e.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if own:
+            pool.close()
     return rows
 
 
@@ -378,8 +420,9 @@ def table(report: dict) -> str:
 
 def markdown(report: dict) -> str:
     s = report["trace"]
+    machine = report.get("machine", {})
     lines = [
-        f"### `{report['workload']}` on {report['testbed']}",
+        f"### `{report['workload']}` at load {report.get('load', 1):g} on {report['testbed']}",
         "",
         f"- Workload: {report['description']}",
         f"- Schedule: {s['requests']} requests over {s['span_s']} s, mean prompt {s['mean_prompt_tokens']} tokens "
@@ -387,6 +430,8 @@ def markdown(report: dict) -> str:
         f"- Engines: {report['setup']}",
         f"- Peers: {report['peers']}",
         f"- Command: `{report['command']}`",
+        f"- Machine: {machine.get('cpus')} CPUs, load average before {machine.get('load_before')}, "
+        f"after {machine.get('load_after')}",
         "",
         table(report),
         "",
@@ -400,6 +445,66 @@ def markdown(report: dict) -> str:
         if m["completed"] < m["requests"]:
             example = next(iter(m.get("error_examples", {}).values()), "")[:200]
             lines.append(f"- {m['router']}: {m['requests'] - m['completed']} failed, e.g. {example}")
+    lost = lost_to_peers(report)
+    lines.append(f"- `{RECOMMENDED}` " + (f"is behind: {'; '.join(lost)}" if lost else "is ahead of every peer"))
+    return "\n".join(lines) + "\n"
+
+
+RECOMMENDED = "kvroute-latency"  # the row every peer is compared with
+
+
+def lost_to_peers(report: dict, label: str = RECOMMENDED) -> list[str]:
+    """Where ``label`` is behind a peer (another project's router) on hit rate or TTFT p50 / p90."""
+    rows = {m["router"]: m for m in report["routers"]}
+    ours = rows.get(label)
+    if ours is None or ours.get("hit_rate") is None:
+        return [f"{label} did not run"]
+    lost = []
+    for m in report["routers"]:
+        if m["kind"] == "kvroute" or m.get("hit_rate") is None or m["completed"] < m["requests"]:
+            continue
+        if m["hit_rate"] > ours["hit_rate"]:
+            lost.append(f"hit rate to {m['router']} ({m['hit_rate']:.1%} vs {ours['hit_rate']:.1%})")
+        for p in ("p50", "p90"):
+            theirs, mine = m["ttft_ms"][p], ours["ttft_ms"][p]
+            if theirs is not None and mine is not None and theirs < mine:
+                lost.append(f"TTFT {p} to {m['router']} ({fmt(theirs)} vs {fmt(mine)} ms)")
+    return lost
+
+
+def summary_markdown(reports: Sequence[dict]) -> str:
+    """Every cell in one table: per router the hit rate as a share of the oracle and TTFT p50 / p90 (ms),
+    then where the recommended mode is behind a peer."""
+    labels: list[str] = []
+    for r in reports:
+        labels += [m["router"] for m in r["routers"] if m["router"] not in labels]
+    lines = [
+        "| workload, load (machine load before / after) | " + " | ".join(labels) + " |",
+        "| --- | " + " | ".join("---" for _ in labels) + " |",
+    ]
+    for r in reports:
+        rows = {m["router"]: m for m in r["routers"]}
+        orc = r["oracle"]["token_share"]
+        cells = []
+        for label in labels:
+            m = rows.get(label)
+            if m is None or m.get("hit_rate") is None:
+                cells.append("n/a")
+                continue
+            errors = m["requests"] - m["completed"]
+            cells.append(
+                f"{m['hit_rate'] / orc:.1%}, {fmt(m['ttft_ms']['p50'])} / {fmt(m['ttft_ms']['p90'])}"
+                + (f" ({errors} errors)" if errors else "")
+            )
+        machine = r.get("machine", {})
+        lines.append(
+            f"| {r['workload']} x{r['load']:g}{' quick' if r.get('quick') else ''} "
+            f"({machine.get('load_before', '?')} / {machine.get('load_after', '?')}) | " + " | ".join(cells) + " |"
+        )
+    lines += ["", f"Where `{RECOMMENDED}` is behind a peer:", ""]
+    for r in reports:
+        lost = lost_to_peers(r)
+        lines.append(f"- {r['workload']} x{r['load']:g}: " + ("; ".join(lost) if lost else "ahead of every peer"))
     return "\n".join(lines) + "\n"
 
 
@@ -408,7 +513,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--testbed", choices=("mocker", "vllm"), default="mocker")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic")
+    p.add_argument("--workload", default="all", help=f"comma-separated, from {', '.join(WORKLOADS)}, or all")
+    p.add_argument("--loads", default="1,2",
+                   help="load factors, comma-separated: x = the sessions' starts and think times divided by x, "
+                        "and x times --max-concurrency in flight")  # fmt: skip
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help=f"comma-separated, from {', '.join(ROUTERS)}")
     p.add_argument("--quick", action="store_true", help="a short run: a third of the sessions, at most 3 turns")
     p.add_argument("--workers", type=int, default=4, help="engines")
@@ -416,7 +524,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-fraction", type=float, default=0.5,
                    help="all engines' caches together hold this share of the schedule's distinct blocks")  # fmt: skip
     p.add_argument("--speedup-ratio", type=float, default=4.0, help="mocker engine speed")
-    p.add_argument("--max-concurrency", type=int, default=12, help="client requests in flight at most")
+    p.add_argument("--max-concurrency", type=int, default=12, help="client requests in flight at most, at load 1")
     p.add_argument("--max-duration", type=float, default=600.0, help="seconds per router before cancelling")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--bin-dir", default=None, help=f"the peers' bin directory (default: ${PEERS_BIN_ENV})")
@@ -426,6 +534,77 @@ def parser() -> argparse.ArgumentParser:
                    help="another checkout of kvroute (git worktree add DIR REV): each kvroute row also runs with its "
                    "frontend, just before this checkout's, in the same run")  # fmt: skip
     return p
+
+
+def workloads_of(text: str) -> list[Workload]:
+    names = list(WORKLOADS) if text.strip() == "all" else [w.strip() for w in text.split(",") if w.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)} or all")
+    return [WORKLOADS[n] for n in names]
+
+
+def loads_of(text: str) -> list[float]:
+    try:
+        loads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--loads: not numbers: {text!r}") from None
+    if not loads or any(x <= 0 for x in loads):
+        raise SystemExit("--loads: one or more factors > 0")
+    return loads
+
+
+def load1() -> float | None:
+    """The machine's 1-minute load average (shared with other work: stated with every figure)."""
+    try:
+        return round(os.getloadavg()[0], 1)
+    except OSError:
+        return None
+
+
+def run_cell(workload: Workload, load: float, specs: Sequence[RouterSpec], args: argparse.Namespace,
+             command: str) -> dict:  # fmt: skip
+    """One workload at one load through every router; the report of that cell."""
+    shaped = (workload.quick() if args.quick else workload).at_load(load)  # quick first: load 2 stays 2x as dense
+    trace = session_trace(shaped, args.seed)
+    prompts = [r.tokens for r in trace.requests]
+    orc = oracle(prompts, BLOCK_SIZE)
+    blocks = blocks_per_engine(trace, args)
+    cell = argparse.Namespace(**vars(args))
+    cell.max_concurrency = max(1, round(args.max_concurrency * load))
+    cell.log_tag = f"{trace.name}-load{load:g}"  # each cell's router logs in their own directory
+    print(f"== {trace.name} at load {load:g} on {args.testbed}: {trace.summary()} ({load_avg()})")
+    print(f"   {shaped.describe()}")
+    print(
+        f"   oracle {orc.token_share:.1%}; {distinct_blocks(prompts, BLOCK_SIZE)} distinct blocks of {BLOCK_SIZE}, "
+        f"{blocks} per engine x {args.workers}; client max {cell.max_concurrency} in flight",
+        flush=True,
+    )
+    load_before = load1()
+    t0 = time.perf_counter()
+    rows = (run_mockers if args.testbed == "mocker" else run_vllm)(trace, specs, cell, blocks)
+    versions = peer_versions(args.bin_dir) if args.bin_dir else {}
+    engine = (
+        f"{args.workers} mockers, speedup ratio {args.speedup_ratio:g}, fresh per router"
+        if args.testbed == "mocker"
+        else f"{args.workers} vLLM {vllm_cpu.VERSION} CPU engines (tiny model), prefix caches reset per router"
+    )
+    return {
+        "workload": trace.name,
+        "load": load,
+        "quick": bool(args.quick),
+        "testbed": args.testbed,
+        "description": shaped.describe(),
+        "trace": trace.summary(),
+        "oracle": orc.as_dict(),
+        "setup": f"{engine}; block size {BLOCK_SIZE}, {blocks} KV blocks each; client max {cell.max_concurrency} "
+        f"in flight; seed {args.seed}",
+        "peers": ", ".join(f"{k} {v}" for k, v in versions.items()) + " (default settings)" if versions else "none",
+        "command": command,
+        "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": load1()},
+        "total_s": round(time.perf_counter() - t0, 1),
+        "routers": rows,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -442,57 +621,60 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s in specs
             for x in ((replace(s, label=f"{s.label} (before)", checkout=before), s) if s.kind == "kvroute" else (s,))
         ]
+    workloads, loads = workloads_of(args.workload), loads_of(args.loads)
     args.bin_dir = peers_bin(args.bin_dir)
     if args.bin_dir is None and any(s.kind != "kvroute" for s in specs):
         raise SystemExit(missing_reason())
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: engines stop
-    workload: Workload = WORKLOADS[args.workload]
-    if args.quick:
-        workload = workload.quick()
-    trace = session_trace(workload, args.seed)
-    prompts = [r.tokens for r in trace.requests]
-    orc = oracle(prompts, BLOCK_SIZE)
-    blocks = blocks_per_engine(trace, args)
-    print(f"== {trace.name} on {args.testbed}: {trace.summary()}")
-    print(f"   {workload.describe()}")
-    print(
-        f"   oracle {orc.token_share:.1%}; {distinct_blocks(prompts, BLOCK_SIZE)} distinct blocks of {BLOCK_SIZE}, "
-        f"{blocks} per engine x {args.workers}",
-        flush=True,
-    )
-    t0 = time.perf_counter()
-    rows = (run_mockers if args.testbed == "mocker" else run_vllm)(trace, specs, args, blocks)
-    versions = peer_versions(args.bin_dir) if args.bin_dir else {}
-    engine = (
-        f"{args.workers} mockers, speedup ratio {args.speedup_ratio:g}, fresh per router"
-        if args.testbed == "mocker"
-        else f"{args.workers} vLLM {vllm_cpu.VERSION} CPU engines (tiny model), prefix caches reset per router"
-    )
-    report = {
-        "workload": trace.name,
-        "testbed": args.testbed,
-        "description": workload.describe(),
-        "trace": trace.summary(),
-        "oracle": orc.as_dict(),
-        "setup": f"{engine}; block size {BLOCK_SIZE}, {blocks} KV blocks each; client max {args.max_concurrency} "
-        f"in flight; seed {args.seed}",
-        "peers": ", ".join(f"{k} {v}" for k, v in versions.items()) + " (default settings)" if versions else "none",
-        "command": "python -m bench peers " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpus": os.cpu_count(), "load_after": load_avg()},
-        "total_s": round(time.perf_counter() - t0, 1),
-        "routers": rows,
-    }
+    command = "python -m bench peers " + " ".join(argv if argv is not None else sys.argv[1:])
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"{trace.name}-{args.testbed}{'-quick' if args.quick else ''}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    text = markdown(report)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(text)
+    t0 = time.perf_counter()
+    reports: list[dict] = []
+    args.vllm_engines = VllmEngines(args) if args.testbed == "vllm" else None  # shared by a workload's loads
+    try:
+        ok = run_cells(workloads, loads, specs, args, command, reports)
+    finally:
+        if args.vllm_engines is not None:
+            args.vllm_engines.close()
+    summary = os.path.join(args.out_dir, f"summary-{args.testbed}{'-quick' if args.quick else ''}.md")
+    with open(summary, "w", encoding="utf-8") as f:
+        f.write(summary_markdown(reports))
     print()
-    print(text)
-    print(f"wrote {stem}.md, {stem}.json ({report['total_s']:.0f} s)")
-    return 0 if all(m["completed"] == m["requests"] for m in rows) else 1
+    print(summary_markdown(reports))
+    print(f"wrote {summary} ({time.perf_counter() - t0:.0f} s in all)")
+    return 0 if ok else 1
+
+
+def run_cells(workloads: Sequence[Workload], loads: Sequence[float], specs: Sequence[RouterSpec],
+              args: argparse.Namespace, command: str, reports: list[dict]) -> bool:  # fmt: skip
+    """Every workload at every load: a report per cell, a plot per workload; whether no request failed."""
+    ok = True
+    for workload in workloads:
+        cells = []
+        for load in loads:
+            report = run_cell(workload, load, specs, args, command)
+            stem = os.path.join(args.out_dir, cell_stem(report))
+            with open(stem + ".json", "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=2)
+            text = markdown(report)
+            with open(stem + ".md", "w", encoding="utf-8") as f:
+                f.write(text)
+            print()
+            print(text)
+            print(f"wrote {stem}.md, {stem}.json ({report['total_s']:.0f} s)", flush=True)
+            ok = ok and all(m["completed"] == m["requests"] for m in report["routers"])
+            cells.append(report)
+        plot = os.path.join(args.out_dir, f"{cell_stem(cells[0], load=False)}.png")
+        plot_workload(cells, plot)
+        print(f"wrote {plot}")
+        reports += cells
+    return ok
+
+
+def cell_stem(report: dict, load: bool = True) -> str:
+    quick = "-quick" if report.get("quick") else ""
+    at = f"-load{report['load']:g}" if load else ""
+    return f"{report['workload']}-{report['testbed']}{at}{quick}"
 
 
 if __name__ == "__main__":

@@ -129,6 +129,8 @@ async def send_one(
                 if '"usage"' in data and not _NULL_USAGE.search(data):  # only the usage chunk is decoded
                     if not _read_usage(data, result):
                         continue  # the usage-only chunk (no choices) is not a token
+                if messages and '"role"' in data and _role_only(data):
+                    continue  # a chat stream's opening role delta (sent before the prefill) is not a token
                 if result.ttft_s is None:
                     result.ttft_s = time.perf_counter() - start
                 result.output_chunks += 1
@@ -141,6 +143,18 @@ async def send_one(
 
 _NULL_USAGE = re.compile(r'"usage"\s*:\s*null')
 _ROLE_ONLY = re.compile(r'"delta"\s*:\s*\{\s*"role"\s*:\s*"assistant"\s*,\s*"content"\s*:\s*""\s*\}')
+
+
+def _role_only(data: str) -> bool:
+    """A chat chunk whose deltas carry the role and no generated text (the stream's first chunk)."""
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    deltas = [c.get("delta") or {} for c in chunk.get("choices") or []]
+    return bool(deltas) and not any(
+        d.get("content") or d.get("tool_calls") or d.get("reasoning_content") for d in deltas
+    )
 
 
 def _read_usage(data: str, result: RequestResult) -> bool:

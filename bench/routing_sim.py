@@ -27,7 +27,8 @@ from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from mocker.engine import RankScheduler, Sequence, Step
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
-from router.latency import LatencyModels, LatencyPrior, score_latency
+from router.footprint import DEFAULT_HORIZON_S, LiveFootprint
+from router.latency import ROOM_WEIGHT, LatencyModels, LatencyPrior, score_latency
 from router.selection import CandidateLoad, choose, score_candidates
 from slot_tracker.core import SlotTracker
 
@@ -66,6 +67,8 @@ def simulate(
     kw = {k: float(v) for k, v in (o.split("=") for o in opt.split(",") if o)}
     prior = LatencyPrior(**({"decode_tokens_per_block": kw["k"]} if "k" in kw else {}))
     models = LatencyModels(prior, block_size)
+    # latency:f=0 turns the cache terms off, f=H sets the live horizon (s), l=W the room weight
+    footprint = LiveFootprint(kw.get("f", DEFAULT_HORIZON_S)) if kw.get("f", 1.0) > 0 else None
     policy = name
     decisions: dict[str, tuple[int, int, float]] = {}
 
@@ -142,13 +145,27 @@ def simulate(
             overlaps = {(k, 0): len(ranks[k].kv.longest_prefix(seq_h, len(seq_h))) for k in range(workers)}
             loads = [CandidateLoad(p[0], p[1], p[2], p[3], p[4]) for p in tracker.potential_loads(seq_h, 0)]
             if policy == "latency":
-                costs = score_latency(loads, overlaps, isl, block_size, models, recompute_weight=kw.get("r", 1.0))
+                overflow = {k: footprint.overflow_blocks(k, seq_h, blocks, t) for k in overlaps} if footprint else None
+                pressure = {k: footprint.pressure_blocks(k, blocks, t) for k in overlaps} if footprint else None
+                costs = score_latency(
+                    loads,
+                    overlaps,
+                    isl,
+                    block_size,
+                    models,
+                    recompute_weight=kw.get("r", 1.0),
+                    overflow=overflow,
+                    pressure=pressure,
+                    room_weight=kw.get("l", ROOM_WEIGHT),
+                )
             else:
                 costs = score_candidates(loads, overlaps, isl, block_size, 4.0 if policy == "kv-w4" else 1.0)
             c = choose(costs, 0.0, rng)
             w, overlap, work, dec = c.worker_id, c.overlap_blocks, c.prefill_tokens, int(c.decode_blocks)
         new = max(0, isl - overlap * block_size)
         tracker.add(rid, w, 0, seq_h, new)
+        if policy == "latency" and footprint is not None:
+            footprint.touch((w, 0), seq_h, t)
         decisions[rid] = (w, work, dec)
         sent_at[rid] = t
         ranks[w].add(

@@ -70,6 +70,27 @@ class Workload:
     def describe(self) -> str:
         return "; ".join(g.describe() for g in self.groups)
 
+    def at_load(self, factor: float) -> Workload:
+        """The same sessions ``factor`` times as dense: starts and think times divided by ``factor`` (2 = twice
+        the request rate and about twice as many requests in flight)."""
+        if factor <= 0:
+            raise ValueError("the load factor must be > 0")
+        if factor == 1:
+            return self
+        return Workload(
+            self.name,
+            tuple(
+                replace(
+                    g,
+                    start_s=g.start_s / factor,
+                    start_window_s=g.start_window_s / factor,
+                    think_s=g.think_s / factor,
+                    think_min_s=g.think_min_s / factor,
+                )
+                for g in self.groups
+            ),
+        )
+
     def quick(self) -> Workload:
         """A short run of the same shape: a third of the sessions (at least 4), at most 3 turns, quicker turns."""
         return Workload(
@@ -89,19 +110,56 @@ class Workload:
         )
 
 
-AGENTIC = SessionGroup("agentic", sessions=24, turns=6, prefixes=4, prefix_tokens=(1536, 2560))
+AGENTIC = SessionGroup("agentic", sessions=20, turns=5, prefixes=4, prefix_tokens=(1536, 2560), start_window_s=20.0,
+                       think_s=2.0, think_min_s=0.5)  # fmt: skip
 WORKLOADS: dict[str, Workload] = {
+    # multi-turn agentic sessions on a few shared system prompts
     "agentic": Workload("agentic", (AGENTIC,)),
+    # many users asking about a few long shared documents (RAG-like): the documents are the reuse
+    "rag": Workload(
+        "rag",
+        (
+            SessionGroup(
+                "rag",
+                sessions=48,
+                turns=2,
+                prefixes=4,
+                prefix_tokens=(3072, 4608),
+                user_tokens=128,
+                reply_tokens=128,
+                start_window_s=20.0,
+                think_s=2.0,
+                think_min_s=0.5,
+            ),
+        ),
+    ),  # fmt: skip
+    # long private contexts (nothing shared): together far more than one engine's cache, they evict each other
+    "long-context": Workload(
+        "long-context",
+        (
+            SessionGroup(
+                "long",
+                sessions=12,
+                turns=3,
+                prefixes=12,
+                prefix_tokens=(4096, 6144),
+                start_window_s=16.0,
+                think_s=2.0,
+                think_min_s=0.5,
+            ),
+        ),
+    ),  # fmt: skip
     # the agentic sessions, then a burst of new sessions on the same system prompts
     "agentic-burst": Workload(
         "agentic-burst",
         (
             AGENTIC,
             replace(
-                AGENTIC, name="burst", sessions=16, turns=2, prefix_pool="agentic", start_s=20.0, start_window_s=2.0
+                AGENTIC, name="burst", sessions=16, turns=2, prefix_pool="agentic", start_s=10.0, start_window_s=1.0
             ),
         ),
     ),  # fmt: skip
+    # the agentic sessions as chat requests (system + user/assistant messages to /v1/chat/completions)
     "agentic-chat": Workload("agentic-chat", (replace(AGENTIC, api="chat"),)),
 }
 

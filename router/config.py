@@ -116,6 +116,13 @@ def _window(value: str) -> float:
     return v
 
 
+def _horizon(value: str) -> float:
+    v = float(value)
+    if not 0.0 <= v <= 86400.0:
+        raise argparse.ArgumentTypeError("must be between 0 (off) and 86400 s")
+    return v
+
+
 def _affinity_mode(value: str) -> str:
     v = value.strip().lower()
     if v not in SESSION_AFFINITY_MODES:
@@ -169,6 +176,7 @@ class RouterConfig:
     stream_idle_timeout: float | None = None
     router_latency_prefill_tokens_per_s: float = 20000.0
     router_latency_window: float = 100.0
+    router_latency_live_horizon: float = 10.0
     # JetStream mode (deprecated in the guide): accepted, no effect here (see JETSTREAM_FLAGS)
     router_durable_kv_events: bool = False
     router_reset_states: bool = False
@@ -423,6 +431,15 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         _window,
         100.0,
         "latency mode: observed TTFTs per rank the learned speed mostly rests on (exponential forgetting)",
+    ),
+    (
+        "--router-latency-live-horizon",
+        "router_latency_live_horizon",
+        ("DYN_ROUTER_LATENCY_LIVE_HORIZON",),
+        _horizon,
+        10.0,
+        "latency mode: seconds a block routed to a rank counts as live there (its cache terms: evicting live "
+        "blocks, room); 0 turns the cache terms off",
     ),
     (
         "--router-durable-kv-events",

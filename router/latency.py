@@ -6,12 +6,29 @@ For each candidate (worker, DP rank):
                   + this request's uncached tokens there (isl - overlap_blocks * block_size)
     est_ttft_s  = base_s + s_per_token * (work_tokens + DECODE_TOKENS_PER_BLOCK * decode_blocks)
 
-plus, on ranks holding less of the prompt than the best rank, ``RECOMPUTE_WEIGHT`` (1) x the time
-to compute again the blocks another rank already holds. That work is paid twice: by this request
-(it is in ``work_tokens``) and by the cluster, which spends prefill capacity and cache space on a
-second copy of a prefix (later requests of that prefix then find it split or evicted). Without it
+plus, where the rank's cache would evict blocks other requests used recently to make room for this
+prompt (``router.footprint``: its live blocks would no longer fit), the time to compute those again,
+plus ``ROOM_WEIGHT`` (1/4) of a block's prefill per block live on the rank (used within the last 10 s
+by the requests routed there) times how full they make its cache (live / capacity, at most 1), and,
+on ranks holding less of the prompt than the best rank,
+``RECOMPUTE_WEIGHT`` (1) x the time to compute again the blocks another rank already holds. That work
+is paid twice: by this request (it is in ``work_tokens``) and by the cluster, which spends prefill
+capacity and cache space on a second copy of a prefix (later requests of that prefix then find it
+split or evicted). Without it
 the choice is greedy per request and gave away reuse under load (offline simulation,
 ``python -m bench routing_sim``: 91-94 % instead of 98 % of the oracle on the Mooncake synthetic trace).
+
+The two cache terms are what the estimate of this request's TTFT cannot see: where its blocks will still
+be when the session's next turn (or the document's next reader) comes. Marginal overflow alone is
+myopic: a new session's first request adds a few blocks to a full rank, but its later turns follow
+it there and keep pushing the others' history out. The room term spreads the live footprint before
+the caches overflow; a rank with no live blocks is free, so a cold engine is filled as soon as the
+others hold anything; scaled by fullness it fades where caches are far larger than what is live (the
+Mooncake trace's 40k blocks per engine: 98 % of the oracle, 96 % unscaled, 99 % without the cache
+terms). Its weight comes from the offline simulation (``python -m bench routing_sim`` on
+bench/sessions.py's five workloads at two loads, 6 seeds): 1/4 of a block gave 93.5-99 % of the
+oracle in every cell against 89-94 % with neither cache term (kv mode: 90-99 %); of the weights tried
+(1/32 ... 2) 0.2-0.3 were alike, 1/8 lost on agentic, 1/2 on agentic and rag, 1 on long-context.
 
 ``decode_blocks`` is the decode pressure: the KV blocks the rank would hold with this request
 (in-flight prompt blocks + this request's blocks not already in flight there, as in ``kv`` mode);
@@ -24,8 +41,10 @@ random among ties, optional temperature).
 each routed, streamed request is one observation ``(work_tokens, decode_blocks) -> ttft``, fitted
 by ridge regression towards a prior with exponential forgetting (recent observations count most, so
 a rank that slows down is seen within about ``window`` requests), with outliers down-weighted
-(Huber) and both coefficients bounded. Before any observation the prior decides, so a new rank is
-judged like its peers; a rank is re-observed only when it is chosen (a rank learned slow is tried
+(Huber) and both coefficients bounded. A rank observed fewer than ``MIN_OBSERVATIONS`` times is scored
+with its observed peers' model (the prior only when no rank is observed yet): scored with the prior,
+an engine that never got a request looked 9x slower than its learned peers on the mockers and never
+got its first one. A rank is re-observed only when it is chosen (a rank learned slow is tried
 again once the others have queued more work than its estimate). The decode weight is fixed, not
 fitted: work and decode blocks rise together (both grow with in-flight requests), so a free fit
 cannot tell them apart. Assumptions: the engine prefills in arrival order (work queued ahead of the
@@ -47,11 +66,13 @@ from router.selection import CandidateLoad, WorkerCost, WorkerRank
 _W_SCALE = 1000.0
 DECODE_TOKENS_PER_BLOCK = 1.0
 RECOMPUTE_WEIGHT = 1.0
+ROOM_WEIGHT = 0.25  # of a block's prefill, per block live on the rank (see the module docstring)
 SAME_SPEED_RATIO = 1.5  # learned speeds closer than this are treated as equal (see scoring_models)
 MIN_TOKENS_PER_S = 100.0
 MAX_TOKENS_PER_S = 1e8
 MAX_BASE_S = 10.0
 HUBER_K = 3.0
+MIN_OBSERVATIONS = 4  # a rank observed less than this is judged by its observed peers' model
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,16 +216,23 @@ def scoring_models(models: LatencyModels, keys: list[WorkerRank], ref_tokens: fl
     faster, which sends it more work (offline, one rank took half of all requests and the p90 TTFT
     rose 1.3x). Only a difference larger than ``SAME_SPEED_RATIO`` at this request's size (a slower
     GPU, a throttled or overloaded engine) is trusted; within the band every rank is scored alike,
-    and ranks scored alike are ranked by their work and reuse alone.
+    and ranks scored alike are ranked by their work and reuse alone. The median is the observed ranks'
+    (at least ``MIN_OBSERVATIONS``), and a rank not yet observed is scored with it: a serving pool is
+    alike until shown otherwise, and the prior is no measurement of these engines.
     """
     own = [models.get(k) for k in keys]
     if len(own) < 2:
         return own
+    observed = [i for i, m in enumerate(own) if m.observations >= MIN_OBSERVATIONS]
+    if not observed:
+        return own
     est = [m.predict(ref_tokens, 0.0) for m in own]
-    median = sorted(range(len(own)), key=est.__getitem__)[(len(own) - 1) // 2]
+    median = sorted(observed, key=est.__getitem__)[(len(observed) - 1) // 2]
     mid, mid_est = own[median], est[median]
     return [
-        m if e > mid_est * SAME_SPEED_RATIO or e * SAME_SPEED_RATIO < mid_est else mid
+        m
+        if m.observations >= MIN_OBSERVATIONS and (e > mid_est * SAME_SPEED_RATIO or e * SAME_SPEED_RATIO < mid_est)
+        else mid
         for m, e in zip(own, est, strict=True)
     ]
 
@@ -217,11 +245,17 @@ def score_latency(
     models: LatencyModels,
     track_prefill_tokens: bool = True,
     recompute_weight: float = RECOMPUTE_WEIGHT,
+    overflow: Mapping[WorkerRank, int] | None = None,
+    pressure: Mapping[WorkerRank, float] | None = None,
+    room_weight: float = ROOM_WEIGHT,
 ) -> list[WorkerCost]:
     """Estimated TTFT of every candidate as its cost, in milliseconds (lower is better).
 
     ``WorkerCost.prefill_tokens`` is the work the estimate charges (queued + uncached tokens),
-    ``decode_blocks`` the decode pressure, ``cost`` the estimate in ms.
+    ``decode_blocks`` the decode pressure, ``cost`` the estimate in ms. ``overflow``: live blocks each
+    rank would evict to take this prompt (``router.footprint``); each is charged as computing it again.
+    ``pressure``: each rank's live blocks weighted by how full they make its cache
+    (``LiveFootprint.pressure_blocks``), each charged ``room_weight`` of a block's prefill.
     """
     out: list[WorkerCost] = []
     loads = list(loads)
@@ -241,6 +275,10 @@ def score_latency(
             est_ms += (
                 recompute_weight * min(best - overlap, isl_tokens // block_size) * block_size * model.s_per_token * 1e3
             )
+        if overflow:  # live blocks pushed out here, computed again by the requests that wanted them
+            est_ms += overflow.get(key, 0) * block_size * model.s_per_token * 1e3
+        if pressure:  # the fuller the rank's live set, the sooner what this request leaves there goes
+            est_ms += room_weight * pressure.get(key, 0.0) * block_size * model.s_per_token * 1e3
         out.append(
             WorkerCost(
                 load.worker_id,

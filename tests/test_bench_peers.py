@@ -69,3 +69,51 @@ def test_every_router_serves_every_request_and_reports_a_hit_rate(peers_bin: str
         assert row["router_cpu_s"] is not None and row["router_cpu_s"] >= 0, row["router"]
     table = peers.table({"oracle": {"token_share": 0.5}, "routers": rows})
     assert all(label in table for label in labels)
+
+
+def test_a_load_factor_packs_the_same_sessions_closer():
+    """Load 2: the same requests (same tokens, same order within each session) in half the time."""
+    base = session_trace(TINY)
+    dense = session_trace(TINY.at_load(2.0))
+    assert [r.tokens for r in dense.requests] == [r.tokens for r in base.requests]
+    assert dense.duration_s == pytest.approx(base.duration_s / 2, rel=1e-3)
+    assert TINY.at_load(1.0) is TINY
+    with pytest.raises(ValueError):
+        TINY.at_load(0.0)
+
+
+def test_the_workloads_have_their_shapes():
+    """RAG: many readers of a few long documents; long-context: nothing shared, each context long; the
+    burst: many sessions starting within a second; chat: messages, not text."""
+    from bench.sessions import WORKLOADS
+
+    rag = WORKLOADS["rag"].groups[0]
+    assert rag.sessions >= 8 * rag.prefixes and rag.prefix_tokens[0] >= 3000
+    long = WORKLOADS["long-context"].groups[0]
+    assert long.prefixes == long.sessions and long.prefix_tokens[0] >= 4000
+    burst = WORKLOADS["agentic-burst"].groups[1]
+    assert burst.start_window_s <= 1.0 and burst.prefix_pool == "agentic"
+    assert WORKLOADS["agentic-chat"].groups[0].api == "chat"
+    assert peers.workloads_of("all") == list(WORKLOADS.values())
+    assert peers.loads_of("1,2") == [1.0, 2.0]
+
+
+def test_the_recommended_mode_is_compared_with_every_peer_only():
+    """A peer ahead on hit rate or TTFT p50 / p90 is named; kvroute's other modes are not peers."""
+
+    def row(router: str, kind: str, hit: float, p50: float, p90: float) -> dict:
+        return {"router": router, "kind": kind, "hit_rate": hit, "ttft_ms": {"p50": p50, "p90": p90},
+                "completed": 10, "requests": 10}  # fmt: skip
+
+    report = {
+        "routers": [
+            row("kvroute-latency", "kvroute", 0.8, 20.0, 50.0),
+            row("kvroute-kv", "kvroute", 0.9, 10.0, 40.0),
+            row("sglang-cache_aware", "smg", 0.7, 15.0, 60.0),
+            row("vllm-kv_aware", "vllm-router", 0.85, 30.0, 70.0),
+        ]
+    }
+    lost = peers.lost_to_peers(report)
+    assert len(lost) == 2
+    assert lost[0].startswith("TTFT p50 to sglang-cache_aware (15 vs 20 ms)")
+    assert lost[1].startswith("hit rate to vllm-kv_aware (85.0% vs 80.0%)")

@@ -147,3 +147,29 @@ def test_disaggregated_row(tmp_path):
     assert disagg["prefill_workers"] == 1 and disagg["completed"] == disagg["requests"] > 0, disagg
     assert 0 < disagg["ttft_ms"]["p50"] <= disagg["e2e_ms"]["p50"]
     assert "disaggregated" in (out / js.replace(".json", ".md")).read_text()
+
+
+def test_a_chat_streams_opening_role_delta_is_not_its_first_token(tmp_path):
+    """The client's TTFT is the first generated text: a chat stream's role-only first chunk (the mocker
+    sends it before the prefill, as a proxy may) neither stops the clock nor counts as output."""
+    import asyncio
+
+    import httpx
+
+    from bench.replay import RequestResult, send_one
+    from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster
+
+    async def both(url: str) -> tuple[RequestResult, RequestResult]:
+        chat, text = RequestResult(0, 0.0), RequestResult(1, 0.0)
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            await send_one(client, url, DEFAULT_MODEL, [], 5, chat, messages=messages)
+            await send_one(client, url, DEFAULT_MODEL, [], 5, text, text="hello there")
+        return chat, text
+
+    with Cluster(log_dir=str(tmp_path / "logs")) as cluster:
+        worker = cluster.start_mocker(MockerOptions(speedup_ratio=10))
+        cluster.wait_workers_ready(60)
+        chat, text = asyncio.run(both(worker.url))
+    assert chat.ok and text.ok, (chat.error, text.error)
+    assert chat.output_chunks == text.output_chunks == 5  # 5 generated tokens; the role chunk is not one

@@ -69,6 +69,7 @@ def test_frontend_help_accepts_every_flag_of_the_table():
         "--active-prefill-tokens-threshold-frac": "1.5",
         "--router-latency-prefill-tokens-per-s": "20000",
         "--router-latency-window": "50",
+        "--router-latency-live-horizon": "5",
         "--discovery": "static",
         "--discovery-backend": "static",
         "--discovery-selector": "kvroute.io/role=worker",

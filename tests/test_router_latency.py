@@ -159,6 +159,75 @@ def test_latency_mode_and_flags_parse() -> None:
     assert cfg.router_latency_prefill_tokens_per_s == 50000.0 and cfg.router_latency_window == 100.0
     cfg = RouterConfig.from_args(p.parse_args(["--router-latency-window", "20"]))
     assert cfg.router_latency_window == 20.0
+    assert cfg.router_latency_live_horizon == 10.0
+    cfg = RouterConfig.from_args(p.parse_args(["--router-latency-live-horizon", "0"]))
+    assert cfg.router_latency_live_horizon == 0.0  # the cache terms off
+    with pytest.raises(SystemExit):
+        p.parse_args(["--router-latency-live-horizon", "-1"])
     with pytest.raises(SystemExit):
         p.parse_args(["--router-latency-prefill-tokens-per-s", "0"])
     assert not RouterConfig(router_mode="round_robin").kv_aware
+
+
+def test_a_rank_never_chosen_is_scored_like_its_observed_peers() -> None:
+    """An engine that has not had a request yet is judged by the model its peers learned, not by the
+    prior: with the prior (20k tokens/s) next to peers learned at 160k tokens/s it looked 8x slower and
+    never got its first request (the mockers' idle fourth engine)."""
+    models = LatencyModels(LatencyPrior(), block_size=32)
+    _fit(models.get((1, 0)), base=0.003, s_tok=1 / 160000)
+    _fit(models.get((2, 0)), base=0.003, s_tok=1 / 160000, seed=1)
+    scored = scoring_models(models, [(1, 0), (2, 0), (3, 0)], 2048)
+    assert scored[2] is scored[0] is scored[1]  # the observed median rank's model for all three
+    assert any(scored[0] is models.get(k) for k in ((1, 0), (2, 0)))
+    # a new session: its 2k-token system prompt is cached on busy rank 1, rank 3 is empty; rank 1 has
+    # 12k tokens of prefill queued, so the empty rank's first request is this one
+    loads = [CandidateLoad(1, 0, 12000, 0, 4), CandidateLoad(2, 0, 12000, 0, 4), CandidateLoad(3, 0, 0, 0, 0)]
+    assert choose(score_latency(loads, {(1, 0): 64}, 2304, 32, models)).worker_id == 3
+    # one observed peer is enough: the empty rank's estimate is at the learned speed (base + its whole
+    # prompt + the recompute charge for the 64 blocks rank 1 holds), not the prior's 20k tokens/s
+    one_peer = LatencyModels(LatencyPrior(), block_size=32)
+    _fit(one_peer.get((1, 0)), base=0.003, s_tok=1 / 160000)
+    est = {c.worker_id: c.cost for c in score_latency(loads[::2], {(1, 0): 64}, 2304, 32, one_peer)}
+    assert est[3] == pytest.approx((0.003 + (2304 + 2048) / 160000) * 1e3, rel=0.1)
+    assert est[3] < (2304 + 2048) / 20000 * 1e3 / 4
+    # no rank observed yet: the prior decides for all
+    fresh = LatencyModels(LatencyPrior(), block_size=32)
+    assert scoring_models(fresh, [(1, 0), (2, 0)], 2048) == [fresh.get((1, 0)), fresh.get((2, 0))]
+
+
+def test_evicting_live_blocks_is_charged_as_their_recompute() -> None:
+    """Taking a prompt onto a rank whose recently used blocks fill its cache evicts some of them; each
+    is charged as computing it again, so a rank with room wins once the charge exceeds the prefix it
+    would reuse."""
+    models = LatencyModels(LatencyPrior(), block_size=32)
+    loads = [CandidateLoad(1, 0, 0, 0, 1), CandidateLoad(2, 0, 0, 0, 0)]
+    overlaps = {(1, 0): 60}  # rank 1 holds 60 of the prompt's 80 blocks
+    assert choose(score_latency(loads, overlaps, 80 * 32, 32, models)).worker_id == 1
+    # rank 1's cache is full of live blocks: its 20 new blocks evict 20 live ones (20 x 32 tokens more)
+    costs = {c.worker_id: c.cost for c in score_latency(loads, overlaps, 80 * 32, 32, models, overflow={(1, 0): 20})}
+    plain = {c.worker_id: c.cost for c in score_latency(loads, overlaps, 80 * 32, 32, models)}
+    assert costs[1] - plain[1] == pytest.approx(20 * 32 / 20000 * 1e3)
+    assert costs[2] == plain[2]
+    # a deeper overflow (its live set far over capacity: every block it takes pushes a live one out)
+    # makes the empty rank the better place despite the 60 cached blocks (80 x 32 + 60 x 32 there)
+    assert choose(score_latency(loads, overlaps, 80 * 32, 32, models, overflow={(1, 0): 130})).worker_id == 2
+
+
+def test_a_new_session_goes_where_the_cache_has_room() -> None:
+    """The room term: a new session whose system prompt (32 blocks) sits on a rank whose live set fills
+    its cache goes to the empty rank, where its later turns will not push the others' history out; with
+    room on the holder it stays with its prefix."""
+    models = LatencyModels(LatencyPrior(), block_size=32)
+    loads = [CandidateLoad(1, 0, 0, 0, 1), CandidateLoad(2, 0, 0, 0, 0)]
+    overlaps, isl = {(1, 0): 32}, 40 * 32
+    full = {(1, 0): 300.0, (2, 0): 0.0}  # rank 1: 300 live blocks in a 300-block cache
+    costs = {c.worker_id: c.cost for c in score_latency(loads, overlaps, isl, 32, models, pressure=full)}
+    # rank 1: 8 new blocks + a quarter block per live block; rank 2: the whole prompt + the 32 blocks again
+    assert costs[1] - costs[2] == pytest.approx((8 * 32 + 300 * 32 / 4 - 40 * 32 - 32 * 32) / 20000 * 1e3)
+    assert choose(score_latency(loads, overlaps, isl, 32, models, pressure=full)).worker_id == 2
+    half = {(1, 0): 150 * 0.5, (2, 0): 0.0}  # 150 live blocks in the same cache: weighs a quarter as much
+    assert choose(score_latency(loads, overlaps, isl, 32, models, pressure=half)).worker_id == 1
+    assert choose(score_latency(loads, overlaps, isl, 32, models)).worker_id == 1  # no cache terms: sticky
+    # a fresh prompt (cached nowhere) goes to the rank with less live data, all else equal
+    fresh = score_latency(loads, {}, isl, 32, models, pressure={(1, 0): 10.0, (2, 0): 40.0})
+    assert choose(fresh).worker_id == 1

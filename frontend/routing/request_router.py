@@ -17,6 +17,7 @@ from frontend.api.errors import OpenAIError, all_busy, no_worker
 from frontend.routing.decision import Decision
 from frontend.routing.eligibility import candidates as eligible_candidates
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
+from router.footprint import LiveFootprint
 from router.latency import LatencyModels, LatencyPrior, score_latency
 from router.latency import formula as latency_formula
 from router.selection import CandidateLoad, WorkerCost, choose, formula, score_candidates
@@ -49,6 +50,8 @@ class RequestRouter:
             tokens_per_s=getattr(config, "router_latency_prefill_tokens_per_s", 20000.0),
             window=getattr(config, "router_latency_window", 100.0),
         )
+        self._footprints: dict[str, LiveFootprint] = {}  # latency mode: live blocks per rank, per model
+        self._live_horizon = float(getattr(config, "router_latency_live_horizon", 10.0))  # 0: no cache terms
 
     def latency_models(self, entry: ModelEntry) -> LatencyModels:
         """The learned per-rank TTFT models of ``entry``'s workers (latency mode)."""
@@ -56,6 +59,13 @@ class RequestRouter:
         if models is None:
             models = self._latency[entry.name] = LatencyModels(self._latency_prior, entry.block_size)
         return models
+
+    def footprint(self, entry: ModelEntry) -> LiveFootprint:
+        """The blocks recently routed to each rank of ``entry`` (latency mode's eviction charge)."""
+        fp = self._footprints.get(entry.name)
+        if fp is None:
+            fp = self._footprints[entry.name] = LiveFootprint(self._live_horizon or 1.0)
+        return fp
 
     def observe_first_token(self, entry: ModelEntry, decision: Decision, now: float) -> None:
         """Latency mode: learn from the TTFT the chosen rank gave (dispatch to first streamed token)."""
@@ -70,6 +80,8 @@ class RequestRouter:
         """A removed worker's learned speeds go with it."""
         for models in self._latency.values():
             models.forget_worker(worker_id)
+        for fp in self._footprints.values():
+            fp.forget_worker(worker_id)
 
     # ------------------------------------------------------------------------------------------
     def route(
@@ -152,7 +164,24 @@ class RequestRouter:
                     loads.append(CandidateLoad(worker.id, rank, p[2], p[3], p[4]))
             if cfg.router_mode == "latency":
                 lmodels = self.latency_models(entry)
-                costs = score_latency(loads, overlaps, isl, bs, lmodels, cfg.router_track_prefill_tokens)
+                fp, now = self.footprint(entry), time.monotonic()
+                overflow: dict[tuple[int, int], int] = {}
+                pressure: dict[tuple[int, int], float] = {}
+                for cand, r in candidates:
+                    if cand.num_gpu_blocks and self._live_horizon:  # unknown capacity: no cache terms
+                        key = (cand.id, r)
+                        overflow[key] = fp.overflow_blocks(key, seq, cand.num_gpu_blocks, now)
+                        pressure[key] = fp.pressure_blocks(key, cand.num_gpu_blocks, now)
+                costs = score_latency(
+                    loads,
+                    overlaps,
+                    isl,
+                    bs,
+                    lmodels,
+                    cfg.router_track_prefill_tokens,
+                    overflow=overflow,
+                    pressure=pressure,
+                )
             else:
                 lmodels = None
                 costs = score_candidates(
@@ -218,6 +247,8 @@ class RequestRouter:
         tracker.add(request_id, decision.worker.id, decision.dp_rank, decision.tracked_hashes, new_isl)
         if self.decisions is not None:
             self.decisions.record(self.label, self.config, entry, request_id, decision)
+        if self.config.router_mode == "latency" and self._live_horizon and decision.seq_hashes:
+            self.footprint(entry).touch((decision.worker.id, decision.dp_rank), decision.seq_hashes, time.monotonic())
         approx = entry.approx
         if approx is not None and decision.local_hashes:
             approx.record(decision.worker.id, decision.dp_rank, decision.local_hashes, decision.seq_hashes)

@@ -1,0 +1,103 @@
+"""Live cache footprint per rank: which blocks the requests routed there used recently.
+
+A prefix cache that evicts keeps what was used last; a block used within the last ``horizon_s`` seconds
+is *live* (the workload is likely to use it again: the next turn of a session, the next reader of a
+document). While a rank's live blocks fit in its KV cache, piling more sessions on it costs nothing
+but queueing; once they do not, every block a request adds there pushes out a live block that some
+later request computes again. The latency mode charges that future recompute (``overflow_blocks``),
+which is what sticky policies miss: they win while one engine holds everything and lose as soon as it
+evicts.
+
+The set is the router's own record of its decisions (each booked request touches its prompt's chained
+sequence hashes on the chosen rank), not the engine's cache: what the engine holds is the block
+index's business; what of it is still wanted is not in any event. No I/O; the caller passes the time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from router.selection import WorkerRank
+
+DEFAULT_HORIZON_S = 10.0
+
+
+class LiveFootprint:
+    """Per rank, the sequence hashes touched within ``horizon_s`` seconds, oldest first.
+
+    A prompt's blocks are touched last block first, so a chain's prefix is never older than its tail:
+    expiry removes tails before prefixes and every rank's live set stays prefix-closed per chain,
+    which lets ``live_prefix`` binary-search instead of looking up every block.
+    """
+
+    __slots__ = ("horizon_s", "_ranks")
+
+    def __init__(self, horizon_s: float = DEFAULT_HORIZON_S) -> None:
+        if horizon_s <= 0:
+            raise ValueError("the live horizon must be > 0 s")
+        self.horizon_s = horizon_s
+        self._ranks: dict[WorkerRank, OrderedDict[int, float]] = {}
+
+    def _live(self, key: WorkerRank, now: float) -> OrderedDict[int, float] | None:
+        blocks = self._ranks.get(key)
+        if blocks is None:
+            return None
+        cutoff = now - self.horizon_s
+        for _ in range(len(blocks)):  # bounded: each pass removes one expired block
+            oldest = next(iter(blocks.values()), None)
+            if oldest is None or oldest >= cutoff:
+                break
+            blocks.popitem(last=False)
+        return blocks
+
+    def live_blocks(self, key: WorkerRank, now: float) -> int:
+        blocks = self._live(key, now)
+        return 0 if blocks is None else len(blocks)
+
+    def live_prefix(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> int:
+        """How many leading blocks of the prompt are live on the rank."""
+        blocks = self._live(key, now)
+        if not blocks or not seq_hashes:
+            return 0
+        lo, hi = 0, len(seq_hashes)  # invariant: the first lo blocks are live, block hi-1 onwards are not known
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if seq_hashes[mid - 1] in blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def overflow_blocks(self, key: WorkerRank, seq_hashes: Sequence[int], capacity_blocks: int, now: float) -> int:
+        """Live blocks the rank would lose if this prompt went there: its blocks not yet live there, beyond
+        what the cache has room for next to the live ones."""
+        live = self.live_blocks(key, now)
+        added = len(seq_hashes) - self.live_prefix(key, seq_hashes, now)
+        excess = live + added - capacity_blocks
+        return 0 if excess <= 0 else min(added, excess)
+
+    def pressure_blocks(self, key: WorkerRank, capacity_blocks: int, now: float) -> float:
+        """The rank's live blocks weighted by how full they make its cache (live / capacity, at most 1): a
+        rank whose live set fills half its cache weighs a quarter of a full one's, block for block."""
+        live = self.live_blocks(key, now)
+        if capacity_blocks <= 0:
+            return 0.0
+        return live * min(1.0, live / capacity_blocks)
+
+    def touch(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> None:
+        """The prompt was routed to the rank: its blocks are live there from now."""
+        blocks = self._ranks.get(key)
+        if blocks is None:
+            blocks = self._ranks[key] = OrderedDict()
+        for h in reversed(seq_hashes):
+            blocks[h] = now
+            blocks.move_to_end(h)
+        self._live(key, now)
+
+    def forget_worker(self, worker_id: int) -> None:
+        for key in [k for k in self._ranks if k[0] == worker_id]:
+            del self._ranks[key]
+
+    def snapshot(self, now: float) -> dict[str, int]:
+        return {f"{w}:{r}": self.live_blocks((w, r), now) for (w, r) in sorted(self._ranks)}

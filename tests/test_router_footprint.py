@@ -1,0 +1,111 @@
+"""Live cache footprint (router/footprint.py): what a rank's recent requests used, and what a new prompt
+would push out of its cache."""
+
+import pytest
+
+from kvroute_common.hashing import local_block_hashes, sequence_hashes
+from router.footprint import LiveFootprint
+
+
+def _chain(tokens: list[int]) -> list[int]:
+    return sequence_hashes(local_block_hashes(tokens, 4))
+
+
+def test_live_blocks_are_the_recently_used_ones_and_expire_after_the_horizon() -> None:
+    fp = LiveFootprint(horizon_s=10.0)
+    a = _chain(list(range(40)))  # 10 blocks
+    fp.touch((1, 0), a, now=0.0)
+    assert fp.live_blocks((1, 0), 5.0) == 10 and fp.live_blocks((2, 0), 5.0) == 0
+    fp.touch((1, 0), a[:4], now=8.0)  # a later request reused the first 4 blocks
+    assert fp.live_blocks((1, 0), 9.0) == 10
+    assert fp.live_blocks((1, 0), 12.0) == 4  # the tail expired, the reused prefix did not
+    assert fp.live_prefix((1, 0), a, 12.0) == 4
+    assert fp.live_blocks((1, 0), 20.0) == 0
+    assert fp.snapshot(20.0) == {"1:0": 0}
+
+
+def test_live_prefix_follows_the_chain() -> None:
+    fp = LiveFootprint()
+    turn1 = _chain(list(range(24)))  # 6 blocks
+    turn2 = _chain(list(range(24)) + list(range(100, 116)))  # the same 6 then 4 more
+    other = _chain(list(range(200, 224)))
+    fp.touch((1, 0), turn1, now=0.0)
+    assert fp.live_prefix((1, 0), turn2, 1.0) == 6
+    assert fp.live_prefix((1, 0), other, 1.0) == 0
+    assert fp.live_prefix((1, 0), turn1[:3], 1.0) == 3
+    assert fp.live_prefix((1, 0), [], 1.0) == 0
+
+
+def test_overflow_counts_only_what_no_longer_fits() -> None:
+    fp = LiveFootprint()
+    fp.touch((1, 0), _chain(list(range(32))), now=0.0)  # 8 live blocks
+    new = _chain(list(range(500, 524)))  # 6 blocks, none live
+    assert fp.overflow_blocks((1, 0), new, capacity_blocks=20, now=1.0) == 0  # 8 + 6 fit in 20
+    assert fp.overflow_blocks((1, 0), new, capacity_blocks=10, now=1.0) == 4  # 14 in 10: 4 live blocks go
+    assert fp.overflow_blocks((1, 0), new, capacity_blocks=4, now=1.0) == 6  # at most what the prompt adds
+    # a prompt already live there adds nothing
+    assert fp.overflow_blocks((1, 0), _chain(list(range(32))), capacity_blocks=4, now=1.0) == 0
+    assert fp.overflow_blocks((2, 0), new, capacity_blocks=4, now=1.0) == 2  # an empty rank: only its own excess
+
+
+def test_forgetting_a_worker_and_bad_horizons() -> None:
+    fp = LiveFootprint()
+    fp.touch((1, 0), _chain(list(range(8))), now=0.0)
+    fp.touch((1, 1), _chain(list(range(8))), now=0.0)
+    fp.touch((2, 0), _chain(list(range(8))), now=0.0)
+    fp.forget_worker(1)
+    assert fp.snapshot(0.0) == {"2:0": 2}
+    with pytest.raises(ValueError):
+        LiveFootprint(0.0)
+
+
+def test_pressure_grows_with_how_full_the_live_set_makes_the_cache() -> None:
+    fp = LiveFootprint()
+    fp.touch((1, 0), _chain(list(range(40))), now=0.0)  # 10 live blocks
+    assert fp.pressure_blocks((1, 0), capacity_blocks=20, now=1.0) == pytest.approx(5.0)  # half full: 10 x 1/2
+    assert fp.pressure_blocks((1, 0), capacity_blocks=10, now=1.0) == pytest.approx(10.0)  # full
+    assert fp.pressure_blocks((1, 0), capacity_blocks=5, now=1.0) == pytest.approx(10.0)  # over: at most 1 per block
+    assert fp.pressure_blocks((1, 0), capacity_blocks=10_000, now=1.0) < 0.02  # a huge cache: almost nothing
+    assert fp.pressure_blocks((2, 0), capacity_blocks=10, now=1.0) == 0.0
+    assert fp.pressure_blocks((1, 0), capacity_blocks=0, now=1.0) == 0.0
+
+
+def test_the_frontend_router_books_into_the_footprint_and_charges_it() -> None:
+    """RequestRouter in latency mode: a booked prompt's blocks become live on its rank, and the next
+    prompt, which would overflow that rank's cache, goes to the other rank (equal otherwise). With
+    --router-latency-live-horizon 0 nothing is recorded."""
+    import time
+
+    from frontend.pool.workers import Worker, WorkerSpec
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.request_router import RequestRouter
+    from router.config import RouterConfig
+    from slot_tracker.core import SlotRegistry
+
+    def pool() -> ModelEntry:
+        slots = SlotRegistry()
+        entry = ModelEntry("m", 16, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
+        for i in (1, 2):  # routing reads neither the control-plane client nor the upstream pool
+            slots.register(i, "m", "default", 16, 0, 1)
+            spec = WorkerSpec(i, f"http://w{i}")
+            entry.workers[i] = Worker(spec, "cli", None, None, num_gpu_blocks=20, healthy=True)  # type: ignore[arg-type]
+        return entry
+
+    def second_costs(horizon: float) -> tuple[RequestRouter, ModelEntry, int, dict[int, float]]:
+        """Book a 10-block prompt, let it finish (nothing in flight any more), then price a 15-block one."""
+        entry = pool()
+        router = RequestRouter(RouterConfig(router_mode="latency", router_latency_live_horizon=horizon))
+        first = router.route(entry, list(range(160)))
+        router.book(entry, "r1", first)
+        entry.tracker.free("r1")
+        second = router.route(entry, list(range(1000, 1240)), explain=True)  # 10 + 15 > 20 on the first rank
+        assert second.costs is not None
+        return router, entry, first.worker.id, {c.worker_id: c.cost for c in second.costs}
+
+    router, entry, used, costs = second_costs(10.0)
+    assert router.footprint(entry).live_blocks((used, 0), time.monotonic()) == 10
+    other = 3 - used
+    assert costs[used] > costs[other]  # 5 live blocks evicted + the room term there
+    router, entry, used, costs = second_costs(0.0)  # the cache terms off: nothing recorded, a tie
+    assert router.footprint(entry).snapshot(time.monotonic()) == {}
+    assert costs[1] == costs[2]
