@@ -75,6 +75,8 @@ def test_frontend_help_accepts_every_flag_of_the_table():
         "--discovery-selector": "kvroute.io/role=worker",
         "--etcd-endpoints": "http://127.0.0.1:2379",
         "--discovery-prefix": "/kvroute/",
+        "--mm-hash-algorithm": "sha256",
+        "--mm-model-id": "/models/vlm",
     }
     for flag, env in documented_flags().items():
         assert re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", out.stdout, re.M), f"{flag} not in --help"
