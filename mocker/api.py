@@ -863,7 +863,7 @@ def build_app(cfg: MockerConfig, mocker: Mocker | None = None) -> Starlette:
         return json_response([{"request_id": uuid.uuid4().hex, "token_ids": ids}])
 
     async def render_messages(request: Request) -> Response:
-        _chat, ids = await messages_prompt(request)
+        _chat, (ids, _images) = await messages_prompt(request)
         return json_response({"request_id": uuid.uuid4().hex, "token_ids": ids})
 
     async def health(request: Request) -> Response:
