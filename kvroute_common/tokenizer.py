@@ -168,6 +168,8 @@ def _normalise_messages(
             n_images = 0
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, Mapping) else None
+                if not isinstance(kind, str):
+                    raise PromptError(f"messages[{i}].content[{j}].type must be a string")
                 if kind in ("text", "input_text"):
                     text = part.get("text")
                     if not isinstance(text, str):

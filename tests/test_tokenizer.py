@@ -176,6 +176,8 @@ def test_bad_messages_rejected(tok):
         [{"content": "x"}],
         [{"role": "user", "content": 5}],
         [{"role": "user", "content": [{"type": "hologram", "text": "x"}]}],
+        [{"role": "user", "content": [{"type": {}, "text": ""}]}],
+        [{"role": "user", "content": ["just a string"]}],
     ):
         with pytest.raises(PromptError):
             chat_prompt_token_ids(tok, bad)
