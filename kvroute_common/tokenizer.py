@@ -433,7 +433,9 @@ class PromptEncoder:
     # a chunk ends at the first safe cut this many characters after its start, so a new turn encodes
     # at most about this much of its history again, and a 16 KB prompt is ~30 cache lookups.
     CHUNK_MIN_CHARS = 512
-    CHUNK_CACHE_BYTES = 64 * 1024 * 1024
+    # 8 MiB holds ~50 agentic sessions of 4k tokens; a larger cache fills for minutes, which the soak
+    # test reads as RSS growth after its warm-up
+    CHUNK_CACHE_BYTES = 8 * 1024 * 1024
 
     def __init__(self, tokenizer) -> None:
         import json
