@@ -21,7 +21,6 @@ bench/real_engines.py's.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -39,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.peers_plot import plot_workload
 from bench.real_engines import ENGINE_ENV, MODEL_POSITIONS, engine_workers, reset_caches, wait_idle, warm_up
-from bench.replay import ModeSpec, RunOptions, failed_row, fmt, load_avg, measure, read_counter
+from bench.replay import ModeSpec, RunOptions, failed_row, fmt, load_avg, measure, read_counter, write_report
 from bench.sessions import WORKLOADS, Workload, session_trace
 from bench.traces import Trace, distinct_blocks, oracle
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions, Worker
@@ -654,14 +653,7 @@ def run_cells(workloads: Sequence[Workload], loads: Sequence[float], specs: Sequ
         for load in loads:
             report = run_cell(workload, load, specs, args, command)
             stem = os.path.join(args.out_dir, cell_stem(report))
-            with open(stem + ".json", "w", encoding="utf-8") as f:
-                json.dump(report, f, indent=2)
-            text = markdown(report)
-            with open(stem + ".md", "w", encoding="utf-8") as f:
-                f.write(text)
-            print()
-            print(text)
-            print(f"wrote {stem}.md, {stem}.json ({report['total_s']:.0f} s)", flush=True)
+            write_report(stem, report, markdown(report))
             ok = ok and all(m["completed"] == m["requests"] for m in report["routers"])
             cells.append(report)
         plot = os.path.join(args.out_dir, f"{cell_stem(cells[0], load=False)}.png")

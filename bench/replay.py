@@ -956,3 +956,14 @@ def write_summary(reports: Sequence[dict], out_dir: str) -> dict[str, str]:
 
     plot_summary(list(reports), paths["png"])
     return paths
+
+
+def write_report(stem: str, report: dict, text: str) -> None:
+    """A run's report as ``stem.json`` and its markdown as ``stem.md``, printed with where they went."""
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(text)
+    print()
+    print(text)
+    print(f"wrote {stem}.md, {stem}.json ({report['total_s']:.0f} s)", flush=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import json
 import math
 import os
 import signal
@@ -42,7 +41,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from bench.peers import READY_TIMEOUT, ROUTERS, RouterSpec, Testbed, busiest_share, failed, run_router
-from bench.replay import RunOptions, fmt, load_avg, read_counter
+from bench.replay import RunOptions, fmt, load_avg, read_counter, write_report
 from bench.sessions import Words
 from bench.traces import Oracle, Trace, TraceRequest, oracle, oracle_of_keys
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
@@ -374,14 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     keep = f"-keep{workload.keep_screenshots}" if workload.keep_screenshots else ""
     stem = os.path.join(args.out_dir, f"screenshots{keep}{'-quick' if args.quick else ''}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    text = markdown(report)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(text)
-    print()
-    print(text)
-    print(f"wrote {stem}.md, {stem}.json ({report['total_s']:.0f} s)")
+    write_report(stem, report, markdown(report))
     return 0 if all(m["completed"] == m["requests"] for m in rows) else 1
 
 
