@@ -100,6 +100,9 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("kvroute-latency-gateway", "kvroute", "latency", gateway=True),
         # latency mode without its cache terms (what they bring, measured)
         RouterSpec("kvroute-latency-nocache", "kvroute", "latency", extra=("--router-latency-live-horizon", "0")),
+        # latency mode as for engines that share compute (CPU engines on the same cores): a second copy of
+        # a prefix costs everyone, so it is charged 4x its prefill instead of 1x
+        RouterSpec("kvroute-latency-shared", "kvroute", "latency", extra=("--router-latency-recompute-weight", "4")),
     )
 }
 # the rows of a plain run: the gateway and the variant rows are asked for by name

@@ -123,6 +123,13 @@ def _horizon(value: str) -> float:
     return v
 
 
+def _recompute_weight(value: str) -> float:
+    v = float(value)
+    if not 0.0 <= v <= 100.0:
+        raise argparse.ArgumentTypeError("must be between 0 and 100")
+    return v
+
+
 def _affinity_mode(value: str) -> str:
     v = value.strip().lower()
     if v not in SESSION_AFFINITY_MODES:
@@ -177,6 +184,7 @@ class RouterConfig:
     router_latency_prefill_tokens_per_s: float = 20000.0
     router_latency_window: float = 100.0
     router_latency_live_horizon: float = 10.0
+    router_latency_recompute_weight: float = 1.0
     # JetStream mode (deprecated in the guide): accepted, no effect here (see JETSTREAM_FLAGS)
     router_durable_kv_events: bool = False
     router_reset_states: bool = False
@@ -440,6 +448,15 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         10.0,
         "latency mode: seconds a block routed to a rank counts as live there (its cache terms: evicting live "
         "blocks, room); 0 turns the cache terms off",
+    ),
+    (
+        "--router-latency-recompute-weight",
+        "router_latency_recompute_weight",
+        ("DYN_ROUTER_LATENCY_RECOMPUTE_WEIGHT",),
+        _recompute_weight,
+        1.0,
+        "latency mode: a rank that would compute again blocks another rank holds is charged this many times "
+        "their prefill, besides its own (raise it where engines share compute, e.g. CPU engines on the same cores)",
     ),
     (
         "--router-durable-kv-events",

@@ -70,6 +70,7 @@ def test_frontend_help_accepts_every_flag_of_the_table():
         "--router-latency-prefill-tokens-per-s": "20000",
         "--router-latency-window": "50",
         "--router-latency-live-horizon": "5",
+        "--router-latency-recompute-weight": "4",
         "--discovery": "static",
         "--discovery-backend": "static",
         "--discovery-selector": "kvroute.io/role=worker",

@@ -109,3 +109,29 @@ def test_the_frontend_router_books_into_the_footprint_and_charges_it() -> None:
     router, entry, used, costs = second_costs(0.0)  # the cache terms off: nothing recorded, a tie
     assert router.footprint(entry).snapshot(time.monotonic()) == {}
     assert costs[1] == costs[2]
+
+
+def test_the_recompute_weight_flag_reaches_the_estimate() -> None:
+    """--router-latency-recompute-weight: with 480 tokens queued on the rank holding half the prompt, the
+    idle rank wins at weight 1 (320 + 160 recomputed < 480 + 160 there) and loses at 4 (320 + 4 x 160)."""
+    from frontend.pool.workers import Worker, WorkerSpec
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.request_router import RequestRouter
+    from router.config import RouterConfig
+    from slot_tracker.core import SlotRegistry
+
+    def chosen(weight: float) -> int:
+        slots = SlotRegistry()
+        entry = ModelEntry("m", 16, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
+        for i in (1, 2):
+            slots.register(i, "m", "default", 16, 0, 1)
+            entry.workers[i] = Worker(WorkerSpec(i, f"http://w{i}"), "cli", None, None, healthy=True)  # type: ignore[arg-type]
+        config = RouterConfig(router_mode="latency", router_latency_live_horizon=0,
+                              router_latency_recompute_weight=weight)  # fmt: skip
+        router = RequestRouter(config)
+        router.book(entry, "queued", router.route(entry, list(range(5000, 5480)), pinned_worker=1))
+        decision = router.route(entry, list(range(320)), overlaps={(1, 0): 10}, explain=True)
+        return decision.worker.id
+
+    assert chosen(1.0) == 2
+    assert chosen(4.0) == 1

@@ -179,6 +179,7 @@ class RequestRouter:
                     bs,
                     lmodels,
                     cfg.router_track_prefill_tokens,
+                    recompute_weight=cfg.router_latency_recompute_weight,
                     overflow=overflow,
                     pressure=pressure,
                 )
