@@ -80,31 +80,30 @@ def _serving_pids(url: str, want: int, timeout: float = 90.0) -> set[int]:
 def run_wrk(
     url: str, body: bytes, duration: float, connections: int, threads: int
 ) -> tuple[float, dict[str, Any], int]:
-    """Run wrk against url; (req/s, latency summary, wrk pid's CPU is measured by the caller via /proc)."""
+    """Run wrk POSTing ``body`` to the chat route; (req/s, latency summary, non-2xx responses)."""
+    script = (
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = {json.dumps(body.decode())}\n"
+    )
+    return run_wrk_script(f"{url}/v1/chat/completions", script, duration, connections, threads)
+
+
+def run_wrk_script(
+    url: str, script: str, duration: float, connections: int, threads: int
+) -> tuple[float, dict[str, Any], int]:
+    """Run wrk with a Lua ``script`` against ``url``; (req/s, latency summary, non-2xx responses)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        f.write(
-            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-            f"wrk.body = {json.dumps(body.decode())}\n"
-        )
-        script = f.name
+        f.write(script)
+        path = f.name
     try:
         proc = subprocess.Popen(
-            [
-                "wrk",
-                f"-t{threads}",
-                f"-c{connections}",
-                f"-d{duration:g}s",
-                "--latency",
-                "-s",
-                script,
-                f"{url}/v1/chat/completions",
-            ],
+            ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration:g}s", "--latency", "-s", path, url],
             stdout=subprocess.PIPE,
             text=True,
         )
         out, _ = proc.communicate(timeout=duration + 60)
     finally:
-        os.unlink(script)
+        os.unlink(path)
     found = re.search(r"Requests/sec:\s+([\d.]+)", out)
     if found is None:
         raise RuntimeError(f"wrk reported no Requests/sec:\n{out}")
@@ -114,47 +113,42 @@ def run_wrk(
     return rps, {"latency": lat, "raw_tail": out.strip().splitlines()[-1]}, int(errors.group(1)) if errors else 0
 
 
-_CANNED_STREAM = (
-    "".join(
-        f"data: {json.dumps(c, separators=(',', ':'))}\n\n"
-        for c in (
-            {
-                "id": "cmpl-canned",
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": MODEL,
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-            },
-            {
-                "id": "cmpl-canned",
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": MODEL,
-                "choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}],
-            },
-            {
-                "id": "cmpl-canned",
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": MODEL,
-                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-            },
-            {
-                "id": "cmpl-canned",
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": MODEL,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": 12,
-                    "completion_tokens": 1,
-                    "total_tokens": 13,
-                    "prompt_tokens_details": {"cached_tokens": 0},
-                },
-            },
-        )
-    )
-    + "data: [DONE]\n\n"
+def _sse(chunks: list[dict[str, Any]]) -> str:
+    return "".join(f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+_USAGE = {
+    "prompt_tokens": 12,
+    "completion_tokens": 1,
+    "total_tokens": 13,
+    "prompt_tokens_details": {"cached_tokens": 0},
+}
+
+
+def _chunk(obj: str, choice: dict[str, Any] | None, usage: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": "cmpl-canned", "object": obj, "created": 0, "model": MODEL}
+    out["choices"] = [] if choice is None else [{"index": 0, **choice}]
+    if usage:
+        out["usage"] = _USAGE
+    return out
+
+
+# vLLM-shaped streams: role (chat), one token, finish, usage
+_CHAT = "chat.completion.chunk"
+_CANNED_STREAM = _sse(
+    [
+        _chunk(_CHAT, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}),
+        _chunk(_CHAT, {"delta": {"content": "ok"}, "finish_reason": None}),
+        _chunk(_CHAT, {"delta": {}, "finish_reason": "length"}),
+        _chunk(_CHAT, None, usage=True),
+    ]
+)
+_CANNED_COMPLETION_STREAM = _sse(
+    [
+        _chunk("text_completion", {"text": "ok", "logprobs": None, "finish_reason": None}),
+        _chunk("text_completion", {"text": "", "logprobs": None, "finish_reason": "length"}),
+        _chunk("text_completion", None, usage=True),
+    ]
 )
 
 
@@ -168,6 +162,7 @@ def _nginx_conf(ports: list[int], tmp: str) -> str:
     server {{
         listen 127.0.0.1:{port};
         location = /v1/chat/completions {{ default_type text/event-stream; return 200 '{_CANNED_STREAM}'; }}
+        location = /v1/completions {{ default_type text/event-stream; return 200 '{_CANNED_COMPLETION_STREAM}'; }}
         location = /v1/models {{ default_type application/json; return 200 '{models}'; }}
         location = /health {{ return 200; }}
         location / {{ return 404; }}

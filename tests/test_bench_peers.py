@@ -3,7 +3,9 @@ mocker processes, and every router's row is complete. A tiny run, not a benchmar
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 
@@ -117,3 +119,37 @@ def test_the_recommended_mode_is_compared_with_every_peer_only():
     assert len(lost) == 2
     assert lost[0].startswith("TTFT p50 to sglang-cache_aware (15 vs 20 ms)")
     assert lost[1].startswith("hit rate to vllm-kv_aware (85.0% vs 80.0%)")
+
+
+def test_every_router_runs_in_front_of_canned_engines(peers_bin: str):
+    """The overhead harness (python -m bench peers_overhead): each router in front of nginx engines
+    answers the replayed schedule, streamed, without a non-2xx, and its CPU is measured."""
+    from bench import peers_overhead
+
+    for tool in ("nginx", "wrk"):
+        if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
+            pytest.fail(f"{tool} is not installed (Debian package {tool}; .ci/run installs it)")
+    labels = ["kvroute-latency", "sglang-cache_aware", "vllm-kv_aware"]
+    rows = peers_overhead.run([peers.ROUTERS[label] for label in labels], "agentic", 1.0, 4, 2, peers_bin)
+    assert [r["router"] for r in rows] == ["direct", *labels]
+    for row in rows:
+        assert row["non_2xx"] == 0, row
+        assert row["rps_loaded"] > 0 and row["p50_ms"] > 0, row
+    for row in rows[1:]:
+        assert row["cpu_ms_per_request"] > 0, row
+    assert all(label in peers_overhead.table(rows) for label in labels)
+
+
+def test_each_pass_of_the_overhead_schedule_is_new_to_the_router():
+    """Every line is a route and a streamed body whose prompt starts with the pass mark (replaced per
+    pass by wrk), so a router never sees a whole prompt twice."""
+    from bench import peers_overhead
+
+    trace = session_trace(TINY)
+    lines = peers_overhead.schedule_lines(trace, "m")
+    assert len(lines) == len(trace.requests)
+    for line, req in zip(lines, trace.requests, strict=True):
+        route, body = line.split("\t")
+        data = json.loads(body)
+        assert route == "/v1/completions" and data["stream"] is True
+        assert data["prompt"] == f"{peers_overhead.PASS_MARK} {req.text}"
