@@ -152,11 +152,34 @@ _CANNED_COMPLETION_STREAM = _sse(
 )
 
 
-def _nginx_conf(ports: list[int], tmp: str) -> str:
-    """One nginx worker process answering the engine routes on each port with canned bodies."""
+def _render_routes(tokens: int, root: str) -> str:
+    """vLLM's render routes and the mocker's /tokenize, answering ``tokens`` canned ids (where the vLLM
+    router's ``kv_aware`` has an engine tokenize each request). The bodies are too long for ``return``:
+    they are files under ``root``, served to POSTs through nginx's 405 -> GET internal redirect."""
+    ids = list(range(1000, 1000 + tokens))
+    bodies = {
+        "/tokenize": {"count": tokens, "max_model_len": 8192, "tokens": ids},
+        "/v1/completions/render": [{"request_id": "canned", "token_ids": ids}],
+        "/v1/chat/completions/render": {"request_id": "canned", "token_ids": ids},
+    }
+    routes = ""
+    for route, body in bodies.items():
+        path = os.path.join(root, route.lstrip("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(body, f, separators=(",", ":"))
+        routes += f"""
+        location = {route} {{ root {root}; default_type application/json; error_page 405 =200 $uri; }}"""
+    return routes
+
+
+def _nginx_conf(ports: list[int], tmp: str, render_tokens: int = 0) -> str:
+    """One nginx worker process answering the engine routes on each port with canned bodies (and, with
+    ``render_tokens``, the tokenize and render routes)."""
     models = json.dumps(
         {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "nginx", "max_model_len": 8192}]}
     )
+    render = _render_routes(render_tokens, os.path.join(tmp, "canned")) if render_tokens else ""
     servers = "".join(
         f"""
     server {{
@@ -164,7 +187,7 @@ def _nginx_conf(ports: list[int], tmp: str) -> str:
         location = /v1/chat/completions {{ default_type text/event-stream; return 200 '{_CANNED_STREAM}'; }}
         location = /v1/completions {{ default_type text/event-stream; return 200 '{_CANNED_COMPLETION_STREAM}'; }}
         location = /v1/models {{ default_type application/json; return 200 '{models}'; }}
-        location = /health {{ return 200; }}
+        location = /health {{ return 200; }}{render}
         location / {{ return 404; }}
     }}"""
         for port in ports
@@ -190,14 +213,15 @@ http {{
 class NginxUpstream:
     """nginx as the cheapest possible engine: ``workers`` ports, one nginx worker process."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, render_tokens: int = 0) -> None:
         from kvroute_common.ports import free_ports
 
         self.ports = free_ports(workers)
         self.tmp = tempfile.mkdtemp(prefix="kvroute-nginx-")
+        os.chmod(self.tmp, 0o755)  # nginx's worker process (user nobody when started as root) reads the canned files
         conf = os.path.join(self.tmp, "nginx.conf")
         with open(conf, "w") as f:
-            f.write(_nginx_conf(self.ports, self.tmp))
+            f.write(_nginx_conf(self.ports, self.tmp, render_tokens))
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
         self.proc = subprocess.Popen(
             [nginx, "-c", conf, "-p", self.tmp, "-e", os.path.join(self.tmp, "error.log")],

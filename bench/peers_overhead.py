@@ -16,7 +16,10 @@ to a request, no queueing), the router's CPU per request there (its whole proces
 req/s and latency with ``--connections`` in flight (default 16) and the CPU per request under that load,
 and the router's own tokenizer wall time per request where it exports it. The ``direct`` row is the
 engines without a router: the floor. Engines publish KV event sockets that stay silent, so the KV-aware
-routers run with empty indexes (the cost of applying events is not in these figures).
+routers run with empty indexes (the cost of applying events is not in these figures). The vLLM router's
+``kv_aware`` does not tokenize: it asks the engines (vLLM's render routes; ``/tokenize`` on the mocker),
+each of them, for every request; here they answer canned ids of the schedule's mean prompt length, so
+its figures hold those round trips and the hashing of the ids but not the tokenization (engine CPU).
 Figures: docs/benchmarks.md. Nothing here asserts: benchmarks measure.
 """
 
@@ -85,8 +88,8 @@ class SilentEngines:
     """nginx engines, each with a bound ZMQ publisher that never sends: what the KV-aware routers
     subscribe to."""
 
-    def __init__(self, engines: int) -> None:
-        self.nginx = NginxUpstream(engines)
+    def __init__(self, engines: int, render_tokens: int) -> None:
+        self.nginx = NginxUpstream(engines, render_tokens)
         self.ctx = zmq.Context()
         self.publishers = []
         for _ in range(engines):
@@ -149,7 +152,8 @@ def run(
         schedule = os.path.join(tmp, "schedule.tsv")
         with open(schedule, "w", encoding="utf-8") as f:
             f.write("\n".join(schedule_lines(trace, MODEL)) + "\n")
-        upstream = SilentEngines(engines)
+        mean_prompt = round(sum(len(r.tokens) for r in trace.requests) / len(trace.requests))
+        upstream = SilentEngines(engines, mean_prompt)
         try:
             workers = upstream.workers()
 
@@ -161,7 +165,7 @@ def run(
             print(json.dumps(rows[-1]), flush=True)
             for spec in specs:
                 cluster = Cluster(log_dir=os.path.join(tmp, "logs", spec.label))
-                cluster.workers = workers
+                cluster.workers = list(workers)  # the cluster empties its list when it stops
                 try:
                     url, metrics_url = start_router(cluster, spec, bed, bin_dir)
                     assert cluster.frontend is not None
@@ -169,8 +173,8 @@ def run(
                     t0 = time.perf_counter()
                     row = measure(url, schedule, functools.partial(session_cpu_s, pid), duration, connections)
                     requests = row["rps_loaded"] * duration  # the tokenizer histogram covers every run
-                    tok, _ = router_metrics(spec, metrics_url, int(requests))
-                    row["tokenizer_ms_per_request"] = tok
+                    tok, counters = router_metrics(spec, metrics_url, int(requests))
+                    row["tokenizer_ms_per_request"], row["router_counters"] = tok, counters
                     row["wall_s"] = round(time.perf_counter() - t0, 1)
                 finally:
                     cluster.stop()
