@@ -53,7 +53,7 @@ BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32; the mockers use 
 READY_TIMEOUT = 120.0
 # vllm-router's kv_aware has a real vLLM engine render (tokenize) each request (POST /v1/completions/render)
 # and routes without its KV index when that fails; vLLM 0.32 answers it (403 otherwise) only when started
-# with --enable-scale-out. The mockers have no such endpoint, so the router tokenizes in-process there.
+# with --enable-scale-out. The mockers have no render routes: it asks their /tokenize instead (never in-process).
 VLLM_ENGINE_ARGS = ("--enable-scale-out",)
 # The router's own time tokenizing, where it exports it (histogram sums, read after the replay)
 TOKENIZER_TIME = {"kvroute": ("dynamo_frontend_tokenizer_latency_ms_sum", 1.0),
