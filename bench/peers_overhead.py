@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from bench.frontend_scale import MODEL, NginxUpstream, children, cpu_seconds, run_wrk_script
+from bench.frontend_scale import MODEL, NginxUpstream, cpu_seconds, run_wrk_script
 from bench.gateway import _ms
 from bench.peers import DEFAULT_ROUTERS, ROUTERS, RouterSpec, Testbed, peers_bin, router_metrics, start_router
 from bench.sessions import WORKLOADS, session_trace
@@ -158,7 +158,7 @@ def run(
             workers = upstream.workers()
 
             def nginx_cpu() -> float:
-                return sum(cpu_seconds(p) for p in [upstream.nginx.proc.pid, *children(upstream.nginx.proc.pid)])
+                return sum(map(cpu_seconds, upstream.nginx.pids()))
 
             row = measure(workers[0].url, schedule, nginx_cpu, duration, connections)
             rows.append({"router": "direct", "command": "the first engine itself", **row, "loadavg_1m": _load()})
