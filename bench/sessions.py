@@ -161,6 +161,25 @@ WORKLOADS: dict[str, Workload] = {
     ),  # fmt: skip
     # the agentic sessions as chat requests (system + user/assistant messages to /v1/chat/completions)
     "agentic-chat": Workload("agentic-chat", (replace(AGENTIC, api="chat"),)),
+    # the data-path testbed: 48 sessions x 6 turns on shared system prompts, 2-4k-token prompts, 16 output
+    # tokens, arriving fast enough that 32 are in flight (the router's own cost decides the TTFT)
+    "agentic-dense": Workload(
+        "agentic-dense",
+        (
+            replace(
+                AGENTIC,
+                name="dense",
+                sessions=48,
+                turns=6,
+                output_tokens=16,
+                user_tokens=192,
+                reply_tokens=128,
+                start_window_s=8.0,
+                think_s=0.5,
+                think_min_s=0.1,
+            ),
+        ),
+    ),  # fmt: skip
 }
 
 

@@ -1,0 +1,304 @@
+"""Where a request's router time goes: CPU per request, TTFT, and kvroute's time by phase, per path.
+
+    python -m bench data_path                                   # ~6 min: both tokenizers, both APIs, c 1/8/32
+    python -m bench data_path --tokenizers hf --apis chat --output-tokens 256 --concurrency 32
+    python -m bench data_path --pin                             # the router on a core of its own
+    python -m bench data_path --routers kvroute-latency,smg-cache_aware --concurrency 12,32
+
+Each cell is one router alone in front of four fresh mockers (4,096 KV blocks each, ``--speedup-ratio 4``)
+replaying the ``agentic-dense`` sessions (48 x 6 turns on shared system prompts, 2-4k-token prompts;
+each concurrency level replays its own sessions, so no router sees a prompt twice), with at most
+``c`` requests in flight. Per cell: the router's CPU per request (its process tree, from /proc), TTFT
+p50 / p90 / p99, and for kvroute a sampling profile (py-spy, 250 Hz, on its process for the replay
+only) sorted into phases by the innermost frame of each sample that belongs to one:
+
+- ``tokenize``: chat template, encoding (built-in encoder, HF backend, chunk cache, worker thread);
+- ``hash``: block and sequence hashes; ``route+book``: router cores, slot tracker, footprint;
+- ``kv-events``: the indexer (event decode and application); ``metrics``: Prometheus and the lifecycle
+  listener; ``relay``: the upstream client, the stream pipeline, the lease;
+- ``request``: parse, hints, validation, the request path; ``http``: uvicorn, Starlette, middleware;
+- ``loop``: the event loop's own work (uvloop's C code: socket reads and writes, timers, callbacks).
+
+``--tokenizers``: ``builtin`` (kvroute's own tokenizer, the mockers' too) and ``hf``: the same
+vocabulary with Llama-3's split pattern, which Python's ``re`` cannot run, so kvroute encodes new text
+with the Hugging Face backend (what a deployment's ``tokenizer.json`` gets); the mockers load it too.
+``--pin``: the router on core 1 (all its threads), the mockers and this client on core 0, so the
+router's decision latency is seen apart from contention for a core (needs 2 cores).
+Nothing here asserts: benchmarks measure. Figures: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from bench.peers import ROUTERS, Testbed, peers_bin, start_router
+from bench.replay import RunOptions, measure
+from bench.sessions import WORKLOADS, Workload, session_trace
+from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
+from kvroute_common.processes import session_cpu_s
+from kvroute_common.text_chunks import LLAMA3_PATTERN
+from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
+
+BLOCK_SIZE = 32
+READY_TIMEOUT = 120.0
+SAMPLE_HZ = 250
+
+# phase -> substrings of a frame ("function (path:line)"); a sample belongs to the phase of its innermost
+# frame that matches one, in this order of precedence within a frame
+PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "tokenize",
+        (
+            "kvroute_common/tokenizer.py",
+            "kvroute_common/text_chunks.py",
+            "kvroute_common/tokenize_offload.py",
+            "tokenizers/",
+            "transformers/",
+            "jinja2/",
+            "frontend/routing/prompt.py",
+        ),
+    ),  # fmt: skip
+    ("hash", ("kvroute_common/hashing.py", "xxhash")),
+    ("metrics", ("prometheus_client/", "frontend/observability/")),
+    ("kv-events", ("indexer/", "zmq/", "kvroute_common/zmq_recv.py")),
+    ("route+book", ("router/", "slot_tracker/", "frontend/routing/")),
+    (
+        "relay",
+        (
+            "frontend/dispatch/proxy.py",
+            "frontend/dispatch/upstream.py",
+            "frontend/dispatch/unary_stream.py",
+            "frontend/dispatch/response_rewriter.py",
+            "frontend/dispatch/migration.py",
+            "frontend/dispatch/lifecycle.py",
+            "frontend/dispatch/stream_dialect.py",
+        ),
+    ),  # fmt: skip
+    ("request", ("frontend/dispatch/", "frontend/api/", "frontend/request/", "kvroute_common/openai_api.py")),
+    (
+        "http",
+        (
+            "uvicorn/",
+            "starlette/",
+            "kvroute_common/drain.py",
+            "kvroute_common/fast_http.py",
+            "kvroute_common/http.py",
+            "frontend/app.py",
+        ),
+    ),  # fmt: skip
+    ("loop", ("asyncio/", "uvloop", "selectors.py")),
+)
+
+
+def phase_of(stack: str) -> str:
+    """The phase of one collapsed stack (frames root-first, ``;``-separated)."""
+    for frame in reversed(stack.split(";")):
+        for name, keys in PHASES:
+            if any(k in frame for k in keys):
+                return name
+    return "other"
+
+
+def phase_shares(raw: str) -> dict[str, float]:
+    """Share of the samples per phase, from py-spy's raw (collapsed) output."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw.splitlines():
+        stack, _, n = line.rstrip().rpartition(" ")
+        if stack and n.isdigit():
+            counts[phase_of(stack)] += int(n)
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.most_common()} if total else {}
+
+
+class Sampler:
+    """py-spy recording one process (and its threads) until stopped; ``None`` shares without py-spy."""
+
+    def __init__(self, pid: int, out: str) -> None:
+        self.out = out
+        exe = shutil.which("py-spy")
+        self.proc = None
+        if exe is not None:
+            self.proc = subprocess.Popen(
+                [exe, "record", "-p", str(pid), "-r", str(SAMPLE_HZ), "--format", "raw", "-o", out, "--nonblocking"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+
+    def stop(self) -> dict[str, float] | None:
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+        try:
+            with open(self.out, encoding="utf-8") as f:
+                return phase_shares(f.read())
+        except OSError:
+            return None
+
+
+def hf_tokenizer_dir(root: str) -> str:
+    """The built-in tokenizer with Llama-3's split pattern (Python's ``re`` has no ``\\p`` classes)."""
+    out = os.path.join(root, "hf-tokenizer")
+    shutil.copytree(BUILTIN_TOKENIZER_DIR, out)
+    path = os.path.join(out, "tokenizer.json")
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    for pre in spec["pre_tokenizer"]["pretokenizers"]:
+        if pre["type"] == "Split":
+            pre["pattern"] = {"Regex": LLAMA3_PATTERN}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    return out
+
+
+def pin(pids: Sequence[int], core: int) -> None:
+    """Every thread of ``pids`` on ``core`` (taskset -a)."""
+    for pid in pids:
+        subprocess.run(["taskset", "-a", "-cp", str(core), str(pid)], check=False, capture_output=True)
+
+
+def workload(api: str, output_tokens: int) -> Workload:
+    base = WORKLOADS["agentic-dense"]
+    groups = tuple(replace(g, api=api, output_tokens=output_tokens) for g in base.groups)
+    # arrivals compressed so the concurrency cap, not the schedule, sets what is in flight
+    return Workload(f"{base.name}-{api}-{output_tokens}", groups).at_load(8.0)
+
+
+def run_cell(
+    label: str, tokenizer: str, api: str, output_tokens: int, concurrency: Sequence[int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """One router in front of fresh mockers, each concurrency level in turn with sessions of its own."""
+    spec = ROUTERS[label]
+    model_path = args.hf_dir if tokenizer == "hf" else None
+    bed = Testbed(DEFAULT_MODEL, model_path or BUILTIN_TOKENIZER_DIR, model_path, BLOCK_SIZE)
+    mocker = MockerOptions(
+        block_size=BLOCK_SIZE, num_gpu_blocks=args.num_gpu_blocks, speedup_ratio=args.speedup_ratio,
+        model_path=model_path,
+    )  # fmt: skip
+    rows = []
+    cluster = Cluster(log_dir=os.path.join(args.out_dir, "logs", f"{label}-{tokenizer}-{api}-{output_tokens}"))
+    try:
+        for _ in range(args.workers):
+            cluster.start_mocker(mocker)
+        cluster.wait_workers_ready(READY_TIMEOUT)
+        url, _metrics = start_router(cluster, spec, bed, args.bin_dir)
+        assert cluster.frontend is not None
+        pid = cluster.frontend.proc.pid
+        if args.pin:
+            pin([c for c in cluster.pids() if c != pid] + [os.getpid()], 0)
+            pin([pid], 1)
+        for i, c in enumerate(concurrency):
+            trace = session_trace(workload(api, output_tokens), seed=args.seed + 100 * i + 1, tokenizer_path=model_path)
+            if args.requests:
+                trace = replace(trace, requests=trace.requests[: args.requests])
+            opts = RunOptions(workers=args.workers, max_concurrency=c, max_duration_s=600.0, model=DEFAULT_MODEL)
+            sampler = (
+                Sampler(pid, os.path.join(args.out_dir, f"{label}-{tokenizer}-{api}-{output_tokens}-c{c}.txt"))
+                if spec.kind == "kvroute" and args.profile
+                else None
+            )
+            cpu0 = session_cpu_s(pid)
+            row = measure(trace, url, label, [w.metrics_url for w in cluster.workers], opts, None)
+            cpu = session_cpu_s(pid) - cpu0
+            shares = sampler.stop() if sampler is not None else None
+            per_request = 1000.0 * cpu / max(1, row["completed"])
+            rows.append(
+                {
+                    "router": label,
+                    "tokenizer": tokenizer,
+                    "api": api,
+                    "output_tokens": output_tokens,
+                    "concurrency": c,
+                    "pinned": bool(args.pin),
+                    "requests": row["requests"],
+                    "completed": row["completed"],
+                    "hit_rate": row["hit_rate"],
+                    "ttft_ms": [row["ttft_ms"][f"p{q}"] for q in (50, 90, 99)],
+                    "cpu_ms_per_request": round(per_request, 2),
+                    "phases_ms_per_request": (
+                        {k: round(v * per_request, 3) for k, v in shares.items()} if shares else None
+                    ),
+                    "loadavg_1m": round(os.getloadavg()[0], 1),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        cluster.stop()
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    phases = [name for name, _ in PHASES] + ["other"]
+    head = ["router", "tokenizer", "api", "out", "c", "pinned", "TTFT p50 / p90 / p99 ms", "CPU ms / req", *phases]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        ph = r["phases_ms_per_request"] or {}
+        ttft = " / ".join("-" if v is None else f"{v:g}" for v in r["ttft_ms"])
+        cells = [r["router"], r["tokenizer"], r["api"], str(r["output_tokens"]), str(r["concurrency"]),
+                 "yes" if r["pinned"] else "no", ttft, f"{r['cpu_ms_per_request']:.2f}",
+                 *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench data_path", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--routers", default="kvroute-latency", help=f"comma-separated, from {', '.join(ROUTERS)}")
+    p.add_argument("--tokenizers", default="builtin,hf")
+    p.add_argument("--apis", default="completions,chat")
+    p.add_argument("--output-tokens", default="16")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--requests", type=int, default=0, help="at most this many requests per level (0 = all 288)")
+    p.add_argument("--pin", action="store_true", help="the router on core 1, engines and client on core 0")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the py-spy phase profile")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--num-gpu-blocks", type=int, default=4096)
+    p.add_argument("--speedup-ratio", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--bin-dir", default=None, help="the peers' bin directory (default: $KVROUTE_PEERS_BIN)")
+    p.add_argument("--out-dir", default="bench/out/data_path")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    labels = [r for r in args.routers.split(",") if r]
+    unknown = [r for r in labels if r not in ROUTERS]
+    if unknown:
+        raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
+    args.bin_dir = peers_bin(args.bin_dir)
+    os.makedirs(args.out_dir, exist_ok=True)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvroute-data-path-") as tmp:
+        args.hf_dir = hf_tokenizer_dir(tmp)
+        for tokenizer in args.tokenizers.split(","):
+            for api in args.apis.split(","):
+                for out in (int(x) for x in args.output_tokens.split(",")):
+                    for label in labels:
+                        rows += run_cell(label, tokenizer, api, out, concurrency, args)
+    command = "python -m bench data_path " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n{table(rows)}\n"
+    with open(os.path.join(args.out_dir, "data_path.json"), "w", encoding="utf-8") as f:
+        json.dump({"command": command, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out_dir, "data_path.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text)
+    return 0
