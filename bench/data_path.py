@@ -43,8 +43,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import httpx
+
 from bench.peers import ROUTERS, Testbed, peers_bin, start_router
-from bench.replay import RunOptions, measure
+from bench.replay import RunOptions, measure, read_counter
 from bench.sessions import WORKLOADS, Workload, session_trace
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
 from kvroute_common.processes import session_cpu_s
@@ -173,11 +175,21 @@ def pin(pids: Sequence[int], core: int) -> None:
         subprocess.run(["taskset", "-a", "-cp", str(core), str(pid)], check=False, capture_output=True)
 
 
+def engine_ttft(metrics_urls: Sequence[str]) -> tuple[float, float]:
+    """The engines' own time-to-first-token histograms summed: (seconds, requests)."""
+    total = count = 0.0
+    for url in metrics_urls:
+        text = httpx.get(url, timeout=5.0).text
+        total += read_counter(text, "vllm:time_to_first_token_seconds_sum") or 0.0
+        count += read_counter(text, "vllm:time_to_first_token_seconds_count") or 0.0
+    return total, count
+
+
 def workload(api: str, output_tokens: int) -> Workload:
     base = WORKLOADS["agentic-dense"]
-    groups = tuple(replace(g, api=api, output_tokens=output_tokens) for g in base.groups)
-    # arrivals compressed so the concurrency cap, not the schedule, sets what is in flight
-    return Workload(f"{base.name}-{api}-{output_tokens}", groups).at_load(8.0)
+    chat = api == "chat"
+    groups = tuple(replace(g, api="chat" if chat else "completions", output_tokens=output_tokens) for g in base.groups)
+    return Workload(f"{base.name}-{api}-{output_tokens}", groups)
 
 
 def run_cell(
@@ -213,9 +225,13 @@ def run_cell(
                 if spec.kind == "kvroute" and args.profile
                 else None
             )
+            engine_urls = [w.metrics_url for w in cluster.workers]
+            e0 = engine_ttft(engine_urls)
             cpu0 = session_cpu_s(pid)
-            row = measure(trace, url, label, [w.metrics_url for w in cluster.workers], opts, None)
+            row = measure(trace, url, label, engine_urls, opts, None)
             cpu = session_cpu_s(pid) - cpu0
+            e1 = engine_ttft(engine_urls)
+            engine = 1000.0 * (e1[0] - e0[0]) / max(1.0, e1[1] - e0[1])
             shares = sampler.stop() if sampler is not None else None
             per_request = 1000.0 * cpu / max(1, row["completed"])
             rows.append(
@@ -230,6 +246,9 @@ def run_cell(
                     "completed": row["completed"],
                     "hit_rate": row["hit_rate"],
                     "ttft_ms": [row["ttft_ms"][f"p{q}"] for q in (50, 90, 99)],
+                    "ttft_mean_ms": row["ttft_mean_ms"],
+                    # the client's mean TTFT less the engines': what the router adds before the first token
+                    "ttft_added_ms": None if row["ttft_mean_ms"] is None else round(row["ttft_mean_ms"] - engine, 2),
                     "cpu_ms_per_request": round(per_request, 2),
                     "phases_ms_per_request": (
                         {k: round(v * per_request, 3) for k, v in shares.items()} if shares else None
@@ -245,13 +264,14 @@ def run_cell(
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     phases = [name for name, _ in PHASES] + ["other"]
-    head = ["router", "tokenizer", "api", "out", "c", "pinned", "TTFT p50 / p90 / p99 ms", "CPU ms / req", *phases]
+    head = ["router", "tokenizer", "api", "out", "c", "pinned", "TTFT p50 / p90 / p99 ms", "TTFT added ms",
+            "CPU ms / req", *phases]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         ph = r["phases_ms_per_request"] or {}
         ttft = " / ".join("-" if v is None else f"{v:g}" for v in r["ttft_ms"])
         cells = [r["router"], r["tokenizer"], r["api"], str(r["output_tokens"]), str(r["concurrency"]),
-                 "yes" if r["pinned"] else "no", ttft, f"{r['cpu_ms_per_request']:.2f}",
+                 "yes" if r["pinned"] else "no", ttft, f"{r['ttft_added_ms']}", f"{r['cpu_ms_per_request']:.2f}",
                  *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

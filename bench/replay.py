@@ -331,6 +331,7 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> dict:
         "error_examples": examples,
         "wall_s": round(wall_s, 2),
         "ttft_ms": {f"p{p}": ms(percentile(ttft, p)) for p in (50, 90, 99)},
+        "ttft_mean_ms": ms(sum(ttft) / len(ttft)) if ttft else None,
         "e2e_ms": {f"p{p}": ms(percentile(e2e, p)) for p in (50, 90, 99)},
         "mean_slot_wait_ms": ms(sum(r.slot_wait_s for r in ok) / len(ok)) if ok else None,
         "throughput_rps": round(len(ok) / wall_s, 2) if wall_s > 0 else None,

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("frontend.dispatch.lifecycle")
 _now = time.perf_counter
 
+# Output tokens are told to the listener in batches (and at the end): metric updates per batch, not per
+# streamed chunk, so the relay's cost per chunk stays a few attribute updates.
+TOKEN_BATCH = 64
+
 
 class LifecycleListener(Protocol):
     """What happens to a request, as the frontend's metrics and routers need to hear it."""
@@ -29,8 +33,9 @@ class LifecycleListener(Protocol):
     def first_token(self, lease: Lease, ttft: float, now: float, streamed: bool) -> None:
         """The request's first output (once per request, also across migrations)."""
 
-    def tokens(self, lease: Lease, n: int, gap: float | None) -> None:
-        """``n`` more output tokens; ``gap`` is the inter-token latency (None for the first ones)."""
+    def tokens(self, lease: Lease, n: int, gaps: list[float]) -> None:
+        """``n`` more output tokens, and the inter-token latencies of the chunks that brought them (one
+        per chunk after the first), told in batches of about ``TOKEN_BATCH`` tokens and at the end."""
 
     def capacity_changed(self, model: str) -> None:
         """A booking of ``model`` shrank or went away: waiting requests may fit now."""
@@ -64,6 +69,8 @@ class Lease:
         "_out_blocks",
         "ttft_recorded",
         "_freed",
+        "_untold",
+        "_gaps",
     )
 
     def __init__(
@@ -93,10 +100,13 @@ class Lease:
         self._osl: int | None = None
         self.ttft_recorded = False  # the request's TTFT is in the metrics (maybe by a lease it migrated from)
         self._freed = False  # the booking was freed in the tracker
+        self._untold = 0  # output tokens not yet told to the listener
+        self._gaps: list[float] = []  # their chunks' inter-token latencies
 
     def inherit(self, old: Lease) -> None:
         """Request migration: this lease continues ``old``'s request on another worker. The
         request's metrics (TTFT, tokens so far, hooks) carry over, so they are recorded once."""
+        old._tell_tokens()
         self.t_start = old.t_start
         self.t_first, self.t_last = old.t_first, old.t_last
         self.tokens_out = old.tokens_out
@@ -138,10 +148,13 @@ class Lease:
         if n <= 0:
             return
         now = _now()
-        gap = (now - self.t_last) / n if (self.tokens_out and self.t_last is not None) else None
+        if self.tokens_out and self.t_last is not None:
+            self._gaps.append((now - self.t_last) / n)
         self.t_last = now
         self.tokens_out += n
-        self.listener.tokens(self, n, gap)
+        self._untold += n
+        if self._untold >= TOKEN_BATCH:
+            self._tell_tokens()
         if self._out_blocks is not None:
             blocks = -(-(self.decision.isl + self.tokens_out) // self.entry.block_size)
             if blocks > self._out_blocks:
@@ -154,6 +167,12 @@ class Lease:
                 self._out_blocks = blocks
         for h in self.hooks:
             h.on_tokens(self, n)
+
+    def _tell_tokens(self) -> None:
+        n, gaps = self._untold, self._gaps
+        if n:
+            self._untold, self._gaps = 0, []
+            self.listener.tokens(self, n, gaps)
 
     def free_booking(self, notify: bool = True) -> None:
         """Free the (worker, rank) booking only (idempotent); the request itself goes on (migration)."""
@@ -186,6 +205,7 @@ class Lease:
         if self.released:
             return
         self.released = True
+        self._tell_tokens()
         if not final:
             self.free_booking()
             return

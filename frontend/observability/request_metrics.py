@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from frontend.observability.metrics import WORKER_TYPE, FrontendMetrics
+from frontend.observability.metrics import WORKER_TYPE, FrontendMetrics, observe_many
 
 if TYPE_CHECKING:
     from frontend.dispatch.lifecycle import Lease
@@ -51,10 +51,10 @@ class RequestMetrics:
         self.metrics.router_ttft.observe(ttft)
         self.worker_gauges(lease.decision.worker.id, lease.decision.dp_rank)[0].set(ttft)
 
-    def tokens(self, lease: Lease, n: int, gap: float | None) -> None:
-        if gap is not None:
-            lease.mm.itl.observe(gap)
-            self.metrics.router_itl.observe(gap)
+    def tokens(self, lease: Lease, n: int, gaps: list[float]) -> None:
+        if gaps:
+            observe_many(lease.mm.itl, gaps)
+            observe_many(self.metrics.router_itl, gaps)
         lease.mm.output_tokens.inc(n)
 
     def cancelled(self, lease: Lease) -> None:
