@@ -167,23 +167,14 @@ class RequestRouter:
                 fp, now = self.footprint(entry), time.monotonic()
                 overflow: dict[tuple[int, int], int] = {}
                 pressure: dict[tuple[int, int], float] = {}
-                scored = overlaps
                 for cand, r in candidates:
-                    key = (cand.id, r)
                     if cand.num_gpu_blocks and self._live_horizon:  # unknown capacity: no cache terms
+                        key = (cand.id, r)
                         overflow[key] = fp.overflow_blocks(key, seq, cand.num_gpu_blocks, now)
                         pressure[key] = fp.pressure_blocks(key, cand.num_gpu_blocks, now)
-                    if self._live_horizon and use_overlap:
-                        # blocks just routed there are cached by the time this prompt is prefilled, though
-                        # their KV events have not arrived yet (the index lags the router by a prefill)
-                        live = fp.live_prefix(key, seq, now)
-                        if live > scored.get(key, 0):
-                            if scored is overlaps:
-                                scored = dict(overlaps)
-                            scored[key] = live
                 costs = score_latency(
                     loads,
-                    scored,
+                    overlaps,
                     isl,
                     bs,
                     lmodels,
@@ -212,8 +203,7 @@ class RequestRouter:
                 )
             chosen_id, rank = cost.worker_id, cost.dp_rank
             worker = next(w for w, r in candidates if w.id == chosen_id and r == rank)
-            # what the index holds (the parity alarm and the booked prefill compare it with the engine's)
-            overlap = overlaps.get((chosen_id, rank), 0) if lmodels is not None else cost.overlap_blocks
+            overlap = cost.overlap_blocks
         else:
             if cfg.router_mode == "random":
                 worker, rank = candidates[self.rng.randrange(len(candidates))]
