@@ -5,7 +5,7 @@
 
 Two mockers (instant engines, context and KV cache large enough for 400 k-token prompts, vLLM's
 chunked prefill of 8192 tokens per step, so KV events arrive per step as vLLM publishes them) behind
-a kv-mode frontend. ``--index remote`` puts the KV-event ingestion in a standalone indexer
+a frontend in ``--router-mode`` (latency, the recommended mode, by default; kv too). ``--index remote`` puts the KV-event ingestion in a standalone indexer
 (``--use-remote-indexer``): the frontend's loop then does the request path alone.
 
 * **Tiny-request latency while long prompts arrive.** Tiny completions (``max_tokens`` 1) are sent
@@ -249,11 +249,12 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
     out: dict[str, Any] = {
         "tokenizer": tokenizer,
         "index": args.index,
+        "router_mode": args.router_mode,
         "chars_per_token": round(cpt, 3),
         "scenarios": {},
         "lengths": {},
     }
-    cluster = start_cluster(2, opts, "kv", frontend_args=["--log-level", "warning"])
+    cluster = start_cluster(2, opts, args.router_mode, frontend_args=["--log-level", "warning"])
     indexer = None
     try:
         if args.index == "remote":  # ingestion in a standalone indexer; a new frontend routes on it
@@ -268,7 +269,7 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
             cluster.frontend.proc.terminate()
             cluster.frontend.proc.wait(timeout=30)
             cluster.start_frontend(
-                "kv",
+                args.router_mode,
                 extra_args=["--log-level", "warning", "--use-remote-indexer", iurl],
                 model_path=model_path,
                 kv_events=False,
@@ -334,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle baseline")
     ap.add_argument(
         "--index", choices=["embedded", "remote"], default="embedded", help="where KV events are ingested [embedded]"
+    )
+    ap.add_argument(
+        "--router-mode", choices=["latency", "kv"], default="latency", help="the frontend's mode [latency: recommended]"
     )
     ap.add_argument("--before", default=None, help="another checkout to measure first (the 'before' figures)")
     ap.add_argument(
