@@ -12,10 +12,10 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Receive
 
-from frontend.api.hints import RequestTiming
 from frontend.dispatch.lifecycle import Lease
 from frontend.dispatch.stream_dialect import ANTHROPIC, OPENAI, StreamDialect
 from frontend.observability.parity import RequestProbe
+from frontend.request.hints import RequestTiming
 from frontend.routing import disagg as _disagg
 from frontend.routing.models import ModelEntry
 from frontend.routing.prompt import Prompt
@@ -24,8 +24,8 @@ from frontend.state import FrontendState
 from kvroute_common.openai_api import read_openai_body
 
 if TYPE_CHECKING:
-    from frontend.api.hints import RequestHints
     from frontend.observability.metrics import ModelMetrics
+    from frontend.request.hints import RequestHints
     from router.session import SessionLease
 
 log = logging.getLogger("frontend")

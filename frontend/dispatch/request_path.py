@@ -17,9 +17,6 @@ import orjson
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from frontend.api.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
-from frontend.api.hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
-from frontend.api.validation import validate_messages, validate_sampling, validate_tools
 from frontend.dispatch.context import RequestContext, RequestSource, Send
 from frontend.dispatch.lifecycle import Lease
 from frontend.dispatch.migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
@@ -28,6 +25,9 @@ from frontend.dispatch.response_rewriter import ResponseRewriter
 from frontend.dispatch.unary_stream import UnaryAssembler, convertible, streaming_body
 from frontend.dispatch.upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from frontend.observability.parity import UsageTap, stream_body_with_usage
+from frontend.request.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
+from frontend.request.hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
+from frontend.request.validation import validate_messages, validate_sampling, validate_tools
 from frontend.routing import disagg as _disagg
 from frontend.routing.admission import ClientDisconnected, QueueRejected
 from frontend.routing.engine_polarity import for_worker as _priority_for_worker
@@ -39,7 +39,7 @@ from kvroute_common import anthropic_api
 from kvroute_common.http import ApiError
 
 if TYPE_CHECKING:
-    from frontend.api.hints import RequestHints
+    from frontend.request.hints import RequestHints
 
 log = logging.getLogger("frontend")
 _perf = time.perf_counter
@@ -304,7 +304,7 @@ class RequestPath:
                 lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
             _record_routed(state, ctx.mm, decision)
             if ctx.timing is not None and ctx.prefill is None:
-                from frontend.api.hints import kv_hit_rate
+                from frontend.request.hints import kv_hit_rate
 
                 ctx.timing.dispatched = time.monotonic()
                 ctx.timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, entry.block_size)
@@ -342,7 +342,7 @@ class RequestPath:
         hints = ctx.hints
         client_id = hints.request_id if hints is not None else None
         if hints is not None and (client_id or hints.metadata):
-            from frontend.api.hints import worker_headers
+            from frontend.request.hints import worker_headers
 
             headers = worker_headers(headers, hints)
         stream = ctx.stream
@@ -444,7 +444,7 @@ class RequestPath:
 
     def _annotations(self, ctx: RequestContext, hints: RequestHints) -> bytes:
         """nvext.annotations as SSE events ahead of the stream (formatted prompt, prompt token ids)."""
-        from frontend.api.hints import annotation_events
+        from frontend.request.hints import annotation_events
 
         text: str | None = None
         if "formatted_prompt" in (hints.annotations or ()):
@@ -826,6 +826,6 @@ def _error_message(data: bytes) -> str | None:
 
 
 def _error_type(status: int) -> str:
-    from frontend.api.errors import error_type_label
+    from frontend.request.errors import error_type_label
 
     return error_type_label(status)
