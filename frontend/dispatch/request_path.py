@@ -75,7 +75,8 @@ class RequestPath:
         ctx.chat = chat
         ctx.endpoint, ctx.path = _KINDS[kind]
         endpoint = ctx.endpoint
-        mm = None
+        # every way out below but an answer on its way ends the request with ctx.finish_unrouted
+        # (counted once, whoever ended it first: a lease, or a step that refused it)
         try:
             raw, body = await source.read(BODY_LIMIT)
             model = body.get("model")
@@ -99,11 +100,7 @@ class RequestPath:
             if kind == "chat":
                 validate_messages(body.get("messages"))
                 validate_tools(body)
-            ctx.mm = mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
-            mm.started.inc()
-            mm.inflight.inc()
-            mm.active.inc()
-            mm.queued.inc()
+            ctx.count_start(state.metrics.model_children(model, endpoint, "stream" if stream else "unary"))
 
             modified = False
             hints = None
@@ -160,85 +157,47 @@ class RequestPath:
                     pinned_worker = pinned_rank = None
                 elif target is not None:  # a live binding beats headers and nvext
                     pinned_worker, pinned_rank = target
-            try:
-                if state.admission is not None and hints is not None:
-                    if ctx.timing is not None:
-                        ctx.timing.router_queue_depth = state.admission.depth(model)
-                    try:
-                        await state.admission.wait(
-                            model,
-                            hints,
-                            new_tokens=len(tokens),
-                            receive=source.receive,
-                            cached_tokens=lambda: state.router.best_cached_tokens(entry, prompt.local_hashes or []),
-                        )
-                    except ClientDisconnected:
-                        mm.inflight.dec()
-                        mm.active.dec()
-                        mm.queued.dec()
-                        mm.finished("error", "cancelled")
-                        state.metrics.disconnected.inc()
-                        state.metrics.cancellations.labels(model, endpoint, mm.request_type).inc()
-                        if ctx.session is not None:
-                            ctx.session.release()
-                        return Response(b"", status_code=499)
-                    except QueueRejected as exc:
-                        return self._rejected(ctx, exc)
-                if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(
-                    state, model, hints
-                ):  # OpenAI generation only
-                    ctx.prefill = await _disagg.run_prefill(state, ctx)
-                ctx.failed_workers = source.excluded(state)
-                return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
-            except BaseException:
-                if ctx.session is not None:
-                    ctx.session.release()
-                raise
+            if state.admission is not None and hints is not None:
+                if ctx.timing is not None:
+                    ctx.timing.router_queue_depth = state.admission.depth(model)
+                try:
+                    await state.admission.wait(
+                        model,
+                        hints,
+                        new_tokens=len(tokens),
+                        receive=source.receive,
+                        cached_tokens=lambda: state.router.best_cached_tokens(entry, prompt.local_hashes or []),
+                    )
+                except ClientDisconnected:
+                    ctx.finish_unrouted("cancelled", client_gone=True)
+                    return Response(b"", status_code=499)
+                except QueueRejected as exc:
+                    return self._rejected(ctx, exc)
+            if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(state, model, hints):  # OpenAI only
+                ctx.prefill = await _disagg.run_prefill(state, ctx)
+            ctx.failed_workers = source.excluded(state)
+            return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
         except OpenAIError as exc:
-            if mm is not None:
-                mm.inflight.dec()
-                mm.active.dec()
-                mm.queued.dec()
-                mm.finished("error", _error_type(exc.status))
-                if exc.status == 529:
-                    state.metrics.rejections.labels(mm.model, endpoint).inc()
+            ctx.finish_unrouted(_error_type(exc.status), rejected=exc.status == 529)
             return openai_error_response(exc.status, exc.message, exc.param)
-        except asyncio.CancelledError:
-            if mm is not None and not ctx.recorded:
-                mm.inflight.dec()
-                mm.active.dec()
-                mm.queued.dec()
-                mm.finished("error", "cancelled")
-            raise
         except ClientDisconnect:
             # the client went away while still sending its body: a cancellation, not a server error
             state.metrics.disconnected.inc()
-            if mm is not None and not ctx.recorded:
-                mm.inflight.dec()
-                mm.active.dec()
-                mm.queued.dec()
-                mm.finished("error", "cancelled")
+            ctx.finish_unrouted("cancelled")
             return Response(b"", status_code=499)
         except Exception as exc:  # a bug or an unexpected library error: still an OpenAI-shaped 500
             log.exception("request failed")
-            if mm is not None and not ctx.recorded:
-                mm.inflight.dec()
-                mm.active.dec()
-                mm.queued.dec()
-                mm.finished("error", "internal")
+            ctx.finish_unrouted("internal")
             return openai_error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        except BaseException:  # cancelled (the client's task, or the server going down)
+            ctx.finish_unrouted("cancelled")
+            raise
 
     def _rejected(self, ctx: RequestContext, exc: Exception) -> Response:
         """Backpressure from the router queue: 529 + Retry-After at once, nothing booked."""
-        state, mm = self.state, ctx.mm
-        mm.inflight.dec()
-        mm.active.dec()
-        mm.queued.dec()
-        mm.finished("error", "overload")
-        state.metrics.rejections.labels(mm.model, ctx.endpoint).inc()
-        state.metrics.queue_backpressure.labels(mm.model, "decode", "default", getattr(exc, "reason", "")).inc()
-        if ctx.session is not None:
-            ctx.session.release()
+        ctx.finish_unrouted("overload", rejected=True)
+        reason = getattr(exc, "reason", "")
+        self.state.metrics.queue_backpressure.labels(ctx.mm.model, "decode", "default", reason).inc()
         return openai_error_response(529, getattr(exc, "message", str(exc)), headers={"retry-after": RETRY_AFTER_SECS})
 
     async def _dispatch(
@@ -295,7 +254,7 @@ class RequestPath:
             except Exception as exc:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
-            lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
+            ctx.attempt = lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
             if previous is not None:
                 lease.inherit(previous)
             # embeddings leave no KV cache behind: no hash-parity evidence to collect
@@ -313,7 +272,7 @@ class RequestPath:
             except BaseException:
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()
-                ctx.recorded = True
+                ctx.counting = False  # the lease recorded the request's end
                 raise
             if response is _MIGRATE:  # the worker failed before answering: the same request goes elsewhere
                 lease.release(final=False)
@@ -673,18 +632,11 @@ class RequestPath:
         ctx.prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat, image_cache=state.image_cache)
         ctx.tokens = ctx.prompt.tokens
         ctx.out_body = orjson.dumps(body)
-        ctx.mm = mm = state.metrics.model_children(entry.name, ctx.endpoint, "unary")
-        mm.started.inc()
-        mm.inflight.inc()
-        mm.active.inc()
-        mm.queued.inc()
+        ctx.count_start(state.metrics.model_children(entry.name, ctx.endpoint, "unary"))
         try:
             await self._dispatch(ctx, worker_id, dp_rank, self.send)
         except OpenAIError as exc:
-            mm.inflight.dec()
-            mm.active.dec()
-            mm.queued.dec()
-            mm.finished("error", _error_type(exc.status))
+            ctx.finish_unrouted(_error_type(exc.status))
             raise
 
 
