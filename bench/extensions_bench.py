@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from starlette.datastructures import Headers
 
-from frontend.api.hints import engine_priority, parse_request_hints
+from frontend.request.hints import engine_priority, parse_request_hints
 from router.queue import PendingQueue
 from router.session import SessionTable
 

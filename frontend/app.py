@@ -16,9 +16,9 @@ from starlette.routing import BaseRoute, Route
 
 from frontend.api.admin import AdminRoutes, _tracker_routes
 from frontend.api.dashboard import DashboardRoutes
-from frontend.api.errors import as_anthropic, openai_error_response, openai_exception_handlers
 from frontend.api.openai_routes import OpenAIRoutes
 from frontend.api.openapi import build_document
+from frontend.request.errors import as_anthropic, openai_error_response, openai_exception_handlers
 from frontend.state import FrontendState
 from kvroute_common.http import exception_handlers, route
 from kvroute_common.openapi import openapi_route

@@ -26,9 +26,9 @@ from kvroute_common.multimodal import ImageOptions
 from router.config import RouterConfig, decode_router_config, prefill_router_config
 
 if TYPE_CHECKING:
-    from frontend.api.hints import RequestHints
     from frontend.observability.loop_lag import StallLogger
     from frontend.pool.discovery import DiscoveryBackend
+    from frontend.request.hints import RequestHints
     from frontend.routing.admission import AdmissionQueue
     from frontend.routing.remote_index import RemoteIndexers
     from frontend.routing.speculative import SendFn, SpeculativePrefiller

@@ -1,13 +1,15 @@
 """The package layout the design promises: no import cycle among kvroute's modules (counting imports
 made only for type checking or inside functions too: a cycle there is still a knot a reader goes
-round), and the indexer does not depend on the routing core (``router/`` may use the indexer, not the
-other way round).
+round), the indexer does not depend on the routing core (``router/`` may use the indexer, not the
+other way round), and inside the frontend imports run one way: nothing below the routes imports
+``frontend/api``, and the request model (``frontend/request``) imports nothing else of the frontend.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+from pathlib import Path
 
 from support import REPO_ROOT
 
@@ -99,3 +101,47 @@ def test_indexer_does_not_import_the_routing_core() -> None:
         for m, p in _modules("indexer").items()
     }
     assert {m: v for m, v in offenders.items() if v} == {}
+
+
+# The routes' layer and what only composes the process may import ``frontend.api``; everything the
+# routes call (request path, endpoint picker, router, pool, state, observability) sits below it.
+ABOVE_THE_API = {"frontend.app", "frontend.cli"}
+# What the request model (``frontend/request``) may import from ``frontend``: itself only.
+REQUEST_MODEL = "frontend.request"
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_nothing_below_the_routes_imports_the_api() -> None:
+    offenders = {
+        m: sorted(t for t in _imports(m, p) if _under(t, "frontend.api"))
+        for m, p in _modules("frontend").items()
+        if not _under(m, "frontend.api") and m not in ABOVE_THE_API
+    }
+    assert {m: v for m, v in offenders.items() if v} == {}
+
+
+def test_the_request_model_imports_nothing_above_it() -> None:
+    offenders = {
+        m: sorted(t for t in _imports(m, p) if _under(t, "frontend") and not _under(t, REQUEST_MODEL))
+        for m, p in _modules("frontend").items()
+        if _under(m, REQUEST_MODEL)
+    }
+    assert {m: v for m, v in offenders.items() if v} == {}
+
+
+def test_imports_are_seen_wherever_they_stand(tmp_path: Path) -> None:
+    """The direction checks count imports made only for type checking and inside functions too."""
+    path = tmp_path / "mod.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from frontend.api.access import guard_app\n"
+        "def f():\n"
+        "    import frontend.api.admin\n"
+        "    from ..api import openapi\n"
+    )
+    seen = _imports("frontend.routing.mod", str(path))
+    assert {"frontend.api.access", "frontend.api.admin", "frontend.api", "frontend.api.openapi"} <= seen

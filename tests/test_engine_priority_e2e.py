@@ -161,7 +161,7 @@ def _worker(engine_spec: str | None, detected: str, low_first: bool | None = Non
 
 
 def test_for_worker_rewrites_only_for_higher_first_engines():
-    from frontend.api.hints import RequestHints
+    from frontend.request.hints import RequestHints
     from frontend.routing.engine_polarity import for_worker
 
     hints = RequestHints(priority=4)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from frontend.api.hints import RequestHints
+from frontend.request.hints import RequestHints
 from frontend.routing.admission import AdmissionQueue
 from frontend.routing.eligibility import DEFAULT_MAX_NUM_BATCHED_TOKENS, any_rank_free, rank_is_busy
 

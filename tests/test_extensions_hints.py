@@ -1,11 +1,11 @@
-"""nvext + routing headers + session identity -> RequestHints (frontend/api/hints.py)."""
+"""nvext + routing headers + session identity -> RequestHints (frontend/request/hints.py)."""
 
 from __future__ import annotations
 
 import pytest
 from starlette.datastructures import Headers
 
-from frontend.api.hints import (
+from frontend.request.hints import (
     MAX_SESSION_ID_BYTES,
     U32_MAX,
     U64_MAX,

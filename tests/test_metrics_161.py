@@ -9,7 +9,7 @@ import contextlib
 
 import httpx
 
-from frontend.api.hints import RequestHints
+from frontend.request.hints import RequestHints
 from frontend.routing.admission import AdmissionQueue
 from support import free_ports, service, wait_until
 

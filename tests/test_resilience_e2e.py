@@ -244,6 +244,31 @@ def test_non_streaming_request_migrates_when_its_worker_dies() -> None:
                 assert fe.metric(gauge) == 0, gauge
 
 
+def test_unary_request_that_cannot_migrate_after_its_first_token_ends_once_in_the_metrics() -> None:
+    """--migration-limit 1, one worker: a unary request's worker goes silent after its first tokens,
+    the request is routed again and finds no other worker. It ends as a 503 counted once, and every
+    gauge is back at 0 (its first token already took it off the queued gauge: the 503 must not take
+    it off a second time)."""
+    with mocker(["--stall-after-tokens", "2"]) as (url, _):
+        with frontend([(1, url)], "--migration-limit", "1", "--stream-idle-timeout", "1") as fe:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 30,
+                "ignore_eos": True,
+            }
+            r = fe.http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == 503
+            assert fe.metric("dynamo_frontend_time_to_first_token_seconds_count") == 1
+            assert fe.metric("dynamo_frontend_model_migration_total", migration_type="new_request") == 1
+            assert fe.metric("dynamo_frontend_requests_total") == 1
+            assert fe.metric("dynamo_frontend_requests_total", status="error", error_type="unavailable") == 1
+            fe.assert_idle()
+            for gauge in QUEUE_GAUGES:
+                assert fe.metric(gauge) == 0, gauge
+
+
 def test_stalled_stream_is_cut_after_the_idle_timeout_and_its_booking_freed() -> None:
     with mocker(["--stall-after-tokens", "3"]) as (url, _):
         with frontend([(1, url)], "--stream-idle-timeout", "2") as fe:

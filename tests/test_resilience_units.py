@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from frontend.api.hints import RequestHints
 from frontend.dispatch.migration import SseTracker, continuation_body, migratable
 from frontend.dispatch.upstream import UpstreamPool, UpstreamTimeout
+from frontend.request.hints import RequestHints
 from frontend.routing.admission import AdmissionQueue, QueueRejected
 from router.config import RouterConfig, add_router_args
 

@@ -208,7 +208,7 @@ def test_sglang_priority_polarity_matches_what_the_frontend_sends(wheel):
     """SGLang (default, --enable-priority-scheduling): HIGHER priority values are scheduled first, the same
     polarity as Dynamo's ``priority``; so the frontend forwards the value unchanged to SGLang (and negated to
     vLLM, which runs lower values first). With --schedule-low-priority-values-first SGLang flips to vLLM's."""
-    from frontend.api.hints import RequestHints, engine_priority
+    from frontend.request.hints import RequestHints, engine_priority
 
     fields = wheel.read("sglang/srt/arg_groups/fields/schedule.py").decode()
     tree = ast.parse(fields)

@@ -676,7 +676,7 @@ def test_template_arguments_are_the_ones_vllm_passes(vllm_engines: dict[str, Any
     tools kept with ``tool_choice: "none"`` (an empty list refused, as vLLM does),
     ``reasoning_effort`` with the ``enable_thinking`` it implies, and the explicit
     ``add_generation_prompt`` default over ``chat_template_kwargs``."""
-    from frontend.api.validation import validate_tools
+    from frontend.request.validation import validate_tools
     from kvroute_common.openai_api import OpenAIError
     from kvroute_common.tokenizer import chat_request_token_ids, load_tokenizer
 

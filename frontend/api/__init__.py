@@ -1,2 +1,2 @@
-"""The API surface: the HTTP routes (OpenAI, Anthropic, admin, dashboard), their request and
-response shapes, errors, validation, request hints (nvext, x-dynamo-* headers) and access control."""
+"""The API surface: the HTTP routes (OpenAI, Anthropic, admin, dashboard), their OpenAPI document and
+access control. The request model they parse into (hints, validation, errors) is ``frontend/request``."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from frontend.api.errors import openai_error_body
+from frontend.request.errors import openai_error_body
 from kvroute_common.drain import Drain, DrainMiddleware
 from kvroute_common.security import ADMIN, API, OPEN, AuthMiddleware, policy_from_args
 

@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
-from frontend.api.errors import openai_error_response
 from frontend.pool.workers import WorkerSpec
+from frontend.request.errors import openai_error_response
 from frontend.routing.models import BusyThresholds, validate_update
 from frontend.state import FrontendState
 from frontend.supervisor import child_index

@@ -10,9 +10,9 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.api.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
 from frontend.dispatch.context import HttpSource
 from frontend.dispatch.request_path import BODY_LIMIT, RequestPath
+from frontend.request.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
 from frontend.routing import disagg as _disagg
 from frontend.routing.prompt import body_tokens, messages_to_chat, tokenize_request
 from frontend.routing.routing_record import routing_record

@@ -2,18 +2,18 @@
 metrics, and the embedded slot tracker's routes (``slot_tracker.openapi``, shared with the standalone
 service).
 
-``/v1/*`` errors are OpenAI-shaped (``frontend/api/errors.py``), every other route's are
+``/v1/*`` errors are OpenAI-shaped (``frontend/request/errors.py``), every other route's are
 ``{"error": "..."}``. The OpenAI bodies list the fields the frontend reads (model, messages /
 prompt, stream, nvext) and the generation fields the engine validates; any other field is passed
-to the engine. ``nvext`` is ``frontend.api.hints``'s strict schema, derived from its Structs.
+to the engine. ``nvext`` is ``frontend.request.hints``'s strict schema, derived from its Structs.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from frontend.api.hints import _NvExt
 from frontend.pool.workers import _ALIASES, _INT_FIELDS, _STR_FIELDS
+from frontend.request.hints import _NvExt
 from kvroute_common import openapi as oa
 from slot_tracker.openapi import tracker_paths, tracker_schemas
 

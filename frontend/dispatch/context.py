@@ -12,10 +12,10 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Receive
 
-from frontend.api.hints import RequestTiming
 from frontend.dispatch.lifecycle import Lease
 from frontend.dispatch.stream_dialect import ANTHROPIC, OPENAI, StreamDialect
 from frontend.observability.parity import RequestProbe
+from frontend.request.hints import RequestTiming
 from frontend.routing import disagg as _disagg
 from frontend.routing.models import ModelEntry
 from frontend.routing.prompt import Prompt
@@ -24,8 +24,8 @@ from frontend.state import FrontendState
 from kvroute_common.openai_api import read_openai_body
 
 if TYPE_CHECKING:
-    from frontend.api.hints import RequestHints
     from frontend.observability.metrics import ModelMetrics
+    from frontend.request.hints import RequestHints
     from router.session import SessionLease
 
 log = logging.getLogger("frontend")
@@ -49,7 +49,8 @@ class RequestContext:
         "t_start",
         "endpoint",
         "receive",
-        "recorded",
+        "counting",
+        "attempt",
         "probe",
         "strip_usage",
         "migrations",
@@ -74,7 +75,8 @@ class RequestContext:
     def __init__(self) -> None:
         self.kind = "chat"  # chat | completions | responses | messages | embeddings (see _KINDS)
         self.path = "/v1/chat/completions"
-        self.recorded = False  # a lease has recorded the request's end in the metrics
+        self.counting = False  # in the metrics (count_start) and its end not recorded yet (lease or finish_unrouted)
+        self.attempt: Lease | None = None  # the lease of the latest attempt booked for it
         self.probe: RequestProbe | None = None  # the parity evidence of the current attempt
         self.strip_usage = False  # the engine was asked for stream usage the client did not want
         self.migrations = 0  # times this request moved to another worker (--migration-limit)
@@ -88,6 +90,39 @@ class RequestContext:
         self.session: SessionLease | None = None
         self.entry: ModelEntry
         self.mm: ModelMetrics
+
+    def count_start(self, mm: ModelMetrics) -> None:
+        """The request enters the metrics: started, in flight, waiting for its first token."""
+        self.mm = mm
+        mm.started.inc()
+        mm.inflight.inc()
+        mm.active.inc()
+        mm.queued.inc()
+        self.counting = True
+
+    def finish_unrouted(self, error_type: str, *, client_gone: bool = False, rejected: bool = False) -> None:
+        """End a request that no lease ended (refused, failed or cancelled before its booking, or between
+        two attempts) and give back its session lease. Idempotent, and a no-op once a lease recorded the
+        end (``counting`` cleared): the gauges ``count_start`` raised come down once and
+        ``requests_total`` counts the request once. ``client_gone``: the client went away (a
+        cancellation); ``rejected``: refused because every eligible worker was busy."""
+        if self.session is not None:
+            self.session.release()
+        if not self.counting:
+            return
+        self.counting = False
+        mm = self.mm
+        mm.inflight.dec()
+        mm.active.dec()
+        if self.attempt is None or not self.attempt.ttft_recorded:  # a first token already left the queue
+            mm.queued.dec()
+        mm.finished("error", error_type)
+        m = mm.parent
+        if client_gone:
+            m.disconnected.inc()
+            m.cancellations.labels(mm.model, mm.endpoint, mm.request_type).inc()
+        if rejected:
+            m.rejections.labels(mm.model, mm.endpoint).inc()
 
     @property
     def dialect(self) -> StreamDialect:

@@ -17,9 +17,6 @@ import orjson
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from frontend.api.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
-from frontend.api.hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
-from frontend.api.validation import validate_messages, validate_sampling, validate_tools
 from frontend.dispatch.context import RequestContext, RequestSource, Send
 from frontend.dispatch.lifecycle import Lease
 from frontend.dispatch.migration import NEW_REQUEST, ONGOING_REQUEST, SseTracker, continuation_body, migratable
@@ -28,6 +25,9 @@ from frontend.dispatch.response_rewriter import ResponseRewriter
 from frontend.dispatch.unary_stream import UnaryAssembler, convertible, streaming_body
 from frontend.dispatch.upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from frontend.observability.parity import UsageTap, stream_body_with_usage
+from frontend.request.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
+from frontend.request.hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
+from frontend.request.validation import validate_messages, validate_sampling, validate_tools
 from frontend.routing import disagg as _disagg
 from frontend.routing.admission import ClientDisconnected, QueueRejected
 from frontend.routing.engine_polarity import for_worker as _priority_for_worker
@@ -39,7 +39,7 @@ from kvroute_common import anthropic_api
 from kvroute_common.http import ApiError
 
 if TYPE_CHECKING:
-    from frontend.api.hints import RequestHints
+    from frontend.request.hints import RequestHints
 
 log = logging.getLogger("frontend")
 _perf = time.perf_counter
@@ -75,7 +75,8 @@ class RequestPath:
         ctx.chat = chat
         ctx.endpoint, ctx.path = _KINDS[kind]
         endpoint = ctx.endpoint
-        mm = None
+        # every way out below but an answer on its way ends the request with ctx.finish_unrouted
+        # (counted once, whoever ended it first: a lease, or a step that refused it)
         try:
             raw, body = await source.read(BODY_LIMIT)
             model = body.get("model")
@@ -99,11 +100,7 @@ class RequestPath:
             if kind == "chat":
                 validate_messages(body.get("messages"))
                 validate_tools(body)
-            ctx.mm = mm = state.metrics.model_children(model, endpoint, "stream" if stream else "unary")
-            mm.started.inc()
-            mm.inflight.inc()
-            mm.active.inc()
-            mm.queued.inc()
+            ctx.count_start(state.metrics.model_children(model, endpoint, "stream" if stream else "unary"))
 
             modified = False
             hints = None
@@ -160,85 +157,47 @@ class RequestPath:
                     pinned_worker = pinned_rank = None
                 elif target is not None:  # a live binding beats headers and nvext
                     pinned_worker, pinned_rank = target
-            try:
-                if state.admission is not None and hints is not None:
-                    if ctx.timing is not None:
-                        ctx.timing.router_queue_depth = state.admission.depth(model)
-                    try:
-                        await state.admission.wait(
-                            model,
-                            hints,
-                            new_tokens=len(tokens),
-                            receive=source.receive,
-                            cached_tokens=lambda: state.router.best_cached_tokens(entry, prompt.local_hashes or []),
-                        )
-                    except ClientDisconnected:
-                        mm.inflight.dec()
-                        mm.active.dec()
-                        mm.queued.dec()
-                        mm.finished("error", "cancelled")
-                        state.metrics.disconnected.inc()
-                        state.metrics.cancellations.labels(model, endpoint, mm.request_type).inc()
-                        if ctx.session is not None:
-                            ctx.session.release()
-                        return Response(b"", status_code=499)
-                    except QueueRejected as exc:
-                        return self._rejected(ctx, exc)
-                if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(
-                    state, model, hints
-                ):  # OpenAI generation only
-                    ctx.prefill = await _disagg.run_prefill(state, ctx)
-                ctx.failed_workers = source.excluded(state)
-                return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
-            except BaseException:
-                if ctx.session is not None:
-                    ctx.session.release()
-                raise
+            if state.admission is not None and hints is not None:
+                if ctx.timing is not None:
+                    ctx.timing.router_queue_depth = state.admission.depth(model)
+                try:
+                    await state.admission.wait(
+                        model,
+                        hints,
+                        new_tokens=len(tokens),
+                        receive=source.receive,
+                        cached_tokens=lambda: state.router.best_cached_tokens(entry, prompt.local_hashes or []),
+                    )
+                except ClientDisconnected:
+                    ctx.finish_unrouted("cancelled", client_gone=True)
+                    return Response(b"", status_code=499)
+                except QueueRejected as exc:
+                    return self._rejected(ctx, exc)
+            if ctx.kind in ("chat", "completions") and _disagg.wants_prefill(state, model, hints):  # OpenAI only
+                ctx.prefill = await _disagg.run_prefill(state, ctx)
+            ctx.failed_workers = source.excluded(state)
+            return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
         except OpenAIError as exc:
-            if mm is not None:
-                mm.inflight.dec()
-                mm.active.dec()
-                mm.queued.dec()
-                mm.finished("error", _error_type(exc.status))
-                if exc.status == 529:
-                    state.metrics.rejections.labels(mm.model, endpoint).inc()
+            ctx.finish_unrouted(_error_type(exc.status), rejected=exc.status == 529)
             return openai_error_response(exc.status, exc.message, exc.param)
-        except asyncio.CancelledError:
-            if mm is not None and not ctx.recorded:
-                mm.inflight.dec()
-                mm.active.dec()
-                mm.queued.dec()
-                mm.finished("error", "cancelled")
-            raise
         except ClientDisconnect:
             # the client went away while still sending its body: a cancellation, not a server error
             state.metrics.disconnected.inc()
-            if mm is not None and not ctx.recorded:
-                mm.inflight.dec()
-                mm.active.dec()
-                mm.queued.dec()
-                mm.finished("error", "cancelled")
+            ctx.finish_unrouted("cancelled")
             return Response(b"", status_code=499)
         except Exception as exc:  # a bug or an unexpected library error: still an OpenAI-shaped 500
             log.exception("request failed")
-            if mm is not None and not ctx.recorded:
-                mm.inflight.dec()
-                mm.active.dec()
-                mm.queued.dec()
-                mm.finished("error", "internal")
+            ctx.finish_unrouted("internal")
             return openai_error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        except BaseException:  # cancelled (the client's task, or the server going down)
+            ctx.finish_unrouted("cancelled")
+            raise
 
     def _rejected(self, ctx: RequestContext, exc: Exception) -> Response:
         """Backpressure from the router queue: 529 + Retry-After at once, nothing booked."""
-        state, mm = self.state, ctx.mm
-        mm.inflight.dec()
-        mm.active.dec()
-        mm.queued.dec()
-        mm.finished("error", "overload")
-        state.metrics.rejections.labels(mm.model, ctx.endpoint).inc()
-        state.metrics.queue_backpressure.labels(mm.model, "decode", "default", getattr(exc, "reason", "")).inc()
-        if ctx.session is not None:
-            ctx.session.release()
+        ctx.finish_unrouted("overload", rejected=True)
+        reason = getattr(exc, "reason", "")
+        self.state.metrics.queue_backpressure.labels(ctx.mm.model, "decode", "default", reason).inc()
         return openai_error_response(529, getattr(exc, "message", str(exc)), headers={"retry-after": RETRY_AFTER_SECS})
 
     async def _dispatch(
@@ -295,7 +254,7 @@ class RequestPath:
             except Exception as exc:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
             state.metrics.router_started.inc()
-            lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
+            ctx.attempt = lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
             if previous is not None:
                 lease.inherit(previous)
             # embeddings leave no KV cache behind: no hash-parity evidence to collect
@@ -304,7 +263,7 @@ class RequestPath:
                 lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
             _record_routed(state, ctx.mm, decision)
             if ctx.timing is not None and ctx.prefill is None:
-                from frontend.api.hints import kv_hit_rate
+                from frontend.request.hints import kv_hit_rate
 
                 ctx.timing.dispatched = time.monotonic()
                 ctx.timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, entry.block_size)
@@ -313,7 +272,7 @@ class RequestPath:
             except BaseException:
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()
-                ctx.recorded = True
+                ctx.counting = False  # the lease recorded the request's end
                 raise
             if response is _MIGRATE:  # the worker failed before answering: the same request goes elsewhere
                 lease.release(final=False)
@@ -342,7 +301,7 @@ class RequestPath:
         hints = ctx.hints
         client_id = hints.request_id if hints is not None else None
         if hints is not None and (client_id or hints.metadata):
-            from frontend.api.hints import worker_headers
+            from frontend.request.hints import worker_headers
 
             headers = worker_headers(headers, hints)
         stream = ctx.stream
@@ -444,7 +403,7 @@ class RequestPath:
 
     def _annotations(self, ctx: RequestContext, hints: RequestHints) -> bytes:
         """nvext.annotations as SSE events ahead of the stream (formatted prompt, prompt token ids)."""
-        from frontend.api.hints import annotation_events
+        from frontend.request.hints import annotation_events
 
         text: str | None = None
         if "formatted_prompt" in (hints.annotations or ()):
@@ -673,18 +632,11 @@ class RequestPath:
         ctx.prompt = await tokenize_request(state.tokenize, entry, body, ctx.chat, image_cache=state.image_cache)
         ctx.tokens = ctx.prompt.tokens
         ctx.out_body = orjson.dumps(body)
-        ctx.mm = mm = state.metrics.model_children(entry.name, ctx.endpoint, "unary")
-        mm.started.inc()
-        mm.inflight.inc()
-        mm.active.inc()
-        mm.queued.inc()
+        ctx.count_start(state.metrics.model_children(entry.name, ctx.endpoint, "unary"))
         try:
             await self._dispatch(ctx, worker_id, dp_rank, self.send)
         except OpenAIError as exc:
-            mm.inflight.dec()
-            mm.active.dec()
-            mm.queued.dec()
-            mm.finished("error", _error_type(exc.status))
+            ctx.finish_unrouted(_error_type(exc.status))
             raise
 
 
@@ -826,6 +778,6 @@ def _error_message(data: bytes) -> str | None:
 
 
 def _error_type(status: int) -> str:
-    from frontend.api.errors import error_type_label
+    from frontend.request.errors import error_type_label
 
     return error_type_label(status)

@@ -40,7 +40,7 @@ class ResponseRewriter:
             self.collector = TurnTextCollector()
 
     def _nvext(self, stop_reason: Any = None) -> dict | None:
-        from frontend.api.hints import response_nvext
+        from frontend.request.hints import response_nvext
 
         h = self.hints
         if not self.want_nvext:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from frontend.api.errors import openai_error_body
 from frontend.observability.parity import parse_usage as parse_openai_usage
+from frontend.request.errors import openai_error_body
 from kvroute_common import anthropic_api
 
 _DONE = b"data: [DONE]"

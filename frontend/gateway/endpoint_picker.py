@@ -33,8 +33,8 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from frontend.api.errors import OpenAIError
 from frontend.observability.parity import UsageTap
+from frontend.request.errors import OpenAIError
 
 if TYPE_CHECKING:
     import grpc
@@ -269,7 +269,7 @@ class _Stream:
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=meta)
 
     def _immediate(self, status: int, exc: OpenAIError) -> Any:
-        from frontend.api.errors import openai_error_response
+        from frontend.request.errors import openai_error_response
 
         return self._immediate_response(openai_error_response(status, exc.message, exc.param))
 
@@ -300,7 +300,7 @@ class _Stream:
         lease = picked.lease
         ctx = picked.ctx
         if status != 200:  # the engine refused: the request ends with its status, as through the proxy
-            from frontend.api.errors import error_type_label
+            from frontend.request.errors import error_type_label
 
             lease.status, lease.error_type = "error", error_type_label(status)
             if status in UNREACHABLE:  # as the proxy does with an engine it cannot reach: out until healthy

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 import httpx
 import xxhash
 
-from frontend.api.validation import PromptLimit
 from frontend.dispatch.upstream import UpstreamConnectError, UpstreamError, UpstreamPool
+from frontend.request.validation import PromptLimit
 
 log = logging.getLogger("frontend.pool.workers")
 

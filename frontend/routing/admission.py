@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from router.queue import PendingQueue, QueuePolicy
 
 if TYPE_CHECKING:
-    from frontend.api.hints import RequestHints
+    from frontend.request.hints import RequestHints
 
 CapacityCheck = Callable[[str, "RequestHints", float], bool]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

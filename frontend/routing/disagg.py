@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from frontend.api.errors import OpenAIError
 from frontend.dispatch.proxy import upstream_headers
 from frontend.dispatch.upstream import UpstreamConnectError, UpstreamError
 from frontend.observability.metrics import PREFILL_WORKER_TYPE
+from frontend.request.errors import OpenAIError
 from frontend.routing.engine_polarity import for_worker as _priority_for_worker
 from frontend.routing.routing_record import routing_record, wants_routing
 
@@ -161,7 +161,7 @@ async def run_prefill(state: FrontendState, ctx: Any) -> PrefillResult | None:
         return None
     timing = ctx.timing
     if timing is not None:  # the request is dispatched when its prefill is
-        from frontend.api.hints import kv_hit_rate
+        from frontend.request.hints import kv_hit_rate
 
         timing.dispatched = time.monotonic()
         timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, pool.block_size)

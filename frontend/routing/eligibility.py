@@ -24,8 +24,8 @@ from frontend.routing.models import BusyThresholds, ModelEntry
 from kvroute_common.openai_api import OpenAIError
 
 if TYPE_CHECKING:
-    from frontend.api.hints import RequestHints
     from frontend.pool.workers import Worker
+    from frontend.request.hints import RequestHints
 
 # the reference's stand-in when a worker does not say how many tokens it batches: effectively never busy
 UNKNOWN_MAX_BATCHED_TOKENS = 10_000_000

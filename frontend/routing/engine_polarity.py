@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from frontend.api.hints import engine_priority
+from frontend.request.hints import engine_priority
 
 # engine kinds whose scheduler runs higher priority values first
 HIGHER_FIRST_ENGINES = frozenset(("sglang",))

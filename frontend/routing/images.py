@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from frontend.api.errors import OpenAIError
+from frontend.request.errors import OpenAIError
 from kvroute_common.multimodal import ImageOptions
 
 CACHE_BYTES = 64 * 1024 * 1024

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from frontend.api.validation import PromptLimit
+from frontend.request.validation import PromptLimit
 from kvroute_common.constants import DEFAULT_TENANT as TENANT
 from kvroute_common.multimodal import ImageContext, ImageOptions
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from frontend.api.errors import OpenAIError
-from frontend.api.validation import PromptLimit, check_context_length, check_prompt_fits
+from frontend.request.errors import OpenAIError
+from frontend.request.validation import PromptLimit, check_context_length, check_prompt_fits
 from kvroute_common import anthropic_api
 from kvroute_common.hashing import local_block_hashes, sequence_hashes, token_array
 from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes, remote_image_urls

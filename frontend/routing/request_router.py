@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from frontend.api.errors import OpenAIError, all_busy, no_worker
+from frontend.request.errors import OpenAIError, all_busy, no_worker
 from frontend.routing.decision import Decision
 from frontend.routing.eligibility import candidates as eligible_candidates
 from kvroute_common.hashing import local_block_hashes, sequence_hashes

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from frontend.api.errors import OpenAIError
+from frontend.request.errors import OpenAIError
 from kvroute_common.tokenizer import PromptError, engine_tool_dicts
 
 _SAMPLING_EPS = 1e-5
