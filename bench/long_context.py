@@ -5,8 +5,9 @@
 
 Two mockers (instant engines, context and KV cache large enough for 400 k-token prompts, vLLM's
 chunked prefill of 8192 tokens per step, so KV events arrive per step as vLLM publishes them) behind
-a frontend in ``--router-mode`` (latency, the recommended mode, by default; kv too). ``--index remote`` puts the KV-event ingestion in a standalone indexer
-(``--use-remote-indexer``): the frontend's loop then does the request path alone.
+a frontend in ``--router-mode`` (latency, the recommended mode, by default; kv too). ``--index remote``
+puts the KV-event ingestion in a standalone indexer (``--use-remote-indexer``): the frontend's loop
+then does the request path alone.
 
 * **Tiny-request latency while long prompts arrive.** Tiny completions (``max_tokens`` 1) are sent
   open loop every 10 ms (a stall delays every request sent during it, so the percentiles see it)
