@@ -11,16 +11,24 @@ evicts.
 The set is the router's own record of its decisions (each booked request touches its prompt's chained
 sequence hashes on the chosen rank), not the engine's cache: what the engine holds is the block
 index's business; what of it is still wanted is not in any event. No I/O; the caller passes the time.
+
+Its work runs on the frontend's event loop, where no step may grow with a prompt's length: a touch
+records at most ``SLICE_BLOCKS`` blocks at once and queues the rest for ``settle()`` (the frontend
+calls it again on the next loop iterations until nothing is left), and expiry removes at most
+``SLICE_BLOCKS`` blocks per call. Until a long prompt is settled, the part not yet recorded is not
+live (at most a few loop iterations).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from router.selection import WorkerRank
 
 DEFAULT_HORIZON_S = 10.0
+# blocks recorded or expired per step: ~0.5 ms of the loop's time (a 128k-token prompt is 4-8k blocks)
+SLICE_BLOCKS = 2048
 
 
 class LiveFootprint:
@@ -31,20 +39,25 @@ class LiveFootprint:
     which lets ``live_prefix`` binary-search instead of looking up every block.
     """
 
-    __slots__ = ("horizon_s", "_ranks")
+    __slots__ = ("horizon_s", "slice_blocks", "_ranks", "_pending")
 
-    def __init__(self, horizon_s: float = DEFAULT_HORIZON_S) -> None:
+    def __init__(self, horizon_s: float = DEFAULT_HORIZON_S, slice_blocks: int = SLICE_BLOCKS) -> None:
         if horizon_s <= 0:
             raise ValueError("the live horizon must be > 0 s")
+        if slice_blocks < 1:
+            raise ValueError("a slice is at least one block")
         self.horizon_s = horizon_s
+        self.slice_blocks = slice_blocks
         self._ranks: dict[WorkerRank, OrderedDict[int, float]] = {}
+        # touches not fully recorded: [rank, sequence hashes, blocks of it still to record (a prefix), time]
+        self._pending: deque[list] = deque()
 
     def _live(self, key: WorkerRank, now: float) -> OrderedDict[int, float] | None:
         blocks = self._ranks.get(key)
         if blocks is None:
             return None
         cutoff = now - self.horizon_s
-        for _ in range(len(blocks)):  # bounded: each pass removes one expired block
+        for _ in range(min(len(blocks), self.slice_blocks)):  # bounded: each pass removes one expired block
             oldest = next(iter(blocks.values()), None)
             if oldest is None or oldest >= cutoff:
                 break
@@ -86,18 +99,46 @@ class LiveFootprint:
         return live * min(1.0, live / capacity_blocks)
 
     def touch(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> None:
-        """The prompt was routed to the rank: its blocks are live there from now."""
-        blocks = self._ranks.get(key)
-        if blocks is None:
-            blocks = self._ranks[key] = OrderedDict()
-        for h in reversed(seq_hashes):
-            blocks[h] = now
-            blocks.move_to_end(h)
+        """The prompt was routed to the rank: its blocks are live there from now (the first
+        ``slice_blocks`` at once, the rest by ``settle``)."""
+        if seq_hashes:
+            self._pending.append([key, seq_hashes, len(seq_hashes), now])
+        self.settle()
         self._live(key, now)
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether touched blocks are still waiting to be recorded (call ``settle`` again)."""
+        return bool(self._pending)
+
+    def settle(self) -> bool:
+        """Record up to ``slice_blocks`` blocks of the pending touches, oldest touch first and each
+        prompt last block first (so a chain's prefix is never older than its tail); returns whether
+        any are left."""
+        budget = self.slice_blocks
+        pending = self._pending
+        while budget > 0 and pending:
+            item = pending[0]
+            key, seq, end, now = item
+            blocks = self._ranks.get(key)
+            if blocks is None:
+                blocks = self._ranks[key] = OrderedDict()
+            start = max(0, end - budget)
+            for i in range(end - 1, start - 1, -1):
+                h = seq[i]
+                blocks[h] = now
+                blocks.move_to_end(h)
+            budget -= end - start
+            if start == 0:
+                pending.popleft()
+            else:
+                item[2] = start
+        return bool(pending)
 
     def forget_worker(self, worker_id: int) -> None:
         for key in [k for k in self._ranks if k[0] == worker_id]:
             del self._ranks[key]
+        self._pending = deque(p for p in self._pending if p[0][0] != worker_id)
 
     def snapshot(self, now: float) -> dict[str, int]:
         return {f"{w}:{r}": self.live_blocks((w, r), now) for (w, r) in sorted(self._ranks)}

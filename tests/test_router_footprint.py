@@ -59,6 +59,36 @@ def test_forgetting_a_worker_and_bad_horizons() -> None:
         LiveFootprint(0.0)
 
 
+def test_a_long_prompt_is_recorded_a_slice_at_a_time_and_ends_as_if_at_once() -> None:
+    """No step of the event loop grows with a prompt: a touch records at most slice_blocks blocks and
+    settle() the rest, a slice a call; settled, the footprint is the same as one recorded at once, and
+    expiry removes at most a slice per call."""
+    long = _chain(list(range(4 * 100)))  # 100 blocks
+    short = _chain(list(range(1000, 1016)))  # 4 blocks, touched while the long one is pending
+    eager = LiveFootprint(slice_blocks=1000)
+    sliced = LiveFootprint(slice_blocks=30)
+    for fp in (eager, sliced):
+        fp.touch((1, 0), long, now=0.0)
+        if fp is sliced:  # the long prompt's last 30 blocks
+            assert sliced._ranks[(1, 0)].keys() == set(long[70:]) and sliced.unsettled
+        fp.touch((1, 0), short, now=0.5)  # settles another slice of the older touch first
+    assert not eager.unsettled and eager.live_blocks((1, 0), 1.0) == 104
+    assert sliced._ranks[(1, 0)].keys() == set(long[40:])
+    assert sliced.settle()  # long[10:40]
+    assert len(sliced._ranks[(1, 0)]) == 90
+    assert not sliced.settle()  # long[:10], then the short prompt
+    assert list(sliced._ranks[(1, 0)].items()) == list(eager._ranks[(1, 0)].items())
+    assert sliced.live_prefix((1, 0), long, 1.0) == 100 and sliced.live_prefix((1, 0), short, 1.0) == 4
+    # expiry: all 104 blocks are past the horizon; each call removes at most a slice, oldest (tails) first
+    assert sliced.live_blocks((1, 0), 100.0) == 74
+    assert sliced.live_prefix((1, 0), long, 100.0) == 40  # still prefix-closed: the tail went first
+    for _ in range(3):
+        sliced.live_blocks((1, 0), 100.0)
+    assert sliced.live_blocks((1, 0), 100.0) == 0
+    with pytest.raises(ValueError):
+        LiveFootprint(slice_blocks=0)
+
+
 def test_pressure_grows_with_how_full_the_live_set_makes_the_cache() -> None:
     fp = LiveFootprint()
     fp.touch((1, 0), _chain(list(range(40))), now=0.0)  # 10 live blocks
@@ -135,3 +165,24 @@ def test_the_recompute_weight_flag_reaches_the_estimate() -> None:
 
     assert chosen(1.0) == 2
     assert chosen(4.0) == 1
+
+
+def test_the_frontend_settles_a_long_prompt_a_slice_per_loop_iteration() -> None:
+    import asyncio
+
+    from frontend.routing.request_router import _settle_soon
+
+    async def run() -> list[int]:
+        fp = LiveFootprint(slice_blocks=3)
+        chain = _chain(list(range(40)))  # 10 blocks
+        fp.touch((1, 0), chain, now=0.0)
+        seen = [len(fp._ranks[(1, 0)])]
+        _settle_soon(fp)
+        for _ in range(10):  # bounded: each iteration of the loop runs one step
+            await asyncio.sleep(0)
+            seen.append(len(fp._ranks[(1, 0)]))
+            if not fp.unsettled:
+                break
+        return seen
+
+    assert asyncio.run(run()) == [3, 6, 9, 10]

@@ -7,6 +7,7 @@ sent, so the next decision already sees it. Cost and choice are ``router.selecti
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -249,7 +250,26 @@ class RequestRouter:
         if self.decisions is not None:
             self.decisions.record(self.label, self.config, entry, request_id, decision)
         if self.config.router_mode == "latency" and self._live_horizon and decision.seq_hashes:
-            self.footprint(entry).touch((decision.worker.id, decision.dp_rank), decision.seq_hashes, time.monotonic())
+            fp = self.footprint(entry)
+            fp.touch((decision.worker.id, decision.dp_rank), decision.seq_hashes, time.monotonic())
+            if fp.unsettled:  # a long prompt: the rest of its blocks a slice per loop iteration
+                _settle_soon(fp)
         approx = entry.approx
         if approx is not None and decision.local_hashes:
             approx.record(decision.worker.id, decision.dp_rank, decision.local_hashes, decision.seq_hashes)
+
+
+def _settle_soon(fp: LiveFootprint) -> None:
+    """``fp.settle()`` a slice per event-loop iteration until nothing is left (at once without a loop)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # a caller outside the event loop (tests, offline tools)
+        while fp.settle():
+            pass
+        return
+
+    def step() -> None:
+        if fp.settle():
+            loop.call_soon(step)
+
+    loop.call_soon(step)
