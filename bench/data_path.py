@@ -19,6 +19,9 @@ only) sorted into phases by the innermost frame of each sample that belongs to o
 - ``request``: parse, hints, validation, the request path; ``http``: uvicorn, Starlette, middleware;
 - ``loop``: the event loop's own work (uvloop's C code: socket reads and writes, timers, callbacks).
 
+The profile's shares are of the time the loop thread was busy (running, or runnable and waiting for a
+core: py-spy skips idle samples), turned into ms per request with the measured CPU per request.
+
 ``--tokenizers``: ``builtin`` (kvroute's own tokenizer, the mockers' too) and ``hf``: the same
 vocabulary with Llama-3's split pattern, which Python's ``re`` cannot run, so kvroute encodes new text
 with the Hugging Face backend (what a deployment's ``tokenizer.json`` gets); the mockers load it too.
@@ -45,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from bench.peers import ROUTERS, Testbed, peers_bin, start_router
+from bench.peers import ROUTERS, RouterSpec, Testbed, peers_bin, start_router
 from bench.replay import RunOptions, measure, read_counter
 from bench.sessions import WORKLOADS, Workload, session_trace
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
@@ -193,10 +196,10 @@ def workload(api: str, output_tokens: int) -> Workload:
 
 
 def run_cell(
-    label: str, tokenizer: str, api: str, output_tokens: int, concurrency: Sequence[int], args: argparse.Namespace
+    spec: RouterSpec, tokenizer: str, api: str, output_tokens: int, concurrency: Sequence[int], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     """One router in front of fresh mockers, each concurrency level in turn with sessions of its own."""
-    spec = ROUTERS[label]
+    label = spec.label
     model_path = args.hf_dir if tokenizer == "hf" else None
     bed = Testbed(DEFAULT_MODEL, model_path or BUILTIN_TOKENIZER_DIR, model_path, BLOCK_SIZE)
     mocker = MockerOptions(
@@ -204,7 +207,8 @@ def run_cell(
         model_path=model_path,
     )  # fmt: skip
     rows = []
-    cluster = Cluster(log_dir=os.path.join(args.out_dir, "logs", f"{label}-{tokenizer}-{api}-{output_tokens}"))
+    tag = label.replace(" ", "").replace("(", "-").replace(")", "")
+    cluster = Cluster(log_dir=os.path.join(args.out_dir, "logs", f"{tag}-{tokenizer}-{api}-{output_tokens}"))
     try:
         for _ in range(args.workers):
             cluster.start_mocker(mocker)
@@ -221,7 +225,7 @@ def run_cell(
                 trace = replace(trace, requests=trace.requests[: args.requests])
             opts = RunOptions(workers=args.workers, max_concurrency=c, max_duration_s=600.0, model=DEFAULT_MODEL)
             sampler = (
-                Sampler(pid, os.path.join(args.out_dir, f"{label}-{tokenizer}-{api}-{output_tokens}-c{c}.txt"))
+                Sampler(pid, os.path.join(args.out_dir, f"{tag}-{tokenizer}-{api}-{output_tokens}-c{c}.txt"))
                 if spec.kind == "kvroute" and args.profile
                 else None
             )
@@ -294,6 +298,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--bin-dir", default=None, help="the peers' bin directory (default: $KVROUTE_PEERS_BIN)")
     p.add_argument("--out-dir", default="bench/out/data_path")
+    p.add_argument("--before", default=None,
+                   help="another checkout of kvroute (git worktree add DIR REV): each kvroute row also runs with its "
+                   "frontend, just before this checkout's, in the same run")  # fmt: skip
     return p
 
 
@@ -303,6 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [r for r in labels if r not in ROUTERS]
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
+    specs = [ROUTERS[r] for r in labels]
+    if args.before:
+        before = os.path.abspath(args.before)
+        specs = [
+            x
+            for s in specs
+            for x in ((replace(s, label=f"{s.label} (before)", checkout=before), s) if s.kind == "kvroute" else (s,))
+        ]
     args.bin_dir = peers_bin(args.bin_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -312,8 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for tokenizer in args.tokenizers.split(","):
             for api in args.apis.split(","):
                 for out in (int(x) for x in args.output_tokens.split(",")):
-                    for label in labels:
-                        rows += run_cell(label, tokenizer, api, out, concurrency, args)
+                    for spec in specs:
+                        rows += run_cell(spec, tokenizer, api, out, concurrency, args)
     command = "python -m bench data_path " + " ".join(argv if argv is not None else sys.argv[1:])
     text = f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n{table(rows)}\n"
     with open(os.path.join(args.out_dir, "data_path.json"), "w", encoding="utf-8") as f:
