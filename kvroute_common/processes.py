@@ -92,10 +92,11 @@ def service(
 
 
 def session_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system) spent so far by session ``sid``'s live processes and the children
-    they reaped: a service started with ``start_new_session`` is its own session, so this is its whole
-    process tree (helpers and worker processes included)."""
-    ticks = 0
+    """CPU seconds (user + system) spent so far by session ``sid``'s live processes, their descendants
+    in sessions of their own (``python -m frontend --workers N`` starts each child in a new session),
+    and the children they reaped: a service started with ``start_new_session`` is its own session, so
+    this is its whole process tree (helpers and worker processes included)."""
+    procs: dict[int, tuple[int, int, int]] = {}  # pid -> (parent, session, ticks)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -104,9 +105,15 @@ def session_cpu_s(sid: int) -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone since the listing
             continue
-        if int(fields[3]) == sid:  # fields[0] is the state (3rd field of stat): session is stat's 6th
-            ticks += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
-    return ticks / os.sysconf("SC_CLK_TCK")
+        # fields[0] is the state (stat's 3rd field): parent is stat's 4th, session its 6th
+        procs[int(entry)] = (int(fields[1]), int(fields[3]), sum(int(v) for v in fields[11:15]))
+    counted = {pid for pid, (_, session, _) in procs.items() if session == sid}
+    for _ in range(len(procs)):  # bounded: each pass adds a generation of descendants or stops
+        more = {pid for pid, (parent, _, _) in procs.items() if parent in counted and pid not in counted}
+        if not more:
+            break
+        counted |= more
+    return sum(procs[pid][2] for pid in counted) / os.sysconf("SC_CLK_TCK")
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
