@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from frontend.observability.loop_lag import StallLogger
     from frontend.pool.discovery import DiscoveryBackend
     from frontend.routing.admission import AdmissionQueue
+    from frontend.routing.rate_limits import RateLimits
     from frontend.routing.remote_index import RemoteIndexers
     from frontend.routing.speculative import SendFn, SpeculativePrefiller
     from indexer.registry import IndexerRegistry
@@ -120,6 +121,7 @@ class FrontendState:
         # streams): the loop-lag watch measures every 20 ms only then
         self.busy_probes: list[Callable[[], bool]] = []
         self.admission: AdmissionQueue | None = None
+        self.rate_limits: RateLimits | None = None  # --rate-limit-*: per-key buckets, 429 before routing
         self.sessions: SessionTable | None = None
         self.speculative: SpeculativePrefiller | None = None
         self._bg: set[asyncio.Task] = set()

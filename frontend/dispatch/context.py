@@ -26,6 +26,7 @@ from kvroute_common.openai_api import read_openai_body
 if TYPE_CHECKING:
     from frontend.api.hints import RequestHints
     from frontend.observability.metrics import ModelMetrics
+    from frontend.routing.rate_limits import KeyState
     from router.session import SessionLease
 
 log = logging.getLogger("frontend")
@@ -60,6 +61,7 @@ class RequestContext:
         "prefill",
         "soft_target",
         "prompt",
+        "rate",
     )
     # set by the route before the request is routed
     t_start: float
@@ -86,6 +88,7 @@ class RequestContext:
         self.hints: RequestHints | None = None
         self.timing: RequestTiming | None = None
         self.session: SessionLease | None = None
+        self.rate: KeyState | None = None  # per-key rate limits: the key's buckets (charged at the end)
         self.entry: ModelEntry
         self.mm: ModelMetrics
 

@@ -138,6 +138,8 @@ class RequestPath:
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
             ctx.prompt = prompt
             ctx.tokens = tokens = prompt.tokens
+            if state.rate_limits is not None:  # per-key limits: 429 before anything is queued or sent
+                ctx.rate = state.rate_limits.admit(source.headers, len(tokens))
             if stream and kind != "messages":  # the engine's usage (cached tokens) feeds the parity alarm
                 # and the decomposition (an Anthropic stream always carries its usage)
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
@@ -202,7 +204,7 @@ class RequestPath:
                 mm.finished("error", _error_type(exc.status))
                 if exc.status == 529:
                     state.metrics.rejections.labels(mm.model, endpoint).inc()
-            return openai_error_response(exc.status, exc.message, exc.param)
+            return openai_error_response(exc.status, exc.message, exc.param, getattr(exc, "headers", None))
         except asyncio.CancelledError:
             if mm is not None and not ctx.recorded:
                 mm.inflight.dec()
@@ -298,6 +300,8 @@ class RequestPath:
             lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
             if previous is not None:
                 lease.inherit(previous)
+            elif ctx.rate is not None:  # the key's token bucket takes the output tokens at the end
+                lease.hooks.append(ctx.rate)
             # embeddings leave no KV cache behind: no hash-parity evidence to collect
             ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
             if state.config.router_track_output_blocks:
