@@ -215,9 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_args(
         p
     )  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/api/access.py)
+    from frontend.observability.tracing import add_tracing_args
     from frontend.routing.rate_limits import add_rate_limit_args
 
     add_rate_limit_args(p)
+    add_tracing_args(p)
     add_router_args(p)
     from frontend.pool.discovery import add_discovery_args
 
@@ -343,6 +345,9 @@ def make_state(ns: argparse.Namespace):
         raise SystemExit("--remote-indexer-register needs --use-remote-indexer")
     state.serve_indexer = ns.serve_indexer
     state.rate_limits = _rate_limits(ns, state)
+    from frontend.observability.tracing import tracing_from_args
+
+    state.tracing = tracing_from_args(ns)
     if ns.log_loop_stalls < 0:
         raise SystemExit("--log-loop-stalls must be >= 0 (0 = off)")
     state.loop_stall_threshold = ns.log_loop_stalls / 1000

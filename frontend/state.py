@@ -28,6 +28,7 @@ from router.config import RouterConfig, decode_router_config, prefill_router_con
 if TYPE_CHECKING:
     from frontend.api.hints import RequestHints
     from frontend.observability.loop_lag import StallLogger
+    from frontend.observability.tracing import Tracing
     from frontend.pool.discovery import DiscoveryBackend
     from frontend.routing.admission import AdmissionQueue
     from frontend.routing.rate_limits import RateLimits
@@ -122,6 +123,7 @@ class FrontendState:
         self.busy_probes: list[Callable[[], bool]] = []
         self.admission: AdmissionQueue | None = None
         self.rate_limits: RateLimits | None = None  # --rate-limit-*: per-key buckets, 429 before routing
+        self.tracing: Tracing | None = None  # --otlp-traces-endpoint: OpenTelemetry spans per request
         self.sessions: SessionTable | None = None
         self.speculative: SpeculativePrefiller | None = None
         self._bg: set[asyncio.Task] = set()
@@ -642,6 +644,8 @@ class FrontendState:
         events = self.events
         if events is not None:
             await events.close()
+        if self.tracing is not None:  # export the spans still buffered
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def _expiry_loop(self) -> None:
         while True:

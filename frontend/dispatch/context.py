@@ -26,6 +26,7 @@ from kvroute_common.openai_api import read_openai_body
 if TYPE_CHECKING:
     from frontend.api.hints import RequestHints
     from frontend.observability.metrics import ModelMetrics
+    from frontend.observability.tracing import RequestTrace
     from frontend.routing.rate_limits import KeyState
     from router.session import SessionLease
 
@@ -62,6 +63,7 @@ class RequestContext:
         "soft_target",
         "prompt",
         "rate",
+        "trace",
     )
     # set by the route before the request is routed
     t_start: float
@@ -89,6 +91,7 @@ class RequestContext:
         self.timing: RequestTiming | None = None
         self.session: SessionLease | None = None
         self.rate: KeyState | None = None  # per-key rate limits: the key's buckets (charged at the end)
+        self.trace: RequestTrace | None = None  # --otlp-traces-endpoint: the request's spans
         self.entry: ModelEntry
         self.mm: ModelMetrics
 

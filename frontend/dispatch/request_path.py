@@ -40,6 +40,7 @@ from kvroute_common.http import ApiError
 
 if TYPE_CHECKING:
     from frontend.api.hints import RequestHints
+    from frontend.observability.tracing import RequestTrace
 
 log = logging.getLogger("frontend")
 _perf = time.perf_counter
@@ -62,12 +63,17 @@ class RequestPath:
         """One generation request, whatever carries it: parse, hints, tokenize, admission, then route,
         book and ``send`` (the proxy dispatches to the worker; the endpoint picker hands the decision
         to its gateway). Returns ``send``'s result, or an error response in the API's shape."""
-        result = await self._pipeline(source, kind, send)
+        tracing = self.state.tracing
+        if tracing is None:
+            result = await self._pipeline(source, kind, send)
+        else:  # --otlp-traces-endpoint: the request's spans (frontend/observability/tracing.py)
+            result = await tracing.follow(self._pipeline, source, kind, send)
         return as_anthropic(result) if kind == "messages" else result
 
-    async def _pipeline(self, source: RequestSource, kind: str, send: Send) -> Any:
+    async def _pipeline(self, source: RequestSource, kind: str, send: Send, trace: RequestTrace | None = None) -> Any:
         state = self.state
         ctx = RequestContext()
+        ctx.trace = trace
         ctx.t_start = _perf()
         ctx.receive = source.receive
         chat = kind in ("chat", "responses", "messages")
@@ -136,6 +142,8 @@ class RequestPath:
             else:
                 prompt = await tokenize_request(state.tokenize, entry, body, kind, salt, state.image_cache)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
+            if trace is not None:
+                trace.tokenized(t_tok, model, len(prompt.tokens), stream)
             ctx.prompt = prompt
             ctx.tokens = tokens = prompt.tokens
             if state.rate_limits is not None:  # per-key limits: 429 before anything is queued or sent
@@ -255,6 +263,7 @@ class RequestPath:
         previous: Lease | None = None  # the attempt this one re-sends (its TTFT and hooks are the request's)
         while True:
             attempts += 1
+            t_route = _perf() if ctx.trace is not None else 0.0
             salt = ctx.hints.cache_salt if ctx.hints is not None else None
             record = wants_routing(ctx.hints)
             decision = None
@@ -302,6 +311,8 @@ class RequestPath:
                 lease.inherit(previous)
             elif ctx.rate is not None:  # the key's token bucket takes the output tokens at the end
                 lease.hooks.append(ctx.rate)
+            if ctx.trace is not None:
+                ctx.trace.routed(lease, t_route, router.label)
             # embeddings leave no KV cache behind: no hash-parity evidence to collect
             ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
             if state.config.router_track_output_blocks:
@@ -349,6 +360,8 @@ class RequestPath:
             from frontend.api.hints import worker_headers
 
             headers = worker_headers(headers, hints)
+        if ctx.trace is not None:  # the engine's spans join the request's trace
+            headers = ctx.trace.engine_headers(headers, worker)
         stream = ctx.stream
         session = ctx.session
         # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
