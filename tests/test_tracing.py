@@ -124,6 +124,29 @@ def test_without_a_client_trace_kvroute_starts_one_and_errors_are_traced(traced:
         assert set(spans) == {"kvroute.request"}
 
 
+def test_otlp_http_protobuf_and_the_service_name() -> None:
+    """``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf``: the same spans over OTLP/HTTP, under the
+    ``OTEL_SERVICE_NAME`` given."""
+    env = {**FAST_EXPORT, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "edge-router"}
+    with contextlib.ExitStack() as stack:
+        receiver = stack.enter_context(OtlpReceiver())
+        mocker = stack.enter_context(mocker_url(MODEL, "--max-model-len", "4096"))
+        patch = stack.enter_context(pytest.MonkeyPatch.context())
+        for k, v in env.items():
+            patch.setenv(k, v)
+        fe = stack.enter_context(frontend_client([mocker], "--otlp-traces-endpoint", receiver.http_endpoint))
+        parent, trace_id, client_span = _traceparent()
+        body = {"model": MODEL, "prompt": "over http", "max_tokens": 2}
+        assert fe.post("/v1/completions", json=body, headers={"traceparent": parent}).status_code == 200
+        spans = wait_until(
+            lambda: (found := _by_name(receiver.trace(trace_id), "edge-router")).keys() >= SPANS_WITH_OUTPUT and found,
+            20,
+            0.05,
+            what="the spans over OTLP/HTTP",
+        )
+        assert spans["kvroute.request"].parent_span_id == client_span
+
+
 def test_tracing_off_imports_no_opentelemetry() -> None:
     """Off (no flag, no variable): the frontend's request path never loads the SDK."""
     import subprocess
