@@ -147,6 +147,71 @@ def test_otlp_http_protobuf_and_the_service_name() -> None:
         assert spans["kvroute.request"].parent_span_id == client_span
 
 
+def _mocker(stack: contextlib.ExitStack, *flags: str) -> tuple[str, Any]:
+    port = free_port()
+    args = ["-m", "mocker", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL]
+    url = f"http://127.0.0.1:{port}"
+    proc = stack.enter_context(service([*args, "--no-kv-events", *flags], ready_url=f"{url}/v1/models", timeout=90))
+    return url, proc
+
+
+def test_a_migrated_stream_stays_one_trace() -> None:
+    """--migration-limit: worker 1 stalls after 5 tokens and is killed; the stream goes on on worker 2.
+    The trace holds both decisions and both engine calls (the first marked migrated), one request span."""
+    import signal
+
+    with contextlib.ExitStack() as stack:
+        receiver = stack.enter_context(OtlpReceiver())
+        url_a, proc_a = _mocker(stack, "--stall-after-tokens", "5")
+        url_b, _ = _mocker(stack, "--speedup-ratio", "0.2")
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "round_robin"]
+        args += ["--health-check-interval", "0.5", "--migration-limit", "2", "--worker", f"id=1,url={url_a}"]
+        args += ["--otlp-traces-endpoint", receiver.endpoint]
+        stack.enter_context(service(args, ready_url=f"{base}/health", timeout=90, env=FAST_EXPORT))
+        wait_until(lambda: httpx.get(f"{base}/v1/models").json()["data"], 30, what="the model served")
+        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        parent, trace_id, _ = _traceparent()
+        stream = sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "A long story about caches, please."}],
+            max_tokens=20,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            extra_headers={"traceparent": parent},
+        )
+        content = 0
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                content += 1
+            if content == 5 and proc_a.poll() is None:  # worker 1 holds the stream, stalled
+                r = httpx.post(f"{base}/admin/workers", json={"id": 2, "url": url_b})
+                assert r.status_code in (200, 201), r.text
+                os.killpg(proc_a.pid, signal.SIGKILL)
+                proc_a.wait(timeout=30)
+        assert content == 20
+        spans = wait_until(
+            lambda: (
+                (found := [s for s in receiver.trace(trace_id) if s.service == "kvroute-frontend"])
+                and any(s.name == "kvroute.request" for s in found)
+                and found
+            ),
+            20,
+            0.05,
+            what="the migrated request's spans",
+        )
+        routes = sorted((s for s in spans if s.name == "kvroute.route"), key=lambda s: s.start_ns)
+        assert [r.attributes["kvroute.worker_id"] for r in routes] == [1, 2]
+        assert [r.attributes["kvroute.attempt"] for r in routes] == [1, 2]
+        engines = sorted((s for s in spans if s.name == "kvroute.engine"), key=lambda s: s.start_ns)
+        assert [e.attributes["kvroute.worker_id"] for e in engines] == [1, 2]
+        assert [e.attributes["kvroute.outcome"] for e in engines] == ["migrated", "success"]
+        root = next(s for s in spans if s.name == "kvroute.request")
+        assert root.attributes["gen_ai.usage.completion_tokens"] == 20
+        assert all(s.parent_span_id == root.span_id for s in routes + engines)
+
+
 def test_tracing_off_imports_no_opentelemetry() -> None:
     """Off (no flag, no variable): the frontend's request path never loads the SDK."""
     import subprocess

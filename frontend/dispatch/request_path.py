@@ -639,12 +639,15 @@ class RequestPath:
                 lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
             _record_routed(state, ctx.mm, decision)
             worker = decision.worker
+            headers = upstream_headers(decision.dp_rank, request_id)
+            if ctx.trace is not None:  # the continuation's decision and engine call join the request's trace
+                headers = ctx.trace.migrated(lease, worker, headers, state.router.label)
             try:
                 upstream = await worker.upstream.request(
                     "POST",
                     path,
                     _priority_for_worker(raw, ctx.hints, worker),
-                    upstream_headers(decision.dp_rank, request_id),
+                    headers,
                     True,
                 )
             except asyncio.CancelledError:

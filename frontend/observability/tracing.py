@@ -213,13 +213,15 @@ class RequestTrace:
         if self not in lease.hooks:
             lease.hooks.append(self)
 
-    def engine_headers(self, headers: list[tuple[str, str]], worker: Any) -> list[tuple[str, str]]:
+    def engine_headers(
+        self, headers: list[tuple[str, str]], worker: Any, earlier: str = "retried"
+    ) -> list[tuple[str, str]]:
         """The engine call starts: its span, and the headers that make it the engine's parent."""
         from opentelemetry.trace import set_span_in_context
 
         t = self.t
-        if self.engine is not None:  # a retry or migration: the earlier call ended without an answer
-            self.engine.set_attribute("kvroute.outcome", "retried")
+        if self.engine is not None:  # a retry or a migration: the earlier call ended here
+            self.engine.set_attribute("kvroute.outcome", earlier)
             self.engine.end()
         self.t_sent = _perf()
         self.engine = span = t.tracer.start_span(
@@ -232,6 +234,14 @@ class RequestTrace:
         carrier: dict[str, str] = {}
         t.propagator.inject(carrier, context=set_span_in_context(span))
         return [*headers, *carrier.items()]
+
+    def migrated(
+        self, lease: Lease, worker: Any, headers: list[tuple[str, str]], router_mode: str
+    ) -> list[tuple[str, str]]:
+        """A stream continues on another worker (``--migration-limit``): its decision, and the new
+        engine call's span and headers."""
+        self.routed(lease, _perf(), router_mode)
+        return self.engine_headers(headers, worker, "migrated")
 
     # ---- lease hook -------------------------------------------------------------------------------
 
@@ -255,7 +265,7 @@ class RequestTrace:
             if self.first_done and lease.t_first is not None:
                 self._span(
                     "kvroute.stream",
-                    lease.t_first,
+                    max(lease.t_first, self.t_sent),  # a migrated stream: from the last engine call
                     now,
                     self.engine,
                     {"gen_ai.usage.completion_tokens": lease.tokens_out},
