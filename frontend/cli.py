@@ -215,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_args(
         p
     )  # --api-key: /v1/*; --admin-token: /admin/*, POST /busy_threshold, tracker routes (frontend/api/access.py)
+    from frontend.observability.tracing import add_tracing_args
+    from frontend.routing.rate_limits import add_rate_limit_args
+
+    add_rate_limit_args(p)
+    add_tracing_args(p)
     add_router_args(p)
     from frontend.pool.discovery import add_discovery_args
 
@@ -339,6 +344,10 @@ def make_state(ns: argparse.Namespace):
     elif ns.remote_indexer_register:
         raise SystemExit("--remote-indexer-register needs --use-remote-indexer")
     state.serve_indexer = ns.serve_indexer
+    state.rate_limits = _rate_limits(ns, state)
+    from frontend.observability.tracing import tracing_from_args
+
+    state.tracing = tracing_from_args(ns)
     if ns.log_loop_stalls < 0:
         raise SystemExit("--log-loop-stalls must be >= 0 (0 = off)")
     state.loop_stall_threshold = ns.log_loop_stalls / 1000
@@ -380,6 +389,17 @@ def make_state(ns: argparse.Namespace):
         if watcher is not None:  # the file backend: GET /admin/workers shows its state
             state.file_watcher = watcher
     return state
+
+
+def _rate_limits(ns: argparse.Namespace, state):
+    """--rate-limit-*: the per-key buckets; keys are told apart only when --api-key is set."""
+    from frontend.api.access import access_level
+    from frontend.routing.rate_limits import rate_limits_from_args
+    from kvroute_common.security import policy_from_args
+
+    policy = policy_from_args(ns, access_level)
+    digests = (*policy.api_keys.digests, *policy.admin_tokens.digests) if policy and policy.api_keys else ()
+    return rate_limits_from_args(ns, digests, state.metrics.registry)
 
 
 def main(argv: list[str] | None = None) -> int:

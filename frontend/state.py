@@ -27,9 +27,11 @@ from router.config import RouterConfig, decode_router_config, prefill_router_con
 
 if TYPE_CHECKING:
     from frontend.observability.loop_lag import StallLogger
+    from frontend.observability.tracing import Tracing
     from frontend.pool.discovery import DiscoveryBackend
     from frontend.request.hints import RequestHints
     from frontend.routing.admission import AdmissionQueue
+    from frontend.routing.rate_limits import RateLimits
     from frontend.routing.remote_index import RemoteIndexers
     from frontend.routing.speculative import SendFn, SpeculativePrefiller
     from indexer.registry import IndexerRegistry
@@ -120,6 +122,8 @@ class FrontendState:
         # streams): the loop-lag watch measures every 20 ms only then
         self.busy_probes: list[Callable[[], bool]] = []
         self.admission: AdmissionQueue | None = None
+        self.rate_limits: RateLimits | None = None  # --rate-limit-*: per-key buckets, 429 before routing
+        self.tracing: Tracing | None = None  # --otlp-traces-endpoint: OpenTelemetry spans per request
         self.sessions: SessionTable | None = None
         self.speculative: SpeculativePrefiller | None = None
         self._bg: set[asyncio.Task] = set()
@@ -640,6 +644,8 @@ class FrontendState:
         events = self.events
         if events is not None:
             await events.close()
+        if self.tracing is not None:  # export the spans still buffered
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def _expiry_loop(self) -> None:
         while True:

@@ -60,6 +60,11 @@ class TokenSet:
     def __len__(self) -> int:
         return len(self._digests)
 
+    @property
+    def digests(self) -> tuple[bytes, ...]:
+        """The tokens' SHA-256 digests (what per-key rate limits name keys by)."""
+        return self._digests
+
     def __repr__(self) -> str:  # never the tokens themselves
         return f"TokenSet(<{len(self._digests)} token(s)>)"
 

@@ -48,15 +48,21 @@ def mocker_url(model: str, *flags: str, block_size: int = 16, kv_port: int | Non
 
 
 @contextlib.contextmanager
-def frontend_client(workers: Sequence[str], *flags: str, events: bool = True) -> Iterator[httpx.Client]:
+def frontend_client(
+    workers: Sequence[str], *flags: str, events: bool = True, headers: dict[str, str] | None = None
+) -> Iterator[httpx.Client]:
     """A kv-mode frontend over ``workers`` (``--worker`` values, or bare URLs numbered from 1), once every
-    worker is healthy (and, with ``events``, its KV-event stream registered); a client on its URL."""
+    worker is healthy (and, with ``events``, its KV-event stream registered); a client on its URL
+    sending ``headers`` (an admin token when the flags set one)."""
     port = free_port()
     args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv", *flags]
     for i, spec in enumerate(workers, 1):
         args += ["--worker", spec if spec.startswith("id=") else f"id={i},url={spec}"]
     base = f"http://127.0.0.1:{port}"
-    with service(args, ready_url=f"{base}/health", timeout=90), httpx.Client(base_url=base, timeout=60) as c:
+    with (
+        service(args, ready_url=f"{base}/health", timeout=90),
+        httpx.Client(base_url=base, timeout=60, headers=headers) as c,
+    ):
         wait_until(
             lambda: all(
                 w["healthy"] and (w.get("kv_events") or not events) for w in c.get("/admin/workers").json()["workers"]

@@ -25,7 +25,9 @@ from kvroute_common.openai_api import read_openai_body
 
 if TYPE_CHECKING:
     from frontend.observability.metrics import ModelMetrics
+    from frontend.observability.tracing import RequestTrace
     from frontend.request.hints import RequestHints
+    from frontend.routing.rate_limits import KeyState
     from router.session import SessionLease
 
 log = logging.getLogger("frontend")
@@ -61,6 +63,8 @@ class RequestContext:
         "prefill",
         "soft_target",
         "prompt",
+        "rate",
+        "trace",
     )
     # set by the route before the request is routed
     t_start: float
@@ -88,6 +92,8 @@ class RequestContext:
         self.hints: RequestHints | None = None
         self.timing: RequestTiming | None = None
         self.session: SessionLease | None = None
+        self.rate: KeyState | None = None  # per-key rate limits: the key's buckets (charged at the end)
+        self.trace: RequestTrace | None = None  # --otlp-traces-endpoint: the request's spans
         self.entry: ModelEntry
         self.mm: ModelMetrics
 

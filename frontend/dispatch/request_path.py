@@ -39,6 +39,7 @@ from kvroute_common import anthropic_api
 from kvroute_common.http import ApiError
 
 if TYPE_CHECKING:
+    from frontend.observability.tracing import RequestTrace
     from frontend.request.hints import RequestHints
 
 log = logging.getLogger("frontend")
@@ -62,12 +63,17 @@ class RequestPath:
         """One generation request, whatever carries it: parse, hints, tokenize, admission, then route,
         book and ``send`` (the proxy dispatches to the worker; the endpoint picker hands the decision
         to its gateway). Returns ``send``'s result, or an error response in the API's shape."""
-        result = await self._pipeline(source, kind, send)
+        tracing = self.state.tracing
+        if tracing is None:
+            result = await self._pipeline(source, kind, send)
+        else:  # --otlp-traces-endpoint: the request's spans (frontend/observability/tracing.py)
+            result = await tracing.follow(self._pipeline, source, kind, send)
         return as_anthropic(result) if kind == "messages" else result
 
-    async def _pipeline(self, source: RequestSource, kind: str, send: Send) -> Any:
+    async def _pipeline(self, source: RequestSource, kind: str, send: Send, trace: RequestTrace | None = None) -> Any:
         state = self.state
         ctx = RequestContext()
+        ctx.trace = trace
         ctx.t_start = _perf()
         ctx.receive = source.receive
         chat = kind in ("chat", "responses", "messages")
@@ -133,8 +139,12 @@ class RequestPath:
             else:
                 prompt = await tokenize_request(state.tokenize, entry, body, kind, salt, state.image_cache)
             state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
+            if trace is not None:
+                trace.tokenized(t_tok, model, len(prompt.tokens), stream)
             ctx.prompt = prompt
             ctx.tokens = tokens = prompt.tokens
+            if state.rate_limits is not None:  # per-key limits: 429 before anything is queued or sent
+                ctx.rate = state.rate_limits.admit(source.headers, len(tokens))
             if stream and kind != "messages":  # the engine's usage (cached tokens) feeds the parity alarm
                 # and the decomposition (an Anthropic stream always carries its usage)
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
@@ -179,7 +189,7 @@ class RequestPath:
             return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
         except OpenAIError as exc:
             ctx.finish_unrouted(_error_type(exc.status), rejected=exc.status == 529)
-            return openai_error_response(exc.status, exc.message, exc.param)
+            return openai_error_response(exc.status, exc.message, exc.param, getattr(exc, "headers", None))
         except ClientDisconnect:
             # the client went away while still sending its body: a cancellation, not a server error
             state.metrics.disconnected.inc()
@@ -212,6 +222,7 @@ class RequestPath:
         previous: Lease | None = None  # the attempt this one re-sends (its TTFT and hooks are the request's)
         while True:
             attempts += 1
+            t_route = _perf() if ctx.trace is not None else 0.0
             salt = ctx.hints.cache_salt if ctx.hints is not None else None
             record = wants_routing(ctx.hints)
             decision = None
@@ -257,6 +268,10 @@ class RequestPath:
             ctx.attempt = lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
             if previous is not None:
                 lease.inherit(previous)
+            elif ctx.rate is not None:  # the key's token bucket takes the output tokens at the end
+                lease.hooks.append(ctx.rate)
+            if ctx.trace is not None:
+                ctx.trace.routed(lease, t_route, router.label)
             # embeddings leave no KV cache behind: no hash-parity evidence to collect
             ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
             if state.config.router_track_output_blocks:
@@ -304,6 +319,8 @@ class RequestPath:
             from frontend.request.hints import worker_headers
 
             headers = worker_headers(headers, hints)
+        if ctx.trace is not None:  # the engine's spans join the request's trace
+            headers = ctx.trace.engine_headers(headers, worker)
         stream = ctx.stream
         session = ctx.session
         # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
@@ -581,12 +598,15 @@ class RequestPath:
                 lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
             _record_routed(state, ctx.mm, decision)
             worker = decision.worker
+            headers = upstream_headers(decision.dp_rank, request_id)
+            if ctx.trace is not None:  # the continuation's decision and engine call join the request's trace
+                headers = ctx.trace.migrated(lease, worker, headers, state.router.label)
             try:
                 upstream = await worker.upstream.request(
                     "POST",
                     path,
                     _priority_for_worker(raw, ctx.hints, worker),
-                    upstream_headers(decision.dp_rank, request_id),
+                    headers,
                     True,
                 )
             except asyncio.CancelledError:

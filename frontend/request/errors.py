@@ -37,6 +37,7 @@ _ERROR_TYPES = {
     413: "validation",
     415: "validation",
     422: "validation",
+    429: "rate_limited",
     499: "cancelled",
     501: "not_implemented",
     503: "unavailable",
