@@ -139,6 +139,9 @@ class ChunkCache:
                 self._entries.move_to_end(text)
         return ids
 
+    def __contains__(self, text: object) -> bool:
+        return text in self._entries
+
     def put(self, text: str, ids: list[int]) -> None:
         size = self._size(text, ids)
         if size > self.max_bytes:

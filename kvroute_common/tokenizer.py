@@ -559,6 +559,21 @@ class PromptEncoder:
             return self.prefix + ids + self.suffix
         return ids
 
+    def new_chars(self, text: str) -> int:
+        """Characters of ``text`` the encode would have to tokenize: the chunks the cache does not hold
+        (the whole text where it is not cut into cached chunks). A prompt repeating a session's history
+        adds only its new turn: little to encode, where a worker thread would cost more (handing the
+        prompt over, hashing under the GIL beside the loop) than it saves."""
+        if self.cuts is None or len(text) < self.CHUNK_MIN_CHARS:
+            return len(text)
+        n = start = 0
+        cache = self.chunks
+        for end in chunk_ends(text, self.cuts, self.CHUNK_MIN_CHARS):
+            if (text[start:end] if start or end < len(text) else text) not in cache:
+                n += end - start
+            start = end
+        return n
+
     REPEATS_MAX = 256
 
     def encode_cached(self, text: str) -> list[int]:

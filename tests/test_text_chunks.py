@@ -147,6 +147,22 @@ def test_growing_sessions_reuse_their_history_and_stay_exact(builtin, hf) -> Non
                 history += f"\n\nAssistant: {random_text(rng, [], rng.randint(50, 900))}"
 
 
+def test_new_chars_counts_what_the_chunk_cache_does_not_hold(builtin, hf) -> None:
+    """What decides the worker thread for a completion prompt: a session's next turn is mostly its
+    cached history, a new text is new throughout."""
+    rng = random.Random(8)
+    for tok in (builtin, hf):
+        enc = PromptEncoder(tok)
+        history = random_text(rng, [], 20_000)
+        assert enc.new_chars(history) == len(history)
+        enc.encode(history, add_special_tokens=True)
+        assert enc.new_chars(history) == 0
+        turn = history + "\n\nUser: " + random_text(rng, [], 600)
+        assert 600 <= enc.new_chars(turn) <= 600 + 10 + 2 * enc.CHUNK_MIN_CHARS  # the tail chunk and the turn
+        short = random_text(rng, [], enc.CHUNK_MIN_CHARS - 1)
+        assert enc.new_chars(short) == len(short)
+
+
 def test_rendered_chat_prompts_encode_like_the_full_tokenization(builtin) -> None:
     rng = random.Random(9)
     messages = [{"role": "system", "content": random_text(rng, [], 2000)}]
@@ -213,3 +229,34 @@ def test_the_cache_keeps_to_its_byte_budget_and_drops_the_least_recently_used() 
     assert cache.get(newest) == ids
     cache.put("too big" * 1000, ids)  # larger than the whole budget: not kept
     assert cache.get("too big" * 1000) is None and cache.get(newest) == ids
+
+
+def test_a_completion_repeating_its_cached_history_is_tokenized_inline(builtin) -> None:
+    """The worker thread is for text still to encode: a session's next turn over a long cached history
+    stays on the loop (no hand-over, no hashing under the GIL beside it); a long new text goes to the
+    thread; both give the full encode's ids."""
+    import asyncio
+
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.prompt import tokenize_request
+    from kvroute_common.tokenize_offload import TokenizeOffload
+    from slot_tracker.core import SlotRegistry
+
+    rng = random.Random(11)
+    entry = ModelEntry("m", 16, builtin, SlotRegistry(), None, None, BusyThresholds())
+    off = TokenizeOffload(16384)
+    history = random_text(rng, [], 20_000)
+    turn = history + "\n\nUser: " + random_text(rng, [], 300)
+
+    async def main() -> list[list[int]]:
+        prompts = [
+            await tokenize_request(off, entry, {"model": "m", "prompt": p}, "completions") for p in (history, turn)
+        ]
+        return [list(p.tokens) for p in prompts]
+
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        off.close()
+    assert off.offloaded == 1  # the new 20k characters; not the turn that repeats them
+    assert first == builtin(history)["input_ids"] and second == builtin(turn)["input_ids"]

@@ -20,6 +20,10 @@ from kvroute_common import anthropic_api
 from kvroute_common.hashing import local_block_hashes, sequence_hashes, token_array
 from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes, remote_image_urls
 
+# longer prompts go to the worker thread without looking for cached chunks first (the look costs ~1 us
+# per 100 characters on the loop, and a prompt this long is most likely new text)
+NEW_CHARS_SCAN_MAX = 256 * 1024
+
 if TYPE_CHECKING:
     from frontend.routing.images import ImageCache
     from frontend.routing.models import ModelEntry
@@ -156,6 +160,8 @@ async def tokenize_request(
     if isinstance(kind, bool):
         kind = "chat" if kind else "completions"
     chars = prompt_chars(body)
+    if kind == "completions" and offload.offloads(chars):
+        chars = _new_chars(entry, body.get("prompt"), chars)
     if kind == "embeddings":
         tokens = await offload.run(chars, embedding_tokens, entry, body, limit=entry.prompt_limit())
         return Prompt(tokens)
@@ -172,6 +178,17 @@ async def tokenize_request(
     return await offload.run(
         chars, _tokens_and_hashes, entry, body, kind != "completions", salt, images, limit=entry.prompt_limit()
     )
+
+
+def _new_chars(entry: ModelEntry, prompt: object, chars: int) -> int:
+    """A completion prompt's text still to tokenize (what decides the worker thread), or ``chars``."""
+    from kvroute_common.tokenizer import prompt_encoder
+
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or len(prompt) > NEW_CHARS_SCAN_MAX:
+        return chars
+    return prompt_encoder(entry.tokenizer).new_chars(prompt)
 
 
 async def hash_tokens(offload: TokenizeOffload, entry: ModelEntry, tokens: list[int], salt: str | None) -> Prompt:
