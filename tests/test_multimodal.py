@@ -261,7 +261,7 @@ def test_images_are_routed_on_their_identity_through_the_frontend(vlm_dir: str) 
     with (
         mocker_url(MODEL, *flags, block_size=BS) as one,
         mocker_url(MODEL, *flags, block_size=BS) as two,
-        frontend_client([one, two], *flags, "--mm-max-image-bytes", "100000") as fe,
+        frontend_client([one, two], *flags, "--mm-max-image-bytes", "100000", "--mm-allow-private-media-hosts") as fe,
         image_server({"/a.png": shot_a}) as (site, hits),
     ):
         first = routed(fe, turn(data_url(shot_a)), **{"x-dynamo-worker-instance-id": "1"})
