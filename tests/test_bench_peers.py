@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from bench import peers
-from bench.sessions import SessionGroup, Workload, completion_text, session_trace
+from bench.sessions import WORKLOADS, SessionGroup, Workload, completion_text, session_trace
 
 TINY = Workload(
     "tiny",
@@ -87,7 +87,6 @@ def test_a_load_factor_packs_the_same_sessions_closer():
 def test_the_workloads_have_their_shapes():
     """RAG: many readers of a few long documents; long-context: nothing shared, each context long; the
     burst: many sessions starting within a second; chat: messages, not text."""
-    from bench.sessions import WORKLOADS
 
     rag = WORKLOADS["rag"].groups[0]
     assert rag.sessions >= 8 * rag.prefixes and rag.prefix_tokens[0] >= 3000
@@ -141,15 +140,30 @@ def test_every_router_runs_in_front_of_canned_engines(peers_bin: str):
 
 
 def test_each_pass_of_the_overhead_schedule_is_new_to_the_router():
-    """Every line is a route and a streamed body whose prompt starts with the pass mark (replaced per
-    pass by wrk), so a router never sees a whole prompt twice."""
+    """Every line is a route and a streamed body whose text carries the pass mark (replaced per pass by wrk)
+    at its start and at least every MARK_EVERY characters, so no text kvroute's tokenizer caches (chunks of
+    512 characters and more, segments of 256 and more) is seen in two passes; a session's later turn repeats
+    its earlier turn's marked text."""
     from bench import peers_overhead
 
+    mark, every = peers_overhead.PASS_MARK, peers_overhead.MARK_EVERY
+    assert every < 256
     trace = session_trace(TINY)
     lines = peers_overhead.schedule_lines(trace, "m")
     assert len(lines) == len(trace.requests)
+    prompts = []
     for line, req in zip(lines, trace.requests, strict=True):
         route, body = line.split("\t")
         data = json.loads(body)
         assert route == "/v1/completions" and data["stream"] is True
-        assert data["prompt"] == f"{peers_overhead.PASS_MARK} {req.text}"
+        prompt = data["prompt"]
+        assert prompt.startswith(mark) and prompt.replace(" " + mark, "").replace(mark + " ", "", 1) == req.text
+        gaps = [len(piece) for piece in prompt.split(mark)[1:-1]]
+        assert gaps and max(gaps) < every + 40, gaps  # the words here are short: a mark every ~200 characters
+        prompts.append(prompt)
+    assert sum(1 for a in prompts for b in prompts if len(b) > len(a) and b.startswith(a)) > 0
+
+    for line in peers_overhead.schedule_lines(session_trace(WORKLOADS["agentic-chat"]), "m")[:20]:
+        data = json.loads(line.split("\t")[1])
+        texts = [m["content"] for m in data["messages"] if isinstance(m["content"], str)]
+        assert texts and all(t.startswith(mark) for t in texts)
