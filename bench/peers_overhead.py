@@ -8,7 +8,7 @@ The engines are nginx answering the completion and chat routes with a canned vLL
 the router's. Each router of ``python -m bench peers`` (same binaries, same flags) runs alone in front of
 them, and ``wrk`` replays a peers workload's requests (``agentic`` by default: the sessions' turns in
 order, each prompt the whole session so far) over and over. Every pass through the schedule is made new:
-every message's text carries a mark at its start and then before a word every ``MARK_EVERY`` characters,
+every message's text carries a mark at its start, before a word every ``MARK_EVERY`` characters and at its end,
 which wrk replaces with the run's id and the pass number, so each pass's texts are new to a router, down
 to every piece its tokenizer could have cached (kvroute caches the token ids of text chunks of 512
 characters and more, and of whole segments of 256 and more: each holds a mark). Within a pass a session's
@@ -74,15 +74,16 @@ end
 
 
 def marked(text: str) -> str:
-    """``text`` with ``PASS_MARK`` at its start and before the first word at least ``MARK_EVERY`` characters
-    after the previous mark. Where a mark goes depends only on the text before it, so a session's later
-    prompt, which starts with an earlier one, carries the same marks there."""
+    """``text`` with ``PASS_MARK`` at its start, before the first word at least ``MARK_EVERY`` characters after
+    the previous mark, and at its end (a tokenizer's last chunk of a text ends with the text, so it is never
+    reused by a longer one). Where the inner marks go depends only on the text before them, so a session's
+    later prompt, which starts with an earlier one, carries the same marks there."""
     out = [PASS_MARK, " "]
     last = 0
     while (at := text.find(" ", last + MARK_EVERY)) >= 0:
         out += (text[last:at], " ", PASS_MARK)
         last = at
-    out.append(text[last:])
+    out += (text[last:], " ", PASS_MARK)
     return "".join(out)
 
 
