@@ -7,9 +7,12 @@ The engines are nginx answering the completion and chat routes with a canned vLL
 (``bench/frontend_scale.py``: a few microseconds of CPU per request), so the time and CPU measured are
 the router's. Each router of ``python -m bench peers`` (same binaries, same flags) runs alone in front of
 them, and ``wrk`` replays a peers workload's requests (``agentic`` by default: the sessions' turns in
-order, each prompt the whole session so far) over and over. Every pass through the schedule is made new
-(its prompts start with a pass number), so no router sees a prompt it has seen before, only the previous
-turns of its session, as in a real run.
+order, each prompt the whole session so far) over and over. Every pass through the schedule is made new:
+every message's text carries a mark at its start, before a word every ``MARK_EVERY`` characters and at its end,
+which wrk replaces with the run's id and the pass number, so each pass's texts are new to a router, down
+to every piece its tokenizer could have cached (kvroute caches the token ids of text chunks of 512
+characters and more, and of whole segments of 256 and more: each holds a mark). Within a pass a session's
+turns repeat its earlier turns marked alike, as in a real run.
 
 Per router: latency p50 / p90 / p99 with one request at a time (``wrk -c1``: the time the router adds
 to a request, no queueing), the router's CPU per request there (its whole process tree, from /proc),
@@ -47,10 +50,12 @@ from kvroute_common.local_cluster import Child, Cluster, Worker
 from kvroute_common.processes import session_cpu_s
 from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
 
-PASS_MARK = "@@pass@@"  # replaced by wrk with the pass's unique prefix
+PASS_MARK = "@@pass@@"  # replaced by wrk with the run's id and the pass number
+# a mark at least this often: below kvroute's smallest cached text (a 256-character segment)
+MARK_EVERY = 200
 
 # Each wrk run loads the schedule (a route and a body per line) and sends it in order, again and
-# again; every pass puts its own prefix where the mark is, so its prompts are new to the router.
+# again; every pass puts its own id where the marks are, so its texts are new to the router.
 _LUA = """
 local lines = {}
 for line in io.lines(%(path)s) do
@@ -62,24 +67,47 @@ local headers = {["Content-Type"] = "application/json"}
 request = function()
   if i == #lines then i, pass = 0, pass + 1 end
   i = i + 1
-  local body = lines[i][2]:gsub(%(mark)s, %(run)s .. "-" .. pass, 1)
+  local body = lines[i][2]:gsub(%(mark)s, %(run)s .. "-" .. pass)
   return wrk.format("POST", lines[i][1], headers, body)
 end
 """
 
 
+def marked(text: str) -> str:
+    """``text`` with ``PASS_MARK`` at its start, before the first word at least ``MARK_EVERY`` characters after
+    the previous mark, and at its end (a tokenizer's last chunk of a text ends with the text, so it is never
+    reused by a longer one). Where the inner marks go depends only on the text before them, so a session's
+    later prompt, which starts with an earlier one, carries the same marks there."""
+    out = [PASS_MARK, " "]
+    last = 0
+    while (at := text.find(" ", last + MARK_EVERY)) >= 0:
+        out += (text[last:at], " ", PASS_MARK)
+        last = at
+    out += (text[last:], " ", PASS_MARK)
+    return "".join(out)
+
+
+def _marked_message(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": marked(content)}
+    if isinstance(content, list):
+        parts = [{**p, "text": marked(p["text"])} if p.get("type") == "text" else p for p in content]
+        return {**message, "content": parts}
+    return message
+
+
 def schedule_lines(trace: Trace, model: str) -> list[str]:
-    """The trace's requests as ``route<TAB>body`` lines, streamed, each prompt marked at its start."""
+    """The trace's requests as ``route<TAB>body`` lines, streamed, every text marked (``marked``)."""
     lines = []
     for r in trace.requests:
         body: dict[str, Any] = {"model": model, "max_tokens": r.max_tokens, "stream": True}
         if r.messages:
-            first, *rest = r.messages
-            body["messages"] = [{**first, "content": f"{PASS_MARK} {first['content']}"}, *rest]
+            body["messages"] = [_marked_message(m) for m in r.messages]
             route = "/v1/chat/completions"
         else:
             assert r.text is not None, "the peers' workloads send text"
-            body["prompt"], route = f"{PASS_MARK} {r.text}", "/v1/completions"
+            body["prompt"], route = marked(r.text), "/v1/completions"
         lines.append(f"{route}\t{json.dumps(body, separators=(',', ':'))}")
     return lines
 

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from frontend.routing.media_policy import DEFAULT_MAX_FETCH_BYTES, DEFAULT_MAX_IMAGES, MediaPolicy
 from kvroute_common.drain import add_drain_arg
 from kvroute_common.gc_policy import tune_gc
 from kvroute_common.multimodal import DEFAULT_MAX_IMAGE_BYTES, HASH_ALGORITHMS, ImageOptions
@@ -32,6 +33,18 @@ def _env_int(name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise SystemExit(f"{name}={raw!r} is not an integer") from None
+
+
+def media_policy_from_args(ns: argparse.Namespace) -> MediaPolicy:
+    """The media fetch policy of the ``--mm-*`` flags; a bad value is a start-up error."""
+    raw = ns.mm_allowed_media_domains
+    domains = [d for item in ([raw] if isinstance(raw, str) else raw) for d in item.split(",")]
+    try:
+        return MediaPolicy.from_flags(
+            domains, ns.mm_allow_private_media_hosts, ns.mm_max_images_per_request, ns.mm_max_fetch_bytes_per_request
+        )
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +143,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=float(os.environ.get("KVROUTE_MM_FETCH_TIMEOUT", "10")),
         metavar="SECONDS",
         help="an http(s) image not fetched in this time is refused with 400 [env KVROUTE_MM_FETCH_TIMEOUT; default 10]",
+    )
+    g.add_argument(
+        "--mm-allowed-media-domains",
+        nargs="+",
+        default=os.environ.get("KVROUTE_MM_ALLOWED_MEDIA_DOMAINS", ""),
+        metavar="DOMAIN",
+        help="fetch image URLs only from these hosts (space- or comma-separated): example.com allows it and its "
+        "subdomains, .example.com only its subdomains, an IP address only itself; the address checks still apply "
+        "[env KVROUTE_MM_ALLOWED_MEDIA_DOMAINS; default: any host with public addresses]",
+    )
+    g.add_argument(
+        "--mm-allow-private-media-hosts",
+        action="store_true",
+        default=_truthy_env("KVROUTE_MM_ALLOW_PRIVATE_MEDIA_HOSTS"),
+        help="let image URLs reach loopback, private (RFC 1918, fc00::/7) and shared (100.64.0.0/10) addresses, for "
+        "an internal media origin; link-local, cloud metadata, multicast, unspecified and reserved addresses stay "
+        "refused [env KVROUTE_MM_ALLOW_PRIVATE_MEDIA_HOSTS; default: refused]",
+    )
+    g.add_argument(
+        "--mm-max-images-per-request",
+        type=int,
+        default=_env_int("KVROUTE_MM_MAX_IMAGES_PER_REQUEST") or DEFAULT_MAX_IMAGES,
+        metavar="N",
+        help="a request with more image parts is refused with 400 before any is fetched "
+        f"[env KVROUTE_MM_MAX_IMAGES_PER_REQUEST; default {DEFAULT_MAX_IMAGES}]",
+    )
+    g.add_argument(
+        "--mm-max-fetch-bytes-per-request",
+        type=int,
+        default=_env_int("KVROUTE_MM_MAX_FETCH_BYTES_PER_REQUEST") or DEFAULT_MAX_FETCH_BYTES,
+        metavar="N",
+        help="a request whose image URLs bring more bytes than this in all is refused with 400 (cached images "
+        f"are not fetched again) [env KVROUTE_MM_MAX_FETCH_BYTES_PER_REQUEST; default {DEFAULT_MAX_FETCH_BYTES}]",
     )
     g.add_argument(
         "--tokenizer-offload-chars",
@@ -321,6 +367,7 @@ def make_state(ns: argparse.Namespace):
         request_timeout=ns.request_timeout,
         tokenize_offload_chars=ns.tokenizer_offload_chars,
         image_options=ImageOptions(ns.mm_model_id, ns.mm_hash_algorithm, ns.mm_max_image_bytes, ns.mm_fetch_timeout),
+        media_policy=media_policy_from_args(ns),
     )
     remote = [u.strip() for u in ns.use_remote_indexer.split(",") if u.strip()]
     if remote:

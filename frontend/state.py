@@ -20,6 +20,7 @@ from frontend.pool.workers import Worker, WorkerPool, WorkersFileWatcher
 from frontend.routing.decision_log import DecisionLog
 from frontend.routing.eligibility import queue_has_capacity, warmup_target_busy
 from frontend.routing.images import ImageCache
+from frontend.routing.media_policy import MediaPolicy
 from frontend.routing.models import TENANT, BusyThresholds, ModelEntry
 from frontend.routing.request_router import RequestRouter
 from kvroute_common.multimodal import ImageOptions
@@ -63,6 +64,7 @@ class FrontendState:
         metrics: FrontendMetrics | None = None,
         tokenize_offload_chars: int | None = None,
         image_options: ImageOptions | None = None,
+        media_policy: MediaPolicy | None = None,
     ) -> None:
         from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS, TokenizeOffload
 
@@ -73,8 +75,8 @@ class FrontendState:
         )
         self.model_path = model_path
         self.image_options = image_options or ImageOptions()
-        # remote images by URL: a screenshot an agent sends again is fetched once
-        self.image_cache = ImageCache()
+        # remote images by URL, fetched under the media fetch policy: a screenshot an agent sends again is fetched once
+        self.image_cache = ImageCache(media_policy)
         self.model_paths: dict[str, str] = dict(model_paths or {})
         self.metrics = metrics or FrontendMetrics()
         if slot_registry is None:

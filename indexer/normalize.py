@@ -12,7 +12,6 @@ block-size warning budget are per (instance, dp_rank) stream, as in the referenc
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,28 +28,34 @@ SALT_PREFIX = "dynamo-cache-salt:"
 _AMBIGUOUS = object()
 
 
-def _salt_from_extra_keys(extra_keys: list[Any] | None, lora_name: str | None) -> str | None:
-    """The cache namespace hidden in the first block's extra keys (``dynamo-cache-salt:<ns>``)."""
+def _salt_from_extra_keys(
+    extra_keys: list[Any] | None, lora_name: str | None, starts_request: bool = True
+) -> str | None:
+    """The cache salt in the first block's extra keys, read by position as vLLM lays a block's keys out:
+    ``[LoRA name if the request has one] + [(image identifier, offset) pairs] + [the request's cache salt, in the
+    request's first block only] + [prompt-embedding digests (bytes)]``. So in an event that starts a request
+    (no parent), the first bare string after the LoRA name is the salt, whatever it looks like (a salt that is a
+    64-hex digest is not an image: images are pairs). A ``dynamo-cache-salt:<ns>`` string (Dynamo's workers'
+    form) is that namespace in any event."""
     if not extra_keys:
         return None
     first = extra_keys[0]
     if not isinstance(first, (list, tuple)):
         return None
-    skipped_lora = False
-    for item in first:
-        if not isinstance(item, str):
-            continue
-        if lora_name is not None and item == lora_name and not skipped_lora:
-            skipped_lora = True
-            continue
-        if item.startswith(SALT_PREFIX) and len(item) > len(SALT_PREFIX):
+    items = list(first)
+    if lora_name is not None and items and items[0] == lora_name:
+        items = items[1:]
+    for item in items:
+        if isinstance(item, str) and item.startswith(SALT_PREFIX) and len(item) > len(SALT_PREFIX):
             return item[len(SALT_PREFIX) :]
-    return None
+    if not starts_request:
+        return None
+    return next((item for item in items if isinstance(item, str) and item), None)
 
 
 def _mm_from_extra_keys(extra_keys: list[Any] | None) -> list[list[int] | None] | None:
-    """Per block, the multimodal objects vLLM keys it with: ``[identifier, offset]`` pairs (vLLM >= 0.19)
-    or bare 64-hex-digit identifiers (earlier releases); LoRA names and salts in the list are skipped."""
+    """Per block, the multimodal objects vLLM keys it with: its ``(identifier, offset)`` pairs (vLLM >= 0.19).
+    Bare strings (a LoRA name, a cache salt) and bytes (prompt embeddings) are not images."""
     if not extra_keys:
         return None
     out: list[list[int] | None] = []
@@ -59,20 +64,19 @@ def _mm_from_extra_keys(extra_keys: list[Any] | None) -> list[list[int] | None] 
         keys: list[int] | None = None
         if isinstance(entry, (list, tuple)):
             for item in entry:
-                if isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str):
-                    ident = item[0]
-                elif isinstance(item, str) and len(item) == 64 and _HEX.fullmatch(item):
-                    ident = item
-                else:
-                    continue
-                keys = keys or []
-                keys.append(mm_object_hash(ident))
+                if (
+                    isinstance(item, (list, tuple))
+                    and len(item) == 2
+                    and isinstance(item[0], str)
+                    and isinstance(item[1], int)
+                ):
+                    keys = keys or []
+                    keys.append(mm_object_hash(item[0]))
         found = found or keys is not None
         out.append(keys)
     return out if found else None
 
 
-_HEX = re.compile(r"[0-9a-fA-F]{64}")
 _PLAIN_SEED = hash_seed()
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -178,7 +182,7 @@ class EventApplier:
             self.blocks_block_size_mismatch += len(ev.block_hashes)
             self.last_foreign_block_size = ev.block_size
             return
-        namespace = ev.cache_salt or _salt_from_extra_keys(ev.extra_keys, ev.lora_name)
+        namespace = ev.cache_salt or _salt_from_extra_keys(ev.extra_keys, ev.lora_name, parent is None)
         if namespace is None and parent is not None and self._namespaces:
             inherited = self._namespaces.get((dp, parent))
             if inherited is _AMBIGUOUS:

@@ -32,7 +32,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,19 +85,24 @@ def image_ref(part: Mapping[str, Any], where: str) -> ImageRef:
     return ImageRef(url or None, uuid)
 
 
-def remote_image_urls(body: Mapping[str, Any]) -> list[str]:
-    """The distinct http(s) image URLs of a chat body's messages, in order."""
-    urls: dict[str, None] = {}
+def image_parts(body: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """The image parts of a chat body's messages, in order."""
     messages = body.get("messages")
     for msg in messages if isinstance(messages, list) else ():
         content = msg.get("content") if isinstance(msg, Mapping) else None
         for part in content if isinstance(content, list) else ():
-            if not isinstance(part, Mapping) or part.get("type") != IMAGE_PART:
-                continue
-            value = part.get("image_url")
-            url = value.get("url") if isinstance(value, Mapping) else value
-            if isinstance(url, str) and url.startswith(("http://", "https://")):
-                urls[url] = None
+            if isinstance(part, Mapping) and part.get("type") == IMAGE_PART:
+                yield part
+
+
+def remote_image_urls(body: Mapping[str, Any]) -> list[str]:
+    """The distinct http(s) image URLs of a chat body's messages, in order."""
+    urls: dict[str, None] = {}
+    for part in image_parts(body):
+        value = part.get("image_url")
+        url = value.get("url") if isinstance(value, Mapping) else value
+        if isinstance(url, str) and url.startswith(("http://", "https://")):
+            urls[url] = None
     return list(urls)
 
 

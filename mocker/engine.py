@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import xxhash
 
 from kvroute_common.hashing import local_block_hashes, pack_tokens, sequence_hashes
-from kvroute_common.multimodal import Placeholder, block_mm_hashes
+from kvroute_common.multimodal import Placeholder
 from mocker.kv_cache import Block, KvCache
+from mocker.mm_keys import ImageKeys, block_image_keys, image_hashes
 from mocker.perf_model import PerfModel
 
 log = logging.getLogger("mocker.engine")
@@ -53,6 +54,7 @@ class Sequence:
 
     __slots__ = (
         "images",
+        "image_keys",
         "request_id",
         "tokens",
         "prompt_len",
@@ -125,6 +127,7 @@ class Sequence:
         self.lora_name: str | None = None  # a LoRA adapter's request: its blocks are keyed by the adapter
         self.lora_id: int | None = None
         self.images: list[Placeholder] = []  # the prompt's image token runs: their blocks are keyed by the image
+        self.image_keys: list[ImageKeys | None] = []  # per full block, the images it holds (vLLM's extra keys)
 
     def update_hashes(self, block_size: int) -> None:
         """Extend the block hashes to every full block of the known tokens."""
@@ -132,7 +135,11 @@ class Sequence:
         have = len(self.seq_hashes)
         if n_full <= have:
             return
-        mm = block_mm_hashes(self.images, n_full * block_size, block_size)[have:] if self.images else None
+        mm = None
+        if self.images:
+            keys = block_image_keys(self.images, block_size, have, n_full)
+            self.image_keys.extend(keys)
+            mm = image_hashes(keys)
         tokens = self.tokens[have * block_size : n_full * block_size]
         local = local_block_hashes(tokens, block_size, self.lora_name, None, mm)
         self.local_hashes.extend(local)
@@ -384,7 +391,7 @@ class RankScheduler:
                 seq.tokens,
                 seq.lora_name,
                 seq.lora_id,
-                seq.images,
+                seq.image_keys,
             )
             seq.num_cached_blocks = n_full
 

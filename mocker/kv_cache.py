@@ -29,12 +29,11 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import xxhash
 
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvroute_common.multimodal import Placeholder, block_extra_keys
+from mocker.mm_keys import ImageKeys
 
 MEDIUM_GPU = "GPU"
 GROUP_IDX = 0  # the single KV cache group of a plain decoder
@@ -184,7 +183,7 @@ class KvCache:
         tokens: list[int],
         lora_name: str | None = None,
         lora_id: int | None = None,
-        images: Sequence[Placeholder] = (),
+        image_keys: Sequence[ImageKeys | None] = (),
     ) -> None:
         """Mark ``blocks[start:len(seq_hashes)]`` (now full and computed) as cached content.
 
@@ -219,9 +218,7 @@ class KvCache:
                     lora_id=lora_id,
                     medium=MEDIUM_GPU,
                     lora_name=lora_name,
-                    extra_keys=[_tuple_keys(block_extra_keys(images, i, bs)) for i in range(start, end)]
-                    if images
-                    else [None] * len(hashes),
+                    extra_keys=list(image_keys[start:end]) if image_keys else [None] * len(hashes),
                     group_idx=GROUP_IDX,
                     kv_cache_spec_kind=SPEC_KIND,
                 )
@@ -256,8 +253,3 @@ class KvCache:
             for h, first in self.cached.items()
             for b in (first, *self.copies.get(h, ()))
         ]
-
-
-def _tuple_keys(keys: list[list[Any]] | None) -> tuple[Any, ...] | None:
-    """An event's per-block extra keys as vLLM publishes them: a tuple of ``(identifier, offset)`` pairs."""
-    return None if keys is None else tuple(tuple(k) for k in keys)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 
 import pytest
 
 from bench import peers
-from bench.sessions import SessionGroup, Workload, completion_text, session_trace
+from bench.sessions import WORKLOADS, SessionGroup, Workload, completion_text, session_trace
 
 TINY = Workload(
     "tiny",
@@ -103,7 +104,6 @@ def test_a_load_factor_packs_the_same_sessions_closer():
 def test_the_workloads_have_their_shapes():
     """RAG: many readers of a few long documents; long-context: nothing shared, each context long; the
     burst: many sessions starting within a second; chat: messages, not text."""
-    from bench.sessions import WORKLOADS
 
     rag = WORKLOADS["rag"].groups[0]
     assert rag.sessions >= 8 * rag.prefixes and rag.prefix_tokens[0] >= 3000
@@ -157,15 +157,58 @@ def test_every_router_runs_in_front_of_canned_engines(peers_bin: str):
 
 
 def test_each_pass_of_the_overhead_schedule_is_new_to_the_router():
-    """Every line is a route and a streamed body whose prompt starts with the pass mark (replaced per
-    pass by wrk), so a router never sees a whole prompt twice."""
+    """Every line is a route and a streamed body whose text carries the pass mark (replaced per pass by wrk)
+    at its start, at least every MARK_EVERY characters and at its end, so no text kvroute's tokenizer caches (chunks of
+    512 characters and more, segments of 256 and more) is seen in two passes; a session's later turn repeats
+    its earlier turn's marked text."""
     from bench import peers_overhead
 
+    mark, every = peers_overhead.PASS_MARK, peers_overhead.MARK_EVERY
+    assert every < 256
     trace = session_trace(TINY)
     lines = peers_overhead.schedule_lines(trace, "m")
     assert len(lines) == len(trace.requests)
+    prompts = []
     for line, req in zip(lines, trace.requests, strict=True):
         route, body = line.split("\t")
         data = json.loads(body)
         assert route == "/v1/completions" and data["stream"] is True
-        assert data["prompt"] == f"{peers_overhead.PASS_MARK} {req.text}"
+        prompt = data["prompt"]
+        assert prompt.startswith(mark) and prompt.endswith(" " + mark)
+        assert prompt.replace(" " + mark, "").replace(mark + " ", "", 1) == req.text
+        gaps = [len(piece) for piece in prompt.split(mark)[1:-1]]
+        assert gaps and max(gaps) < every + 40, gaps  # the words here are short: a mark every ~200 characters
+        prompts.append(prompt)
+    # a session's later turn starts with its earlier turn's marked text (less the end mark)
+    assert sum(1 for a in prompts for b in prompts if len(b) > len(a) and b.startswith(a[: -len(mark)])) > 0
+
+    for line in peers_overhead.schedule_lines(session_trace(WORKLOADS["agentic-chat"]), "m")[:20]:
+        data = json.loads(line.split("\t")[1])
+        texts = [m["content"] for m in data["messages"] if isinstance(m["content"], str)]
+        assert texts and all(t.startswith(mark) for t in texts)
+
+
+def test_a_later_pass_of_the_overhead_schedule_misses_kvroutes_tokenizer_caches_like_the_first():
+    """kvroute's encoder on two passes of the agentic schedule (the marks replaced as wrk does): the second pass
+    finds no more of its text chunks in the cache than the first did (only its sessions' own earlier turns);
+    with a single mark at each prompt's start it would find nearly all of them."""
+    from bench import peers_overhead
+    from kvroute_common.tokenizer import PromptEncoder, load_tokenizer
+
+    requests = session_trace(WORKLOADS["agentic"]).requests[:40]
+
+    def misses(mark: Callable[[str], str]) -> list[int]:
+        encoder = PromptEncoder(load_tokenizer(None))
+        out = []
+        for p in range(2):
+            before = encoder.chunks.misses
+            for r in requests:
+                assert r.text is not None
+                encoder.encode(mark(r.text).replace(peers_overhead.PASS_MARK, f"run-{p}"))
+            out.append(encoder.chunks.misses - before)
+        return out
+
+    first, second = misses(peers_overhead.marked)
+    assert first > 50 and second >= 0.9 * first, (first, second)
+    first, second = misses(lambda text: f"{peers_overhead.PASS_MARK} {text}")
+    assert second < 0.1 * first, (first, second)

@@ -103,6 +103,32 @@ def test_lora_and_cache_salt_seed_the_hash_and_namespaces_propagate() -> None:
     assert a.index.find_matches(salted) == {(7, 0): 2}
 
 
+def test_vllms_cache_salt_is_read_by_position_never_as_an_image() -> None:
+    """vLLM lays a block's extra keys out as [LoRA name] + (image id, offset) pairs + [salt, first block only]:
+    a salt that is a 64-hex digest (what a tenant hash looks like) is the salt, not an image."""
+    import hashlib
+
+    from kvroute_common.hashing import mm_object_hash
+
+    hex_salt = hashlib.sha256(b"tenant-a").hexdigest()
+    image = hashlib.sha256(b"image").hexdigest()
+    mm = [[mm_object_hash(image)], None]
+    a = _apply(
+        stored([1, 2], blocks=[1, 2], extra_keys=[(hex_salt,), None]),
+        stored([3], parent=2, blocks=[3]),  # a later block of that request: the salt is inherited
+        stored([11, 12], blocks=[11, 12], lora_name="ad", extra_keys=[("ad", (image, 1), "tenant-b"), ("ad",)]),
+        stored([21], blocks=[21], extra_keys=[("other", "dynamo-cache-salt:t9")]),
+    )
+    assert a.index.find_matches(local_block_hashes(toks(1, 2, 3), BS, None, hex_salt)) == {(7, 0): 3}
+    assert a.index.find_matches(local(1, 2)) == {}  # not indexed unsalted either
+    keyed = local_block_hashes(toks(11, 12), BS, "ad", "tenant-b", mm)
+    assert a.index.find_matches(keyed) == {(7, 0): 2}
+    assert a.index.find_matches(local(21, salt="t9")) == {(7, 0): 1}
+    # a bare string in an event that continues a request (it has a parent) is no salt: vLLM puts none there
+    b = _apply(stored([5], blocks=[5]), stored([6], parent=5, blocks=[6], extra_keys=[("stray",)]))
+    assert b.index.find_matches(local(5, 6)) == {(7, 0): 2}
+
+
 def test_tiers_follow_the_medium_table() -> None:
     a = _apply(stored([1]), stored([2], parent=1, medium="CPU_PINNED"), stored([3], parent=2, medium="NVME"))
     assert a.index.tier_matches(local(1, 2, 3)) == {(7, 0): (1, 2, 3)}

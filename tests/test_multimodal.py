@@ -177,6 +177,33 @@ def test_block_keys_follow_vllms_overlap_rule() -> None:
     assert local_block_hashes(tokens, BS, mm_hashes=[[a], None]) != local_block_hashes(tokens, BS)
 
 
+def test_the_mockers_own_keying_follows_vllms_rule_and_agrees_with_the_routers() -> None:
+    """The mocker keys image blocks with its own code (mocker/mm_keys.py), not the router's: hand cases of vLLM's
+    cursor walk, then both implementations on random placements."""
+    import random
+
+    from mocker.mm_keys import block_image_keys, image_hashes
+
+    a, b, c = Placeholder(14, 50, "a"), Placeholder(64, 10, "b"), Placeholder(74, 22, "c")
+    # block 0 [0, 32): a starts at 14; block 1 [32, 64): a ends at 64 exactly; block 2 [64, 96): b then c, c ends
+    # exactly at 96; block 3: nothing
+    assert block_image_keys([a, b, c], BS, 0, 4) == [(("a", 14),), (("a", -18),), (("b", 0), ("c", 10)), None]
+    assert block_image_keys([a, b, c], BS, 2, 4) == [(("b", 0), ("c", 10)), None]  # from a later block
+    assert image_hashes([(("b", 0), ("c", 10)), None]) == [[mm_object_hash("b"), mm_object_hash("c")], None]
+    rng = random.Random(7)
+    for _ in range(300):
+        images, at = [], rng.randrange(0, 40)
+        for k in range(rng.randrange(1, 5)):
+            length = rng.randrange(1, 90)
+            images.append(Placeholder(at, length, f"img-{k}"))
+            at += length + rng.choice((0, 0, 1, 5, 40))
+        n_blocks = (at + rng.randrange(0, 64)) // BS
+        mine = block_image_keys(images, BS, 0, n_blocks)
+        theirs = [block_extra_keys(images, i, BS) for i in range(n_blocks)]
+        assert [list(map(list, ks)) if ks else None for ks in mine] == theirs, images
+        assert image_hashes(mine) == block_mm_hashes(images, n_blocks * BS, BS)
+
+
 def test_chat_prompt_expands_each_image_where_the_template_put_it(vlm_dir: str) -> None:
     tok = load_tokenizer(vlm_dir)
     layout = load_layout(vlm_dir)
@@ -261,7 +288,7 @@ def test_images_are_routed_on_their_identity_through_the_frontend(vlm_dir: str) 
     with (
         mocker_url(MODEL, *flags, block_size=BS) as one,
         mocker_url(MODEL, *flags, block_size=BS) as two,
-        frontend_client([one, two], *flags, "--mm-max-image-bytes", "100000") as fe,
+        frontend_client([one, two], *flags, "--mm-max-image-bytes", "100000", "--mm-allow-private-media-hosts") as fe,
         image_server({"/a.png": shot_a}) as (site, hits),
     ):
         first = routed(fe, turn(data_url(shot_a)), **{"x-dynamo-worker-instance-id": "1"})

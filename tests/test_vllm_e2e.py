@@ -28,6 +28,7 @@ cache contents. What is shown against the real engines:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import threading
@@ -297,6 +298,49 @@ def test_predicted_overlap_equals_vllm_cached_tokens_and_prefixes_follow_their_e
     assert checked == 18
     assert fe.metric("kvroute_hash_parity_mismatch") == 0
     assert fe.metric("kvroute_hash_parity_checks_total", result="match") > 0
+    wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
+def test_hex_cache_salts_are_tenants_never_images(pair: tuple[Kvroute, list[VllmEngine]]) -> None:
+    """Tenant salts that are SHA-256 hex digests. vLLM puts a request's ``cache_salt`` as given into its first
+    block's extra keys, where image identifiers also go: the router reads it as the salt, so its predicted
+    overlap equals vLLM's cached tokens for the tenant, and another tenant (or no tenant) with the same prompt
+    shares nothing, on the router as on the engine."""
+    fe, _ = pair
+    salt_a, salt_b = (hashlib.sha256(name).hexdigest() for name in (b"tenant-a", b"tenant-b"))
+    messages = [
+        {"role": "system", "content": system_prompt("hex-salt")},
+        {"role": "user", "content": "List the files of the tenant."},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "ignore_eos": True}
+    pin = {"x-dynamo-worker-instance-id": "1"}
+
+    first = fe.chat(body, {"x-tenant-id": salt_a, **pin})
+    n = first["usage"]["prompt_tokens"]
+    assert (first["nvext"]["routing"]["overlap_blocks"], cached_tokens(first)) == (0, 0)
+    wait_indexed(fe, {**body, "cache_salt": salt_a}, 1, n)
+    # the same prompt unsalted or as the other tenant matches nothing on the router
+    assert fe.overlap(body, 1) == 0 and fe.overlap({**body, "cache_salt": salt_b}, 1) == 0
+
+    again = fe.chat(body, {"x-tenant-id": salt_a})  # not pinned: follows its tenant's blocks
+    record = again["nvext"]["routing"]
+    assert record["worker_id"] == 1 and record["overlap_blocks"] == n // BLOCK_SIZE
+    assert cached_tokens(again) == expected_cached(record["overlap_blocks"], n) > 0
+    # the body's own cache_salt (vLLM's field) is the same tenant
+    own = fe.chat({**body, "cache_salt": salt_a})
+    assert own["nvext"]["routing"]["overlap_blocks"] == n // BLOCK_SIZE
+    assert cached_tokens(own) == expected_cached(n // BLOCK_SIZE, n)
+
+    # tenant B on the engine holding A's blocks: nothing predicted, nothing cached
+    other = fe.chat(body, {"x-tenant-id": salt_b, **pin})
+    assert (other["nvext"]["routing"]["overlap_blocks"], cached_tokens(other)) == (0, 0)
+    wait_indexed(fe, {**body, "cache_salt": salt_b}, 1, n)
+    plain = fe.chat(body, pin)
+    assert (plain["nvext"]["routing"]["overlap_blocks"], cached_tokens(plain)) == (0, 0)
+    again_b = fe.chat(body, {"x-tenant-id": salt_b})
+    assert again_b["nvext"]["routing"]["overlap_blocks"] == n // BLOCK_SIZE
+    assert cached_tokens(again_b) == expected_cached(n // BLOCK_SIZE, n)
+    assert fe.metric("kvroute_hash_parity_mismatch") == 0
     wait_until(fe.idle, WAIT, what="loads back at 0")
 
 

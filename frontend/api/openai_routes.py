@@ -13,6 +13,7 @@ from starlette.responses import Response
 from frontend.dispatch.context import HttpSource
 from frontend.dispatch.request_path import BODY_LIMIT, RequestPath
 from frontend.request.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
+from frontend.request.hints import parse_request_hints
 from frontend.routing import disagg as _disagg
 from frontend.routing.prompt import body_tokens, messages_to_chat, tokenize_request
 from frontend.routing.routing_record import routing_record
@@ -71,7 +72,9 @@ class OpenAIRoutes:
 
     async def explain(self, request: Request) -> Response:
         """``POST /admin/route``: the decision an OpenAI body would get now, with every candidate's
-        cost terms, without booking or sending anything (operators: "why did it go there?")."""
+        cost terms, without booking or sending anything (operators: "why did it go there?"). A tenant's
+        cache salt is read as on the generation routes (``x-tenant-id``, ``nvext.cache_salt``, the body's
+        ``cache_salt``)."""
         state = self.state
         body = await read_json(request, dict, BODY_LIMIT)
         model = body.get("model")
@@ -80,7 +83,10 @@ class OpenAIRoutes:
             raise ApiError(404, f"Model not found: {model}")
         chat = "messages" in body
         try:
-            prompt = await tokenize_request(state.tokenize, entry, body, chat, image_cache=state.image_cache)
+            hints = parse_request_hints(body, request.headers, nvext_enabled=state.nvext_enabled)
+            own_salt = body.get("cache_salt")
+            salt = hints.cache_salt or (own_salt if isinstance(own_salt, str) and own_salt else None)
+            prompt = await tokenize_request(state.tokenize, entry, body, chat, salt, state.image_cache)
             prefill = _disagg.explain_prefill(state, entry.name, prompt.tokens)
             # with a prefill pool the decode side is routed load-only (unless it falls back to decode-only)
             router = state.router if prefill is None or "error" in prefill else state.disagg_decode_router

@@ -127,6 +127,8 @@ class RequestPath:
                         modified = True
                 if hints.want_timing and RequestTiming is not None:
                     ctx.timing = RequestTiming()
+                if not hints.cache_salt and isinstance(body.get("cache_salt"), str) and body["cache_salt"]:
+                    hints.cache_salt = body["cache_salt"]  # vLLM's own field: the engine salts its blocks with it
                 if hints.cache_salt and body.get("cache_salt") != hints.cache_salt:
                     body["cache_salt"] = hints.cache_salt  # vLLM's field: the worker hashes its blocks with it too
                     modified = True

@@ -18,7 +18,7 @@ from frontend.request.errors import OpenAIError
 from frontend.request.validation import PromptLimit, check_context_length, check_prompt_fits
 from kvroute_common import anthropic_api
 from kvroute_common.hashing import local_block_hashes, sequence_hashes, token_array
-from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes, remote_image_urls
+from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes, image_parts, remote_image_urls
 
 # longer prompts go to the worker thread without looking for cached chunks first (the look costs ~1 us
 # per 100 characters on the loop, and a prompt this long is most likely new text)
@@ -150,8 +150,8 @@ async def tokenize_request(
 ) -> Prompt:
     """The request's tokens and block hashes: inline for short prompts, on a worker thread above the
     offload threshold (hashes with the cache ``salt``; embeddings get none, they are routed by load).
-    A chat request's images are keyed as the engine keys them when the model's layout is known; its
-    remote images are fetched first (``image_cache``).
+    A chat request's images are keyed as the engine keys them when the model's layout is known; their
+    number is capped and its remote images are fetched first, under the media fetch policy (``image_cache``).
 
     ``kind``: chat | completions | responses | messages | embeddings (a bool means chat / completions)."""
     from kvroute_common.openai_api import responses_to_chat
@@ -171,10 +171,13 @@ async def tokenize_request(
         body = messages_to_chat(entry, body)
     images = entry.image_context() if kind != "completions" else None
     if images is not None and image_cache is not None:
-        urls = remote_image_urls(body)
-        if urls:
-            images.fetched = await image_cache.fetch_all(urls, entry.image_options)
-            chars += sum(len(data) for data in images.fetched.values())  # decoded and hashed with the prompt
+        n_images = sum(1 for _ in image_parts(body))
+        if n_images:
+            image_cache.check_count(n_images)  # before anything is fetched or decoded
+            urls = remote_image_urls(body)
+            if urls:
+                images.fetched = await image_cache.fetch_all(urls, entry.image_options, n_images)
+                chars += sum(len(data) for data in images.fetched.values())  # decoded and hashed with the prompt
     return await offload.run(
         chars, _tokens_and_hashes, entry, body, kind != "completions", salt, images, limit=entry.prompt_limit()
     )
