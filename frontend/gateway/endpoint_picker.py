@@ -207,11 +207,12 @@ class _Stream:
         self.body_seen = False
         self.end: str | None = None  # why the stream ended (END_*), once it did
         self.served: str | None = None  # the endpoint the gateway reports as the one that served
+        self.last_message = ""  # the kind of the last message the gateway sent (debug log)
         self.headers_answered = False  # BUFFERED: the request headers were let through before the body
 
     async def handle(self, request: Any) -> AsyncIterator[Any]:
         pb = self.picker.pb
-        which = request.WhichOneof("request")
+        which = self.last_message = request.WhichOneof("request")
         self.picker.count_message(which)
         if request.HasField("protocol_config"):
             self.request_mode = request.protocol_config.request_body_mode
@@ -249,35 +250,39 @@ class _Stream:
                 async for r in self._pick():
                     yield r
             yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        # the stream's state is settled before each answer is yielded: once Envoy has the answer to the
+        # response's last message it may close the stream, and this generator is not resumed after that
         elif which == "response_headers":
             self._response_started(request)
-            yield pb.ProcessingResponse(response_headers=self._response_headers_answer())
+            answer = pb.ProcessingResponse(response_headers=self._response_headers_answer())
             if request.response_headers.end_of_stream:
                 self.finish(END_RESPONSE)
+            yield answer
         elif which == "response_body":
             self.body_seen = True
             data = request.response_body.body
-            end = request.response_body.end_of_stream
+            end = request.response_body.end_of_stream or self.response_mode == BUFFERED
             out = self._response_chunk(data, end)
             if self.response_mode == FULL_DUPLEX:  # every chunk comes back through the picker
-                streamed = pb.StreamedBodyResponse(body=out, end_of_stream=end)
-                yield pb.ProcessingResponse(
+                streamed = pb.StreamedBodyResponse(body=out, end_of_stream=request.response_body.end_of_stream)
+                answer = pb.ProcessingResponse(
                     response_body=pb.BodyResponse(
                         response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
                     )
                 )
             elif out == data:  # STREAMED / BUFFERED, unchanged: the gateway sends its own copy on
-                yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                answer = pb.ProcessingResponse(response_body=pb.BodyResponse())
             else:  # the chunk replaced (nvext added, the usage the client did not ask for taken out)
                 mutation = pb.BodyMutation(body=out) if out else pb.BodyMutation(clear_body=True)
-                yield pb.ProcessingResponse(
+                answer = pb.ProcessingResponse(
                     response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
                 )
-            if end or self.response_mode == BUFFERED:
+            if end:
                 self.finish(END_RESPONSE)
+            yield answer
         elif which == "response_trailers":
-            yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
             self.finish(END_RESPONSE)
+            yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
     def _unsupported_modes(self) -> str | None:
         """Why this stream's processing modes cannot be served (None: they can)."""
@@ -459,7 +464,7 @@ class _Stream:
             return data
         if self.chunks is not None:
             out = self.chunks.feed(data)
-            if end or self.response_mode == BUFFERED:
+            if end:
                 out += self.chunks.flush()
             return out
         lease, ctx = picked.lease, picked.ctx
@@ -468,7 +473,7 @@ class _Stream:
             lease.first_token(streamed=False)
         if self.rewriter is not None or len(self.kept) + len(data) <= MAX_KEPT_RESPONSE:
             self.kept += data  # for its usage, and whole when it is to be rewritten
-        if not end and self.response_mode != BUFFERED:
+        if not end:
             return b"" if self.rewriter is not None else data
         whole = bytes(self.kept)
         if ctx.probe is not None and whole:
@@ -666,10 +671,11 @@ class EndpointPicker:
             if log.isEnabledFor(logging.DEBUG):
                 picked = stream.picked
                 log.debug(
-                    "ext_proc stream ended: %s (request %s, endpoint %s, served %s, status %s)",
+                    "ext_proc stream ended: %s (request %s, endpoint %s, served %s, status %s, last message %s)",
                     reason,
                     picked.lease.request_id if picked is not None else None,
                     stream.endpoint,
                     stream.served,
                     stream.status,
+                    stream.last_message,
                 )
