@@ -570,8 +570,8 @@ def test_with_the_picker_killed_under_traffic_the_failure_mode_decides(
     """The picker is killed (SIGKILL) under traffic. FailClose: the gateway answers 5xx at once while no
     picker answers. FailOpen (a pool the gateway can balance itself, override_host's round robin) with a
     buffered request body: every request is still served, without cache awareness; with a full-duplex
-    request body Envoy 1.40 fails closed all the same (500). Once a picker is back, requests are routed by
-    it again and nothing stays booked."""
+    request body Envoy 1.40 answers some of them 500 all the same. Once a picker is back, requests are
+    routed by it again and nothing stays booked."""
     import signal
     import threading
 
@@ -604,8 +604,8 @@ def test_with_the_picker_killed_under_traffic_the_failure_mode_decides(
                     proc.send_signal(signal.SIGKILL)
                     proc.wait(timeout=10)
                 down = len(outcomes) + 1  # the request in flight at the kill may have passed the picker already
-                wait_until(lambda: len(outcomes) >= down + 5, 30, what="requests while the picker is down")
-                while_down = outcomes[down : down + 5]
+                wait_until(lambda: len(outcomes) >= down + 10, 30, what="requests while the picker is down")
+                while_down = outcomes[down : down + 10]
                 with service(args, ready_url=health, timeout=90):
                     fe = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
                     started = r"^dynamo_component_router_requests_started_total(?:\{[^}]*\})? (\S+)"
@@ -634,6 +634,8 @@ def test_with_the_picker_killed_under_traffic_the_failure_mode_decides(
                 if thread.is_alive():
                     thread.join(timeout=60)
         if served_while_down:
-            assert while_down == [200] * 5, outcomes
+            assert while_down == [200] * 10, while_down
+        elif fail_open:  # Envoy 1.40 answers some 500 anyway (a mix: not a failure mode to rely on)
+            assert 500 in while_down and all(s in (200, 500) for s in while_down), while_down
         else:
-            assert all(500 <= s < 600 for s in while_down), (down, outcomes)
+            assert all(500 <= s < 600 for s in while_down), while_down
