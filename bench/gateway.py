@@ -24,7 +24,8 @@ of Envoy over the loaded run. Figures: docs/benchmarks.md.
 
 ``--workload``: the same multi-turn agentic schedule (bench/sessions.py, 24 sessions x 5 turns) replayed
 through kvroute as its own proxy and through Envoy with kvroute's picker in each body configuration
-(response body ``FULL_DUPLEX_STREAMED`` as GIE gateways ship it, and ``NONE``), in one run, at each
+(bodies ``FULL_DUPLEX_STREAMED`` as GIE gateways ship them; response body ``NONE``; and request body
+``BUFFERED`` with response body ``NONE``), in one run, at each
 ``--concurrency`` (12 and 32 requests in flight at most; the schedule is made as much denser), in front
 of fresh mockers per path (4, ``--speedup-ratio 4``, kv mode); the order of the paths turns at each load.
 Per path: the engines' hit rate, TTFT p50 / p90, the frontend's CPU per request and, through the gateway,
@@ -154,6 +155,11 @@ WORKLOAD_PATHS: tuple[tuple[str, bool, tuple[tuple[str, Any], ...]], ...] = (
     ("kvroute proxy", False, ()),
     ("envoy + picker, bodies full duplex", True, ()),
     ("envoy + picker, response body NONE", True, (("response_body_mode", "NONE"),)),
+    (
+        "envoy + picker, request BUFFERED, response NONE",
+        True,
+        (("request_body_mode", "BUFFERED"), ("response_body_mode", "NONE")),
+    ),
 )
 
 

@@ -444,7 +444,8 @@ class _Stream:
         if ctx.session is not None:
             ctx.session.bind(lease.decision.worker.id, lease.decision.dp_rank, rebind=ctx.soft_target is not None)
         if self.response_mode in (NONE, BUFFERED):  # no chunk before the end: the headers are the first output
-            lease.first_token(streamed=ctx.stream and self.response_mode == NONE)
+            # (an engine sends them before its first token: not a TTFT the latency model may learn from)
+            lease.first_token(streamed=False)
             if self.response_mode == NONE:
                 return
         from frontend.dispatch.response_rewriter import ResponseRewriter
