@@ -639,3 +639,14 @@ def test_with_the_picker_killed_under_traffic_the_failure_mode_decides(
             assert 500 in while_down and all(s in (200, 500) for s in while_down), while_down
         else:
             assert all(500 <= s < 600 for s in while_down), while_down
+
+
+def test_endpoints_are_written_and_matched_as_the_protocol_writes_them() -> None:
+    from frontend.gateway.endpoint_picker import _matches, endpoint_of
+
+    assert endpoint_of("http://10.0.0.5:8080/v1") == "10.0.0.5:8080"
+    assert endpoint_of("http://[2600:4040::1574:24ae]:80") == "[2600:4040::1574:24ae]:80"  # IPv6 in brackets
+    assert endpoint_of("http://gpu1") == "gpu1:80"
+    assert _matches("10.0.0.5:8080", ["10.0.0.5"]) and _matches("10.0.0.5:8080", ["10.0.0.9", "10.0.0.5:8080"])
+    assert not _matches("10.0.0.5:8080", ["10.0.0.5:8081", "10.0.0.50"])
+    assert _matches("[::1]:8000", ["::1"]) and _matches("[::1]:8000", ["[::1]:8000"])

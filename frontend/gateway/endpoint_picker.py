@@ -104,13 +104,14 @@ END_REASONS = (END_RESPONSE, END_CLOSED, END_CLIENT_GONE, END_ENGINE_ERROR, END_
 def endpoint_of(url: str) -> str:
     """A worker's ``host:port`` as the gateway's original-destination cluster dials it."""
     parts = urlsplit(url)
-    return f"{parts.hostname}:{parts.port or 80}"
+    host = parts.hostname or ""
+    return f"[{host}]:{parts.port or 80}" if ":" in host else f"{host}:{parts.port or 80}"  # IPv6 in brackets
 
 
 def _matches(endpoint: str, wanted: list[str]) -> bool:
     """``endpoint`` (``ip:port``) is one of ``wanted`` (``ip:port``, or a bare ``ip`` for any port)."""
     host = endpoint.rpartition(":")[0]
-    return any(w == endpoint or w == host for w in wanted)
+    return any(w == endpoint or w.strip("[]") == host.strip("[]") for w in wanted)
 
 
 class PickerSource:
