@@ -2,7 +2,11 @@
 configured as Gateway API Inference Extension gateways configure it (ext_proc with request and response
 bodies FULL_DUPLEX_STREAMED, an original-destination cluster dialling the picked ``ip:port``), in front
 of real mockers, with ``python -m frontend --epp-port`` as its picker. The picker makes the proxy's
-decision; the booking lives until the response ends through Envoy, or its stream closes first.
+decision; the booking lives until the response ends through Envoy, or its stream closes first, in every
+response body mode (checked under concurrency against the engines' own running requests); the modes it
+cannot serve are refused at the start; a retry down the fallback list (Envoy's override_host policy)
+moves the booking to the engine that served; the conformance hooks steer; the failure modes hold with
+the picker killed under traffic.
 """
 
 from __future__ import annotations
