@@ -654,3 +654,16 @@ def test_endpoints_are_written_and_matched_as_the_protocol_writes_them() -> None
     assert _matches("10.0.0.5:8080", ["10.0.0.5"]) and _matches("10.0.0.5:8080", ["10.0.0.9", "10.0.0.5:8080"])
     assert not _matches("10.0.0.5:8080", ["10.0.0.5:8081", "10.0.0.50"])
     assert _matches("[::1]:8000", ["::1"]) and _matches("[::1]:8000", ["[::1]:8000"])
+
+
+def test_a_buffered_partial_request_body_is_routed_whole_and_refused_when_cut(pool: Pool) -> None:
+    """BUFFERED_PARTIAL: a body within the gateway's buffer arrives whole and is routed as BUFFERED; one
+    larger than the buffer (Envoy's 1 MiB per connection by default) arrives cut, and is refused with a
+    413 that says why rather than routed on part of its prompt."""
+    with gateway(pool, request_body_mode="BUFFERED_PARTIAL") as gw:
+        r = gw.post("/v1/chat/completions", json=chat("partial", "small enough"))
+        assert r.status_code == 200, r.text
+        r = gw.post("/v1/chat/completions", json=chat("partial " + "x" * (2 * 1024 * 1024), "too large"))
+        assert r.status_code == 413, r.text
+        assert "BUFFERED_PARTIAL" in r.json()["error"]["message"]
+    wait_until(pool.idle, 15, what="nothing booked")
