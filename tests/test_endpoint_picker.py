@@ -667,3 +667,16 @@ def test_a_buffered_partial_request_body_is_routed_whole_and_refused_when_cut(po
         assert r.status_code == 413, r.text
         assert "BUFFERED_PARTIAL" in r.json()["error"]["message"]
     wait_until(pool.idle, 15, what="nothing booked")
+
+
+def test_a_buffered_response_body_arrives_whole_and_ends_its_booking(pool: Pool) -> None:
+    before = ends(pool)
+    with gateway(pool, response_body_mode="BUFFERED") as gw:
+        r = gw.post("/v1/chat/completions", json=chat("buffered answer", "hi", nvext={"extra_fields": ["worker_id"]}))
+        assert r.status_code == 200 and r.json()["nvext"]["worker_id"]["decode_worker_id"] in pool.served()
+        events = stream_events(gw, chat("buffered answer", "streamed", max_tokens=8))
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    wait_until(pool.idle, 15, what="nothing booked")
+    after = ends(pool)
+    assert after["response_end"] == before["response_end"] + 2, (before, after)
+    assert after["client_gone"] == before["client_gone"], (before, after)

@@ -275,9 +275,13 @@ class _Stream:
                 answer = pb.ProcessingResponse(response_body=pb.BodyResponse())
             else:  # the chunk replaced (nvext added, the usage the client did not ask for taken out)
                 mutation = pb.BodyMutation(body=out) if out else pb.BodyMutation(clear_body=True)
-                answer = pb.ProcessingResponse(
-                    response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-                )
+                common = pb.CommonResponse(body_mutation=mutation)
+                if self.response_mode == BUFFERED:  # the headers wait for the body: its new length goes with it
+                    length = pb.HeaderValue(key="content-length", raw_value=str(len(out)).encode())
+                    common.header_mutation.CopyFrom(
+                        pb.HeaderMutation(set_headers=[pb.HeaderValueOption(header=length)])
+                    )
+                answer = pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
             if end:
                 self.finish(END_RESPONSE)
             yield answer
