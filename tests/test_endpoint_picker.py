@@ -476,14 +476,16 @@ def test_response_body_none_ends_requests_without_cancelling_them_and_keeps_the_
     assert counter(pool, "dynamo_frontend_model_cancellation_total") == cancelled
 
 
-@pytest.mark.parametrize("mode", ["STREAMED", "NONE"])
-def test_a_request_body_mode_the_picker_cannot_serve_is_refused_at_the_start(pool: Pool, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "mode"), [("request", "STREAMED"), ("request", "NONE"), ("response", "BUFFERED_PARTIAL")]
+)
+def test_a_body_mode_the_picker_cannot_serve_is_refused_at_the_start(pool: Pool, body: str, mode: str) -> None:
     before = ends(pool)
-    with gateway(pool, request_body_mode=mode) as gw:
+    with gateway(pool, **{f"{body}_body_mode": mode}) as gw:
         r = gw.post("/v1/chat/completions", json=chat("modes", "hi"))
         assert r.status_code == 500, r.text
         message = r.json()["error"]["message"]
-        assert f"request body mode {mode}" in message and "FULL_DUPLEX_STREAMED" in message
+        assert f"{body} body mode {mode}" in message and "FULL_DUPLEX_STREAMED" in message
         assert gw.get("/v1/models").status_code == 200  # no body: no decision, served by any engine
     assert ends(pool)["unsupported_mode"] == before["unsupported_mode"] + 1
     wait_until(pool.idle, 15, what="nothing booked")
