@@ -18,7 +18,20 @@ chat request (``max_tokens`` 1) goes, one path at a time:
 
 Per path: latency p50 / p99 with one request at a time (``wrk -c1``: the time the path adds, without
 queueing), req/s at ``--connections`` (default 16), and the CPU per request of the frontend process and
-of Envoy over the loaded run. Figures: docs/benchmarks.md. Nothing here asserts: benchmarks measure.
+of Envoy over the loaded run. Figures: docs/benchmarks.md.
+
+    python -m bench gateway --workload agentic   # ~8 min: routing quality through the gateway
+
+``--workload``: the same multi-turn agentic schedule (bench/sessions.py, 24 sessions x 5 turns) replayed
+through kvroute as its own proxy and through Envoy with kvroute's picker in each body configuration
+(bodies ``FULL_DUPLEX_STREAMED`` as GIE gateways ship them; response body ``NONE``; and request body
+``BUFFERED`` with response body ``NONE``), in one run, at each
+``--concurrency`` (12 and 32 requests in flight at most; the schedule is made as much denser), in front
+of fresh mockers per path (4, ``--speedup-ratio 4``, kv mode); the order of the paths turns at each load.
+Per path: the engines' hit rate, TTFT p50 / p90, the frontend's CPU per request and, through the gateway,
+the ext_proc messages per request and the frontend's CPU per streamed chunk (the full-duplex run's CPU
+above the NONE run's, over its response-body messages). Figures: docs/deploy.md. Nothing here asserts:
+benchmarks measure.
 """
 
 from __future__ import annotations
@@ -137,14 +150,135 @@ def run(duration: float, connections: int, engines: int) -> list[dict[str, Any]]
     return rows
 
 
+# the paths of --workload: (label, gateway?, the gateway's envoy_config options)
+WORKLOAD_PATHS: tuple[tuple[str, bool, tuple[tuple[str, Any], ...]], ...] = (
+    ("kvroute proxy", False, ()),
+    ("envoy + picker, bodies full duplex", True, ()),
+    ("envoy + picker, response body NONE", True, (("response_body_mode", "NONE"),)),
+    (
+        "envoy + picker, request BUFFERED, response NONE",
+        True,
+        (("request_body_mode", "BUFFERED"), ("response_body_mode", "NONE")),
+    ),
+)
+
+
+def _frontend_counters(url: str) -> dict[str, float]:
+    """The picker's ext_proc message counts from the frontend's /metrics (before it stops)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for kind, value in re.findall(r'^kvroute_epp_messages_total\{kind="(\w+)"\} (\S+)', text, re.M):
+        out[kind] = float(value)
+    return out
+
+
+def run_workload(ns: argparse.Namespace) -> list[dict[str, Any]]:
+    """The agentic schedule through each path of WORKLOAD_PATHS, at each concurrency."""
+    from dataclasses import replace
+
+    import httpx
+
+    from bench.peers import READY_TIMEOUT, RouterSpec, Testbed, blocks_per_engine, run_router
+    from bench.replay import RunOptions
+    from bench.sessions import AGENTIC, Workload, session_trace
+    from bench.traces import oracle
+    from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
+    from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
+
+    base = Workload("agentic", (replace(AGENTIC, sessions=ns.sessions, turns=ns.turns),))
+    bed = Testbed(DEFAULT_MODEL, BUILTIN_TOKENIZER_DIR, None)
+    rows: list[dict[str, Any]] = []
+    for i, concurrency in enumerate(ns.concurrency):
+        trace = session_trace(base.at_load(concurrency / ns.concurrency[0]), ns.seed)
+        sizing = argparse.Namespace(num_gpu_blocks=0, cache_fraction=0.5, workers=ns.workers)
+        blocks = blocks_per_engine(trace, sizing)
+        orc = round(oracle([r.tokens for r in trace.requests], bed.block_size).token_share, 3)
+        mocker = MockerOptions(block_size=bed.block_size, num_gpu_blocks=blocks, speedup_ratio=ns.speedup_ratio)
+        opts = RunOptions(workers=ns.workers, max_concurrency=concurrency, max_duration_s=600.0, model=DEFAULT_MODEL)
+        paths = WORKLOAD_PATHS if i % 2 == 0 else tuple(reversed(WORKLOAD_PATHS))
+        for label, gateway, options in paths:
+            spec = RouterSpec(label, "kvroute", "kv", gateway=gateway, gateway_options=options)
+            with Cluster(log_dir=os.path.join(ns.log_dir, f"c{concurrency}-{len(rows)}")) as cluster:
+                for _ in range(ns.workers):
+                    cluster.start_mocker(mocker)
+                cluster.wait_workers_ready(READY_TIMEOUT)
+                row = run_router(trace, spec, cluster, bed, opts, None, cluster.check_alive)
+                assert cluster.frontend_url is not None
+                try:
+                    messages = _frontend_counters(cluster.frontend_url)
+                except httpx.HTTPError:
+                    messages = {}
+            done = max(1, row["completed"])
+            out = {
+                "path": label,
+                "concurrency": concurrency,
+                "requests": row["requests"],
+                "completed": row["completed"],
+                "hit_rate": row["hit_rate"],
+                "oracle": orc,
+                "ttft_p50_ms": row["ttft_ms"]["p50"],
+                "ttft_p90_ms": row["ttft_ms"]["p90"],
+                "frontend_cpu_ms_per_request": row["router_cpu_ms_per_request"],
+                "frontend_cpu_s": row["router_cpu_s"],
+                "ext_proc_messages_per_request": round(sum(messages.values()) / done, 1) if messages else None,
+                "response_body_messages": messages.get("response_body", 0.0),
+                "loadavg_1m": round(os.getloadavg()[0], 1),
+            }
+            rows.append(out)
+            print(json.dumps(out), flush=True)
+        by = {r["path"]: r for r in rows if r["concurrency"] == concurrency}
+        duplex, none = by[WORKLOAD_PATHS[1][0]], by[WORKLOAD_PATHS[2][0]]
+        if duplex["response_body_messages"]:
+            extra = (duplex["frontend_cpu_s"] - none["frontend_cpu_s"]) * 1e3 / duplex["response_body_messages"]
+            duplex["frontend_cpu_ms_per_streamed_chunk"] = round(extra, 3)
+            print(json.dumps({"concurrency": concurrency, "cpu_ms_per_streamed_chunk": round(extra, 3)}), flush=True)
+    return rows
+
+
+def workload_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| in flight | path | hit rate | TTFT p50 / p90 ms | frontend CPU ms / request | ext_proc messages / request "
+        "| frontend CPU ms / streamed chunk | load avg |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        hit = f"{r['hit_rate']:.3f} (oracle {r['oracle']})" if r["hit_rate"] is not None else "n/a"
+        lines.append(
+            f"| {r['concurrency']} | {r['path']} | {hit} | {r['ttft_p50_ms']} / {r['ttft_p90_ms']} "
+            f"| {r['frontend_cpu_ms_per_request']} | {r['ext_proc_messages_per_request'] or ''} "
+            f"| {r.get('frontend_cpu_ms_per_streamed_chunk', '')} | {r['loadavg_1m']} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench gateway", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("agentic",), default=None, help="routing quality through the gateway")
+    p.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[12, 32],
+                   help="--workload: requests in flight at most, comma-separated [12,32]")  # fmt: skip
+    p.add_argument("--sessions", type=int, default=24, help="--workload: sessions [24]")
+    p.add_argument("--turns", type=int, default=5, help="--workload: turns per session [5]")
+    p.add_argument("--workers", type=int, default=4, help="--workload: mockers [4]")
+    p.add_argument("--speedup-ratio", type=float, default=4.0, help="--workload: mocker speed [4]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default="bench/out/gateway", help="--workload: the processes' logs")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement [10]")
     p.add_argument("--connections", type=int, default=16, help="concurrent requests of the loaded run [16]")
     p.add_argument("--engines", type=int, default=2, help="nginx engine ports [2]")
     p.add_argument("--out", default=None, help="also write the rows as JSON to this file")
     ns = p.parse_args(argv)
     t0 = time.time()
+    if ns.workload is not None:
+        rows = run_workload(ns)
+        print(workload_table(rows), flush=True)
+        if ns.out:
+            with open(ns.out, "w", encoding="utf-8") as f:
+                json.dump({"rows": rows, "seconds": round(time.time() - t0)}, f, indent=1)
+        return 0
     rows = run(ns.duration, ns.connections, ns.engines)
     by = {r["path"]: r for r in rows}
     summary = {

@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -79,6 +79,7 @@ class RouterSpec:
     gateway: bool = False  # kvroute as the endpoint picker of an Envoy gateway (--epp-port), Envoy in front
     checkout: str | None = None  # kvroute: another checkout's frontend (--before), None = this one
     extra: tuple[str, ...] = ()  # more kvroute flags (a variant of a mode)
+    gateway_options: tuple[tuple[str, Any], ...] = ()  # the gateway's envoy_config options (body modes)
 
     def describe(self) -> str:
         where = f" (checkout {self.checkout})" if self.checkout else ""
@@ -169,7 +170,7 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
         cluster.wait_frontend_ready(bed.model, timeout=READY_TIMEOUT)
         if epp is not None:  # requests go through Envoy, which asks the frontend where each one goes
             metrics_url = f"{url}/metrics"
-            url = cluster.start_gateway(epp, READY_TIMEOUT)
+            url = cluster.start_gateway(epp, READY_TIMEOUT, **dict(spec.gateway_options))
     else:
         if bin_dir is None:
             raise RuntimeError(missing_reason())

@@ -55,8 +55,14 @@ class GenerationRoutes:
         await self.app(scope, receive, send)
 
 
-def build_app(state: FrontendState, epp: tuple[str, int] | None = None) -> GenerationRoutes:
-    """``epp``: (host, port) of the endpoint picker (``--epp-port``), served for the app's lifetime."""
+def build_app(
+    state: FrontendState,
+    epp: tuple[str, int] | None = None,
+    epp_fallbacks: int = 0,
+    epp_conformance_hooks: bool = False,
+) -> GenerationRoutes:
+    """``epp``: (host, port) of the endpoint picker (``--epp-port``), served for the app's lifetime, with
+    ``--epp-fallbacks`` and ``--epp-conformance-hooks``."""
     oa = OpenAIRoutes(state)
     state._init_speculative(oa.path.send_pinned)
     ad = AdminRoutes(state)
@@ -99,7 +105,7 @@ def build_app(state: FrontendState, epp: tuple[str, int] | None = None) -> Gener
             if epp is not None:
                 from frontend.gateway.endpoint_picker import EndpointPicker
 
-                picker = EndpointPicker(state, oa.path)
+                picker = EndpointPicker(state, oa.path, epp_fallbacks, epp_conformance_hooks)
                 app.state.endpoint_picker = picker
                 await picker.start(*epp)
             yield

@@ -75,6 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
         "default: off]",
     )
     g.add_argument(
+        "--epp-fallbacks",
+        type=int,
+        default=_env_int("KVROUTE_EPP_FALLBACKS") or 0,
+        metavar="N",
+        help="endpoint picker: follow the chosen endpoint with up to N next-best candidates in "
+        "x-gateway-destination-endpoint (comma-separated, for gateways that retry down the list: Envoy's "
+        "override_host policy; an original-destination cluster refuses a list) [env KVROUTE_EPP_FALLBACKS; "
+        "default 0]",
+    )
+    g.add_argument(
+        "--epp-conformance-hooks",
+        action="store_true",
+        default=os.environ.get("KVROUTE_EPP_CONFORMANCE_HOOKS", "") not in ("", "0", "false"),
+        help="endpoint picker: the Inference Extension conformance suite's hooks (the test-epp-endpoint-selection "
+        "header restricts the candidates to the endpoints it names; the served endpoint is echoed in "
+        "x-conformance-test-served-endpoint). Any client could steer its requests within the pool: for "
+        "conformance runs only [env KVROUTE_EPP_CONFORMANCE_HOOKS; default off]",
+    )
+    g.add_argument(
         "--worker",
         action="append",
         default=[],
@@ -360,6 +379,8 @@ def make_state(ns: argparse.Namespace):
         log.info("--no-router-kv-events only matters with --router-mode kv or latency")
     if ns.tokenizer_offload_chars is not None and ns.tokenizer_offload_chars < 0:
         raise SystemExit("--tokenizer-offload-chars must be >= 0 (0 = tokenize every prompt inline)")
+    if ns.epp_fallbacks < 0:
+        raise SystemExit("--epp-fallbacks must be >= 0 (0 = the chosen endpoint alone)")
     state = FrontendState(
         config,
         model_path=ns.model_path,
@@ -494,7 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     epp = (ns.http_host, ns.epp_port) if ns.epp_port is not None else None
     if epp is not None:
         check_epp_installed()
-    app = guard_app(build_app(state, epp), ns, drain)
+    app = guard_app(
+        build_app(state, epp, epp_fallbacks=ns.epp_fallbacks, epp_conformance_hooks=ns.epp_conformance_hooks),
+        ns,
+        drain,
+    )
     config = uvicorn.Config(
         app,
         host=ns.http_host,

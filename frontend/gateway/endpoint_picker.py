@@ -5,26 +5,36 @@ headers and body over Envoy's external processing protocol (``envoy.service.ext_
 the endpoint picker of its ``InferencePool``. The picker makes the proxy's own decision
 (:meth:`RequestPath.generate`: hints, tokenize, admission, route, book) and answers with the chosen
 engine's ``ip:port`` in the ``x-gateway-destination-endpoint`` request header and in the ``envoy.lb``
-dynamic metadata; the gateway forwards the request there. When nothing fits it answers an immediate
-response in the API's shape (429 / 503 / 529 as the proxy would).
+dynamic metadata; with ``--epp-fallbacks N`` the next-best candidates follow it, comma-separated, for a
+gateway that retries down the list. When nothing fits it answers an immediate response in the API's
+shape (429 / 503 / 529 as the proxy would).
 
-The booking made at the decision lives as long as the ext_proc stream: the response's first body
-chunk with a token marks prefill complete (the proxy's :class:`ChunkPipeline`, which also counts
-tokens and reads the engine's usage for the parity alarm and the hit-rate decomposition), its end of
-stream frees it, and a stream that closes before that (the client went away, the engine failed, the
-gateway gave up) frees it as a cancellation.
+The booking made at the decision follows the response: the endpoint the gateway reports as the one that
+served (``envoy.lb`` / ``x-gateway-destination-endpoint-served``, with the response headers) moves it when
+a retry went to a fallback; the response's first body chunk with a token marks prefill complete (the
+proxy's :class:`ChunkPipeline`, which also counts tokens and reads the engine's usage for the parity
+alarm and the hit-rate decomposition); its end of stream frees it; a stream that closes before that (the
+client went away, the engine failed, the gateway gave up) frees it as a cancellation.
 
-Processing modes: request headers SEND and a request body mode of ``FULL_DUPLEX_STREAMED`` (what GIE
-gateways configure: the picker buffers the body, then answers the headers with the endpoint and
-streams the body back) or ``BUFFERED`` (the endpoint rides on the body response). The response may
-come ``FULL_DUPLEX_STREAMED`` (each chunk relayed back, changed only as the proxy would change it),
-``STREAMED`` (chunks observed, not relayed), or not at all (``NONE``: prefill is taken as complete at
-the response headers, and the end at the stream's close).
+Processing modes (Envoy sends them in ``protocol_config``; a mode the picker cannot serve is refused at
+the stream's start with a 500 that names it). Request body: ``FULL_DUPLEX_STREAMED`` (what GIE gateways
+configure: the picker buffers the body, then answers the headers with the endpoint and streams the body
+back), ``BUFFERED``, or ``BUFFERED_PARTIAL`` (the endpoint rides on the body response; a body larger than
+the gateway's buffer arrives cut and is refused with a 413); ``STREAMED`` and ``NONE`` are refused for
+requests with a body (the endpoint must be chosen from the whole body, before any of it goes upstream).
+Response body: ``FULL_DUPLEX_STREAMED`` (each chunk relayed back, changed only as the proxy would change
+it), ``STREAMED`` (chunks observed, replaced only when changed), ``BUFFERED`` (the answer arrives whole at
+its end), or ``NONE`` (no per-chunk message at all: prefill is taken as complete at the response headers,
+and the response as ended when the gateway closes the stream, which it does when the response ends or the
+client leaves: the two cannot be told apart in this mode). ``BUFFERED_PARTIAL`` is refused (a response
+larger than the buffer would be seen cut, with no end). Every stream's end is counted by reason
+(``kvroute_epp_streams_total{end}``) and logged at debug level.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -43,14 +53,20 @@ if TYPE_CHECKING:
     from frontend.dispatch.context import RequestContext
     from frontend.dispatch.lifecycle import Lease
     from frontend.dispatch.request_path import RequestPath
+    from frontend.pool.workers import Worker
     from frontend.state import FrontendState
 
 log = logging.getLogger("frontend.gateway.endpoint_picker")
 
 DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 LB_NAMESPACE = "envoy.lb"
+# the Inference Extension conformance suite's test hooks (--epp-conformance-hooks)
+STEERING = "test-epp-endpoint-selection"
+CONFORMANCE_SERVED = "x-conformance-test-served-endpoint"
+CONFORMANCE_SELECTED = "x-conformance-test-selected-endpoint"
 # path -> the kind of generation request (frontend.dispatch.request_path._KINDS)
 KINDS = {
     "/v1/chat/completions": "chat",
@@ -60,25 +76,53 @@ KINDS = {
     "/v1/messages": "messages",
 }
 MAX_BODY = 45 * 1024 * 1024  # the proxy's body limit
-MAX_KEPT_RESPONSE = 4 * 1024 * 1024
+MAX_KEPT_RESPONSE = 4 * 1024 * 1024  # a unary response is kept to read its usage, up to this size
 # what a gateway answers when it could not reach the engine (Envoy: 503 on connect failure or reset)
-UNREACHABLE = (502, 503, 504)  # a unary response is kept to read its usage, up to this size
+UNREACHABLE = (502, 503, 504)
+
+# ext_proc's ProcessingMode.BodySendMode
+NONE, STREAMED, BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX = 0, 1, 2, 3, 4
+MODE_NAMES = {NONE: "NONE", STREAMED: "STREAMED", BUFFERED: "BUFFERED", BUFFERED_PARTIAL: "BUFFERED_PARTIAL",
+              FULL_DUPLEX: "FULL_DUPLEX_STREAMED"}  # fmt: skip
+REQUEST_MODES = (BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX)  # the picker needs the whole body before the headers go
+RESPONSE_MODES = (NONE, STREAMED, BUFFERED, FULL_DUPLEX)
+
+# why an ext_proc stream ended (kvroute_epp_streams_total{end})
+END_RESPONSE = "response_end"  # the response's end passed the picker
+END_CLOSED = "stream_closed"  # response body NONE: the gateway closed the stream after a 200's headers
+END_CLIENT_GONE = "client_gone"  # the stream closed before the response's end
+END_ENGINE_ERROR = "engine_error"  # the engine (or the gateway for it) answered an error status
+END_REFUSED = "refused"  # answered at once (the proxy's refusal, a bad body, no worker)
+END_NO_DECISION = "no_decision"  # not a generation request: sent to any healthy engine, nothing booked
+END_UNSUPPORTED = "unsupported_mode"  # a processing mode the picker cannot serve
+MESSAGE_KINDS = ("request_headers", "request_body", "request_trailers", "response_headers", "response_body",
+                 "response_trailers")  # fmt: skip
+END_REASONS = (END_RESPONSE, END_CLOSED, END_CLIENT_GONE, END_ENGINE_ERROR, END_REFUSED, END_NO_DECISION,
+               END_UNSUPPORTED)  # fmt: skip
 
 
 def endpoint_of(url: str) -> str:
     """A worker's ``host:port`` as the gateway's original-destination cluster dials it."""
     parts = urlsplit(url)
-    return f"{parts.hostname}:{parts.port or 80}"
+    host = parts.hostname or ""
+    return f"[{host}]:{parts.port or 80}" if ":" in host else f"{host}:{parts.port or 80}"  # IPv6 in brackets
+
+
+def _matches(endpoint: str, wanted: list[str]) -> bool:
+    """``endpoint`` (``ip:port``) is one of ``wanted`` (``ip:port``, or a bare ``ip`` for any port)."""
+    host = endpoint.rpartition(":")[0]
+    return any(w == endpoint or w.strip("[]") == host.strip("[]") for w in wanted)
 
 
 class PickerSource:
-    """A request as the gateway sent it: headers, the body once complete, the endpoint subset."""
+    """A request as the gateway sent it: headers, the body once complete, the endpoints it may go to."""
 
-    def __init__(self, headers: Headers, body: bytes, subset: list[str] | None) -> None:
+    def __init__(self, headers: Headers, body: bytes, subset: list[str] | None, steering: list[str] | None) -> None:
         self.headers = headers
         self.receive: Receive | None = None  # the client is the gateway's: it leaving closes the ext_proc stream
         self.body = body
         self.subset = subset
+        self.steering = steering
 
     async def read(self, limit: int) -> tuple[bytes, dict[str, Any]]:
         import orjson
@@ -94,12 +138,19 @@ class PickerSource:
         return self.body, body
 
     def excluded(self, state: FrontendState) -> set[int] | None:
-        if self.subset is None:
+        if self.subset is None and self.steering is None:
             return None
-        allowed = set(self.subset)
-        excluded = {w.id for w in state.pool.workers.values() if endpoint_of(w.spec.url) not in allowed}
+        excluded = set()
+        for w in state.pool.workers.values():
+            endpoint = endpoint_of(w.spec.url)
+            if (self.subset is not None and endpoint not in self.subset) or (
+                self.steering is not None and not _matches(endpoint, self.steering)
+            ):
+                excluded.add(w.id)
         if len(excluded) == len(state.pool.workers):
-            raise OpenAIError(503, "none of the gateway's endpoint subset is a worker of this pool")
+            if self.subset is not None:
+                raise OpenAIError(503, "none of the gateway's endpoint subset is a worker of this pool")
+            raise OpenAIError(503, f"none of the endpoints in {STEERING} is a worker of this pool")
         return excluded
 
 
@@ -118,16 +169,20 @@ async def _hand_over(ctx: RequestContext, lease: Lease) -> Picked:
     return Picked(ctx, lease)
 
 
-def _subset(request: Any) -> list[str] | None:
-    """The endpoint subset the gateway allows, from the request's filter metadata (None: any)."""
+def _metadata_value(request: Any, namespace: str, key: str) -> Any:
+    """A value of the request's forwarded filter metadata (None: absent)."""
     fields = request.metadata_context.filter_metadata
-    if SUBSET_NAMESPACE not in fields:
+    if namespace not in fields:
         return None
-    value = fields[SUBSET_NAMESPACE].fields.get(SUBSET)
+    return fields[namespace].fields.get(key)
+
+
+def _endpoint_list(value: Any) -> list[str] | None:
+    """A metadata value holding endpoints: a list, or a comma-separated string."""
     if value is None:
         return None
     if value.HasField("list_value"):
-        return [v.string_value for v in value.list_value.values]
+        return [v.string_value.strip() for v in value.list_value.values if v.string_value.strip()]
     return [e.strip() for e in value.string_value.split(",") if e.strip()]
 
 
@@ -139,72 +194,119 @@ class _Stream:
         self.headers: list[tuple[str, str]] = []
         self.body = bytearray()
         self.subset: list[str] | None = None
-        self.request_mode = 0
-        self.response_mode = 0
+        self.request_mode = BUFFERED  # without protocol_config (Envoy before 1.33): the headers are answered first
+        self.response_mode = NONE  # the proto's default; protocol_config says what the gateway sends
         self.picked: Picked | None = None
+        self.endpoint: str | None = None  # the first choice sent to the gateway
         self.chunks: Any = None  # proxy.ChunkPipeline of a streamed response
         self.rewriter: Any = (
             None  # dispatch.response_rewriter.ResponseRewriter, when the request asked for response nvext
         )
         self.kept = bytearray()  # a unary response, for its usage
         self.first_seen = False
-        self.ended = False  # the response reached its end (not a stream closed early)
+        self.status: int | None = None  # the response's status, once its headers passed
+        self.body_seen = False
+        self.end: str | None = None  # why the stream ended (END_*), once it did
+        self.served: str | None = None  # the endpoint the gateway reports as the one that served
+        self.last_message = ""  # the kind of the last message the gateway sent (debug log)
         self.headers_answered = False  # BUFFERED: the request headers were let through before the body
 
     async def handle(self, request: Any) -> AsyncIterator[Any]:
         pb = self.picker.pb
-        which = request.WhichOneof("request")
+        which = self.last_message = request.WhichOneof("request")
+        self.picker.count_message(which)
         if request.HasField("protocol_config"):
             self.request_mode = request.protocol_config.request_body_mode
             self.response_mode = request.protocol_config.response_body_mode
-        if request.HasField("metadata_context") and self.subset is None:
-            self.subset = _subset(request)
         if which == "request_headers":
+            if request.HasField("metadata_context"):
+                self.subset = _endpoint_list(_metadata_value(request, SUBSET_NAMESPACE, SUBSET))
             for h in request.request_headers.headers.headers:
                 self.headers.append((h.key.lower(), h.raw_value.decode("latin-1") if h.raw_value else h.value))
             if request.request_headers.end_of_stream:  # no body: not a generation request
                 yield self._route_to_any()
-            elif self.request_mode != FULL_DUPLEX:  # BUFFERED: the endpoint rides on the body response
+                return
+            refusal = self._unsupported_modes()
+            if refusal is not None:
+                self.end = END_UNSUPPORTED
+                yield self._immediate(500, OpenAIError(500, refusal))
+            elif self.request_mode != FULL_DUPLEX:  # buffered: the endpoint rides on the body response
                 self.headers_answered = True
                 yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
         elif which == "request_body":
             self.body += request.request_body.body
             if len(self.body) > MAX_BODY:
+                self.end = END_REFUSED
                 yield self._immediate(413, OpenAIError(413, f"request body exceeds {MAX_BODY} bytes"))
                 return
             if request.request_body.end_of_stream:
                 async for r in self._pick():
                     yield r
+            elif self.request_mode == BUFFERED_PARTIAL:  # the rest goes upstream without the picker
+                self.end = END_REFUSED
+                message = "request body larger than the gateway's buffer (BUFFERED_PARTIAL): the picker needs it whole"
+                yield self._immediate(413, OpenAIError(413, message))
         elif which == "request_trailers":
-            if self.picked is None:
+            if self.picked is None and self.end is None:
                 async for r in self._pick():
                     yield r
             yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        # the stream's state is settled before each answer is yielded: once Envoy has the answer to the
+        # response's last message it may close the stream, and this generator is not resumed after that
         elif which == "response_headers":
-            self._response_started(request.response_headers)
-            yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            self._response_started(request)
+            answer = pb.ProcessingResponse(response_headers=self._response_headers_answer())
             if request.response_headers.end_of_stream:
-                self.ended = True
-                self.finish()
+                self.finish(END_RESPONSE)
+            yield answer
         elif which == "response_body":
+            self.body_seen = True
             data = request.response_body.body
-            out = self._response_chunk(data, request.response_body.end_of_stream)
+            end = request.response_body.end_of_stream or self.response_mode == BUFFERED
+            out = self._response_chunk(data, end)
             if self.response_mode == FULL_DUPLEX:  # every chunk comes back through the picker
                 streamed = pb.StreamedBodyResponse(body=out, end_of_stream=request.response_body.end_of_stream)
-                mutation = pb.BodyMutation(streamed_response=streamed)
-            elif out == data:  # STREAMED, unchanged: the gateway sends its own copy on
-                mutation = None
-            else:  # STREAMED: the chunk replaced (nvext added, the usage the client did not ask for taken out)
+                answer = pb.ProcessingResponse(
+                    response_body=pb.BodyResponse(
+                        response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+                    )
+                )
+            elif out == data:  # STREAMED / BUFFERED, unchanged: the gateway sends its own copy on
+                answer = pb.ProcessingResponse(response_body=pb.BodyResponse())
+            else:  # the chunk replaced (nvext added, the usage the client did not ask for taken out)
                 mutation = pb.BodyMutation(body=out) if out else pb.BodyMutation(clear_body=True)
-            common = pb.CommonResponse(body_mutation=mutation) if mutation is not None else None
-            yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
-            if request.response_body.end_of_stream:
-                self.ended = True
-                self.finish()
+                common = pb.CommonResponse(body_mutation=mutation)
+                if self.response_mode == BUFFERED:  # the headers wait for the body: its new length goes with it
+                    length = pb.HeaderValue(key="content-length", raw_value=str(len(out)).encode())
+                    common.header_mutation.CopyFrom(
+                        pb.HeaderMutation(set_headers=[pb.HeaderValueOption(header=length)])
+                    )
+                answer = pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+            if end:
+                self.finish(END_RESPONSE)
+            yield answer
         elif which == "response_trailers":
+            self.finish(END_RESPONSE)
             yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-            self.ended = True
-            self.finish()
+
+    def _unsupported_modes(self) -> str | None:
+        """Why this stream's processing modes cannot be served (None: they can)."""
+        problems = []
+        if self.request_mode not in REQUEST_MODES:
+            problems.append(
+                f"request body mode {MODE_NAMES.get(self.request_mode, self.request_mode)} (the endpoint is chosen "
+                "from the whole body before any of it goes upstream: use FULL_DUPLEX_STREAMED or BUFFERED)"
+            )
+        if self.response_mode not in RESPONSE_MODES:
+            problems.append(
+                f"response body mode {MODE_NAMES.get(self.response_mode, self.response_mode)} (a response larger "
+                "than the buffer would be seen cut: use FULL_DUPLEX_STREAMED, STREAMED or NONE)"
+            )
+        if not problems:
+            return None
+        message = "kvroute endpoint picker: unsupported ext_proc processing mode: " + "; ".join(problems)
+        self.picker.warn_once(message)
+        return message
 
     def _any_endpoint(self) -> str | None:
         """For a request without a routing decision (``GET /v1/models``, health): a healthy worker of the subset."""
@@ -215,33 +317,49 @@ class _Stream:
         return None
 
     def _route_to_any(self) -> Any:
+        self.end = END_NO_DECISION
         endpoint = self._any_endpoint()
         if endpoint is None:
+            self.end = END_REFUSED
             return self._immediate(503, OpenAIError(503, "no healthy worker"))
-        return self._route_to(endpoint, None)
+        return self._route_to([endpoint], None)
+
+    def _steering(self, headers: Headers) -> list[str] | None:
+        """The conformance suite's steering header, when the hooks are on."""
+        if not self.picker.conformance_hooks:
+            return None
+        value = headers.get(STEERING)
+        return [e.strip() for e in value.split(",") if e.strip()] if value else None
 
     async def _pick(self) -> AsyncIterator[Any]:
         """The request is complete: decide, answer the endpoint, and (full duplex) stream the body back."""
         headers = Headers(raw=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers])
         kind = KINDS.get(headers.get(":path", "").split("?", 1)[0])
         if not self.picker.state.serving:  # starting (no engine known yet) or draining: not a 404
+            self.end = END_REFUSED
             yield self._immediate(503, OpenAIError(503, "kvroute is not ready: no healthy worker yet"))
             return
         if kind is None:  # not a generation route: no decision to make, any worker answers it
+            self.end = END_NO_DECISION
             endpoint, body = self._any_endpoint(), bytes(self.body)
             if endpoint is None:
+                self.end = END_REFUSED
                 yield self._immediate(503, OpenAIError(503, "no healthy worker"))
                 return
+            endpoints = [endpoint]
         else:
-            source = PickerSource(headers, bytes(self.body), self.subset)
+            source = PickerSource(headers, bytes(self.body), self.subset, self._steering(headers))
             result = await self.picker.path.generate(source, kind, _hand_over)
             if isinstance(result, Response):  # refused: the error the proxy would have answered
+                self.end = END_REFUSED
                 yield self._immediate_response(result)
                 return
             assert isinstance(result, Picked)
             self.picked = result
-            endpoint, body = endpoint_of(result.lease.decision.worker.spec.url), result.ctx.out_body
-        yield self._route_to(endpoint, body)
+            endpoints = self.picker.endpoints(result)
+            body = result.ctx.out_body
+        self.endpoint = endpoints[0]
+        yield self._route_to(endpoints, body)
         if self.request_mode == FULL_DUPLEX:  # the body goes on as the picker streams it back
             pb = self.picker.pb
             mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True))
@@ -249,15 +367,17 @@ class _Stream:
                 request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
             )
 
-    def _route_to(self, endpoint: str, body: bytes | None) -> Any:
-        """The decision as the gateway takes it: the header and the ``envoy.lb`` metadata, on the answer to
-        the request's headers, or (buffered body, headers already answered) on the body's with the body
-        the engine gets (the proxy's: nvext applied, usage requested) and its length."""
+    def _route_to(self, endpoints: list[str], body: bytes | None) -> Any:
+        """The decision as the gateway takes it: the header and the ``envoy.lb`` metadata (the same value:
+        the choice, then the fallbacks), on the answer to the request's headers, or (buffered body, headers
+        already answered) on the body's with the body the engine gets (the proxy's: nvext applied, usage
+        requested) and its length."""
         pb = self.picker.pb
-        set_headers = [pb.HeaderValueOption(header=pb.HeaderValue(key=DESTINATION, raw_value=endpoint.encode()))]
+        value = ",".join(endpoints)
+        set_headers = [pb.HeaderValueOption(header=pb.HeaderValue(key=DESTINATION, raw_value=value.encode()))]
         common = pb.CommonResponse(clear_route_cache=True)
         meta = pb.Struct()
-        meta.update({LB_NAMESPACE: {DESTINATION: endpoint}})
+        meta.update({LB_NAMESPACE: {DESTINATION: value}})
         if not self.headers_answered:
             common.header_mutation.CopyFrom(pb.HeaderMutation(set_headers=set_headers))
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta)
@@ -289,14 +409,34 @@ class _Stream:
             )
         )
 
-    def _response_started(self, headers: Any) -> None:
+    def _response_headers_answer(self) -> Any:
+        """The answer to the response headers: empty, or with the conformance hooks, the endpoints the
+        picker chose and the gateway says served, for the suite to compare."""
+        pb = self.picker.pb
+        if not self.picker.conformance_hooks:
+            return pb.HeadersResponse()
+        served = self.served or "fail: missing destination endpoint served metadata"
+        values = [(CONFORMANCE_SERVED, served)]
+        if self.endpoint is not None:
+            values.append((CONFORMANCE_SELECTED, self.endpoint))
+        set_headers = [pb.HeaderValueOption(header=pb.HeaderValue(key=k, raw_value=v.encode())) for k, v in values]
+        mutation = pb.HeaderMutation(set_headers=set_headers)
+        return pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
+
+    def _response_started(self, request: Any) -> None:
+        served = _metadata_value(request, LB_NAMESPACE, SERVED) if request.HasField("metadata_context") else None
+        if served is not None and served.string_value:
+            self.served = served.string_value.split(",")[0].strip()
         picked = self.picked
-        if picked is None:
-            return
         status = 200
-        for h in headers.headers.headers:
+        for h in request.response_headers.headers.headers:
             if h.key == ":status":
                 status = int((h.raw_value or h.value.encode()).decode() or 200)
+        self.status = status
+        if picked is None:
+            return
+        if self.served is not None and self.served != self.endpoint:
+            self.picker.move_booking(picked, self.served)
         lease = picked.lease
         ctx = picked.ctx
         if status != 200:  # the engine refused: the request ends with its status, as through the proxy
@@ -308,9 +448,11 @@ class _Stream:
             return
         if ctx.session is not None:
             ctx.session.bind(lease.decision.worker.id, lease.decision.dp_rank, rebind=ctx.soft_target is not None)
-        if self.response_mode == NONE:  # no body will be seen: the headers are the first sign of output
-            lease.first_token(streamed=ctx.stream)
-            return
+        if self.response_mode in (NONE, BUFFERED):  # no chunk before the end: the headers are the first output
+            # (an engine sends them before its first token: not a TTFT the latency model may learn from)
+            lease.first_token(streamed=False)
+            if self.response_mode == NONE:
+                return
         from frontend.dispatch.response_rewriter import ResponseRewriter
 
         # response nvext / speculative prefill (a unary body is held and rewritten whole at its end)
@@ -347,13 +489,31 @@ class _Stream:
             lease.tokens(n)
         return self.rewriter.unary(whole) if self.rewriter is not None else data
 
-    def finish(self) -> None:
-        """The response ended (or the stream closed first: a cancellation). Frees the booking once."""
+    def closed(self) -> None:
+        """The gateway closed the stream (or the picker stops): what has not ended ends now."""
+        if self.end is not None:
+            return
+        if self.picked is None:  # closed before the decision (the client left while sending)
+            self.finish(END_CLIENT_GONE)
+        elif self.status == 200 and self.response_mode == NONE:
+            self.finish(END_CLOSED)  # the gateway closes the stream at the response's end
+        elif self.status is not None and self.status != 200:
+            self.finish(END_ENGINE_ERROR)
+        else:
+            self.finish(END_CLIENT_GONE)
+
+    def finish(self, reason: str) -> None:
+        """The stream ended for ``reason``: counted, and the booking freed once (a cancellation unless the
+        response reached its end)."""
+        if self.end is None or self.end == reason:
+            self.end = reason
         picked = self.picked
         if picked is None or picked.lease.released:
             return
         lease = picked.lease
-        if lease.status != "error" and not self.ended:
+        if lease.status == "error" and reason in (END_RESPONSE, END_CLOSED):
+            self.end = reason = END_ENGINE_ERROR
+        if reason == END_CLIENT_GONE and lease.status != "error":
             lease.client_gone()
         lease.release()
         ctx = picked.ctx
@@ -365,24 +525,35 @@ class _Stream:
             self.rewriter.finished(lease)
 
 
-NONE, STREAMED, BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX = 0, 1, 2, 3, 4
-
-
 class EndpointPicker:
-    """The ext_proc service on ``--epp-port`` (gRPC, plaintext HTTP/2), on the frontend's event loop."""
+    """The ext_proc service on ``--epp-port`` (gRPC, plaintext HTTP/2), on the frontend's event loop.
 
-    def __init__(self, state: FrontendState, path: RequestPath) -> None:
+    ``fallbacks``: how many next-best endpoints follow the choice in the destination list (a gateway that
+    dials only the first, Envoy's original-destination cluster, refuses a list: 0 for those).
+    ``conformance_hooks``: honour the conformance suite's steering header and report the served endpoint
+    in a response header (any client could steer its own requests within the pool: tests only)."""
+
+    def __init__(
+        self, state: FrontendState, path: RequestPath, fallbacks: int = 0, conformance_hooks: bool = False
+    ) -> None:
         from frontend.gateway import epp_protocol
 
         self.state = state
         self.path = path
         self.pb = epp_protocol
+        self.fallbacks = fallbacks
+        self.conformance_hooks = conformance_hooks
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.health: Any = None  # epp_protocol.Health
         self._watch: asyncio.Future[None] | None = None
+        self._warned: set[str] = set()
         self.streams = 0  # ext_proc streams open (one per HTTP request the gateway carries)
         state.busy_probes.append(lambda: self.streams > 0)
+        m = state.metrics
+        self._ends = {r: m.epp_streams.labels(r) for r in END_REASONS}
+        self._messages = {k: m.epp_messages.labels(k) for k in MESSAGE_KINDS}
+        self._moved = m.epp_moved
 
     async def start(self, host: str, port: int) -> int:
         import grpc
@@ -413,6 +584,79 @@ class EndpointPicker:
             await self.server.stop(grace)
             self.server = None
 
+    def count_message(self, kind: str) -> None:
+        counter = self._messages.get(kind)
+        if counter is not None:
+            counter.inc()
+
+    def warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            log.error("%s", message)
+
+    def endpoints(self, picked: Picked) -> list[str]:
+        """The destination list: the choice, then up to ``fallbacks`` next-best candidates that fit (by
+        cost in the cost-based modes, by worker id otherwise; none for a pinned request)."""
+        decision, ctx = picked.lease.decision, picked.ctx
+        chosen = endpoint_of(decision.worker.spec.url)
+        out = [chosen]
+        if self.fallbacks <= 0 or ctx.pinned:
+            return out
+        workers = ctx.entry.workers
+        if decision.costs is not None:
+            ids = [c.worker_id for c in sorted(decision.costs, key=lambda c: c.cost)]
+        else:
+            from frontend.routing.eligibility import candidates
+
+            ids = sorted({w.id for w, _ in candidates(ctx.entry, None, None, decision.isl)[0]})
+        excluded = ctx.failed_workers or set()
+        for wid in ids:
+            w = workers.get(wid)
+            if w is None or wid in excluded or not w.healthy:
+                continue
+            endpoint = endpoint_of(w.spec.url)
+            if endpoint not in out:
+                out.append(endpoint)
+                if len(out) > self.fallbacks:
+                    break
+        return out
+
+    def move_booking(self, picked: Picked, served: str) -> None:
+        """The gateway served the request elsewhere (a retry down the fallback list): the booking moves
+        to the engine that serves it, with what that engine holds of the prompt."""
+        old, ctx = picked.lease, picked.ctx
+        worker: Worker | None = next((w for w in ctx.entry.workers.values() if endpoint_of(w.spec.url) == served), None)
+        if worker is None or old.released:
+            log.warning("the gateway reports %s served request %s: not a worker of its model", served, old.request_id)
+            return
+        from frontend.dispatch.lifecycle import Lease
+
+        state, entry, d = self.state, ctx.entry, old.decision
+        rank = d.dp_rank if d.dp_rank in worker.spec.ranks else worker.spec.ranks[0]
+        overlap = 0
+        if entry.index is not None and d.local_hashes and ctx.kind != "embeddings":
+            overlap = entry.index.find_matches(d.local_hashes).get((worker.id, rank), 0)
+        decision = dataclasses.replace(
+            d,
+            worker=worker,
+            dp_rank=rank,
+            overlap_blocks=overlap,
+            new_isl_tokens=max(0, d.isl - overlap * entry.block_size),
+            cost=None,
+        )
+        old.release(final=False)
+        request_id = state.next_request_id()
+        state.router.book(entry, request_id, decision)
+        lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
+        lease.inherit(old)
+        lease.hooks = [h for h in lease.hooks if h is not ctx.probe]  # its evidence was about the first choice
+        ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
+        if state.config.router_track_output_blocks:
+            lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
+        picked.lease = lease
+        self._moved.inc()
+        log.info("request %s served by %s, not its first choice: booked on worker %s", request_id, served, worker.id)
+
     async def process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
         """``ExternalProcessor.Process``: one bidirectional stream per HTTP request."""
         stream = _Stream(self)
@@ -421,8 +665,23 @@ class EndpointPicker:
             async for request in requests:
                 async for response in stream.handle(request):
                     yield response
-                if stream.picked is not None and stream.picked.lease.released:
-                    return
+                if stream.end in (END_REFUSED, END_UNSUPPORTED) or (
+                    stream.picked is not None and stream.picked.lease.released
+                ):
+                    return  # answered for good (the response ended, or an immediate answer): nothing more to hear
         finally:
             self.streams -= 1
-            stream.finish()  # the gateway closed the stream before the response ended: free at once
+            stream.closed()  # the gateway closed the stream before the response ended: free at once
+            reason = stream.end or END_CLIENT_GONE
+            self._ends[reason].inc()
+            if log.isEnabledFor(logging.DEBUG):
+                picked = stream.picked
+                log.debug(
+                    "ext_proc stream ended: %s (request %s, endpoint %s, served %s, status %s, last message %s)",
+                    reason,
+                    picked.lease.request_id if picked is not None else None,
+                    stream.endpoint,
+                    stream.served,
+                    stream.status,
+                    stream.last_message,
+                )

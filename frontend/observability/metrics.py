@@ -223,6 +223,19 @@ class FrontendMetrics:
             ("model", "outcome"),
             registry=r,
         )
+        # the endpoint picker (--epp-port): how each ext_proc stream ended, the messages it exchanged
+        # (a streamed response body is one message per chunk), bookings moved to the engine that served
+        self.epp_streams = Counter(
+            "kvroute_epp_streams", "Endpoint-picker ext_proc streams, by how they ended", ("end",), registry=r
+        )
+        self.epp_messages = Counter(
+            "kvroute_epp_messages", "Endpoint-picker ext_proc messages received, by kind", ("kind",), registry=r
+        )
+        self.epp_moved = Counter(
+            "kvroute_epp_bookings_moved",
+            "Picked requests the gateway served on another endpoint of the list (booking moved there)",
+            registry=r,
+        )
         from frontend.observability.loop_lag import LAG_BUCKETS
 
         self.loop_lag = Histogram(
