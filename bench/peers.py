@@ -8,6 +8,9 @@ directory; ``KVROUTE_PEERS_BIN`` or ``--peers-bin`` names it), run with their de
 
 - the SGLang model gateway (``sglang-router``, ``smg launch``): ``cache_aware`` (a radix tree of request
   text per worker plus load-balance thresholds; no KV events) and ``power_of_two``;
+- the same gateway's current package (``smg`` 1.13, linked as ``smg-1.13``: the name ``smg`` is
+  sglang-router's in that directory): ``cache_aware`` and ``prefix_hash`` (a consistent-hash ring keyed
+  by the request's first tokens, walked on when a worker's load is over the average by a factor);
 - the vLLM router (``vllm-router``): ``kv_aware`` (fed by every engine's ZMQ KV events and replay,
   tokenizing each request with the model's tokenizer) and ``cache_aware`` (text tree, like SGLang's).
 
@@ -48,7 +51,8 @@ from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
 
 PEERS_BIN_ENV = "KVROUTE_PEERS_BIN"
 REQUIRE_ENV = "KVROUTE_REQUIRE_PEERS"  # set (CI): missing peers fail the test instead of skipping it
-PEER_PACKAGES = {"smg": "sglang-router", "vllm-router": "vllm-router"}
+# executable in the peers' bin directory -> the PyPI package it comes from
+PEER_PACKAGES = {"smg": "sglang-router", "vllm-router": "vllm-router", "smg-1.13": "smg"}
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32; the mockers use the same
 READY_TIMEOUT = 120.0
 # vllm-router's kv_aware has a real vLLM engine render (tokenize) each request (POST /v1/completions/render)
@@ -60,8 +64,9 @@ TOKENIZER_TIME = {"kvroute": ("dynamo_frontend_tokenizer_latency_ms_sum", 1.0),
                   "vllm-router": ("vllm_tokenizer_encode_duration_seconds_sum", 1000.0)}  # fmt: skip
 # The peers' counters of how they routed (prefix hits and misses, KV index lookups, load balancing)
 ROUTER_COUNTERS = {"vllm-router": ("vllm_router_kv_", "vllm_router_prefix_routing", "vllm_router_load_balancing"),
-                   "smg": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection")}  # fmt: skip
-Kind = Literal["kvroute", "smg", "vllm-router"]
+                   "smg": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection"),
+                   "smg-1.13": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection")}  # fmt: skip
+Kind = Literal["kvroute", "smg", "smg-1.13", "vllm-router"]  # kvroute, or a peer's executable
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +89,7 @@ class RouterSpec:
             return f"Envoy (ext_proc, bodies full duplex) + python -m frontend --router-mode {self.policy} --epp-port P"
         if self.kind == "kvroute":
             return " ".join(("python -m frontend --router-mode", self.policy, *self.extra))
-        return f"{'smg launch' if self.kind == 'smg' else 'vllm-router'} --policy {self.policy}"
+        return f"{self.kind}{' launch' if self.kind.startswith('smg') else ''} --policy {self.policy}"
 
 
 ROUTERS: dict[str, RouterSpec] = {
@@ -94,6 +99,8 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("kvroute-kv", "kvroute", "kv"),
         RouterSpec("sglang-cache_aware", "smg", "cache_aware"),
         RouterSpec("sglang-power_of_two", "smg", "power_of_two"),
+        RouterSpec("smg-cache_aware", "smg-1.13", "cache_aware"),
+        RouterSpec("smg-prefix_hash", "smg-1.13", "prefix_hash"),
         RouterSpec("vllm-kv_aware", "vllm-router", "kv_aware"),
         RouterSpec("vllm-cache_aware", "vllm-router", "cache_aware"),
         RouterSpec("round_robin", "kvroute", "round_robin"),
@@ -111,7 +118,8 @@ DEFAULT_ROUTERS = [label for label, spec in ROUTERS.items() if not spec.gateway 
 
 # -- the peers' environment ---------------------------------------------------------------------------
 def peers_bin(given: str | None = None) -> str | None:
-    """The bin directory holding ``smg`` and ``vllm-router``, or None when it is not configured."""
+    """The bin directory holding ``smg``, ``smg-1.13`` and ``vllm-router``, or None when it is not
+    configured."""
     path = given or os.environ.get(PEERS_BIN_ENV)
     if path and all(os.access(os.path.join(path, b), os.X_OK) for b in PEER_PACKAGES):
         return path
@@ -121,18 +129,21 @@ def peers_bin(given: str | None = None) -> str | None:
 def missing_reason() -> str:
     return (
         f"the peer routers are not configured: set {PEERS_BIN_ENV} to the bin directory of an environment "
-        "with sglang-router and vllm-router (bash .ci/peers-venv creates one and prints it)"
+        "with sglang-router and vllm-router, and smg 1.13 linked there as smg-1.13 (bash .ci/peers-venv creates "
+        "it and prints it)"
     )
 
 
 def peer_versions(bin_dir: str) -> dict[str, str]:
-    """The installed versions, from the peers' own environment."""
-    code = "import importlib.metadata as m, sys; print(' '.join(m.version(p) for p in sys.argv[1:]))"
-    names = list(PEER_PACKAGES.values())
-    out = subprocess.run(
-        [os.path.join(bin_dir, "python"), "-c", code, *names], capture_output=True, text=True, check=True, timeout=60
-    ).stdout.split()
-    return dict(zip(names, out, strict=True))
+    """The installed versions, each from the environment its executable lives in (``smg-1.13`` is a
+    link into an environment of its own)."""
+    code = "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))"
+    versions = {}
+    for program, package in PEER_PACKAGES.items():
+        python = os.path.join(os.path.dirname(os.path.realpath(os.path.join(bin_dir, program))), "python")
+        out = subprocess.run([python, "-c", code, package], capture_output=True, text=True, check=True, timeout=60)
+        versions[package] = out.stdout.strip()
+    return versions
 
 
 # -- starting one router ------------------------------------------------------------------------------
@@ -169,8 +180,8 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
         common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", spec.policy]
         common += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
         env: dict[str, str] = {}
-        if spec.kind == "smg":
-            program, args = os.path.join(bin_dir, "smg"), ["launch", *common]
+        if spec.kind in ("smg", "smg-1.13"):
+            program, args = os.path.join(bin_dir, spec.kind), ["launch", *common]
         else:
             program, args = os.path.join(bin_dir, "vllm-router"), common
             if spec.policy == "kv_aware":

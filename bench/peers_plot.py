@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display on servers / in tests
 import matplotlib.pyplot as plt  # noqa: E402
 
-KIND_COLOR = {"kvroute": "#2a9d8f", "smg": "#e76f51", "vllm-router": "#264653"}
+KIND_COLOR = {"kvroute": "#2a9d8f", "smg": "#e76f51", "smg-1.13": "#f4a261", "vllm-router": "#264653"}
 RECOMMENDED_COLOR = "#e9c46a"
 
 

@@ -54,7 +54,15 @@ def test_each_turn_repeats_the_session_so_far():
 def test_every_router_serves_every_request_and_reports_a_hit_rate(peers_bin: str, tmp_path):
     """Each peer (and kvroute) in front of two fresh mockers: all requests answered, the engines' counters
     read, the router's CPU measured."""
-    labels = ["sglang-cache_aware", "sglang-power_of_two", "vllm-kv_aware", "vllm-cache_aware", "kvroute-latency"]
+    labels = [
+        "sglang-cache_aware",
+        "sglang-power_of_two",
+        "smg-cache_aware",
+        "smg-prefix_hash",
+        "vllm-kv_aware",
+        "vllm-cache_aware",
+        "kvroute-latency",
+    ]
     args = peers.parser().parse_args(["--workers", "2", "--out-dir", str(tmp_path), "--speedup-ratio", "0"])
     args.bin_dir = peers_bin
     trace = session_trace(TINY)
@@ -71,6 +79,14 @@ def test_every_router_serves_every_request_and_reports_a_hit_rate(peers_bin: str
         assert row["router_cpu_s"] is not None and row["router_cpu_s"] >= 0, row["router"]
     table = peers.table({"oracle": {"token_share": 0.5}, "routers": rows})
     assert all(label in table for label in labels)
+
+
+def test_the_peers_report_their_versions(peers_bin: str):
+    """Both SGLang gateway packages (they share the executable name smg) are there, each reporting its own
+    version from its own environment."""
+    versions = peers.peer_versions(peers_bin)
+    assert versions == {"sglang-router": "0.3.2", "vllm-router": "0.1.17", "smg": "1.13.0"}
+    assert peers.ROUTERS["smg-prefix_hash"].describe() == "smg-1.13 launch --policy prefix_hash"
 
 
 def test_a_load_factor_packs_the_same_sessions_closer():
