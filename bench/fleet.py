@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -40,7 +42,18 @@ from dataclasses import dataclass, replace
 import httpx
 import numpy as np
 
-from bench.peers import BLOCK_SIZE, READY_TIMEOUT, ROUTERS, RouterSpec, Testbed, failed, peer_versions, run_router
+from bench.peers import (
+    BLOCK_SIZE,
+    READY_TIMEOUT,
+    ROUTERS,
+    RouterSpec,
+    Testbed,
+    failed,
+    missing_reason,
+    peer_versions,
+    peers_bin,
+    run_router,
+)
 from bench.replay import RunOptions, fmt, load_avg
 from bench.sessions import WORKLOADS, Words, session_trace
 from bench.traces import (
@@ -59,7 +72,7 @@ from mocker.gpu_profile import GpuProfile
 PROFILE = "h200-qwen2.5-32b"
 ENGINES = 8
 SLOWDOWN = 4.0
-QUICK_SLOWDOWN = 3.0
+QUICK_SLOWDOWN = 2.0
 SLO_MS = 2000.0  # TTFT p90 under this (simulated ms) counts toward goodput
 MAX_OUTPUT_TOKENS = 64  # generated tokens per request at most (the client and router stream every one of them)
 MAX_MODEL_LEN = 65536
@@ -156,20 +169,20 @@ class FleetWorkload:
 
 
 def _shared_prefix(rate: float, seed: int, quick: bool) -> Trace:
-    sp = SharedPrefix(groups=24, duration_s=4.0) if quick else SharedPrefix()
+    sp = SharedPrefix(groups=24, duration_s=3.0) if quick else SharedPrefix()
     return sp.trace(rate, seed)
 
 
 def _conversation(rate: float, seed: int, quick: bool) -> Trace:
     path = find_trace("conversation")
     assert path is not None
-    return mooncake_text_trace(path, "conversation", 4.0 if quick else 20.0, rate, seed, 32768)
+    return mooncake_text_trace(path, "conversation", 8.0 if quick else 30.0, rate, seed, 32768)
 
 
 def _toolagent(rate: float, seed: int, quick: bool) -> Trace:
     path = find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR)
     assert path is not None
-    return mooncake_text_trace(path, "toolagent", 4.0 if quick else 20.0, rate, seed, 32768)
+    return mooncake_text_trace(path, "toolagent", 8.0 if quick else 30.0, rate, seed, 32768)
 
 
 def _agentic(rate: float, seed: int, quick: bool) -> Trace:
@@ -182,9 +195,9 @@ WORKLOADS_FLEET: dict[str, FleetWorkload] = {
     w.name: w
     for w in (
         FleetWorkload("shared-prefix", (6.0, 12.0, 24.0), (12.0,), "QPS", _shared_prefix),
-        FleetWorkload("conversation", (1.0, 3.0), (3.0,), "x trace rate", _conversation),
+        FleetWorkload("conversation", (1.0, 2.0), (1.0,), "x trace rate", _conversation),
         FleetWorkload(
-            "toolagent", (1.0, 3.0), (3.0,), "x trace rate", _toolagent,
+            "toolagent", (1.0, 2.0), (1.0,), "x trace rate", _toolagent,
             lambda: None if find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR) else
             "bench/data/toolagent_trace.jsonl is not vendored (this machine could not retrieve it)",
         ),
@@ -359,11 +372,23 @@ def markdown(report: dict) -> str:
 
 def run_fleet(args: argparse.Namespace, command: str) -> int:
     """``bench peers --testbed fleet``: every asked workload through every router, one engine fleet."""
+    args.workers = args.workers or ENGINES
+    args.slowdown = args.slowdown or (QUICK_SLOWDOWN if args.quick else SLOWDOWN)
+    args.runs = args.runs or (1 if args.quick else 3)
+    args.slo_ms = args.slo_ms or SLO_MS
+    args.max_concurrency = max(args.max_concurrency, 512)  # open loop: the schedule's rate decides
+    if args.runs < 1 or args.slowdown <= 0:
+        raise SystemExit("--runs must be >= 1 and --slowdown > 0")
+    args.bin_dir = peers_bin(args.bin_dir)
+    own = ("kvroute", "dynamo-select")  # what runs without the peers' environment
     labels = [r.strip() for r in (args.routers or ",".join(FLEET_ROUTERS)).split(",") if r.strip()]
     unknown = [r for r in labels if r not in ROUTERS]
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
     specs = [ROUTERS[r] for r in labels]
+    if args.bin_dir is None and any(spec.kind not in own for spec in specs):
+        raise SystemExit(missing_reason())
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: engines stop
     names = list(WORKLOADS_FLEET) if args.workload == "all" else [w.strip() for w in args.workload.split(",")]
     bad = [n for n in names if n not in WORKLOADS_FLEET]
     if bad:
