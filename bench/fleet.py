@@ -71,7 +71,7 @@ from mocker.gpu_profile import GpuProfile
 
 PROFILE = "h200-qwen2.5-32b"
 ENGINES = 8
-SLOWDOWN = 4.0
+SLOWDOWN = 2.0  # the eight engines, a router and the client fit 2 busy cores at this factor (the --quick run)
 QUICK_SLOWDOWN = 2.0
 SLO_MS = 2000.0  # TTFT p90 under this (simulated ms) counts toward goodput
 MAX_OUTPUT_TOKENS = 64  # generated tokens per request at most (the client and router stream every one of them)
@@ -91,7 +91,7 @@ class SharedPrefix:
     system_tokens: int = 6000
     question_tokens: int = 1200
     output_tokens: int = 1000
-    duration_s: float = 20.0  # simulated seconds of arrivals per run
+    duration_s: float = 10.0  # simulated seconds of arrivals per run
 
     def describe(self, rate: float) -> str:
         return (
@@ -176,13 +176,13 @@ def _shared_prefix(rate: float, seed: int, quick: bool) -> Trace:
 def _conversation(rate: float, seed: int, quick: bool) -> Trace:
     path = find_trace("conversation")
     assert path is not None
-    return mooncake_text_trace(path, "conversation", 8.0 if quick else 30.0, rate, seed, 32768)
+    return mooncake_text_trace(path, "conversation", 8.0 if quick else 20.0, rate, seed, 32768)
 
 
 def _toolagent(rate: float, seed: int, quick: bool) -> Trace:
     path = find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR)
     assert path is not None
-    return mooncake_text_trace(path, "toolagent", 8.0 if quick else 30.0, rate, seed, 32768)
+    return mooncake_text_trace(path, "toolagent", 8.0 if quick else 20.0, rate, seed, 32768)
 
 
 def _agentic(rate: float, seed: int, quick: bool) -> Trace:
@@ -194,7 +194,7 @@ def _agentic(rate: float, seed: int, quick: bool) -> Trace:
 WORKLOADS_FLEET: dict[str, FleetWorkload] = {
     w.name: w
     for w in (
-        FleetWorkload("shared-prefix", (6.0, 12.0, 24.0), (12.0,), "QPS", _shared_prefix),
+        FleetWorkload("shared-prefix", (8.0, 16.0), (12.0,), "QPS", _shared_prefix),
         FleetWorkload("conversation", (1.0, 2.0), (1.0,), "x trace rate", _conversation),
         FleetWorkload(
             "toolagent", (1.0, 2.0), (1.0,), "x trace rate", _toolagent,

@@ -556,7 +556,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="engines (default 4; 8 on the fleet)")
     p.add_argument("--runs", type=int, default=None, help="fleet: runs per cell, median and spread (3; quick 1)")
     p.add_argument("--slowdown", type=float, default=None,
-                   help="fleet: engines this many times slower than the H200 (default 4, 2 quick; times are "
+                   help="fleet: engines this many times slower than the H200 (default 2; times are "
                    "reported divided by it)")  # fmt: skip
     p.add_argument(
         "--slo-ms",
