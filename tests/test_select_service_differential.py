@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not reference_installed(), reason="reference dyn
 
 BS = 16
 WORKERS = 3
-REQUESTS = int(os.environ.get("SELECT_DIFF_REQUESTS", "40"))
+REQUESTS = int(os.environ.get("SELECT_DIFF_REQUESTS", "100"))
 MODEL = "kvroute-demo"  # the mocker's served name
 # a prefill step of the mocker lasts ~20 ms / this ratio: longer than the test, so no first token arrives
 SLOW = "0.00001"
