@@ -24,6 +24,7 @@ bench/real_engines.py's.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import shutil
@@ -66,7 +67,8 @@ TOKENIZER_TIME = {"kvroute": ("dynamo_frontend_tokenizer_latency_ms_sum", 1.0),
 ROUTER_COUNTERS = {"vllm-router": ("vllm_router_kv_", "vllm_router_prefix_routing", "vllm_router_load_balancing"),
                    "smg": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection"),
                    "smg-1.13": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection")}  # fmt: skip
-Kind = Literal["kvroute", "smg", "smg-1.13", "vllm-router"]  # kvroute, or a peer's executable
+# kvroute, a peer's executable, or Dynamo's selector behind the harness's thin gateway (bench/dynamo_gateway.py)
+Kind = Literal["kvroute", "smg", "smg-1.13", "vllm-router", "dynamo-select"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,8 @@ class RouterSpec:
             return f"Envoy (ext_proc, bodies full duplex) + python -m frontend --router-mode {self.policy} --epp-port P"
         if self.kind == "kvroute":
             return " ".join(("python -m frontend --router-mode", self.policy, *self.extra))
+        if self.kind == "dynamo-select":
+            return "python -m bench.dynamo_gateway (python -m dynamo.select_service 1.6.1, temperature 0)"
         return f"{self.kind}{' launch' if self.kind.startswith('smg') else ''} --policy {self.policy}"
 
 
@@ -104,6 +108,7 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("smg-prefix_hash", "smg-1.13", "prefix_hash"),
         RouterSpec("vllm-kv_aware", "vllm-router", "kv_aware"),
         RouterSpec("vllm-cache_aware", "vllm-router", "cache_aware"),
+        RouterSpec("dynamo-select", "dynamo-select", "kv"),
         RouterSpec("round_robin", "kvroute", "round_robin"),
         RouterSpec("kvroute-latency-gateway", "kvroute", "latency", gateway=True),
         # latency mode without its cache terms (what they bring, measured)
@@ -114,7 +119,9 @@ ROUTERS: dict[str, RouterSpec] = {
     )
 }
 # the rows of a plain run: the gateway and the variant rows are asked for by name
-DEFAULT_ROUTERS = [label for label, spec in ROUTERS.items() if not spec.gateway and not spec.extra]
+DEFAULT_ROUTERS = [
+    label for label, spec in ROUTERS.items() if not spec.gateway and not spec.extra and spec.kind != "dynamo-select"
+]
 
 
 # -- the peers' environment ---------------------------------------------------------------------------
@@ -171,6 +178,16 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
         if epp is not None:  # requests go through Envoy, which asks the frontend where each one goes
             metrics_url = f"{url}/metrics"
             url = cluster.start_gateway(epp, READY_TIMEOUT, **dict(spec.gateway_options))
+    elif spec.kind == "dynamo-select":
+        port = cluster.port()
+        url = f"http://127.0.0.1:{port}"
+        args = ["-m", "bench.dynamo_gateway", "--port", str(port), "--block-size", str(bed.block_size)]
+        for w in cluster.workers:
+            if not w.kv_events_endpoint:
+                raise RuntimeError(f"worker {w.url} publishes no KV events: the selector needs them")
+            spec_ = f"id={w.worker_id},url={w.url},kv_events_endpoint={w.kv_events_endpoint}"
+            args += ["--worker", spec_ + (f",replay_endpoint={w.replay_endpoint}" if w.replay_endpoint else "")]
+        cluster.start_router(spec.label, sys.executable, args, url)
     else:
         if bin_dir is None:
             raise RuntimeError(missing_reason())
@@ -526,14 +543,28 @@ def summary_markdown(reports: Sequence[dict]) -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    p.add_argument("--testbed", choices=("mocker", "vllm"), default="mocker")
+    p.add_argument("--testbed", choices=("mocker", "vllm", "fleet"), default="mocker",
+                   help="fleet: 8 engines timed as H200s serving Qwen2.5-32B, the published workloads, every "
+                   "cell the median of --runs runs (bench/fleet.py)")  # fmt: skip
     p.add_argument("--workload", default="all", help=f"comma-separated, from {', '.join(WORKLOADS)}, or all")
     p.add_argument("--loads", default="1,2",
                    help="load factors, comma-separated: x = the sessions' starts and think times divided by x, "
                         "and x times --max-concurrency in flight")  # fmt: skip
-    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help=f"comma-separated, from {', '.join(ROUTERS)}")
+    p.add_argument("--routers", default=None,
+                   help=f"comma-separated, from {', '.join(ROUTERS)} (default: {', '.join(DEFAULT_ROUTERS)}; on the "
+                   "fleet every peer and round robin)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a short run: a third of the sessions, at most 3 turns")
-    p.add_argument("--workers", type=int, default=4, help="engines")
+    p.add_argument("--workers", type=int, default=None, help="engines (default 4; 8 on the fleet)")
+    p.add_argument("--runs", type=int, default=None, help="fleet: runs per cell, median and spread (3; quick 1)")
+    p.add_argument("--slowdown", type=float, default=None,
+                   help="fleet: engines this many times slower than the H200 (default 2; times are "
+                   "reported divided by it)")  # fmt: skip
+    p.add_argument(
+        "--slo-ms",
+        type=float,
+        default=None,
+        help="fleet: goodput counts rates whose TTFT p90 stays under this, simulated ms (default 2000)",
+    )
     p.add_argument("--num-gpu-blocks", type=int, default=0, help="KV blocks per engine (0 = from --cache-fraction)")
     p.add_argument("--cache-fraction", type=float, default=0.5,
                    help="all engines' caches together hold this share of the schedule's distinct blocks")  # fmt: skip
@@ -623,7 +654,11 @@ def run_cell(workload: Workload, load: float, specs: Sequence[RouterSpec], args:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    labels = [r.strip() for r in args.routers.split(",") if r.strip()]
+    command = "python -m bench peers " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.testbed == "fleet":  # bench/fleet.py builds on this module: handed over by name, as bench/__main__ does
+        return int(importlib.import_module("bench.fleet").run_fleet(args, command))
+    args.workers = args.workers or 4
+    labels = [r.strip() for r in (args.routers or ",".join(DEFAULT_ROUTERS)).split(",") if r.strip()]
     unknown = [r for r in labels if r not in ROUTERS]
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
@@ -637,10 +672,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
     workloads, loads = workloads_of(args.workload), loads_of(args.loads)
     args.bin_dir = peers_bin(args.bin_dir)
-    if args.bin_dir is None and any(s.kind != "kvroute" for s in specs):
+    if args.bin_dir is None and any(s.kind not in ("kvroute", "dynamo-select") for s in specs):
         raise SystemExit(missing_reason())
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: engines stop
-    command = "python -m bench peers " + " ".join(argv if argv is not None else sys.argv[1:])
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.perf_counter()
     reports: list[dict] = []

@@ -119,7 +119,7 @@ class Mocker:
         vocab = word_token_ids(tok)
         self.token_seed = cfg.seed if cfg.seed is not None else 0
         ext_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().getrandbits(64)
-        perf = PerfModel(cfg.speedup_ratio)
+        perf = PerfModel(cfg.speedup_ratio, cfg.load_profile())
         self.schedulers: list[RankScheduler] = []
         for rank in range(cfg.data_parallel_size):
             kv = KvCache(

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from kvroute_common.tokenizer import DEFAULT_MODEL_NAME
+from mocker.gpu_profile import GpuProfile, shipped
 
 ROLES = ("prefill", "decode", "both")
 # which engine's discovery surface the mocker shows (its scheduler stays vLLM-like either way)
@@ -29,6 +30,7 @@ class MockerConfig:
     replay_buffer_steps: int = 10_000
     kv_events: bool = True
     speedup_ratio: float = 1.0
+    perf_profile: str | None = None  # a GPU profile (shipped name or JSON file): step times from its tables
     seed: int | None = None
     log_level: str = "warning"
     timeout_keep_alive: int = 5
@@ -41,6 +43,10 @@ class MockerConfig:
     enable_lora: bool = False
     chat_template: str | None = None  # a template file or the template itself, instead of the tokenizer's
     enable_scale_out: bool = False  # vLLM's render routes: /v1/{chat/completions,completions,messages}/render
+
+    def load_profile(self) -> GpuProfile | None:
+        """The GPU profile named by --perf-profile (ValueError naming the problem), or None."""
+        return None if self.perf_profile is None else GpuProfile.load(self.perf_profile)
 
     def adapters(self) -> dict[str, str]:
         """Adapter name -> path, in the order given (vLLM numbers them 1, 2, ... as lora_id)."""
@@ -62,6 +68,8 @@ class MockerConfig:
             raise ValueError("--num-gpu-blocks must be >= 2 (block 0 is the null block, as in vLLM)")
         if self.stall_after_tokens is not None and self.stall_after_tokens < 0:
             raise ValueError("--stall-after-tokens must be >= 0")
+        if self.perf_profile is not None:
+            self.load_profile()
         if self.speedup_ratio < 0:
             raise ValueError("--speedup-ratio must be >= 0 (0 = no simulated delay)")
         if self.role not in ROLES:
@@ -95,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument(
-        "--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=d.num_gpu_blocks
+        "--num-gpu-blocks",
+        "--num-gpu-blocks-override",
+        dest="num_gpu_blocks",
+        type=int,
+        default=None,
+        help=f"KV blocks (default: what --perf-profile's GPU holds beside the weights, else {d.num_gpu_blocks})",
     )
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -123,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.speedup_ratio,
         help="divide simulated step times by this (0 = no delay)",
+    )
+    p.add_argument(
+        "--perf-profile",
+        default=None,
+        metavar="PROFILE",
+        help="time steps from a GPU's measured tables instead of the default polynomial: a JSON file or a "
+        f"shipped profile ({', '.join(shipped())}); every prefill chunk by its new and cached tokens, decodes by "
+        "batch and context",
     )
     p.add_argument(
         "--seed", type=int, default=None, help="fixes generated tokens' randomness and the external block hashes"
@@ -191,10 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> MockerConfig:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    cfg = MockerConfig(**{k: v for k, v in vars(ns).items()})
+    cfg = MockerConfig(**{k: v for k, v in vars(ns).items() if v is not None or k != "num_gpu_blocks"})
     if cfg.replay_endpoint == "":
         cfg.replay_endpoint = None
     try:
+        profile = cfg.load_profile()
+        if ns.num_gpu_blocks is None and profile is not None:  # block 0 is the null block, as in vLLM
+            cfg.num_gpu_blocks = profile.kv_capacity_tokens() // cfg.block_size + 1
         cfg.validate()
     except ValueError as exc:
         parser.error(str(exc))

@@ -323,15 +323,19 @@ class RankScheduler:
 
         step.items = [(s, n) for s, n in step.items if id(s) in scheduled and s.status == RUNNING]
         kv_tokens = 0
+        prefills: list[tuple[int, int]] = []  # (new, cached) per prefill chunk
+        decode_contexts: list[int] = []
         for seq, n in step.items:
             if seq.num_computed + n <= seq.prompt_len or n > 1:
                 step.prefill_tokens += n
+                prefills.append((n, seq.num_computed))
             else:
                 step.num_decodes += 1
+                decode_contexts.append(seq.num_computed + n)
             kv_tokens += n
         for seq in self.running:
             kv_tokens += seq.num_computed
-        step.seconds = self.perf.step_seconds(step.prefill_tokens, step.num_decodes, kv_tokens / self.capacity_tokens())
+        step.seconds = self.perf.step_time(prefills, decode_contexts, kv_tokens / self.capacity_tokens())
         return step
 
     def _admit(self, seq: Sequence, budget: int, step: Step, scheduled: dict[int, int]) -> bool | None:

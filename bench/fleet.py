@@ -1,0 +1,430 @@
+"""The fleet testbed of ``bench peers`` (``--testbed fleet``): eight engines timed as H200s serving Qwen2.5-32B.
+
+Eight mockers with ``--perf-profile h200-qwen2.5-32b`` (every prefill chunk by its new and cached tokens,
+decodes by batch and context, measured on an H200) and KV caches as large as an H200 holds beside the
+32B weights, slowed by ``--slowdown`` so the engines, the router and the client fit this 2-core machine:
+every engine step takes ``slowdown`` times its H200 time, the client sends at ``1 / slowdown`` of the
+workload's rate, and every time reported is divided by ``slowdown`` (the engines' simulated ms). The
+router's own latency is divided by the same factor (it runs at real speed inside a slowed world, so the
+TTFTs understate its share by ``slowdown``); its CPU per request is reported in real ms, unscaled.
+
+Workloads (arrival times and rates in simulated seconds):
+
+- ``shared-prefix``: llm-d's scenario for precise prefix-cache routing (its blog "KV-Cache Wins You Can
+  See", 2025-09-24): 150 groups of 5 users, each group behind a 6,000-token system prompt, each user a
+  1,200-token question, 1,000 output tokens, Poisson arrivals, the rate swept (llm-d: 3-60 QPS on 8 vLLM
+  pods of 2 H100s with Qwen-32B, 307,328 KV tokens each; precise scheduling 8,730 output tokens/s against
+  4,428.7 for random, TTFT p90 0.542 s against 92.6 s);
+- ``conversation``: the Mooncake FAST'25 conversation trace (bench/data), its timing and 512-token block
+  structure (each block id becomes fixed text), a window of it, the rate scaled;
+- ``toolagent``: Mooncake's tool-agent trace, when ``bench/data/toolagent_trace.jsonl[.gz]`` is present;
+- ``agentic``: kvroute's agentic sessions (bench/sessions.py) on seeds latency mode was not tuned on.
+
+Method: each (workload, rate, router) cell is the median of ``--runs`` runs with the spread (min-max),
+the routers' order rotated per run; TTFT p50 / p90 / p99; goodput = the highest swept rate at which the
+median TTFT p90 stays under ``--slo-ms``; the engines' prefix-cache hit rate (their counters); the
+router's CPU ms per request (its process tree). Engines are started once and their prefix caches reset
+(and idle) before every run; every router starts fresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import httpx
+import numpy as np
+
+from bench.peers import (
+    BLOCK_SIZE,
+    READY_TIMEOUT,
+    ROUTERS,
+    RouterSpec,
+    Testbed,
+    failed,
+    missing_reason,
+    peer_versions,
+    peers_bin,
+    run_router,
+)
+from bench.replay import RunOptions, fmt, load_avg
+from bench.sessions import WORKLOADS, Words, session_trace
+from bench.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    VENDORED_TRACES_DIR,
+    Trace,
+    TraceRequest,
+    find_trace,
+    oracle,
+    read_mooncake,
+)
+from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
+from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR, completion_prompt_token_ids, load_tokenizer
+from mocker.gpu_profile import GpuProfile
+
+PROFILE = "h200-qwen2.5-32b"
+ENGINES = 8
+SLOWDOWN = 2.0  # the eight engines, a router and the client fit 2 busy cores at this factor (the --quick run)
+QUICK_SLOWDOWN = 2.0
+SLO_MS = 2000.0  # TTFT p90 under this (simulated ms) counts toward goodput
+MAX_OUTPUT_TOKENS = 64  # generated tokens per request at most (the client and router stream every one of them)
+MAX_MODEL_LEN = 65536
+FLEET_ROUTERS = ["kvroute-latency", "kvroute-kv", "smg-cache_aware", "smg-prefix_hash", "vllm-kv_aware",
+                 "dynamo-select", "round_robin"]  # fmt: skip
+AGENTIC_SEED = 101  # + --seed: latency mode's weights were tuned on seed 0
+
+
+# -- workloads ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """llm-d's shared-prefix scenario: groups of users behind one long system prompt each."""
+
+    groups: int = 150
+    users_per_group: int = 5
+    system_tokens: int = 6000
+    question_tokens: int = 1200
+    output_tokens: int = 1000
+    duration_s: float = 10.0  # simulated seconds of arrivals per run
+
+    def describe(self, rate: float) -> str:
+        return (
+            f"{self.groups} groups x {self.users_per_group} users, {self.system_tokens}-token system prompt per "
+            f"group, {self.question_tokens}-token question per user, {self.output_tokens} output tokens (capped at "
+            f"{MAX_OUTPUT_TOKENS}); Poisson arrivals at {rate:g} QPS for {self.duration_s:g} s (simulated)"
+        )
+
+    def trace(self, rate: float, seed: int) -> Trace:
+        tok = load_tokenizer(None)
+        words = Words(tok, seed)
+        rng = np.random.default_rng([seed, 112])
+        systems = [words.about(rng, self.system_tokens) for _ in range(self.groups)]
+        prompts = [
+            f"{systems[g]}\n\nUser: {words.about(rng, self.question_tokens)}\n\nAssistant:"
+            for g in range(self.groups)
+            for _ in range(self.users_per_group)
+        ]
+        token_cache: dict[int, list[int]] = {}
+        requests: list[TraceRequest] = []
+        t = float(rng.exponential(1.0 / rate))
+        while t < self.duration_s:
+            k = int(rng.integers(len(prompts)))
+            if k not in token_cache:
+                token_cache[k] = completion_prompt_token_ids(tok, prompts[k])
+            out = min(MAX_OUTPUT_TOKENS, self.output_tokens)
+            requests.append(TraceRequest(len(requests), round(t, 6), token_cache[k], out, text=prompts[k]))
+            t += float(rng.exponential(1.0 / rate))
+        return Trace("shared-prefix", requests, {"kind": "shared-prefix", "description": self.describe(rate)})
+
+
+def mooncake_text_trace(path: str, name: str, window_s: float, rate: float, seed: int, max_tokens: int) -> Trace:
+    """A window of a Mooncake trace as text prompts: each 512-token block id becomes a fixed stretch of
+    about 512 tokens of text (equal ids -> equal text, so the trace's prefix reuse survives in text and
+    in tokens); arrivals ``rate`` times as dense; prompts cut to ``max_tokens`` whole blocks."""
+    tok = load_tokenizer(None)
+    words = Words(tok, seed)
+    blocks: dict[int, str] = {}
+
+    def block_text(hid: int) -> str:
+        if hid not in blocks:
+            blocks[hid] = words.about(np.random.default_rng([seed, hid, 512]), MOONCAKE_BLOCK_TOKENS) + " "
+        return blocks[hid]
+
+    rows = read_mooncake(path)
+    t0 = rows[0]["timestamp"] if rows else 0.0
+    requests: list[TraceRequest] = []
+    for row in rows:
+        at = (row["timestamp"] - t0) / 1000.0
+        if at >= window_s:
+            break
+        ids = row["hash_ids"][: max(1, max_tokens // MOONCAKE_BLOCK_TOKENS)]
+        text = "".join(block_text(h) for h in ids)
+        out = min(MAX_OUTPUT_TOKENS, max(1, row["output_length"]))
+        requests.append(
+            TraceRequest(len(requests), round(at / rate, 6), completion_prompt_token_ids(tok, text), out, text=text)
+        )
+    desc = (
+        f"Mooncake {name} trace, its first {window_s:g} s at {rate:g}x its rate, each 512-token block id -> fixed "
+        f"text, prompts cut to {max_tokens} tokens of blocks, output tokens capped at {MAX_OUTPUT_TOKENS}"
+    )
+    return Trace(name, requests, {"kind": "mooncake-text", "description": desc})
+
+
+@dataclass(frozen=True, slots=True)
+class FleetWorkload:
+    """A workload of the fleet: its rates (what the sweep varies) and how to build a run's schedule."""
+
+    name: str
+    rates: tuple[float, ...]
+    quick_rates: tuple[float, ...]
+    rate_unit: str
+    build: Callable[[float, int, bool], Trace]  # (rate, seed, quick) -> schedule in simulated seconds
+    available: Callable[[], str | None] = lambda: None  # a reason it cannot run, or None
+
+
+def _shared_prefix(rate: float, seed: int, quick: bool) -> Trace:
+    sp = SharedPrefix(groups=24, duration_s=3.0) if quick else SharedPrefix()
+    return sp.trace(rate, seed)
+
+
+def _conversation(rate: float, seed: int, quick: bool) -> Trace:
+    path = find_trace("conversation")
+    assert path is not None
+    return mooncake_text_trace(path, "conversation", 8.0 if quick else 20.0, rate, seed, 32768)
+
+
+def _toolagent(rate: float, seed: int, quick: bool) -> Trace:
+    path = find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR)
+    assert path is not None
+    return mooncake_text_trace(path, "toolagent", 8.0 if quick else 20.0, rate, seed, 32768)
+
+
+def _agentic(rate: float, seed: int, quick: bool) -> Trace:
+    w = WORKLOADS["agentic"]
+    w = (w.quick() if quick else w).at_load(rate)
+    return session_trace(w, AGENTIC_SEED + seed)
+
+
+WORKLOADS_FLEET: dict[str, FleetWorkload] = {
+    w.name: w
+    for w in (
+        FleetWorkload("shared-prefix", (8.0, 16.0), (12.0,), "QPS", _shared_prefix),
+        FleetWorkload("conversation", (1.0, 2.0), (1.0,), "x trace rate", _conversation),
+        FleetWorkload(
+            "toolagent", (1.0, 2.0), (1.0,), "x trace rate", _toolagent,
+            lambda: None if find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR) else
+            "bench/data/toolagent_trace.jsonl is not vendored (this machine could not retrieve it)",
+        ),
+        FleetWorkload("agentic", (1.0, 3.0), (3.0,), "x session load", _agentic),
+    )
+}  # fmt: skip
+
+
+# -- the engines --------------------------------------------------------------------------------------
+def engine_blocks(block_size: int = BLOCK_SIZE) -> int:
+    """KV blocks per engine: what an H200 holds beside the 32B weights (the profile's figure)."""
+    return GpuProfile.load(PROFILE).kv_capacity_tokens() // block_size + 1
+
+
+def start_engines(args: argparse.Namespace, log_dir: str) -> Cluster:
+    opts = MockerOptions(
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=engine_blocks(),
+        speedup_ratio=1.0 / args.slowdown,
+        seed=args.seed,
+        extra_args=["--perf-profile", PROFILE, "--max-model-len", str(MAX_MODEL_LEN)],
+    )
+    engines = Cluster(log_dir=log_dir)
+    for _ in range(args.workers):
+        engines.start_mocker(opts)
+    engines.wait_workers_ready(READY_TIMEOUT)
+    return engines
+
+
+def reset_engines(engines: Cluster, timeout: float = 120.0) -> None:
+    """Until every engine is idle and its prefix cache empty (a run's cancelled tail ends first)."""
+    deadline = time.monotonic() + timeout
+    for w in engines.workers:
+        while True:
+            engines.check_alive()
+            r = httpx.post(f"{w.url}/reset_prefix_cache", timeout=10.0)
+            if r.status_code == 200:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{w.url}: prefix cache not reset: {r.status_code} {r.text[:200]}")
+            time.sleep(0.25)
+
+
+def scaled(trace: Trace, factor: float) -> Trace:
+    """The schedule in real seconds: simulated arrivals times ``factor``."""
+    reqs = [replace(r, arrival_s=round(r.arrival_s * factor, 6)) for r in trace.requests]
+    return Trace(trace.name, reqs, trace.scaling)
+
+
+# -- one run, one cell ----------------------------------------------------------------------------------
+def run_once(trace: Trace, spec: RouterSpec, engines: Cluster, args: argparse.Namespace, tag: str) -> dict:
+    """One router in front of the (reset) engines for one schedule; times in simulated ms."""
+    reset_engines(engines)
+    router = Cluster(log_dir=os.path.join(args.out_dir, "logs", tag))
+    router.workers = list(engines.workers)
+    bed = Testbed(DEFAULT_MODEL, BUILTIN_TOKENIZER_DIR, None)
+    opts = RunOptions(workers=args.workers, max_concurrency=args.max_concurrency, max_duration_s=args.max_duration,
+                      request_timeout_s=args.request_timeout, model=DEFAULT_MODEL)  # fmt: skip
+    try:
+        row = run_router(scaled(trace, args.slowdown), spec, router, bed, opts, args.bin_dir, engines.check_alive)
+    except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
+        row = failed(trace, spec, exc)
+    finally:
+        router.workers = []  # the engines are not this cluster's to stop
+        router.stop()
+    for key in ("ttft_ms", "e2e_ms"):
+        if isinstance(row.get(key), dict):
+            row[key] = {p: (None if v is None else v / args.slowdown) for p, v in row[key].items()}
+    return row
+
+
+def median_spread(values: Sequence[float | None]) -> tuple[float | None, float | None, float | None]:
+    got = [v for v in values if v is not None]
+    if not got:
+        return None, None, None
+    return statistics.median(got), min(got), max(got)
+
+
+def summarize_cell(label: str, runs: Sequence[dict]) -> dict:
+    """A router's cell: medians over its runs with their spread."""
+
+    def pick(get: Callable[[dict], float | None]) -> dict:
+        med, lo, hi = median_spread([get(r) for r in runs])
+        return {"median": med, "min": lo, "max": hi}
+
+    return {
+        "router": label,
+        "kind": runs[0].get("kind"),
+        "runs": len(runs),
+        "errors": sum(r["requests"] - r["completed"] for r in runs),
+        "ttft_p50": pick(lambda r: r["ttft_ms"]["p50"]),
+        "ttft_p90": pick(lambda r: r["ttft_ms"]["p90"]),
+        "ttft_p99": pick(lambda r: r["ttft_ms"]["p99"]),
+        "hit_rate": pick(lambda r: r.get("hit_rate")),
+        "router_cpu_ms_per_request": pick(lambda r: r.get("router_cpu_ms_per_request")),
+    }
+
+
+def run_workload(w: FleetWorkload, specs: Sequence[RouterSpec], engines: Cluster, args: argparse.Namespace) -> dict:
+    rates = w.quick_rates if args.quick else w.rates
+    cells = []
+    for rate in rates:
+        trace = w.build(rate, args.seed, args.quick)
+        orc = oracle([r.tokens for r in trace.requests], BLOCK_SIZE)
+        print(f"== {w.name} at {rate:g} {w.rate_unit}: {trace.summary()} ({load_avg()})", flush=True)
+        runs: dict[str, list[dict]] = {s.label: [] for s in specs}
+        for k in range(args.runs):
+            order = list(specs[k % len(specs) :]) + list(specs[: k % len(specs)])  # rotated per run
+            for spec in order:
+                tag = f"{w.name}-{rate:g}-{spec.label}-run{k + 1}"
+                row = run_once(trace, spec, engines, args, tag)
+                runs[spec.label].append(row)
+                errors = row["requests"] - row["completed"]
+                p90, hit = fmt(row["ttft_ms"]["p90"]), fmt(row.get("hit_rate"), "%")
+                print(f"   run {k + 1} {spec.label}: TTFT p90 {p90} ms (sim), hit {hit}, errors {errors}", flush=True)
+        cells.append({
+            "rate": rate,
+            "trace": trace.summary(),
+            "description": trace.scaling.get("description", ""),
+            "oracle": orc.as_dict(),
+            "routers": [summarize_cell(label, rows) for label, rows in runs.items()],
+        })  # fmt: skip
+    return {"workload": w.name, "rate_unit": w.rate_unit, "cells": cells, "goodput": goodput(cells, args.slo_ms)}
+
+
+def goodput(cells: Sequence[dict], slo_ms: float) -> dict[str, float | None]:
+    """Per router: the highest rate whose median TTFT p90 is under the SLO (None: not even the lowest)."""
+    out: dict[str, float | None] = {}
+    for cell in sorted(cells, key=lambda c: c["rate"]):
+        for r in cell["routers"]:
+            p90 = r["ttft_p90"]["median"]
+            out.setdefault(r["router"], None)
+            if p90 is not None and p90 <= slo_ms and not r["errors"]:
+                out[r["router"]] = cell["rate"]
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------------
+def _ms(d: dict) -> str:
+    return f"{fmt(d['median'])} ({fmt(d['min'])}-{fmt(d['max'])})" if d["median"] is not None else "n/a"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"## Fleet: {report['engines']}", "", f"- Command: `{report['command']}`",
+             f"- Peers: {report['peers']}", f"- Machine: {report['machine']}",
+             f"- SLO for goodput: TTFT p90 <= {report['slo_ms']:g} ms (simulated); median of {report['runs']} run(s) "
+             "per cell, spread (min-max) in brackets, router order rotated per run", ""]  # fmt: skip
+    for wl in report["workloads"]:
+        if wl.get("skipped"):
+            lines += [f"### {wl['workload']}: not run ({wl['skipped']})", ""]
+            continue
+        lines += [f"### {wl['workload']}", ""]
+        for cell in wl["cells"]:
+            orc = cell["oracle"]["token_share"]
+            lines += [f"{cell['rate']:g} {wl['rate_unit']}: {cell['description']}; {cell['trace']['requests']} "
+                      f"requests; oracle hit rate {fmt(orc, '%')}", "",
+                      "| router | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | hit rate | router CPU ms / req | errors |",
+                      "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+            for r in cell["routers"]:
+                hit = r["hit_rate"]
+                hit_s = (f"{fmt(hit['median'], '%')} ({fmt(hit['min'], '%')}-{fmt(hit['max'], '%')})"
+                         if hit["median"] is not None else "n/a")  # fmt: skip
+                lines.append(f"| {r['router']} | {_ms(r['ttft_p50'])} | {_ms(r['ttft_p90'])} | {_ms(r['ttft_p99'])} "
+                             f"| {hit_s} | {_ms(r['router_cpu_ms_per_request'])} | {r['errors']} |")  # fmt: skip
+            lines.append("")
+        gp = wl["goodput"]
+        lines.append("Goodput (highest rate with TTFT p90 under the SLO): " + ", ".join(
+            f"{k} {'< lowest' if v is None else f'{v:g}'}" for k, v in gp.items()))  # fmt: skip
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def run_fleet(args: argparse.Namespace, command: str) -> int:
+    """``bench peers --testbed fleet``: every asked workload through every router, one engine fleet."""
+    args.workers = args.workers or ENGINES
+    args.slowdown = args.slowdown or (QUICK_SLOWDOWN if args.quick else SLOWDOWN)
+    args.runs = args.runs or (1 if args.quick else 3)
+    args.slo_ms = args.slo_ms or SLO_MS
+    args.max_concurrency = max(args.max_concurrency, 512)  # open loop: the schedule's rate decides
+    if args.runs < 1 or args.slowdown <= 0:
+        raise SystemExit("--runs must be >= 1 and --slowdown > 0")
+    args.bin_dir = peers_bin(args.bin_dir)
+    own = ("kvroute", "dynamo-select")  # what runs without the peers' environment
+    labels = [r.strip() for r in (args.routers or ",".join(FLEET_ROUTERS)).split(",") if r.strip()]
+    unknown = [r for r in labels if r not in ROUTERS]
+    if unknown:
+        raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
+    specs = [ROUTERS[r] for r in labels]
+    if args.bin_dir is None and any(spec.kind not in own for spec in specs):
+        raise SystemExit(missing_reason())
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: engines stop
+    names = list(WORKLOADS_FLEET) if args.workload == "all" else [w.strip() for w in args.workload.split(",")]
+    bad = [n for n in names if n not in WORKLOADS_FLEET]
+    if bad:
+        raise SystemExit(f"unknown fleet workloads {bad}; choose from {', '.join(WORKLOADS_FLEET)} or all")
+    os.makedirs(args.out_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    engines = start_engines(args, os.path.join(args.out_dir, "logs", "engines"))
+    report: dict = {
+        "engines": f"{args.workers} mockers timed by the {PROFILE} profile (H200), {engine_blocks()} KV blocks of "
+        f"{BLOCK_SIZE} each (an H200's memory less the 32B weights), {args.slowdown:g}x slower than the H200 "
+        "(times reported in simulated ms)",
+        "command": command,
+        "peers": ", ".join(f"{k} {v}" for k, v in peer_versions(args.bin_dir).items()) if args.bin_dir else "none",
+        "machine": f"{os.cpu_count()} CPUs shared with other work ({load_avg()} at the start)",
+        "slo_ms": args.slo_ms,
+        "runs": args.runs,
+        "workloads": [],
+    }
+    try:
+        for name in names:
+            w = WORKLOADS_FLEET[name]
+            reason = w.available()
+            if reason:
+                print(f"== {name}: not run: {reason}")
+                report["workloads"].append({"workload": name, "skipped": reason})
+                continue
+            report["workloads"].append(run_workload(w, specs, engines, args))
+    finally:
+        engines.stop()
+    report["machine"] += f", {load_avg()} at the end; {time.perf_counter() - t0:.0f} s in all"
+    stem = os.path.join(args.out_dir, f"fleet{'-quick' if args.quick else ''}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    text = markdown(report)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text)
+    print(f"wrote {stem}.md, {stem}.json ({time.perf_counter() - t0:.0f} s in all)")
+    return 0
