@@ -185,6 +185,7 @@ class RouterConfig:
     router_latency_window: float = 100.0
     router_latency_live_horizon: float = 10.0
     router_latency_recompute_weight: float = 1.0
+    router_latency_predict_routed: bool = True
     # JetStream mode (deprecated in the guide): accepted, no effect here (see JETSTREAM_FLAGS)
     router_durable_kv_events: bool = False
     router_reset_states: bool = False
@@ -457,6 +458,15 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         1.0,
         "latency mode: a rank that would compute again blocks another rank holds is charged this many times "
         "their prefill, besides its own (raise it where engines share compute, e.g. CPU engines on the same cores)",
+    ),
+    (
+        "--router-latency-predict-routed",
+        "router_latency_predict_routed",
+        ("DYN_ROUTER_LATENCY_PREDICT_ROUTED",),
+        bool,
+        True,
+        "latency mode: a rank holds the blocks of the prompts just routed to it (within the live horizon) before "
+        "their KV events arrive (a group's users arriving during their shared prefix's first prefill follow it)",
     ),
     (
         "--router-durable-kv-events",

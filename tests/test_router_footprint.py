@@ -186,3 +186,34 @@ def test_the_frontend_settles_a_long_prompt_a_slice_per_loop_iteration() -> None
         return seen
 
     assert asyncio.run(run()) == [3, 6, 9, 10]
+
+
+def test_latency_mode_follows_a_prefix_just_routed_before_its_kv_events_arrive() -> None:
+    """A group's second user arrives while the first one's shared prefix is still being prefilled (no KV
+    event yet): with --router-latency-predict-routed (the default) it goes where the prefix was routed,
+    with the decision's overlap still the index's (what the parity alarm compares); without it, the
+    rank that holds nothing yet looks as good and the idle one wins."""
+    from frontend.pool.workers import Worker, WorkerSpec
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.request_router import RequestRouter
+    from router.config import RouterConfig
+    from slot_tracker.core import SlotRegistry
+
+    def second_choice(predict: bool) -> tuple[int, int, int]:
+        slots = SlotRegistry()
+        entry = ModelEntry("m", 16, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
+        for i in (1, 2):
+            slots.register(i, "m", "default", 16, 0, 1)
+            spec = WorkerSpec(i, f"http://w{i}")
+            entry.workers[i] = Worker(spec, "cli", None, None, num_gpu_blocks=10_000, healthy=True)  # type: ignore[arg-type]
+        router = RequestRouter(RouterConfig(router_mode="latency", router_latency_predict_routed=predict))
+        prefix = list(range(1600))  # 100 blocks
+        first = router.route(entry, prefix + list(range(5000, 5016)))
+        router.book(entry, "r1", first)
+        second = router.route(entry, prefix + list(range(6000, 6016)))
+        return first.worker.id, second.worker.id, second.overlap_blocks
+
+    first, second, overlap = second_choice(True)
+    assert second == first and overlap == 0  # followed the prefix; the index holds nothing yet
+    first, second, overlap = second_choice(False)
+    assert second != first  # the first rank is busy with the prefill, nothing is known to be cached

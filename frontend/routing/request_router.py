@@ -168,14 +168,22 @@ class RequestRouter:
                 fp, now = self.footprint(entry), time.monotonic()
                 overflow: dict[tuple[int, int], int] = {}
                 pressure: dict[tuple[int, int], float] = {}
+                scored = overlaps
+                predict = self._live_horizon and use_overlap and cfg.router_latency_predict_routed
                 for cand, r in candidates:
+                    key = (cand.id, r)
                     if cand.num_gpu_blocks and self._live_horizon:  # unknown capacity: no cache terms
-                        key = (cand.id, r)
                         overflow[key] = fp.overflow_blocks(key, seq, cand.num_gpu_blocks, now)
                         pressure[key] = fp.pressure_blocks(key, cand.num_gpu_blocks, now)
+                    if predict:  # blocks just routed there are cached there before their KV events arrive
+                        live = fp.live_prefix(key, seq, now)
+                        if live > scored.get(key, 0):
+                            if scored is overlaps:
+                                scored = dict(overlaps)
+                            scored[key] = live
                 costs = score_latency(
                     loads,
-                    overlaps,
+                    scored,
                     isl,
                     bs,
                     lmodels,
@@ -204,7 +212,8 @@ class RequestRouter:
                 )
             chosen_id, rank = cost.worker_id, cost.dp_rank
             worker = next(w for w, r in candidates if w.id == chosen_id and r == rank)
-            overlap = cost.overlap_blocks
+            # what the index holds: the booked prefill and the parity alarm compare it with the engine's
+            overlap = overlaps.get((chosen_id, rank), 0) if lmodels is not None else cost.overlap_blocks
         else:
             if cfg.router_mode == "random":
                 worker, rank = candidates[self.rng.randrange(len(candidates))]
