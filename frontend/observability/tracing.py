@@ -73,6 +73,11 @@ def tracing_from_args(ns: argparse.Namespace) -> Tracing | None:
     try:
         return Tracing(endpoint, protocol)
     except ImportError as exc:
+        if exc.name and exc.name.startswith("opentelemetry.proto") and "cannot import name" in str(exc):
+            raise SystemExit(
+                f"--otlp-traces-endpoint: OpenTelemetry's protos are an older copy ({exc}); xds-protos (the endpoint "
+                "picker's) ships one: pip install --no-deps --force-reinstall opentelemetry-proto"
+            ) from None
         raise SystemExit(f"--otlp-traces-endpoint needs OpenTelemetry ({exc.name} missing): {INSTALL}") from None
 
 
