@@ -62,5 +62,8 @@ def test_the_readme_is_a_landing_page_that_reaches_the_rest() -> None:
         assert f"]({page})" in readme, page
     # the two set-up commands, and the test command exactly as .ci/run runs it
     assert "pip install -e . && python -m frontend demo" in readme
-    test_command = "pip install -q -c constraints.txt -e '.[test]' && pip install -q -c constraints.txt --no-deps --force-reinstall opentelemetry-proto && python -m pytest -q"
+    test_command = (
+        "pip install -q -c constraints.txt -e '.[test]' && pip install -q -c constraints.txt --no-deps "
+        "--force-reinstall opentelemetry-proto && python -m pytest -q"
+    )
     assert test_command in readme and test_command in read(".ci/run")
