@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from bench.peers import ROUTERS, RouterSpec, Testbed, peers_bin, start_router
+from bench.peers import ROUTERS, RouterSpec, Testbed, peers_bin, router_specs, start_router
 from bench.replay import RunOptions, measure, read_counter
 from bench.sessions import WORKLOADS, Workload, session_trace
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
@@ -306,18 +306,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    labels = [r for r in args.routers.split(",") if r]
-    unknown = [r for r in labels if r not in ROUTERS]
-    if unknown:
-        raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
-    specs = [ROUTERS[r] for r in labels]
-    if args.before:
-        before = os.path.abspath(args.before)
-        specs = [
-            x
-            for s in specs
-            for x in ((replace(s, label=f"{s.label} (before)", checkout=before), s) if s.kind == "kvroute" else (s,))
-        ]
+    specs = router_specs(args.routers, args.before)
     args.bin_dir = peers_bin(args.bin_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     concurrency = [int(c) for c in args.concurrency.split(",")]

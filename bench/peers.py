@@ -652,24 +652,31 @@ def run_cell(workload: Workload, load: float, specs: Sequence[RouterSpec], args:
     }
 
 
+def router_specs(labels: str, before: str | None = None) -> list[RouterSpec]:
+    """The rows ``--routers`` names (comma-separated); with ``--before DIR`` each kvroute row also runs
+    with that checkout's frontend, just before this one's."""
+    names = [r.strip() for r in labels.split(",") if r.strip()]
+    unknown = [r for r in names if r not in ROUTERS]
+    if unknown:
+        raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
+    specs = [ROUTERS[r] for r in names]
+    if not before:
+        return specs
+    checkout = os.path.abspath(before)
+    return [
+        x
+        for s in specs
+        for x in ((replace(s, label=f"{s.label} (before)", checkout=checkout), s) if s.kind == "kvroute" else (s,))
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     command = "python -m bench peers " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.testbed == "fleet":  # bench/fleet.py builds on this module: handed over by name, as bench/__main__ does
         return int(importlib.import_module("bench.fleet").run_fleet(args, command))
     args.workers = args.workers or 4
-    labels = [r.strip() for r in (args.routers or ",".join(DEFAULT_ROUTERS)).split(",") if r.strip()]
-    unknown = [r for r in labels if r not in ROUTERS]
-    if unknown:
-        raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
-    specs = [ROUTERS[r] for r in labels]
-    if args.before:
-        before = os.path.abspath(args.before)
-        specs = [
-            x
-            for s in specs
-            for x in ((replace(s, label=f"{s.label} (before)", checkout=before), s) if s.kind == "kvroute" else (s,))
-        ]
+    specs = router_specs(args.routers or ",".join(DEFAULT_ROUTERS), args.before)
     workloads, loads = workloads_of(args.workload), loads_of(args.loads)
     args.bin_dir = peers_bin(args.bin_dir)
     if args.bin_dir is None and any(s.kind not in ("kvroute", "dynamo-select") for s in specs):

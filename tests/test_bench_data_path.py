@@ -1,0 +1,35 @@
+"""bench data_path: its phase attribution and a short run through a real frontend and mockers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from bench import data_path
+
+
+def test_a_sample_belongs_to_the_phase_of_its_innermost_known_frame() -> None:
+    root = "_run_module_as_main (<frozen runpy>:198);Runner.run (asyncio/runners.py:118)"
+    assert data_path.phase_of(root) == "loop"
+    relay = root + ";StreamProxy._pump (frontend/dispatch/proxy.py:172)"
+    assert data_path.phase_of(relay) == "relay"
+    assert data_path.phase_of(relay + ";MutexValue.inc (prometheus_client/values.py:28)") == "metrics"
+    assert data_path.phase_of(root + ";RequestPath._pipeline (frontend/dispatch/request_path.py:1)") == "request"
+    assert data_path.phase_of("main (somewhere.py:1)") == "other"
+    raw = f"{relay} 3\n{root} 1\n"
+    assert data_path.phase_shares(raw) == {"relay": 0.75, "loop": 0.25}
+
+
+def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
+    out = str(tmp_path)
+    argv = ["--tokenizers", "builtin", "--apis", "completions", "--concurrency", "2", "--requests", "12",
+            "--workers", "2", "--no-profile", "--out-dir", out]  # fmt: skip
+    assert data_path.main(argv) == 0
+    with open(os.path.join(out, "data_path.json"), encoding="utf-8") as f:
+        rows = json.load(f)["rows"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["router"] == "kvroute-latency" and row["completed"] == row["requests"] == 12
+    assert row["cpu_ms_per_request"] > 0 and row["ttft_added_ms"] is not None
+    p50, p90, p99 = row["ttft_ms"]
+    assert 0 < p50 <= p90 <= p99
