@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import httpx
 
@@ -71,3 +72,24 @@ def frontend_client(
             what="workers healthy" + (" with their event streams" if events else ""),
         )
         yield c
+
+
+class KvEventPub:
+    """One worker's KV event stream for tests: a real ZMQ PUB socket on loopback sending vLLM's wire
+    format (``indexer/wire.py``) with its own sequence numbers."""
+
+    def __init__(self, ctx: Any, port: int, topic: bytes = b"") -> None:
+        import zmq
+
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.topic = topic
+        self.seq = 0
+
+    def send(self, events: list, dp_rank: int = 0) -> None:
+        from indexer.wire import encode_batch, seq_frame
+
+        self.sock.send_multipart([self.topic, seq_frame(self.seq), encode_batch(events, dp_rank)])
+        self.seq += 1

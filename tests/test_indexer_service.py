@@ -12,9 +12,9 @@ import pytest
 import zmq
 
 from indexer.service import QueryHashes
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, seq_frame
+from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute_common.hashing import list_to_i64, local_block_hashes
-from support import free_port, free_ports, service, wait_until
+from support import KvEventPub, free_port, free_ports, service, wait_until
 
 BS = 4
 FAST_RECOVERY = {"KVROUTE_INDEXER_RECOVERY_DELAY": "0.2"}
@@ -166,28 +166,15 @@ def test_peers_api(base: str) -> None:
     assert httpx.get(f"{base}/peers").json() == []
 
 
-class Pub:
-    def __init__(self, ctx: zmq.Context, port: int) -> None:
-        self.sock = ctx.socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.seq = 0
-
-    def send(self, *events, dp: int = 0) -> None:
-        self.sock.send_multipart([b"", seq_frame(self.seq), encode_batch(list(events), dp)])
-        self.seq += 1
-
-
 def _scores(url: str, tokens: list[int], model: str = "default") -> dict:
     return post(f"{url}/query", {"token_ids": tokens, "model_name": model}).json()
 
 
-def _live(pub: Pub, urls: list[str], instance: str) -> None:
+def _live(pub: KvEventPub, urls: list[str], instance: str) -> None:
     """Publish a marker at the current seq until every indexer has it (ZMQ slow joiners)."""
 
     def seen() -> bool:
-        pub.send(BlockStored([999], None, toks(999), BS, None, None, None))
+        pub.send([BlockStored([999], None, toks(999), BS, None, None, None)])
         return all(instance in _scores(u, toks(999))["scores"] for u in urls)
 
     wait_until(seen, timeout=20, interval=0.1, what="subscriptions live")
@@ -196,7 +183,7 @@ def _live(pub: Pub, urls: list[str], instance: str) -> None:
 def test_end_to_end_and_peer_recovery() -> None:
     ctx = zmq.Context()
     zp1, zp2, a_port, b_port, dead = free_ports(5)
-    pubs = [Pub(ctx, zp1), Pub(ctx, zp2)]
+    pubs = [KvEventPub(ctx, zp1), KvEventPub(ctx, zp2)]
     workers = f"1={pubs[0].endpoint},2:1={pubs[1].endpoint}"
     a = f"http://127.0.0.1:{a_port}"
     b = f"http://127.0.0.1:{b_port}"
@@ -204,10 +191,10 @@ def test_end_to_end_and_peer_recovery() -> None:
         with service(indexer_args(a_port, "--block-size", str(BS), "--workers", workers), ready_url=f"{a}/health"):
             _live(pubs[0], [a], "1")
             _live(pubs[1], [a], "2")
-            pubs[0].send(BlockStored([1, 2, 3], None, toks(1, 2, 3), BS, None, None, None))
-            pubs[0].send(BlockStored([4], 3, toks(4), BS, None, "CPU", None))
-            pubs[1].send(BlockStored([1, 2], None, toks(1, 2), BS, None, None, None), dp=1)
-            pubs[1].send(BlockStored([5], 2, toks(5), BS, None, None, None), BlockRemoved([5], None), dp=1)
+            pubs[0].send([BlockStored([1, 2, 3], None, toks(1, 2, 3), BS, None, None, None)])
+            pubs[0].send([BlockStored([4], 3, toks(4), BS, None, "CPU", None)])
+            pubs[1].send([BlockStored([1, 2], None, toks(1, 2), BS, None, None, None)], dp_rank=1)
+            pubs[1].send([BlockStored([5], 2, toks(5), BS, None, None, None), BlockRemoved([5], None)], dp_rank=1)
             expected = {
                 "scores": {"1": {"0": 12}, "2": {"1": 8}},
                 "frequencies": [],
@@ -236,7 +223,7 @@ def test_end_to_end_and_peer_recovery() -> None:
                 assert _scores(b, toks(1, 2, 3, 4)) == expected  # before any new event: from A's dump
                 assert httpx.get(f"{b}/peers").json() == [f"http://127.0.0.1:{dead}", a]
                 _live(pubs[0], [a, b], "1")
-                pubs[0].send(AllBlocksCleared())
+                pubs[0].send([AllBlocksCleared()])
                 gone = {
                     "scores": {"2": {"1": 8}},
                     "frequencies": [],
@@ -256,7 +243,7 @@ def test_end_to_end_and_peer_recovery() -> None:
 def test_min_initial_workers_gate_counts_recovered_workers() -> None:
     ctx = zmq.Context()
     zp, a_port, b_port = free_ports(3)
-    pub = Pub(ctx, zp)
+    pub = KvEventPub(ctx, zp)
     a = f"http://127.0.0.1:{a_port}"
     b = f"http://127.0.0.1:{b_port}"
     try:

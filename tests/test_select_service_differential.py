@@ -26,9 +26,9 @@ import httpx
 import pytest
 import zmq
 
-from indexer.wire import AllBlocksCleared, BlockStored, encode_batch, seq_frame
+from indexer.wire import AllBlocksCleared, BlockStored
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
-from support import free_port, free_ports, frontend_client, reference_installed, service, wait_until
+from support import KvEventPub, free_port, free_ports, frontend_client, reference_installed, service, wait_until
 
 pytestmark = pytest.mark.skipif(not reference_installed(), reason="reference dynamo (ai-dynamo-runtime) not installed")
 
@@ -38,21 +38,6 @@ REQUESTS = int(os.environ.get("SELECT_DIFF_REQUESTS", "100"))
 MODEL = "kvroute-demo"  # the mocker's served name
 # a prefill step of the mocker lasts ~20 ms / this ratio: longer than the test, so no first token arrives
 SLOW = "0.00001"
-
-
-class Pub:
-    """One worker's KV event stream: a real PUB socket with its own sequence numbers."""
-
-    def __init__(self, ctx: zmq.Context, port: int) -> None:
-        self.sock = ctx.socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.seq = 0
-
-    def send(self, events: list) -> None:
-        self.sock.send_multipart([b"kv", seq_frame(self.seq), encode_batch(events, 0)])
-        self.seq += 1
 
 
 def ext_hashes(tokens: list[int]) -> list[int]:
@@ -130,7 +115,7 @@ def make_prompts(rng: random.Random) -> list[list[int]]:
 def test_kv_mode_and_dynamos_selector_choose_the_same_worker():
     rng = random.Random(int(os.environ.get("SELECT_DIFF_SEED", "20261127")))
     ctx = zmq.Context()
-    pubs = [Pub(ctx, p) for p in free_ports(WORKERS)]
+    pubs = [KvEventPub(ctx, p, topic=b"kv") for p in free_ports(WORKERS)]
     mocker_ports = free_ports(WORKERS)
     sel_port = free_port()
     selector = f"http://127.0.0.1:{sel_port}"
@@ -171,7 +156,7 @@ def test_kv_mode_and_dynamos_selector_choose_the_same_worker():
                 tokens = marker(w, 0)
                 expected = {i + 1: int(i == w) for i in range(WORKERS)}
 
-                def seen(pub: Pub = pub, tokens: list[int] = tokens, expected: dict = expected) -> bool:
+                def seen(pub: KvEventPub = pub, tokens: list[int] = tokens, expected: dict = expected) -> bool:
                     pub.send([store(tokens, 1)])
                     return routers.both_see(tokens, expected)
 
