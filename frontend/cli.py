@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from frontend.api.access import guard_app
-    from frontend.app import build_app
+    from frontend.app import FrontendHttpProtocol, build_app
 
     epp = (ns.http_host, ns.epp_port) if ns.epp_port is not None else None
     if epp is not None:
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level="warning",
         access_log=False,
         loop="uvloop",
-        http="httptools",
+        http=FrontendHttpProtocol,
         lifespan="on",
         timeout_keep_alive=75,
         timeout_graceful_shutdown=5,

@@ -249,9 +249,12 @@ if HttpToolsProtocol is not None:
             self.transport.flush()  # type: ignore[attr-defined]  # header-only responses (HEAD, 204)
             super().on_response_complete()
 
+        malformed_body = _MALFORMED
+        """The JSON body of the 400 for an unparsable request: the services' ``{"error": ...}`` shape."""
+
         def send_400_response(self, msg: str) -> None:
-            """uvicorn's answer to an unparsable request, in the services' ``{"error": ...}`` shape."""
-            self.transport.write(_json_answer(self.server_state, 400, _MALFORMED, close=True))
+            """uvicorn's answer to an unparsable request, in the server's JSON error shape."""
+            self.transport.write(_json_answer(self.server_state, 400, self.malformed_body, close=True))
             self.transport.close()
 
     class FastJsonProtocol(HeaderCoalescingProtocol):

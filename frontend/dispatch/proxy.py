@@ -119,34 +119,30 @@ class StreamProxy:
         self.dialect = dialect  # the API's stream format (OpenAI chunks or Anthropic events)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        # the relay runs in the request's own task; a watcher task cancels it if the client leaves first
+        task = asyncio.current_task()
+        watch: asyncio.Future | None = None
+        gone = _ClientGone()
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            if self.preamble:
-                await send({"type": "http.response.body", "body": self.preamble, "more_body": True})
-            pump = asyncio.ensure_future(self._pump(send))
-            watch = asyncio.ensure_future(_wait_disconnect(receive))
+            # the headers leave now, as an engine's stream sends them, not with the first token (an
+            # empty body part flushes a header block the server holds for coalescing)
+            await send({"type": "http.response.body", "body": self.preamble, "more_body": True})
+            watch = asyncio.ensure_future(_cancel_on_disconnect(receive, task, gone))
             try:
-                done, _ = await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not watch.done():
-                    watch.cancel()
-            if pump not in done:  # the client went away first
-                pump.cancel()
+                await self._pump(send)
+            except OSError:  # send failed: client gone
                 self._cancelled()
-                try:
-                    await pump
-                except (asyncio.CancelledError, Exception):
-                    pass
-            else:
-                exc = pump.exception()
-                if isinstance(exc, OSError):  # send failed: client gone
-                    self._cancelled()
-                elif exc is not None:
-                    raise exc
+            except asyncio.CancelledError:
+                if not gone.left or task is None or task.uncancel() > 0:
+                    raise  # cancelled from outside (shutdown): not the client's doing
+                self._cancelled()
         except asyncio.CancelledError:
             self._cancelled()
             raise
         finally:
+            if watch is not None and not watch.done():
+                watch.cancel()
             self.lease.release()  # the current one: a migrated stream moved on to another lease
             await self.upstream.aclose()
 
@@ -214,8 +210,21 @@ class StreamProxy:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _wait_disconnect(receive: Any) -> None:
+class _ClientGone:
+    """Set by the disconnect watcher before it cancels the relay, so the relay tells the client's
+    leaving apart from a cancellation from outside."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = False
+
+
+async def _cancel_on_disconnect(receive: Any, task: asyncio.Task | None, gone: _ClientGone) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            gone.left = True
+            if task is not None:
+                task.cancel()
             return
