@@ -35,6 +35,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -168,21 +169,27 @@ class FleetWorkload:
     available: Callable[[], str | None] = lambda: None  # a reason it cannot run, or None
 
 
+# A run's arrivals last seconds, not llm-d's minutes: 24 groups (not 150) so that a group's users meet
+# within a run, as they do over a long run with 150 groups
+SHARED_PREFIX_QUICK = SharedPrefix(groups=24, duration_s=3.0)
+SHARED_PREFIX_FULL = SharedPrefix(groups=24, duration_s=4.0)
+TRACE_WINDOW_S = {True: 8.0, False: 4.0}  # quick, full: seconds of a Mooncake trace per run (at 1x)
+
+
 def _shared_prefix(rate: float, seed: int, quick: bool) -> Trace:
-    sp = SharedPrefix(groups=24, duration_s=3.0) if quick else SharedPrefix()
-    return sp.trace(rate, seed)
+    return (SHARED_PREFIX_QUICK if quick else SHARED_PREFIX_FULL).trace(rate, seed)
 
 
 def _conversation(rate: float, seed: int, quick: bool) -> Trace:
     path = find_trace("conversation")
     assert path is not None
-    return mooncake_text_trace(path, "conversation", 8.0 if quick else 20.0, rate, seed, 32768)
+    return mooncake_text_trace(path, "conversation", TRACE_WINDOW_S[quick], rate, seed, 32768)
 
 
 def _toolagent(rate: float, seed: int, quick: bool) -> Trace:
     path = find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR)
     assert path is not None
-    return mooncake_text_trace(path, "toolagent", 8.0 if quick else 20.0, rate, seed, 32768)
+    return mooncake_text_trace(path, "toolagent", TRACE_WINDOW_S[quick], rate, seed, 32768)
 
 
 def _agentic(rate: float, seed: int, quick: bool) -> Trace:
@@ -194,14 +201,14 @@ def _agentic(rate: float, seed: int, quick: bool) -> Trace:
 WORKLOADS_FLEET: dict[str, FleetWorkload] = {
     w.name: w
     for w in (
-        FleetWorkload("shared-prefix", (8.0, 16.0), (12.0,), "QPS", _shared_prefix),
-        FleetWorkload("conversation", (1.0, 2.0), (1.0,), "x trace rate", _conversation),
+        FleetWorkload("shared-prefix", (8.0, 16.0, 24.0), (12.0,), "QPS", _shared_prefix),
+        FleetWorkload("conversation", (0.5, 1.0), (1.0,), "x trace rate", _conversation),
         FleetWorkload(
             "toolagent", (1.0, 2.0), (1.0,), "x trace rate", _toolagent,
             lambda: None if find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR) else
             "bench/data/toolagent_trace.jsonl is not vendored (this machine could not retrieve it)",
         ),
-        FleetWorkload("agentic", (1.0, 3.0), (3.0,), "x session load", _agentic),
+        FleetWorkload("agentic", (8.0, 16.0), (3.0,), "x session load", _agentic),
     )
 }  # fmt: skip
 
@@ -238,7 +245,7 @@ def reset_engines(engines: Cluster, timeout: float = 120.0) -> None:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{w.url}: prefix cache not reset: {r.status_code} {r.text[:200]}")
-            time.sleep(0.25)
+            time.sleep(0.05)
 
 
 def scaled(trace: Trace, factor: float) -> Trace:
@@ -250,7 +257,9 @@ def scaled(trace: Trace, factor: float) -> Trace:
 # -- one run, one cell ----------------------------------------------------------------------------------
 def run_once(trace: Trace, spec: RouterSpec, engines: Cluster, args: argparse.Namespace, tag: str) -> dict:
     """One router in front of the (reset) engines for one schedule; times in simulated ms."""
+    t0 = time.perf_counter()
     reset_engines(engines)
+    t_reset = time.perf_counter()
     router = Cluster(log_dir=os.path.join(args.out_dir, "logs", tag))
     router.workers = list(engines.workers)
     bed = Testbed(DEFAULT_MODEL, BUILTIN_TOKENIZER_DIR, None)
@@ -261,12 +270,39 @@ def run_once(trace: Trace, spec: RouterSpec, engines: Cluster, args: argparse.Na
     except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
         row = failed(trace, spec, exc)
     finally:
+        t_run = time.perf_counter()
         router.workers = []  # the engines are not this cluster's to stop
-        router.stop()
+        stopping.stop(router)
+    replay = float(row.get("wall_s") or 0.0)
+    row["phases_s"] = {"reset": round(t_reset - t0, 2), "start": round(t_run - t_reset - replay, 2),
+                       "replay": round(replay, 2)}  # fmt: skip
     for key in ("ttft_ms", "e2e_ms"):
         if isinstance(row.get(key), dict):
             row[key] = {p: (None if v is None else v / args.slowdown) for p, v in row[key].items()}
     return row
+
+
+class Stopping:
+    """Routers being stopped while the next run starts: SIGTERM, SIGKILL after ``grace`` s (some wait
+    seconds for connections that are gone; nothing of theirs is read after their run). Everything
+    measured of a router is read before it is stopped, and the next one runs on other ports."""
+
+    def __init__(self, grace: float = 1.0) -> None:
+        self.grace = grace
+        self.threads: list[threading.Thread] = []
+
+    def stop(self, cluster: Cluster) -> None:
+        t = threading.Thread(target=cluster.stop, kwargs={"timeout": self.grace}, name="router-stop", daemon=True)
+        t.start()
+        self.threads = [x for x in self.threads if x.is_alive()] + [t]
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+        self.threads = []
+
+
+stopping = Stopping()
 
 
 def median_spread(values: Sequence[float | None]) -> tuple[float | None, float | None, float | None]:
@@ -297,7 +333,7 @@ def summarize_cell(label: str, runs: Sequence[dict]) -> dict:
 
 
 def run_workload(w: FleetWorkload, specs: Sequence[RouterSpec], engines: Cluster, args: argparse.Namespace) -> dict:
-    rates = w.quick_rates if args.quick else w.rates
+    rates = getattr(args, "rates", None) or (w.quick_rates if args.quick else w.rates)
     cells = []
     for rate in rates:
         trace = w.build(rate, args.seed, args.quick)
@@ -312,13 +348,15 @@ def run_workload(w: FleetWorkload, specs: Sequence[RouterSpec], engines: Cluster
                 runs[spec.label].append(row)
                 errors = row["requests"] - row["completed"]
                 p90, hit = fmt(row["ttft_ms"]["p90"]), fmt(row.get("hit_rate"), "%")
-                print(f"   run {k + 1} {spec.label}: TTFT p90 {p90} ms (sim), hit {hit}, errors {errors}", flush=True)
+                print(f"   run {k + 1} {spec.label}: TTFT p90 {p90} ms (sim), hit {hit}, errors {errors}; "
+                      f"seconds {row['phases_s']}", flush=True)  # fmt: skip
         cells.append({
             "rate": rate,
             "trace": trace.summary(),
             "description": trace.scaling.get("description", ""),
             "oracle": orc.as_dict(),
             "routers": [summarize_cell(label, rows) for label, rows in runs.items()],
+            "phases_s": [row["phases_s"] for rows in runs.values() for row in rows],
         })  # fmt: skip
     return {"workload": w.name, "rate_unit": w.rate_unit, "cells": cells, "goodput": goodput(cells, args.slo_ms)}
 
@@ -335,6 +373,16 @@ def goodput(cells: Sequence[dict], slo_ms: float) -> dict[str, float | None]:
     return out
 
 
+def overhead(workloads: Sequence[dict]) -> dict:
+    """Seconds per run, averaged over every run: the engines' reset, the router's start until it serves
+    (and the reads around the replay), the replay (arrivals and drain)."""
+    phases = [p for wl in workloads for cell in wl.get("cells", ()) for p in cell.get("phases_s", ())]
+    if not phases:
+        return {"runs": 0}
+    mean = {k: round(statistics.fmean(p[k] for p in phases), 2) for k in ("reset", "start", "replay")}
+    return {"runs": len(phases), **mean}
+
+
 # -- report -------------------------------------------------------------------------------------------
 def _ms(d: dict) -> str:
     return f"{fmt(d['median'])} ({fmt(d['min'])}-{fmt(d['max'])})" if d["median"] is not None else "n/a"
@@ -344,7 +392,14 @@ def markdown(report: dict) -> str:
     lines = [f"## Fleet: {report['engines']}", "", f"- Command: `{report['command']}`",
              f"- Peers: {report['peers']}", f"- Machine: {report['machine']}",
              f"- SLO for goodput: TTFT p90 <= {report['slo_ms']:g} ms (simulated); median of {report['runs']} run(s) "
-             "per cell, spread (min-max) in brackets, router order rotated per run", ""]  # fmt: skip
+             "per cell, spread (min-max) in brackets, router order rotated per run"]  # fmt: skip
+    over = report.get("overhead") or {}
+    if over.get("runs"):
+        lines.append(
+            f"- Real seconds per run (mean of {over['runs']}): engines' reset {over['reset']:g}, router start "
+            f"until it serves (and the reads around the replay) {over['start']:g}, replay {over['replay']:g}"
+        )
+    lines.append("")
     for wl in report["workloads"]:
         if wl.get("skipped"):
             lines += [f"### {wl['workload']}: not run ({wl['skipped']})", ""]
@@ -377,6 +432,12 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
     args.runs = args.runs or (1 if args.quick else 3)
     args.slo_ms = args.slo_ms or SLO_MS
     args.max_concurrency = max(args.max_concurrency, 512)  # open loop: the schedule's rate decides
+    try:
+        args.rates = [float(x) for x in (args.rates or "").split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--rates: not numbers: {args.rates!r}") from None
+    if any(r <= 0 for r in args.rates):
+        raise SystemExit("--rates: every rate > 0")
     if args.runs < 1 or args.slowdown <= 0:
         raise SystemExit("--runs must be >= 1 and --slowdown > 0")
     args.bin_dir = peers_bin(args.bin_dir)
@@ -417,7 +478,9 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
                 continue
             report["workloads"].append(run_workload(w, specs, engines, args))
     finally:
+        stopping.join()
         engines.stop()
+    report["overhead"] = overhead(report["workloads"])
     report["machine"] += f", {load_avg()} at the end; {time.perf_counter() - t0:.0f} s in all"
     stem = os.path.join(args.out_dir, f"fleet{'-quick' if args.quick else ''}")
     with open(stem + ".json", "w", encoding="utf-8") as f:

@@ -238,7 +238,7 @@ def wait_serving(cluster: Cluster, url: str, model: str, timeout: float = READY_
             last = repr(exc)
         if time.monotonic() > deadline:
             raise TimeoutError(f"router at {url} does not serve after {timeout:g} s (last: {last})")
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 # -- one router ---------------------------------------------------------------------------------------
@@ -556,6 +556,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a short run: a third of the sessions, at most 3 turns")
     p.add_argument("--workers", type=int, default=None, help="engines (default 4; 8 on the fleet)")
     p.add_argument("--runs", type=int, default=None, help="fleet: runs per cell, median and spread (3; quick 1)")
+    p.add_argument("--rates", default=None,
+                   help="fleet: the rates to sweep, comma-separated, for every asked workload (default: each "
+                   "workload's own)")  # fmt: skip
     p.add_argument("--slowdown", type=float, default=None,
                    help="fleet: engines this many times slower than the H200 (default 2; times are "
                    "reported divided by it)")  # fmt: skip

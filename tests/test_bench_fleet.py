@@ -7,12 +7,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
+import time
 
 import pytest
 
 from bench import fleet, peers
 from bench.sessions import SessionGroup, Workload, session_trace
 from bench.traces import Trace, TraceRequest
+from kvroute_common.local_cluster import Cluster
+from kvroute_common.processes import wait_until
 from mocker.gpu_profile import GpuProfile
 
 
@@ -127,6 +131,12 @@ def test_a_tiny_fleet_sweep_gives_medians_spreads_and_goodput(tmp_path, monkeypa
             assert p90["median"] > 20  # simulated ms: at least a 32B prefill of a few hundred tokens
             assert r["hit_rate"]["median"] is not None
     assert result["goodput"] == {"kvroute-kv": 2.0, "round_robin": 2.0}
+    for cell in result["cells"]:  # every run's seconds: reset, start until it serves, replay
+        assert len(cell["phases_s"]) == 4
+        for p in cell["phases_s"]:
+            assert 0 <= p["reset"] < p["replay"] and 0 < p["start"]
+    over = fleet.overhead([result])
+    assert over["runs"] == 8 and over["start"] > 0 and over["replay"] > over["reset"]
     text = fleet.markdown({"engines": "e", "command": "c", "peers": "p", "machine": "m", "slo_ms": 1.0, "runs": 2,
                            "workloads": [result, {"workload": "x", "skipped": "why"}]})  # fmt: skip
     assert "kvroute-kv" in text and "not run (why)" in text
@@ -137,3 +147,29 @@ def test_every_fleet_workload_builds(name):
     w = fleet.WORKLOADS_FLEET[name]
     trace = w.build(w.quick_rates[0], 0, True)
     assert trace.requests and all(r.text or r.messages for r in trace.requests)
+
+
+def test_a_router_is_stopped_behind_the_next_run_and_killed_after_its_grace(tmp_path):
+    """Stopping a router does not hold up the next run; one that ignores SIGTERM is killed after the grace."""
+    cluster = Cluster(log_dir=str(tmp_path))
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up'); time.sleep(60)"
+    child = cluster.start_router("stubborn", sys.executable, ["-c", stubborn], "http://127.0.0.1:9")
+    wait_until(lambda: "up" in child.log_tail(), timeout=30, what="SIGTERM ignored")
+    stopping = fleet.Stopping(grace=0.5)
+    t0 = time.perf_counter()
+    stopping.stop(cluster)
+    assert time.perf_counter() - t0 < 0.2  # returned at once: the stop goes on behind
+    assert child.proc.poll() is None
+    stopping.join()
+    assert time.perf_counter() - t0 < 10
+    assert child.proc.wait(timeout=5) == -9  # SIGKILL after the grace
+    assert stopping.threads == []
+
+
+def test_rates_are_parsed_for_the_fleet_and_bad_ones_refused(tmp_path):
+    args = peers.parser().parse_args(["--testbed", "fleet", "--rates", "4,8", "--out-dir", str(tmp_path)])
+    assert args.rates == "4,8"
+    for bad in ("x", "0,4"):
+        with pytest.raises(SystemExit, match="--rates"):
+            fleet.run_fleet(peers.parser().parse_args(["--testbed", "fleet", "--rates", bad, "--routers",
+                                                       "kvroute-kv", "--out-dir", str(tmp_path)]), "c")  # fmt: skip
