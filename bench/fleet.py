@@ -46,6 +46,7 @@ import numpy as np
 from bench.peers import (
     BLOCK_SIZE,
     READY_TIMEOUT,
+    RECOMMENDED,
     ROUTERS,
     RouterSpec,
     Testbed,
@@ -383,9 +384,62 @@ def overhead(workloads: Sequence[dict]) -> dict:
     return {"runs": len(phases), **mean}
 
 
+# -- where the recommended mode stands ----------------------------------------------------------------
+def behind(wl: dict, label: str = RECOMMENDED) -> list[str]:
+    """Where ``label`` is behind another project's router or round robin (kvroute's other modes aside) in
+    a workload: per cell, a higher median hit rate or a lower median TTFT p90 or p99; then a higher
+    goodput. Routers with failed requests are not compared."""
+    lost = []
+    for cell in wl.get("cells", ()):
+        rows = {r["router"]: r for r in cell["routers"]}
+        ours = rows.get(label)
+        if ours is None:
+            return [f"{label} did not run"]
+        where = f"{cell['rate']:g} {wl['rate_unit']}"
+        for r in cell["routers"]:
+            if r["router"].startswith("kvroute") or r["errors"]:
+                continue
+            theirs_hit, our_hit = r["hit_rate"]["median"], ours["hit_rate"]["median"]
+            if theirs_hit is not None and our_hit is not None and theirs_hit > our_hit:
+                lost.append(f"{where}: hit rate to {r['router']} ({theirs_hit:.1%} vs {our_hit:.1%})")
+            for p in ("p90", "p99"):
+                theirs, mine = r[f"ttft_{p}"]["median"], ours[f"ttft_{p}"]["median"]
+                if theirs is not None and mine is not None and theirs < mine:
+                    lost.append(f"{where}: TTFT {p} to {r['router']} ({theirs:,.0f} vs {mine:,.0f} ms)")
+    gp = wl.get("goodput", {})
+    mine_gp = gp.get(label)
+    for router, theirs_gp in gp.items():
+        if router.startswith("kvroute") or theirs_gp is None:
+            continue
+        if mine_gp is None or theirs_gp > mine_gp:
+            ours_s = "< lowest" if mine_gp is None else f"{mine_gp:g}"
+            lost.append(f"goodput to {router} ({theirs_gp:g} vs {ours_s} {wl['rate_unit']})")
+    return lost
+
+
+def goodput_gain(wl: dict, label: str = RECOMMENDED, base: str = "round_robin") -> str:
+    """``label``'s goodput over ``base``'s, as the sweep resolves it."""
+    gp = wl.get("goodput", {})
+    mine, theirs = gp.get(label), gp.get(base)
+    rates = sorted(c["rate"] for c in wl.get("cells", ()))
+    if not rates or label not in gp or base not in gp:
+        return "n/a"
+    if mine is None and theirs is None:
+        return f"neither met the SLO at the lowest rate ({rates[0]:g} {wl['rate_unit']})"
+    if theirs is None:
+        return f"{mine:g} against < {rates[0]:g} {wl['rate_unit']} (round robin met the SLO at no swept rate)"
+    if mine is None:
+        return f"< {rates[0]:g} against {theirs:g} {wl['rate_unit']}"
+    more = " or more (the highest swept rate)" if mine == rates[-1] else ""
+    return f"{mine:g} against {theirs:g} {wl['rate_unit']}: {mine / theirs - 1:+.0%}{more}"
+
+
 # -- report -------------------------------------------------------------------------------------------
-def _ms(d: dict) -> str:
-    return f"{fmt(d['median'])} ({fmt(d['min'])}-{fmt(d['max'])})" if d["median"] is not None else "n/a"
+def _ms(d: dict, digits: int = 0) -> str:
+    """median (min-max), ms to ``digits`` decimals."""
+    if d["median"] is None:
+        return "n/a"
+    return f"{d['median']:,.{digits}f} ({d['min']:,.{digits}f}-{d['max']:,.{digits}f})"
 
 
 def markdown(report: dict) -> str:
@@ -413,14 +467,17 @@ def markdown(report: dict) -> str:
                       "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
             for r in cell["routers"]:
                 hit = r["hit_rate"]
-                hit_s = (f"{fmt(hit['median'], '%')} ({fmt(hit['min'], '%')}-{fmt(hit['max'], '%')})"
+                hit_s = (f"{fmt(hit['median'], '%')} ({hit['min']:.1%}-{hit['max']:.1%})"
                          if hit["median"] is not None else "n/a")  # fmt: skip
                 lines.append(f"| {r['router']} | {_ms(r['ttft_p50'])} | {_ms(r['ttft_p90'])} | {_ms(r['ttft_p99'])} "
-                             f"| {hit_s} | {_ms(r['router_cpu_ms_per_request'])} | {r['errors']} |")  # fmt: skip
+                             f"| {hit_s} | {_ms(r['router_cpu_ms_per_request'], 1)} | {r['errors']} |")  # fmt: skip
             lines.append("")
         gp = wl["goodput"]
         lines.append("Goodput (highest rate with TTFT p90 under the SLO): " + ", ".join(
             f"{k} {'< lowest' if v is None else f'{v:g}'}" for k, v in gp.items()))  # fmt: skip
+        lines += ["", f"`{RECOMMENDED}`'s goodput over round robin: {goodput_gain(wl)}", ""]
+        lost = behind(wl)
+        lines.append(f"`{RECOMMENDED}` is " + ("behind: " + "; ".join(lost) if lost else "ahead of every other router"))
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -173,3 +173,42 @@ def test_rates_are_parsed_for_the_fleet_and_bad_ones_refused(tmp_path):
         with pytest.raises(SystemExit, match="--rates"):
             fleet.run_fleet(peers.parser().parse_args(["--testbed", "fleet", "--rates", bad, "--routers",
                                                        "kvroute-kv", "--out-dir", str(tmp_path)]), "c")  # fmt: skip
+
+
+def _wl(cells: list[dict], goodput: dict) -> dict:
+    return {"workload": "w", "rate_unit": "QPS", "cells": cells, "goodput": goodput}
+
+
+def _router(name: str, hit: float, p90: float, p99: float, errors: int = 0) -> dict:
+    return {"router": name, "errors": errors, "hit_rate": {"median": hit},
+            "ttft_p90": {"median": p90}, "ttft_p99": {"median": p99}}  # fmt: skip
+
+
+def test_the_recommended_mode_is_named_behind_where_a_peer_beats_it():
+    """Hit rate, TTFT p90 and p99 medians per cell, then goodput; kvroute's other modes and routers with
+    failed requests are not compared."""
+    cell = {"rate": 8.0, "routers": [
+        _router("kvroute-latency", 0.40, 900, 1500), _router("kvroute-kv", 0.9, 100, 100),
+        _router("smg-prefix_hash", 0.46, 1000, 1400), _router("round_robin", 0.1, 800, 2000),
+        _router("vllm-kv_aware", 0.99, 1, 1, errors=3),
+    ]}  # fmt: skip
+    lost = fleet.behind(_wl([cell], {"kvroute-latency": 8.0, "smg-prefix_hash": 16.0, "round_robin": None}))
+    assert lost == [
+        "8 QPS: hit rate to smg-prefix_hash (46.0% vs 40.0%)",
+        "8 QPS: TTFT p99 to smg-prefix_hash (1,400 vs 1,500 ms)",
+        "8 QPS: TTFT p90 to round_robin (800 vs 900 ms)",
+        "goodput to smg-prefix_hash (16 vs 8 QPS)",
+    ]
+    ahead = {"rate": 8.0, "routers": [_router("kvroute-latency", 0.5, 100, 100), _router("round_robin", 0.1, 800, 900)]}
+    assert fleet.behind(_wl([ahead], {"kvroute-latency": 8.0, "round_robin": 8.0})) == []
+
+
+def test_goodput_gain_over_round_robin_says_what_the_sweep_resolves():
+    cells = [{"rate": r, "routers": []} for r in (8.0, 16.0, 24.0)]
+    assert fleet.goodput_gain(_wl(cells, {"kvroute-latency": 16.0, "round_robin": 8.0})) == "16 against 8 QPS: +100%"
+    top = fleet.goodput_gain(_wl(cells, {"kvroute-latency": 24.0, "round_robin": 8.0}))
+    assert top.startswith("24 against 8 QPS: +200%") and "or more" in top
+    assert "round robin met the SLO at no swept rate" in fleet.goodput_gain(
+        _wl(cells, {"kvroute-latency": 8.0, "round_robin": None})
+    )
+    assert "neither" in fleet.goodput_gain(_wl(cells, {"kvroute-latency": None, "round_robin": None}))
