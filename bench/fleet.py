@@ -512,6 +512,7 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
     if bad:
         raise SystemExit(f"unknown fleet workloads {bad}; choose from {', '.join(WORKLOADS_FLEET)} or all")
     os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"fleet{'-quick' if args.quick else ''}")
     t0 = time.perf_counter()
     engines = start_engines(args, os.path.join(args.out_dir, "logs", "engines"))
     report: dict = {
@@ -534,12 +535,13 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
                 report["workloads"].append({"workload": name, "skipped": reason})
                 continue
             report["workloads"].append(run_workload(w, specs, engines, args))
+            with open(stem + ".partial.json", "w", encoding="utf-8") as f:  # what a stopped run leaves
+                json.dump(report, f, indent=1)
     finally:
         stopping.join()
         engines.stop()
     report["overhead"] = overhead(report["workloads"])
     report["machine"] += f", {load_avg()} at the end; {time.perf_counter() - t0:.0f} s in all"
-    stem = os.path.join(args.out_dir, f"fleet{'-quick' if args.quick else ''}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     text = markdown(report)
