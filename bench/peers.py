@@ -116,6 +116,8 @@ ROUTERS: dict[str, RouterSpec] = {
         # latency mode as for engines that share compute (CPU engines on the same cores): a second copy of
         # a prefix costs everyone, so it is charged 4x its prefill instead of 1x
         RouterSpec("kvroute-latency-shared", "kvroute", "latency", extra=("--router-latency-recompute-weight", "4")),
+        # latency mode booking only the rest of a prompt whose prefix it has just routed to the same rank
+        RouterSpec("kvroute-latency-book", "kvroute", "latency", extra=("--router-latency-book-predicted",)),
     )
 }
 # the rows of a plain run: the gateway and the variant rows are asked for by name
