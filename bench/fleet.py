@@ -35,6 +35,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +46,7 @@ import numpy as np
 from bench.peers import (
     BLOCK_SIZE,
     READY_TIMEOUT,
+    RECOMMENDED,
     ROUTERS,
     RouterSpec,
     Testbed,
@@ -168,21 +170,27 @@ class FleetWorkload:
     available: Callable[[], str | None] = lambda: None  # a reason it cannot run, or None
 
 
+# A run's arrivals last seconds, not llm-d's minutes: 24 groups (not 150) so that a group's users meet
+# within a run, as they do over a long run with 150 groups
+SHARED_PREFIX_QUICK = SharedPrefix(groups=24, duration_s=3.0)
+SHARED_PREFIX_FULL = SharedPrefix(groups=24, duration_s=4.0)
+TRACE_WINDOW_S = {True: 8.0, False: 4.0}  # quick, full: seconds of a Mooncake trace per run (at 1x)
+
+
 def _shared_prefix(rate: float, seed: int, quick: bool) -> Trace:
-    sp = SharedPrefix(groups=24, duration_s=3.0) if quick else SharedPrefix()
-    return sp.trace(rate, seed)
+    return (SHARED_PREFIX_QUICK if quick else SHARED_PREFIX_FULL).trace(rate, seed)
 
 
 def _conversation(rate: float, seed: int, quick: bool) -> Trace:
     path = find_trace("conversation")
     assert path is not None
-    return mooncake_text_trace(path, "conversation", 8.0 if quick else 20.0, rate, seed, 32768)
+    return mooncake_text_trace(path, "conversation", TRACE_WINDOW_S[quick], rate, seed, 32768)
 
 
 def _toolagent(rate: float, seed: int, quick: bool) -> Trace:
     path = find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR)
     assert path is not None
-    return mooncake_text_trace(path, "toolagent", 8.0 if quick else 20.0, rate, seed, 32768)
+    return mooncake_text_trace(path, "toolagent", TRACE_WINDOW_S[quick], rate, seed, 32768)
 
 
 def _agentic(rate: float, seed: int, quick: bool) -> Trace:
@@ -194,14 +202,14 @@ def _agentic(rate: float, seed: int, quick: bool) -> Trace:
 WORKLOADS_FLEET: dict[str, FleetWorkload] = {
     w.name: w
     for w in (
-        FleetWorkload("shared-prefix", (8.0, 16.0), (12.0,), "QPS", _shared_prefix),
-        FleetWorkload("conversation", (1.0, 2.0), (1.0,), "x trace rate", _conversation),
+        FleetWorkload("shared-prefix", (8.0, 16.0, 24.0), (12.0,), "QPS", _shared_prefix),
+        FleetWorkload("conversation", (0.5, 1.0), (1.0,), "x trace rate", _conversation),
         FleetWorkload(
             "toolagent", (1.0, 2.0), (1.0,), "x trace rate", _toolagent,
             lambda: None if find_trace("toolagent_trace.jsonl", VENDORED_TRACES_DIR) else
             "bench/data/toolagent_trace.jsonl is not vendored (this machine could not retrieve it)",
         ),
-        FleetWorkload("agentic", (1.0, 3.0), (3.0,), "x session load", _agentic),
+        FleetWorkload("agentic", (8.0, 16.0), (3.0,), "x session load", _agentic),
     )
 }  # fmt: skip
 
@@ -238,7 +246,7 @@ def reset_engines(engines: Cluster, timeout: float = 120.0) -> None:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{w.url}: prefix cache not reset: {r.status_code} {r.text[:200]}")
-            time.sleep(0.25)
+            time.sleep(0.05)
 
 
 def scaled(trace: Trace, factor: float) -> Trace:
@@ -250,7 +258,9 @@ def scaled(trace: Trace, factor: float) -> Trace:
 # -- one run, one cell ----------------------------------------------------------------------------------
 def run_once(trace: Trace, spec: RouterSpec, engines: Cluster, args: argparse.Namespace, tag: str) -> dict:
     """One router in front of the (reset) engines for one schedule; times in simulated ms."""
+    t0 = time.perf_counter()
     reset_engines(engines)
+    t_reset = time.perf_counter()
     router = Cluster(log_dir=os.path.join(args.out_dir, "logs", tag))
     router.workers = list(engines.workers)
     bed = Testbed(DEFAULT_MODEL, BUILTIN_TOKENIZER_DIR, None)
@@ -261,12 +271,39 @@ def run_once(trace: Trace, spec: RouterSpec, engines: Cluster, args: argparse.Na
     except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
         row = failed(trace, spec, exc)
     finally:
+        t_run = time.perf_counter()
         router.workers = []  # the engines are not this cluster's to stop
-        router.stop()
+        stopping.stop(router)
+    replay = float(row.get("wall_s") or 0.0)
+    row["phases_s"] = {"reset": round(t_reset - t0, 2), "start": round(t_run - t_reset - replay, 2),
+                       "replay": round(replay, 2)}  # fmt: skip
     for key in ("ttft_ms", "e2e_ms"):
         if isinstance(row.get(key), dict):
             row[key] = {p: (None if v is None else v / args.slowdown) for p, v in row[key].items()}
     return row
+
+
+class Stopping:
+    """Routers being stopped while the next run starts: SIGTERM, SIGKILL after ``grace`` s (some wait
+    seconds for connections that are gone; nothing of theirs is read after their run). Everything
+    measured of a router is read before it is stopped, and the next one runs on other ports."""
+
+    def __init__(self, grace: float = 1.0) -> None:
+        self.grace = grace
+        self.threads: list[threading.Thread] = []
+
+    def stop(self, cluster: Cluster) -> None:
+        t = threading.Thread(target=cluster.stop, kwargs={"timeout": self.grace}, name="router-stop", daemon=True)
+        t.start()
+        self.threads = [x for x in self.threads if x.is_alive()] + [t]
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+        self.threads = []
+
+
+stopping = Stopping()
 
 
 def median_spread(values: Sequence[float | None]) -> tuple[float | None, float | None, float | None]:
@@ -297,7 +334,7 @@ def summarize_cell(label: str, runs: Sequence[dict]) -> dict:
 
 
 def run_workload(w: FleetWorkload, specs: Sequence[RouterSpec], engines: Cluster, args: argparse.Namespace) -> dict:
-    rates = w.quick_rates if args.quick else w.rates
+    rates = getattr(args, "rates", None) or (w.quick_rates if args.quick else w.rates)
     cells = []
     for rate in rates:
         trace = w.build(rate, args.seed, args.quick)
@@ -312,13 +349,15 @@ def run_workload(w: FleetWorkload, specs: Sequence[RouterSpec], engines: Cluster
                 runs[spec.label].append(row)
                 errors = row["requests"] - row["completed"]
                 p90, hit = fmt(row["ttft_ms"]["p90"]), fmt(row.get("hit_rate"), "%")
-                print(f"   run {k + 1} {spec.label}: TTFT p90 {p90} ms (sim), hit {hit}, errors {errors}", flush=True)
+                print(f"   run {k + 1} {spec.label}: TTFT p90 {p90} ms (sim), hit {hit}, errors {errors}; "
+                      f"seconds {row['phases_s']}", flush=True)  # fmt: skip
         cells.append({
             "rate": rate,
             "trace": trace.summary(),
             "description": trace.scaling.get("description", ""),
             "oracle": orc.as_dict(),
             "routers": [summarize_cell(label, rows) for label, rows in runs.items()],
+            "phases_s": [row["phases_s"] for rows in runs.values() for row in rows],
         })  # fmt: skip
     return {"workload": w.name, "rate_unit": w.rate_unit, "cells": cells, "goodput": goodput(cells, args.slo_ms)}
 
@@ -335,16 +374,86 @@ def goodput(cells: Sequence[dict], slo_ms: float) -> dict[str, float | None]:
     return out
 
 
+def overhead(workloads: Sequence[dict]) -> dict:
+    """Seconds per run, averaged over every run: the engines' reset, the router's start until it serves
+    (and the reads around the replay), the replay (arrivals and drain)."""
+    phases = [p for wl in workloads for cell in wl.get("cells", ()) for p in cell.get("phases_s", ())]
+    if not phases:
+        return {"runs": 0}
+    mean = {k: round(statistics.fmean(p[k] for p in phases), 2) for k in ("reset", "start", "replay")}
+    return {"runs": len(phases), **mean}
+
+
+# -- where the recommended mode stands ----------------------------------------------------------------
+def behind(wl: dict, label: str = RECOMMENDED) -> list[str]:
+    """Where ``label`` is behind another project's router or round robin (kvroute's other modes aside) in
+    a workload: per cell, a higher median hit rate or a lower median TTFT p90 or p99; then a higher
+    goodput. Routers with failed requests are not compared."""
+    lost = []
+    for cell in wl.get("cells", ()):
+        rows = {r["router"]: r for r in cell["routers"]}
+        ours = rows.get(label)
+        if ours is None:
+            return [f"{label} did not run"]
+        where = f"{cell['rate']:g} {wl['rate_unit']}"
+        for r in cell["routers"]:
+            if r["router"].startswith("kvroute") or r["errors"]:
+                continue
+            theirs_hit, our_hit = r["hit_rate"]["median"], ours["hit_rate"]["median"]
+            if theirs_hit is not None and our_hit is not None and theirs_hit > our_hit:
+                lost.append(f"{where}: hit rate to {r['router']} ({theirs_hit:.1%} vs {our_hit:.1%})")
+            for p in ("p90", "p99"):
+                theirs, mine = r[f"ttft_{p}"]["median"], ours[f"ttft_{p}"]["median"]
+                if theirs is not None and mine is not None and theirs < mine:
+                    lost.append(f"{where}: TTFT {p} to {r['router']} ({theirs:,.0f} vs {mine:,.0f} ms)")
+    gp = wl.get("goodput", {})
+    mine_gp = gp.get(label)
+    for router, theirs_gp in gp.items():
+        if router.startswith("kvroute") or theirs_gp is None:
+            continue
+        if mine_gp is None or theirs_gp > mine_gp:
+            ours_s = "< lowest" if mine_gp is None else f"{mine_gp:g}"
+            lost.append(f"goodput to {router} ({theirs_gp:g} vs {ours_s} {wl['rate_unit']})")
+    return lost
+
+
+def goodput_gain(wl: dict, label: str = RECOMMENDED, base: str = "round_robin") -> str:
+    """``label``'s goodput over ``base``'s, as the sweep resolves it."""
+    gp = wl.get("goodput", {})
+    mine, theirs = gp.get(label), gp.get(base)
+    rates = sorted(c["rate"] for c in wl.get("cells", ()))
+    if not rates or label not in gp or base not in gp:
+        return "n/a"
+    if mine is None and theirs is None:
+        return f"neither met the SLO at the lowest rate ({rates[0]:g} {wl['rate_unit']})"
+    if theirs is None:
+        return f"{mine:g} against < {rates[0]:g} {wl['rate_unit']} (round robin met the SLO at no swept rate)"
+    if mine is None:
+        return f"< {rates[0]:g} against {theirs:g} {wl['rate_unit']}"
+    more = " or more (the highest swept rate)" if mine == rates[-1] else ""
+    return f"{mine:g} against {theirs:g} {wl['rate_unit']}: {mine / theirs - 1:+.0%}{more}"
+
+
 # -- report -------------------------------------------------------------------------------------------
-def _ms(d: dict) -> str:
-    return f"{fmt(d['median'])} ({fmt(d['min'])}-{fmt(d['max'])})" if d["median"] is not None else "n/a"
+def _ms(d: dict, digits: int = 0) -> str:
+    """median (min-max), ms to ``digits`` decimals."""
+    if d["median"] is None:
+        return "n/a"
+    return f"{d['median']:,.{digits}f} ({d['min']:,.{digits}f}-{d['max']:,.{digits}f})"
 
 
 def markdown(report: dict) -> str:
     lines = [f"## Fleet: {report['engines']}", "", f"- Command: `{report['command']}`",
              f"- Peers: {report['peers']}", f"- Machine: {report['machine']}",
              f"- SLO for goodput: TTFT p90 <= {report['slo_ms']:g} ms (simulated); median of {report['runs']} run(s) "
-             "per cell, spread (min-max) in brackets, router order rotated per run", ""]  # fmt: skip
+             "per cell, spread (min-max) in brackets, router order rotated per run"]  # fmt: skip
+    over = report.get("overhead") or {}
+    if over.get("runs"):
+        lines.append(
+            f"- Real seconds per run (mean of {over['runs']}): engines' reset {over['reset']:g}, router start "
+            f"until it serves (and the reads around the replay) {over['start']:g}, replay {over['replay']:g}"
+        )
+    lines.append("")
     for wl in report["workloads"]:
         if wl.get("skipped"):
             lines += [f"### {wl['workload']}: not run ({wl['skipped']})", ""]
@@ -358,14 +467,17 @@ def markdown(report: dict) -> str:
                       "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
             for r in cell["routers"]:
                 hit = r["hit_rate"]
-                hit_s = (f"{fmt(hit['median'], '%')} ({fmt(hit['min'], '%')}-{fmt(hit['max'], '%')})"
+                hit_s = (f"{fmt(hit['median'], '%')} ({hit['min']:.1%}-{hit['max']:.1%})"
                          if hit["median"] is not None else "n/a")  # fmt: skip
                 lines.append(f"| {r['router']} | {_ms(r['ttft_p50'])} | {_ms(r['ttft_p90'])} | {_ms(r['ttft_p99'])} "
-                             f"| {hit_s} | {_ms(r['router_cpu_ms_per_request'])} | {r['errors']} |")  # fmt: skip
+                             f"| {hit_s} | {_ms(r['router_cpu_ms_per_request'], 1)} | {r['errors']} |")  # fmt: skip
             lines.append("")
         gp = wl["goodput"]
         lines.append("Goodput (highest rate with TTFT p90 under the SLO): " + ", ".join(
             f"{k} {'< lowest' if v is None else f'{v:g}'}" for k, v in gp.items()))  # fmt: skip
+        lines += ["", f"`{RECOMMENDED}`'s goodput over round robin: {goodput_gain(wl)}", ""]
+        lost = behind(wl)
+        lines.append(f"`{RECOMMENDED}` is " + ("behind: " + "; ".join(lost) if lost else "ahead of every other router"))
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -377,6 +489,12 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
     args.runs = args.runs or (1 if args.quick else 3)
     args.slo_ms = args.slo_ms or SLO_MS
     args.max_concurrency = max(args.max_concurrency, 512)  # open loop: the schedule's rate decides
+    try:
+        args.rates = [float(x) for x in (args.rates or "").split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--rates: not numbers: {args.rates!r}") from None
+    if any(r <= 0 for r in args.rates):
+        raise SystemExit("--rates: every rate > 0")
     if args.runs < 1 or args.slowdown <= 0:
         raise SystemExit("--runs must be >= 1 and --slowdown > 0")
     args.bin_dir = peers_bin(args.bin_dir)
@@ -394,6 +512,7 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
     if bad:
         raise SystemExit(f"unknown fleet workloads {bad}; choose from {', '.join(WORKLOADS_FLEET)} or all")
     os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"fleet{'-quick' if args.quick else ''}")
     t0 = time.perf_counter()
     engines = start_engines(args, os.path.join(args.out_dir, "logs", "engines"))
     report: dict = {
@@ -416,10 +535,13 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
                 report["workloads"].append({"workload": name, "skipped": reason})
                 continue
             report["workloads"].append(run_workload(w, specs, engines, args))
+            with open(stem + ".partial.json", "w", encoding="utf-8") as f:  # what a stopped run leaves
+                json.dump(report, f, indent=1)
     finally:
+        stopping.join()
         engines.stop()
+    report["overhead"] = overhead(report["workloads"])
     report["machine"] += f", {load_avg()} at the end; {time.perf_counter() - t0:.0f} s in all"
-    stem = os.path.join(args.out_dir, f"fleet{'-quick' if args.quick else ''}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
     text = markdown(report)

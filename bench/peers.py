@@ -116,6 +116,8 @@ ROUTERS: dict[str, RouterSpec] = {
         # latency mode as for engines that share compute (CPU engines on the same cores): a second copy of
         # a prefix costs everyone, so it is charged 4x its prefill instead of 1x
         RouterSpec("kvroute-latency-shared", "kvroute", "latency", extra=("--router-latency-recompute-weight", "4")),
+        # latency mode booking only the rest of a prompt whose prefix it has just routed to the same rank
+        RouterSpec("kvroute-latency-book", "kvroute", "latency", extra=("--router-latency-book-predicted",)),
     )
 }
 # the rows of a plain run: the gateway and the variant rows are asked for by name
@@ -238,7 +240,7 @@ def wait_serving(cluster: Cluster, url: str, model: str, timeout: float = READY_
             last = repr(exc)
         if time.monotonic() > deadline:
             raise TimeoutError(f"router at {url} does not serve after {timeout:g} s (last: {last})")
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 # -- one router ---------------------------------------------------------------------------------------
@@ -556,6 +558,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a short run: a third of the sessions, at most 3 turns")
     p.add_argument("--workers", type=int, default=None, help="engines (default 4; 8 on the fleet)")
     p.add_argument("--runs", type=int, default=None, help="fleet: runs per cell, median and spread (3; quick 1)")
+    p.add_argument("--rates", default=None,
+                   help="fleet: the rates to sweep, comma-separated, for every asked workload (default: each "
+                   "workload's own)")  # fmt: skip
     p.add_argument("--slowdown", type=float, default=None,
                    help="fleet: engines this many times slower than the H200 (default 2; times are "
                    "reported divided by it)")  # fmt: skip

@@ -186,6 +186,7 @@ class RouterConfig:
     router_latency_live_horizon: float = 10.0
     router_latency_recompute_weight: float = 1.0
     router_latency_predict_routed: bool = True
+    router_latency_book_predicted: bool = False
     # JetStream mode (deprecated in the guide): accepted, no effect here (see JETSTREAM_FLAGS)
     router_durable_kv_events: bool = False
     router_reset_states: bool = False
@@ -467,6 +468,16 @@ _FLAGS: list[tuple[str, str, tuple[str, ...], Any, Any, str]] = [
         True,
         "latency mode: a rank holds the blocks of the prompts just routed to it (within the live horizon) before "
         "their KV events arrive (a group's users arriving during their shared prefix's first prefill follow it)",
+    ),
+    (
+        "--router-latency-book-predicted",
+        "router_latency_book_predicted",
+        ("DYN_ROUTER_LATENCY_BOOK_PREDICTED",),
+        bool,
+        False,
+        "latency mode: a request whose prefix was just routed to its rank books only the prefill of the rest as "
+        "queued work there (not the whole prompt until KV events show the prefix), so that rank does not look "
+        "loaded by the prefix it holds",
     ),
     (
         "--router-durable-kv-events",

@@ -7,12 +7,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
+import time
 
 import pytest
 
 from bench import fleet, peers
 from bench.sessions import SessionGroup, Workload, session_trace
 from bench.traces import Trace, TraceRequest
+from kvroute_common.local_cluster import Cluster
+from kvroute_common.processes import wait_until
 from mocker.gpu_profile import GpuProfile
 
 
@@ -127,6 +131,12 @@ def test_a_tiny_fleet_sweep_gives_medians_spreads_and_goodput(tmp_path, monkeypa
             assert p90["median"] > 20  # simulated ms: at least a 32B prefill of a few hundred tokens
             assert r["hit_rate"]["median"] is not None
     assert result["goodput"] == {"kvroute-kv": 2.0, "round_robin": 2.0}
+    for cell in result["cells"]:  # every run's seconds: reset, start until it serves, replay
+        assert len(cell["phases_s"]) == 4
+        for p in cell["phases_s"]:
+            assert 0 <= p["reset"] < p["replay"] and 0 < p["start"]
+    over = fleet.overhead([result])
+    assert over["runs"] == 8 and over["start"] > 0 and over["replay"] > over["reset"]
     text = fleet.markdown({"engines": "e", "command": "c", "peers": "p", "machine": "m", "slo_ms": 1.0, "runs": 2,
                            "workloads": [result, {"workload": "x", "skipped": "why"}]})  # fmt: skip
     assert "kvroute-kv" in text and "not run (why)" in text
@@ -137,3 +147,68 @@ def test_every_fleet_workload_builds(name):
     w = fleet.WORKLOADS_FLEET[name]
     trace = w.build(w.quick_rates[0], 0, True)
     assert trace.requests and all(r.text or r.messages for r in trace.requests)
+
+
+def test_a_router_is_stopped_behind_the_next_run_and_killed_after_its_grace(tmp_path):
+    """Stopping a router does not hold up the next run; one that ignores SIGTERM is killed after the grace."""
+    cluster = Cluster(log_dir=str(tmp_path))
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up'); time.sleep(60)"
+    child = cluster.start_router("stubborn", sys.executable, ["-c", stubborn], "http://127.0.0.1:9")
+    wait_until(lambda: "up" in child.log_tail(), timeout=30, what="SIGTERM ignored")
+    stopping = fleet.Stopping(grace=0.5)
+    t0 = time.perf_counter()
+    stopping.stop(cluster)
+    assert time.perf_counter() - t0 < 0.2  # returned at once: the stop goes on behind
+    assert child.proc.poll() is None
+    stopping.join()
+    assert time.perf_counter() - t0 < 10
+    assert child.proc.wait(timeout=5) == -9  # SIGKILL after the grace
+    assert stopping.threads == []
+
+
+def test_rates_are_parsed_for_the_fleet_and_bad_ones_refused(tmp_path):
+    args = peers.parser().parse_args(["--testbed", "fleet", "--rates", "4,8", "--out-dir", str(tmp_path)])
+    assert args.rates == "4,8"
+    for bad in ("x", "0,4"):
+        with pytest.raises(SystemExit, match="--rates"):
+            fleet.run_fleet(peers.parser().parse_args(["--testbed", "fleet", "--rates", bad, "--routers",
+                                                       "kvroute-kv", "--out-dir", str(tmp_path)]), "c")  # fmt: skip
+
+
+def _wl(cells: list[dict], goodput: dict) -> dict:
+    return {"workload": "w", "rate_unit": "QPS", "cells": cells, "goodput": goodput}
+
+
+def _router(name: str, hit: float, p90: float, p99: float, errors: int = 0) -> dict:
+    return {"router": name, "errors": errors, "hit_rate": {"median": hit},
+            "ttft_p90": {"median": p90}, "ttft_p99": {"median": p99}}  # fmt: skip
+
+
+def test_the_recommended_mode_is_named_behind_where_a_peer_beats_it():
+    """Hit rate, TTFT p90 and p99 medians per cell, then goodput; kvroute's other modes and routers with
+    failed requests are not compared."""
+    cell = {"rate": 8.0, "routers": [
+        _router("kvroute-latency", 0.40, 900, 1500), _router("kvroute-kv", 0.9, 100, 100),
+        _router("smg-prefix_hash", 0.46, 1000, 1400), _router("round_robin", 0.1, 800, 2000),
+        _router("vllm-kv_aware", 0.99, 1, 1, errors=3),
+    ]}  # fmt: skip
+    lost = fleet.behind(_wl([cell], {"kvroute-latency": 8.0, "smg-prefix_hash": 16.0, "round_robin": None}))
+    assert lost == [
+        "8 QPS: hit rate to smg-prefix_hash (46.0% vs 40.0%)",
+        "8 QPS: TTFT p99 to smg-prefix_hash (1,400 vs 1,500 ms)",
+        "8 QPS: TTFT p90 to round_robin (800 vs 900 ms)",
+        "goodput to smg-prefix_hash (16 vs 8 QPS)",
+    ]
+    ahead = {"rate": 8.0, "routers": [_router("kvroute-latency", 0.5, 100, 100), _router("round_robin", 0.1, 800, 900)]}
+    assert fleet.behind(_wl([ahead], {"kvroute-latency": 8.0, "round_robin": 8.0})) == []
+
+
+def test_goodput_gain_over_round_robin_says_what_the_sweep_resolves():
+    cells = [{"rate": r, "routers": []} for r in (8.0, 16.0, 24.0)]
+    assert fleet.goodput_gain(_wl(cells, {"kvroute-latency": 16.0, "round_robin": 8.0})) == "16 against 8 QPS: +100%"
+    top = fleet.goodput_gain(_wl(cells, {"kvroute-latency": 24.0, "round_robin": 8.0}))
+    assert top.startswith("24 against 8 QPS: +200%") and "or more" in top
+    assert "round robin met the SLO at no swept rate" in fleet.goodput_gain(
+        _wl(cells, {"kvroute-latency": 8.0, "round_robin": None})
+    )
+    assert "neither" in fleet.goodput_gain(_wl(cells, {"kvroute-latency": None, "round_robin": None}))

@@ -217,3 +217,42 @@ def test_latency_mode_follows_a_prefix_just_routed_before_its_kv_events_arrive()
     assert second == first and overlap == 0  # followed the prefix; the index holds nothing yet
     first, second, overlap = second_choice(False)
     assert second != first  # the first rank is busy with the prefill, nothing is known to be cached
+
+
+def test_latency_mode_books_only_the_rest_of_a_prompt_whose_prefix_it_just_routed_there() -> None:
+    """With --router-latency-book-predicted, a group's second user (routed after its prefix, before the KV
+    events) books only its own tokens as queued prefill, so the group's third user follows too; booked in
+    full (the default), the rank looks loaded by the prefix it holds and the third user computes the prefix
+    again elsewhere. The decisions' overlap stays the index's either way (what the parity alarm compares)."""
+    from frontend.pool.workers import Worker, WorkerSpec
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.request_router import RequestRouter
+    from router.config import RouterConfig
+    from slot_tracker.core import SlotRegistry
+
+    def group(book: bool) -> tuple[list[int], int, list[int]]:
+        slots = SlotRegistry()
+        entry = ModelEntry("m", 16, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
+        for i in (1, 2):
+            slots.register(i, "m", "default", 16, 0, 1)
+            spec = WorkerSpec(i, f"http://w{i}")
+            entry.workers[i] = Worker(spec, "cli", None, None, num_gpu_blocks=10_000, healthy=True)  # type: ignore[arg-type]
+        router = RequestRouter(RouterConfig(router_mode="latency", router_latency_book_predicted=book))
+        prefix = list(range(1600))  # 100 blocks
+        chosen, overlaps = [], []
+        for k in range(3):
+            d = router.route(entry, prefix + list(range(5000 + 100 * k, 5016 + 100 * k)))
+            router.book(entry, f"r{k}", d)
+            chosen.append(d.worker.id)
+            overlaps.append(d.overlap_blocks)
+        queued = {p[0]: p[2] for p in entry.tracker.potential_loads([], 0)}
+        return chosen, queued[chosen[0]], overlaps
+
+    chosen, queued, overlaps = group(True)
+    assert chosen == [chosen[0]] * 3
+    assert queued == 1616 + 16 + 16  # the first prompt in full, then each user's own block
+    assert overlaps == [0, 0, 0]
+    chosen, queued, overlaps = group(False)
+    assert chosen[1] == chosen[0] and chosen[2] != chosen[0]  # the third computes the prefix again
+    assert queued == 1616 + 1616
+    assert overlaps == [0, 0, 0]

@@ -33,6 +33,9 @@ class Decision:
     available_blocks: int = 0  # best overlap among the eligible candidates (hit-rate decomposition)
     t_routed: float = 0.0  # perf_counter at the decision (latency mode: TTFT observations start here)
     overlap_source: str | None = None  # remote | remote_unavailable (--use-remote-indexer); None: embedded
+    # the prefill booked on the rank when latency mode expects more cached there than the index shows
+    # (blocks just routed there, --router-latency-book-predicted); None: new_isl_tokens
+    booked_new_tokens: int | None = None
 
     @property
     def cached_tokens(self) -> int:

@@ -154,6 +154,7 @@ class RequestRouter:
 
         tracker = entry.tracker
         cost: WorkerCost | None = None
+        booked: int | None = None
         if kv:
             potential = {(p[0], p[1]): p for p in tracker.potential_loads(tracked, 0)}
             loads: list[CandidateLoad] = []
@@ -214,6 +215,11 @@ class RequestRouter:
             worker = next(w for w, r in candidates if w.id == chosen_id and r == rank)
             # what the index holds: the booked prefill and the parity alarm compare it with the engine's
             overlap = overlaps.get((chosen_id, rank), 0) if lmodels is not None else cost.overlap_blocks
+            if lmodels is not None and cfg.router_latency_book_predicted and cost.overlap_blocks > overlap:
+                # the blocks just routed there are not queued work for this request (its estimate did not count
+                # them): booked as they are, the rank looks loaded by the prefix it holds and the prefix's next
+                # requests go elsewhere, computing it again
+                booked = max(0, isl - cost.overlap_blocks * bs)
         else:
             if cfg.router_mode == "random":
                 worker, rank = candidates[self.rng.randrange(len(candidates))]
@@ -238,9 +244,11 @@ class RequestRouter:
                 metrics.oh_find_matches.observe((t3 - t2) * 1e3)
             metrics.oh_scheduling.observe((t4 - t3) * 1e3)
             metrics.oh_total.observe((t4 - t0) * 1e3)
-        return Decision(
+        decision = Decision(
             worker, rank, isl, overlap, new_tokens, tracked, local, seq, cost, costs if kv else None, available, t4
         )
+        decision.booked_new_tokens = booked
+        return decision
 
     def best_cached_tokens(self, entry: ModelEntry, local_hashes: list[int]) -> int:
         """Most prompt tokens any worker of the model holds now (the queue's pending-cached gauge)."""
@@ -254,7 +262,8 @@ class RequestRouter:
     def book(self, entry: ModelEntry, request_id: str, decision: Decision) -> None:
         """Record the request on its (worker, rank) before dispatch; approximate mode predicts its blocks."""
         tracker = entry.tracker
-        new_isl = decision.new_isl_tokens if self.config.router_track_prefill_tokens else 0
+        booked = decision.new_isl_tokens if decision.booked_new_tokens is None else decision.booked_new_tokens
+        new_isl = booked if self.config.router_track_prefill_tokens else 0
         tracker.add(request_id, decision.worker.id, decision.dp_rank, decision.tracked_hashes, new_isl)
         if self.decisions is not None:
             self.decisions.record(self.label, self.config, entry, request_id, decision)
