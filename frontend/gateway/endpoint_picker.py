@@ -26,8 +26,9 @@ Response body: ``FULL_DUPLEX_STREAMED`` (each chunk relayed back, changed only a
 it), ``STREAMED`` (chunks observed, replaced only when changed), ``BUFFERED`` (the answer arrives whole at
 its end), or ``NONE`` (no per-chunk message at all: prefill is taken as complete at the response headers,
 and the response as ended when the gateway closes the stream, which it does when the response ends or the
-client leaves: the two cannot be told apart in this mode). ``BUFFERED_PARTIAL`` is refused (a response
-larger than the buffer would be seen cut, with no end). Every stream's end is counted by reason
+client leaves: the two cannot be told apart in this mode; the engine is not asked for stream usage the
+client did not ask for, since nothing here could take it out of the client's stream). ``BUFFERED_PARTIAL``
+is refused (a response larger than the buffer would be seen cut, with no end). Every stream's end is counted by reason
 (``kvroute_epp_streams_total{end}``) and logged at debug level.
 """
 
