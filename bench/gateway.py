@@ -30,8 +30,11 @@ through kvroute as its own proxy and through Envoy with kvroute's picker in each
 of fresh mockers per path (4, ``--speedup-ratio 4``, kv mode); the order of the paths turns at each load.
 Per path: the engines' hit rate, TTFT p50 / p90, the frontend's CPU per request and, through the gateway,
 the ext_proc messages per request and the frontend's CPU per streamed chunk (the full-duplex run's CPU
-above the NONE run's, over its response-body messages). Figures: docs/deploy.md. Nothing here asserts:
-benchmarks measure.
+above the NONE run's, over its response-body messages). ``--paths proxy,none,buffered-none`` runs only
+those paths, ``--runs N`` the whole run N times (the order of the paths turns from run to run), and
+prints (and writes with ``--out``) per concurrency and path the mean hit rate, the medians over the runs
+and each run's CPU per request above the proxy's in that run. Figures: docs/deploy.md. Nothing here
+asserts: benchmarks measure.
 """
 
 from __future__ import annotations
@@ -161,6 +164,8 @@ WORKLOAD_PATHS: tuple[tuple[str, bool, tuple[tuple[str, Any], ...]], ...] = (
         (("request_body_mode", "BUFFERED"), ("response_body_mode", "NONE")),
     ),
 )
+# --paths: short names of WORKLOAD_PATHS, in its order
+PATH_NAMES = {"proxy": 0, "duplex": 1, "none": 2, "buffered-none": 3}
 
 
 def _frontend_counters(url: str) -> dict[str, float]:
@@ -199,7 +204,8 @@ def run_workload(ns: argparse.Namespace) -> list[dict[str, Any]]:
         orc = round(oracle([r.tokens for r in trace.requests], bed.block_size).token_share, 3)
         mocker = MockerOptions(block_size=bed.block_size, num_gpu_blocks=blocks, speedup_ratio=ns.speedup_ratio)
         opts = RunOptions(workers=ns.workers, max_concurrency=concurrency, max_duration_s=600.0, model=DEFAULT_MODEL)
-        paths = WORKLOAD_PATHS if i % 2 == 0 else tuple(reversed(WORKLOAD_PATHS))
+        chosen = tuple(WORKLOAD_PATHS[PATH_NAMES[n]] for n in ns.paths)
+        paths = chosen if (i + ns.run_index) % 2 == 0 else tuple(reversed(chosen))
         for label, gateway, options in paths:
             spec = RouterSpec(label, "kvroute", "kv", gateway=gateway, gateway_options=options)
             with Cluster(log_dir=os.path.join(ns.log_dir, f"c{concurrency}-{len(rows)}")) as cluster:
@@ -231,8 +237,8 @@ def run_workload(ns: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(out)
             print(json.dumps(out), flush=True)
         by = {r["path"]: r for r in rows if r["concurrency"] == concurrency}
-        duplex, none = by[WORKLOAD_PATHS[1][0]], by[WORKLOAD_PATHS[2][0]]
-        if duplex["response_body_messages"]:
+        duplex, none = by.get(WORKLOAD_PATHS[1][0]), by.get(WORKLOAD_PATHS[2][0])
+        if duplex is not None and none is not None and duplex["response_body_messages"]:
             extra = (duplex["frontend_cpu_s"] - none["frontend_cpu_s"]) * 1e3 / duplex["response_body_messages"]
             duplex["frontend_cpu_ms_per_streamed_chunk"] = round(extra, 3)
             print(json.dumps({"concurrency": concurrency, "cpu_ms_per_streamed_chunk": round(extra, 3)}), flush=True)
@@ -255,6 +261,43 @@ def workload_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def workload_summary(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per concurrency and path over the runs: mean hit rate, median TTFT p50 / p90 and median CPU per
+    request, and the median of each run's CPU against the proxy's in that run (a run's load is the same
+    for all its paths; loads differ between runs)."""
+    from statistics import fmean, median
+
+    cells: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for rows in runs:
+        for r in rows:
+            cells.setdefault((r["concurrency"], r["path"]), []).append(r)
+    proxy = WORKLOAD_PATHS[0][0]
+    out = []
+    for (concurrency, path), rs in cells.items():
+        hits = [r["hit_rate"] for r in rs if r["hit_rate"] is not None]
+        row: dict[str, Any] = {
+            "concurrency": concurrency,
+            "path": path,
+            "runs": len(rs),
+            "hit_rate_mean": round(fmean(hits), 3) if hits else None,
+            "ttft_p50_ms_median": round(median(r["ttft_p50_ms"] for r in rs), 1),
+            "ttft_p90_ms_median": round(median(r["ttft_p90_ms"] for r in rs), 1),
+            "frontend_cpu_ms_per_request_median": round(median(r["frontend_cpu_ms_per_request"] for r in rs), 2),
+        }
+        if path != proxy:
+            diffs = []
+            for rows in runs:
+                by = {(r["concurrency"], r["path"]): r for r in rows}
+                if (concurrency, path) in by and (concurrency, proxy) in by:
+                    mine, theirs = by[(concurrency, path)], by[(concurrency, proxy)]
+                    diffs.append(mine["frontend_cpu_ms_per_request"] - theirs["frontend_cpu_ms_per_request"])
+            if diffs:
+                row["cpu_minus_proxy_ms_per_run"] = [round(d, 2) for d in diffs]
+                row["cpu_minus_proxy_ms_median"] = round(median(diffs), 2)
+        out.append(row)
+    return sorted(out, key=lambda r: (r["concurrency"], r["path"]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench gateway", description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=("agentic",), default=None, help="routing quality through the gateway")
@@ -264,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=5, help="--workload: turns per session [5]")
     p.add_argument("--workers", type=int, default=4, help="--workload: mockers [4]")
     p.add_argument("--speedup-ratio", type=float, default=4.0, help="--workload: mocker speed [4]")
+    p.add_argument("--paths", type=lambda v: v.split(","), default=list(PATH_NAMES),
+                   help=f"--workload: the paths, comma-separated, of {','.join(PATH_NAMES)} [all]")  # fmt: skip
+    p.add_argument("--runs", type=int, default=1, help="--workload: whole runs, one after the other [1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="bench/out/gateway", help="--workload: the processes' logs")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measurement [10]")
@@ -273,11 +319,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = p.parse_args(argv)
     t0 = time.time()
     if ns.workload is not None:
-        rows = run_workload(ns)
-        print(workload_table(rows), flush=True)
+        unknown = [n for n in ns.paths if n not in PATH_NAMES]
+        if unknown:
+            p.error(f"--paths: unknown {unknown} (known: {', '.join(PATH_NAMES)})")
+        runs: dict[str, Any] = {}
+        for index in range(ns.runs):
+            ns.run_index = index  # the order of the paths turns from run to run too
+            started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            t_run = time.time()
+            rows = run_workload(ns)
+            print(workload_table(rows), flush=True)
+            runs[f"run {index + 1}"] = {"started": started, "rows": rows, "seconds": round(time.time() - t_run)}
+        overall = workload_summary([r["rows"] for r in runs.values()])
+        for row in overall:
+            print(json.dumps(row), flush=True)
         if ns.out:
             with open(ns.out, "w", encoding="utf-8") as f:
-                json.dump({"rows": rows, "seconds": round(time.time() - t0)}, f, indent=1)
+                json.dump({"runs": runs, "overall": overall, "seconds": round(time.time() - t0)}, f, indent=1)
         return 0
     rows = run(ns.duration, ns.connections, ns.engines)
     by = {r["path"]: r for r in rows}

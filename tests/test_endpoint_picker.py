@@ -228,6 +228,25 @@ def test_a_buffered_request_body_and_a_streamed_response_work_the_same(pool: Poo
     wait_until(pool.idle, 15, what="every load back to 0")
 
 
+@pytest.mark.parametrize("request_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+def test_response_body_none_passes_on_the_usage_only_when_the_client_asked_for_it(
+    pool: Pool, request_mode: str
+) -> None:
+    """With response body NONE the picker cannot take the engine's usage out of the stream, so it does not
+    ask the engine for it on the client's behalf: the client gets usage when it asked and never otherwise,
+    with the body left as the client sent it or rewritten by nvext."""
+    prefix = f"usage {request_mode} " + "the bytes pass the gateway alone. " * 8
+    with gateway(pool, request_body_mode=request_mode, response_body_mode="NONE") as gw:
+        plain = stream_events(gw, chat(prefix, "plain"))
+        assert plain and not any(e.get("usage") for e in plain), plain[-2:]
+        rewritten = stream_events(gw, chat(prefix, "nvext", nvext={"agent_hints": {"priority": 1}}))
+        assert rewritten and not any(e.get("usage") for e in rewritten), rewritten[-2:]
+        asked = stream_events(gw, chat(prefix, "asked", stream_options={"include_usage": True}))
+        usage = [e["usage"] for e in asked if e.get("usage")]
+        assert len(usage) == 1 and usage[0]["completion_tokens"] > 0, asked[-2:]
+    wait_until(pool.idle, 15, what="every load back to 0")
+
+
 def test_the_gateways_endpoint_subset_is_honoured_and_an_empty_one_refused(pool: Pool) -> None:
     ids = sorted(w.worker_id for w in pool.cluster.workers)
     only = ids[1]

@@ -26,8 +26,9 @@ Response body: ``FULL_DUPLEX_STREAMED`` (each chunk relayed back, changed only a
 it), ``STREAMED`` (chunks observed, replaced only when changed), ``BUFFERED`` (the answer arrives whole at
 its end), or ``NONE`` (no per-chunk message at all: prefill is taken as complete at the response headers,
 and the response as ended when the gateway closes the stream, which it does when the response ends or the
-client leaves: the two cannot be told apart in this mode). ``BUFFERED_PARTIAL`` is refused (a response
-larger than the buffer would be seen cut, with no end). Every stream's end is counted by reason
+client leaves: the two cannot be told apart in this mode; the engine is not asked for stream usage the
+client did not ask for, since nothing here could take it out of the client's stream). ``BUFFERED_PARTIAL``
+is refused (a response larger than the buffer would be seen cut, with no end). Every stream's end is counted by reason
 (``kvroute_epp_streams_total{end}``) and logged at debug level.
 """
 
@@ -43,7 +44,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from frontend.observability.parity import UsageTap
+from frontend.observability.parity import UsageTap, body_without_usage
 from frontend.request.errors import OpenAIError
 
 if TYPE_CHECKING:
@@ -191,8 +192,9 @@ class _Stream:
 
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
-        self.headers: list[tuple[str, str]] = []
-        self.body = bytearray()
+        self.headers: list[tuple[bytes, bytes]] = []  # as Starlette's Headers holds them
+        self.body_parts: list[bytes] = []  # the request body as it arrives (one part, mostly: no copy)
+        self.body_size = 0
         self.subset: list[str] | None = None
         self.request_mode = BUFFERED  # without protocol_config (Envoy before 1.33): the headers are answered first
         self.response_mode = NONE  # the proto's default; protocol_config says what the gateway sends
@@ -222,7 +224,7 @@ class _Stream:
             if request.HasField("metadata_context"):
                 self.subset = _endpoint_list(_metadata_value(request, SUBSET_NAMESPACE, SUBSET))
             for h in request.request_headers.headers.headers:
-                self.headers.append((h.key.lower(), h.raw_value.decode("latin-1") if h.raw_value else h.value))
+                self.headers.append((h.key.lower().encode("latin-1"), h.raw_value or h.value.encode("latin-1")))
             if request.request_headers.end_of_stream:  # no body: not a generation request
                 yield self._route_to_any()
                 return
@@ -232,10 +234,13 @@ class _Stream:
                 yield self._immediate(500, OpenAIError(500, refusal))
             elif self.request_mode != FULL_DUPLEX:  # buffered: the endpoint rides on the body response
                 self.headers_answered = True
-                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                yield self.picker.answers.request_headers
         elif which == "request_body":
-            self.body += request.request_body.body
-            if len(self.body) > MAX_BODY:
+            part = request.request_body.body
+            if part:
+                self.body_parts.append(part)
+                self.body_size += len(part)
+            if self.body_size > MAX_BODY:
                 self.end = END_REFUSED
                 yield self._immediate(413, OpenAIError(413, f"request body exceeds {MAX_BODY} bytes"))
                 return
@@ -250,12 +255,12 @@ class _Stream:
             if self.picked is None and self.end is None:
                 async for r in self._pick():
                     yield r
-            yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            yield self.picker.answers.request_trailers
         # the stream's state is settled before each answer is yielded: once Envoy has the answer to the
         # response's last message it may close the stream, and this generator is not resumed after that
         elif which == "response_headers":
             self._response_started(request)
-            answer = pb.ProcessingResponse(response_headers=self._response_headers_answer())
+            answer = self._response_headers_answer()
             if request.response_headers.end_of_stream:
                 self.finish(END_RESPONSE)
             yield answer
@@ -272,7 +277,7 @@ class _Stream:
                     )
                 )
             elif out == data:  # STREAMED / BUFFERED, unchanged: the gateway sends its own copy on
-                answer = pb.ProcessingResponse(response_body=pb.BodyResponse())
+                answer = self.picker.answers.response_body
             else:  # the chunk replaced (nvext added, the usage the client did not ask for taken out)
                 mutation = pb.BodyMutation(body=out) if out else pb.BodyMutation(clear_body=True)
                 common = pb.CommonResponse(body_mutation=mutation)
@@ -287,7 +292,7 @@ class _Stream:
             yield answer
         elif which == "response_trailers":
             self.finish(END_RESPONSE)
-            yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+            yield self.picker.answers.response_trailers
 
     def _unsupported_modes(self) -> str | None:
         """Why this stream's processing modes cannot be served (None: they can)."""
@@ -333,22 +338,23 @@ class _Stream:
 
     async def _pick(self) -> AsyncIterator[Any]:
         """The request is complete: decide, answer the endpoint, and (full duplex) stream the body back."""
-        headers = Headers(raw=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers])
+        headers = Headers(raw=self.headers)
         kind = KINDS.get(headers.get(":path", "").split("?", 1)[0])
         if not self.picker.state.serving:  # starting (no engine known yet) or draining: not a 404
             self.end = END_REFUSED
             yield self._immediate(503, OpenAIError(503, "kvroute is not ready: no healthy worker yet"))
             return
+        sent = self._body()  # as the gateway has it
         if kind is None:  # not a generation route: no decision to make, any worker answers it
             self.end = END_NO_DECISION
-            endpoint, body = self._any_endpoint(), bytes(self.body)
+            endpoint, body = self._any_endpoint(), sent
             if endpoint is None:
                 self.end = END_REFUSED
                 yield self._immediate(503, OpenAIError(503, "no healthy worker"))
                 return
             endpoints = [endpoint]
         else:
-            source = PickerSource(headers, bytes(self.body), self.subset, self._steering(headers))
+            source = PickerSource(headers, sent, self.subset, self._steering(headers))
             result = await self.picker.path.generate(source, kind, _hand_over)
             if isinstance(result, Response):  # refused: the error the proxy would have answered
                 self.end = END_REFUSED
@@ -357,9 +363,13 @@ class _Stream:
             assert isinstance(result, Picked)
             self.picked = result
             endpoints = self.picker.endpoints(result)
-            body = result.ctx.out_body
+            ctx = result.ctx
+            body = ctx.out_body
+            if ctx.strip_usage and self.response_mode == NONE:  # the client would get the usage it did not ask
+                body = body_without_usage(body, sent)  # for: nothing here takes it out of the stream
+                ctx.strip_usage = False
         self.endpoint = endpoints[0]
-        yield self._route_to(endpoints, body)
+        yield self._route_to(endpoints, None if body is sent else body)
         if self.request_mode == FULL_DUPLEX:  # the body goes on as the picker streams it back
             pb = self.picker.pb
             mutation = pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True))
@@ -367,11 +377,15 @@ class _Stream:
                 request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
             )
 
+    def _body(self) -> bytes:
+        parts = self.body_parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
     def _route_to(self, endpoints: list[str], body: bytes | None) -> Any:
         """The decision as the gateway takes it: the header and the ``envoy.lb`` metadata (the same value:
         the choice, then the fallbacks), on the answer to the request's headers, or (buffered body, headers
-        already answered) on the body's with the body the engine gets (the proxy's: nvext applied, usage
-        requested) and its length."""
+        already answered) on the body's with, when the proxy changed it (nvext applied, usage requested),
+        the body the engine gets and its length (None: the gateway's own copy goes on)."""
         pb = self.picker.pb
         value = ",".join(endpoints)
         set_headers = [pb.HeaderValueOption(header=pb.HeaderValue(key=DESTINATION, raw_value=value.encode()))]
@@ -414,14 +428,16 @@ class _Stream:
         picker chose and the gateway says served, for the suite to compare."""
         pb = self.picker.pb
         if not self.picker.conformance_hooks:
-            return pb.HeadersResponse()
+            return self.picker.answers.response_headers
         served = self.served or "fail: missing destination endpoint served metadata"
         values = [(CONFORMANCE_SERVED, served)]
         if self.endpoint is not None:
             values.append((CONFORMANCE_SELECTED, self.endpoint))
         set_headers = [pb.HeaderValueOption(header=pb.HeaderValue(key=k, raw_value=v.encode())) for k, v in values]
         mutation = pb.HeaderMutation(set_headers=set_headers)
-        return pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
+        return pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
+        )
 
     def _response_started(self, request: Any) -> None:
         served = _metadata_value(request, LB_NAMESPACE, SERVED) if request.HasField("metadata_context") else None
@@ -541,6 +557,7 @@ class EndpointPicker:
         self.state = state
         self.path = path
         self.pb = epp_protocol
+        self.answers = epp_protocol.Answers()
         self.fallbacks = fallbacks
         self.conformance_hooks = conformance_hooks
         self.server: grpc.aio.Server | None = None

@@ -73,6 +73,9 @@ def parse_usage(data: bytes) -> tuple[int | None, int | None]:
     return (int(p.group(1)) if p else None), (int(c.group(1)) if c else None)
 
 
+_USAGE_SPLICE = b'{"stream_options":{"include_usage":true},'  # spliced before an unchanged body's first field
+
+
 def stream_body_with_usage(body: dict, raw: bytes | None) -> tuple[bytes | None, bool]:
     """For a streamed request: ``(body to send, strip)`` asking the engine for usage.
 
@@ -86,13 +89,29 @@ def stream_body_with_usage(body: dict, raw: bytes | None) -> tuple[bytes | None,
         if raw is not None:
             i = raw.find(b"{")
             if i >= 0 and raw[i + 1 :].lstrip()[:1] not in (b"}", b""):
-                return b'{"stream_options":{"include_usage":true},' + raw[i + 1 :], True
+                return _USAGE_SPLICE + raw[i + 1 :], True
         body["stream_options"] = {"include_usage": True}
         return None, True
     if not isinstance(opts, dict) or opts.get("include_usage"):
         return None, False
     opts["include_usage"] = True
     return None, True
+
+
+def body_without_usage(sent: bytes, raw: bytes) -> bytes:
+    """The body to send when nothing can take the engine's usage out of the client's stream (the
+    endpoint picker with response body ``NONE``): ``sent`` without what :func:`stream_body_with_usage`
+    added (``raw``: the client's body, returned as it is when the usage was all that changed)."""
+    i = raw.find(b"{")
+    if sent.startswith(_USAGE_SPLICE) and sent[len(_USAGE_SPLICE) :] == raw[i + 1 :]:
+        return raw
+    import orjson
+
+    body = orjson.loads(sent)
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and opts.pop("include_usage", None) is not None and not opts:
+        del body["stream_options"]
+    return orjson.dumps(body)
 
 
 def _event_end(data: bytes, pos: int) -> int:
