@@ -1,6 +1,8 @@
 """Live cache footprint (router/footprint.py): what a rank's recent requests used, and what a new prompt
 would push out of its cache."""
 
+from typing import Any
+
 import pytest
 
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
@@ -193,20 +195,10 @@ def test_latency_mode_follows_a_prefix_just_routed_before_its_kv_events_arrive()
     event yet): with --router-latency-predict-routed (the default) it goes where the prefix was routed,
     with the decision's overlap still the index's (what the parity alarm compares); without it, the
     rank that holds nothing yet looks as good and the idle one wins."""
-    from frontend.pool.workers import Worker, WorkerSpec
-    from frontend.routing.models import BusyThresholds, ModelEntry
-    from frontend.routing.request_router import RequestRouter
     from router.config import RouterConfig
-    from slot_tracker.core import SlotRegistry
 
     def second_choice(predict: bool) -> tuple[int, int, int]:
-        slots = SlotRegistry()
-        entry = ModelEntry("m", 16, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
-        for i in (1, 2):
-            slots.register(i, "m", "default", 16, 0, 1)
-            spec = WorkerSpec(i, f"http://w{i}")
-            entry.workers[i] = Worker(spec, "cli", None, None, num_gpu_blocks=10_000, healthy=True)  # type: ignore[arg-type]
-        router = RequestRouter(RouterConfig(router_mode="latency", router_latency_predict_routed=predict))
+        router, entry = _two_idle_ranks(RouterConfig(router_mode="latency", router_latency_predict_routed=predict))
         prefix = list(range(1600))  # 100 blocks
         first = router.route(entry, prefix + list(range(5000, 5016)))
         router.book(entry, "r1", first)
@@ -224,20 +216,10 @@ def test_latency_mode_books_only_the_rest_of_a_prompt_whose_prefix_it_just_route
     events) books only its own tokens as queued prefill, so the group's third user follows too; booked in
     full (the default), the rank looks loaded by the prefix it holds and the third user computes the prefix
     again elsewhere. The decisions' overlap stays the index's either way (what the parity alarm compares)."""
-    from frontend.pool.workers import Worker, WorkerSpec
-    from frontend.routing.models import BusyThresholds, ModelEntry
-    from frontend.routing.request_router import RequestRouter
     from router.config import RouterConfig
-    from slot_tracker.core import SlotRegistry
 
     def group(book: bool) -> tuple[list[int], int, list[int]]:
-        slots = SlotRegistry()
-        entry = ModelEntry("m", 16, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
-        for i in (1, 2):
-            slots.register(i, "m", "default", 16, 0, 1)
-            spec = WorkerSpec(i, f"http://w{i}")
-            entry.workers[i] = Worker(spec, "cli", None, None, num_gpu_blocks=10_000, healthy=True)  # type: ignore[arg-type]
-        router = RequestRouter(RouterConfig(router_mode="latency", router_latency_book_predicted=book))
+        router, entry = _two_idle_ranks(RouterConfig(router_mode="latency", router_latency_book_predicted=book))
         prefix = list(range(1600))  # 100 blocks
         chosen, overlaps = [], []
         for k in range(3):
@@ -256,3 +238,19 @@ def test_latency_mode_books_only_the_rest_of_a_prompt_whose_prefix_it_just_route
     assert chosen[1] == chosen[0] and chosen[2] != chosen[0]  # the third computes the prefix again
     assert queued == 1616 + 1616
     assert overlaps == [0, 0, 0]
+
+
+def _two_idle_ranks(config: Any) -> tuple[Any, Any]:
+    """A request router with ``config`` and a model entry of two idle single-rank workers of 10,000 blocks."""
+    from frontend.pool.workers import Worker, WorkerSpec
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.request_router import RequestRouter
+    from slot_tracker.core import SlotRegistry
+
+    slots = SlotRegistry()
+    entry = ModelEntry("m", 16, None, slots, None, None, BusyThresholds())  # type: ignore[arg-type]
+    for i in (1, 2):
+        slots.register(i, "m", "default", 16, 0, 1)
+        spec = WorkerSpec(i, f"http://w{i}")
+        entry.workers[i] = Worker(spec, "cli", None, None, num_gpu_blocks=10_000, healthy=True)  # type: ignore[arg-type]
+    return RequestRouter(config), entry
