@@ -18,6 +18,8 @@ is one mechanism for the concept:
 - ``FastJsonProtocol`` (the default): the above, plus the ``FastJsonRoutes`` routes answered in
   uvicorn's parser callbacks with the wrapper's own ``precheck``/``answer``: no ASGI cycle or
   task for a hot request (-8 to -20 us of CPU per request, docs/bench/*.md).
+- ``chunk_writer``: a streamed (chunked) response's body parts written to the connection from a
+  relay's callbacks, with no task step or ASGI message per part (the frontend's stream relay).
 - ``server_config`` / ``run`` / ``serve``: uvicorn with the settings measured in
   docs/bench/slot_tracker.md and docs/bench/indexer.md (httptools + the protocol above, uvloop,
   no access log, no proxy-header rewriting, no ``server`` header).
@@ -386,6 +388,53 @@ if HttpToolsProtocol is not None:
 
 else:  # pragma: no cover
     HeaderCoalescingProtocol = FastJsonProtocol = None  # type: ignore[assignment,misc]
+
+
+# -- a streamed response's body written from callbacks ------------------------------------------
+
+try:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as _HttpToolsCycle
+except ImportError:  # pragma: no cover - uvicorn without httptools
+    _HttpToolsCycle = None  # type: ignore[assignment,misc]
+
+
+class ChunkWriter:
+    """Writes the body parts of a chunked response straight to the client's connection, outside any
+    task: a relay calls it from its upstream connection's callbacks, with no coroutine step and no
+    ASGI message per part. It does what uvicorn's ``send`` does for a body part (the chunk framing),
+    and hands back as soon as ``send`` must take over again."""
+
+    __slots__ = ("_cycle", "_transport", "_flow")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._transport = cycle.transport
+        self._flow = cycle.flow
+
+    def write(self, part: bytes) -> bool:
+        """Send one body part (an empty one is skipped). False when the client has gone or stopped
+        reading (writing paused): later parts must go through ``send``, which waits for the client."""
+        if self._cycle.disconnected:
+            return False
+        if part:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(part), part))
+        return not self._flow.write_paused
+
+
+def chunk_writer(send: Callable[..., Any]) -> ChunkWriter | None:
+    """A ``ChunkWriter`` for an ASGI ``send`` of uvicorn's httptools server whose chunked response has
+    started, or None (another server, a wrapped ``send``, a response with a length, HEAD): then the
+    body goes through ``send``. Relies on uvicorn's ``RequestResponseCycle`` (tested with 0.54)."""
+    cycle = getattr(send, "__self__", None)
+    if _HttpToolsCycle is None or type(cycle) is not _HttpToolsCycle:
+        return None
+    if not getattr(cycle, "response_started", False) or getattr(cycle, "response_complete", True):
+        return None
+    if getattr(cycle, "chunked_encoding", None) is not True or cycle.scope.get("method") == "HEAD":
+        return None
+    if not all(hasattr(cycle, name) for name in ("transport", "flow", "disconnected")):
+        return None
+    return ChunkWriter(cycle)
 
 
 # -- running an app ----------------------------------------------------------------------------

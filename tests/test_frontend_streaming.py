@@ -23,6 +23,7 @@ from starlette.routing import Route
 from support import free_ports, service, wait_until
 
 MODEL = "gated-model"
+BULK_TOKENS = 1000  # a request for at least this many tokens gets them at once, ungated
 
 
 class GatedWorker:
@@ -34,6 +35,7 @@ class GatedWorker:
         self.gate: asyncio.Queue | None = None
         self.seen_ranks: list[str | None] = []
         self.disconnected = threading.Event()
+        self.bulk_done = threading.Event()
         self.health_status = 200
         app = Starlette(
             routes=[
@@ -61,6 +63,8 @@ class GatedWorker:
         body = await request.json()
         self.seen_ranks.append(request.headers.get("x-data-parallel-rank"))
         n = body.get("max_tokens", 3)
+        if n >= BULK_TOKENS:
+            return StreamingResponse(self.bulk(n), media_type="text/event-stream")
 
         async def gen():
             try:
@@ -84,6 +88,19 @@ class GatedWorker:
                 raise
 
         return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def bulk(self, n: int):
+        """``n`` ungated chunks of ~4 KB, numbered, as fast as the connection takes them."""
+        pad = "x" * 4000
+        for i in range(n):
+            chunk = {
+                "object": "chat.completion.chunk",
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": f"<{i}>{pad}"}, "finish_reason": None}],
+            }
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+        self.bulk_done.set()
 
     def step(self) -> None:
         assert self.loop is not None
@@ -141,6 +158,31 @@ def test_each_chunk_is_forwarded_before_the_next_exists(frontend_and_worker) -> 
     assert worker.seen_ranks[-1] == "0"
     loads = httpx.get(url + "/loads").json()
     assert [(r["active_prefill_tokens"], r["active_decode_blocks"]) for r in loads] == [(0, 0)]
+
+
+def test_a_client_that_stops_reading_gets_every_byte_in_order(frontend_and_worker) -> None:
+    """A 16 MB stream to a client that reads nothing until the worker has sent all of it: the
+    relay outruns the client's socket, waits for it, and loses, reorders or repeats nothing."""
+    url, worker = frontend_and_worker
+    worker.bulk_done.clear()
+    n = 4000
+    body = {"model": MODEL, "stream": True, "max_tokens": n, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(timeout=httpx.Timeout(30.0)) as client:
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            assert worker.bulk_done.wait(60)  # everything sent upstream while the client read nothing
+            data = resp.read()
+    events = [e for e in data.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    contents = [json.loads(e[len(b"data: ") :])["choices"][0]["delta"]["content"] for e in events[:-1]]
+    assert [c[: c.index(">") + 1] for c in contents] == [f"<{i}>" for i in range(n)]
+    assert all(len(c) == len(f"<{i}>") + 4000 for i, c in enumerate(contents))
+    wait_until(
+        lambda: [(r["active_prefill_tokens"], r["active_decode_blocks"]) for r in httpx.get(url + "/loads").json()]
+        == [(0, 0)],
+        30,
+        what="the stream's booking freed",
+    )
 
 
 def test_client_leaving_mid_stream_aborts_the_worker_request(frontend_and_worker) -> None:

@@ -7,7 +7,11 @@ disconnect, cancellation. The first body bytes from the worker mark prefill comp
 Streaming responses are a small ASGI callable (:class:`StreamProxy`) rather than Starlette's
 ``StreamingResponse``: it forwards each chunk the moment the worker sends it (no buffering), and it
 watches the client's ``http.disconnect`` concurrently so a client that goes away while the worker
-is still thinking frees its load at once and aborts the worker's request.
+is still thinking frees its load at once and aborts the worker's request. Under uvicorn's httptools
+server each chunk goes from the worker's connection to the client's in the worker connection's
+callback (``UpstreamResponse.relay`` + ``kvroute_common.fast_http.ChunkWriter``): no task step and
+no ASGI message per chunk; the request's task wakes only at the end, on a failure, or when the
+client stops reading (then ASGI ``send`` takes over and waits for it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 from frontend.dispatch.lifecycle import Lease
 from frontend.dispatch.stream_dialect import OPENAI, StreamDialect
 from frontend.dispatch.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+from kvroute_common.fast_http import ChunkWriter, chunk_writer
 
 log = logging.getLogger("frontend.dispatch.proxy")
 _now = time.perf_counter
@@ -130,7 +135,7 @@ class StreamProxy:
             await send({"type": "http.response.body", "body": self.preamble, "more_body": True})
             watch = asyncio.ensure_future(_cancel_on_disconnect(receive, task, gone))
             try:
-                await self._pump(send)
+                await self._pump(send, chunk_writer(send))
             except OSError:  # send failed: client gone
                 self._cancelled()
             except asyncio.CancelledError:
@@ -152,7 +157,10 @@ class StreamProxy:
             return
         lease.client_gone()
 
-    async def _pump(self, send: Any) -> None:
+    async def _pump(self, send: Any, writer: ChunkWriter | None) -> None:
+        """Relay the worker's stream, continuing it elsewhere if the worker fails and may be migrated.
+        With a ``writer`` the chunks go to the client from the upstream connection's callbacks, and
+        ``send`` takes over for what is left when the writer hands back (a slow or gone client)."""
         rw = self.rewriter
         tap = self.tap
         mig = self.migrator
@@ -162,7 +170,10 @@ class StreamProxy:
             lease = self.lease
             chunks = ChunkPipeline(lease, dialect, rw, tap, tracker)
             try:
-                async for chunk in self.upstream.aiter_raw(self.idle_timeout):
+                started = False
+                if writer is not None:
+                    started = await self.upstream.relay(_DirectSink(chunks, writer), self.idle_timeout)
+                async for chunk in self.upstream.aiter_raw(self.idle_timeout, started):
                     chunk = chunks.feed(chunk)
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -208,6 +219,21 @@ class StreamProxy:
         if rw is not None:
             rw.finished(lease)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _DirectSink:
+    """A chunk from the worker, through the pipeline, to the client: called in the upstream
+    connection's callbacks (``UpstreamResponse.relay``); False hands the rest back to the task."""
+
+    __slots__ = ("chunks", "writer")
+
+    def __init__(self, chunks: ChunkPipeline, writer: ChunkWriter) -> None:
+        self.chunks = chunks
+        self.writer = writer
+
+    def __call__(self, chunk: bytes) -> bool:
+        out = self.chunks.feed(chunk)
+        return self.writer.write(out) if out else True
 
 
 class _ClientGone:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import cast, overload
 from urllib.parse import urlsplit
 
@@ -53,6 +53,9 @@ class UpstreamResponse:
         "_conn",
         "_headers_fut",
         "_done_fut",
+        "_sink",
+        "_last_body",
+        "_idle_timer",
     )
 
     def __init__(self, conn: _Connection, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
@@ -66,6 +69,9 @@ class UpstreamResponse:
         self._conn: _Connection | None = conn
         self._headers_fut: asyncio.Future | None = loop.create_future() if stream else None
         self._done_fut: asyncio.Future | None = None if stream else loop.create_future()
+        self._sink: Callable[[bytes], bool] | None = None  # relay(): body bytes handed on in the callbacks
+        self._last_body = 0.0  # relay(): loop time of the last body bytes (for the idle timeout)
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     @overload
     def header(self, name: bytes, default: bytes) -> bytes: ...
@@ -86,13 +92,54 @@ class UpstreamResponse:
             return chunks[0]
         return b"".join(chunks)
 
-    async def aiter_raw(self, idle_timeout: float | None = None) -> AsyncIterator[bytes]:
+    async def relay(self, sink: Callable[[bytes], bool], idle_timeout: float | None = None) -> bool:
+        """Hand the body to ``sink`` as it arrives, from the connection's callbacks: no task wake-up
+        per chunk. ``sink`` takes each piece (it is consumed) and returns False to hand back; the
+        rest of the body is then read with ``aiter_raw``, which also ends the body (or raises its
+        error) once this returns. Raises :class:`UpstreamTimeout` after ``idle_timeout`` of silence
+        once body bytes arrived, and whatever ``sink`` raised. Returns whether ``sink`` got bytes."""
+        chunks = self._chunks
+        got = False
+        while chunks:
+            got = True
+            if not sink(chunks.popleft()):
+                return True
+        if self.complete or self.error is not None:
+            return got
+        loop = asyncio.get_running_loop()
+        fut = self._waiter = loop.create_future()
+        self._sink = sink
+        self._last_body = loop.time() if got else 0.0
+        if idle_timeout is not None:
+            self._idle_timer = loop.call_later(idle_timeout, self._idle_check, fut, idle_timeout)
+        try:
+            await fut
+        finally:
+            self._sink = None
+            self._waiter = None
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+        return got or self._last_body != 0.0
+
+    def _idle_check(self, fut: asyncio.Future, seconds: float) -> None:
+        """relay()'s idle timeout: one timer re-armed to the last body bytes, not one per chunk."""
+        if fut.done():
+            return
+        loop = fut.get_loop()
+        last = self._last_body
+        if last and loop.time() - last >= seconds:
+            _idle_expired(fut, seconds)
+        else:  # no body yet (no limit before the first bytes), or bytes since: check again later
+            self._idle_timer = loop.call_at((last or loop.time()) + seconds, self._idle_check, fut, seconds)
+
+    async def aiter_raw(self, idle_timeout: float | None = None, started: bool = False) -> AsyncIterator[bytes]:
         """Body bytes as they arrive (everything buffered so far in one piece).
 
-        ``idle_timeout``: once the first body bytes arrived, a gap longer than this raises
-        :class:`UpstreamTimeout` (a worker that hangs mid-stream; ``--stream-idle-timeout``)."""
+        ``idle_timeout``: once the first body bytes arrived (``started``: before this call), a gap
+        longer than this raises :class:`UpstreamTimeout` (a worker that hangs mid-stream;
+        ``--stream-idle-timeout``)."""
         chunks = self._chunks
-        started = False
         while True:
             if chunks:
                 started = True
@@ -214,8 +261,23 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         resp = self.resp
         assert resp is not None
-        resp._chunks.append(body)
-        if resp._waiter is not None:
+        sink = resp._sink
+        if sink is None:
+            resp._chunks.append(body)
+            if resp._waiter is not None:
+                resp._wake()
+            return
+        resp._last_body = asyncio.get_running_loop().time()
+        try:
+            keep = sink(body)
+        except Exception as exc:  # the relay's own failure: raised in the relaying task
+            resp._sink = None
+            w = resp._waiter
+            if w is not None and not w.done():
+                w.set_exception(exc)
+            return
+        if not keep:
+            resp._sink = None
             resp._wake()
 
     def on_message_complete(self) -> None:
