@@ -178,8 +178,10 @@ def test_a_client_that_stops_reading_gets_every_byte_in_order(frontend_and_worke
     assert [c[: c.index(">") + 1] for c in contents] == [f"<{i}>" for i in range(n)]
     assert all(len(c) == len(f"<{i}>") + 4000 for i, c in enumerate(contents))
     wait_until(
-        lambda: [(r["active_prefill_tokens"], r["active_decode_blocks"]) for r in httpx.get(url + "/loads").json()]
-        == [(0, 0)],
+        lambda: (
+            [(r["active_prefill_tokens"], r["active_decode_blocks"]) for r in httpx.get(url + "/loads").json()]
+            == [(0, 0)]
+        ),
         30,
         what="the stream's booking freed",
     )
