@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -505,6 +506,80 @@ def lost_to_peers(report: dict, label: str = RECOMMENDED) -> list[str]:
     return lost
 
 
+def runs_markdown(runs: Sequence[dict], label: str = RECOMMENDED) -> str:
+    """One cell run several times: each router's median of every figure with its min-max, then
+    ``label`` against each other router as the median of the per-run ratios (each run's routers saw
+    the same machine)."""
+    first = runs[0]
+    labels = [m["router"] for m in first["routers"]]
+
+    def spread(values: Sequence[float | None], pct: bool = False) -> str:
+        xs = sorted(v for v in values if v is not None)
+        if not xs:
+            return "n/a"
+        if pct:
+            return f"{statistics.median(xs):.1%} ({xs[0]:.1%}-{xs[-1]:.1%})"
+        return f"{fmt(statistics.median(xs))} ({fmt(xs[0])}-{fmt(xs[-1])})"
+
+    rows = [{m["router"]: m for m in r["routers"]} for r in runs]
+    lines = [
+        f"### `{first['workload']}` at load {first.get('load', 1):g} on {first['testbed']}: {len(runs)} runs, "
+        "the routers' order rotated",
+        "",
+        f"- Engines: {first['setup']}",
+        f"- Command: `{first['command']}`",
+        "- Machine load average before each run: " + ", ".join(str(r["machine"]["load_before"]) for r in runs),
+        "",
+        "| router | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | router CPU ms / request |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for lb in labels:
+        ms = [r[lb] for r in rows if lb in r]
+        lines.append(
+            f"| {lb} | {spread([m.get('hit_rate') for m in ms], pct=True)} "
+            + " ".join(f"| {spread([m['ttft_ms'][p] for m in ms])}" for p in ("p50", "p90", "p99"))
+            + f" | {spread([m.get('router_cpu_ms_per_request') for m in ms])} |"
+        )
+    if any(label in r for r in rows):
+        lines += [
+            "",
+            f"`{label}` against each router, the median of the per-run ratios (min-max); hit rate as the "
+            "median difference in points:",
+            "",
+            "| against | hit rate points | TTFT p50 | TTFT p90 | TTFT p99 | router CPU |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for lb in labels:
+            if lb == label:
+                continue
+            pairs = [(r[label], r[lb]) for r in rows if label in r and lb in r]
+            diffs = sorted(
+                100.0 * (o["hit_rate"] - t["hit_rate"])
+                for o, t in pairs
+                if o.get("hit_rate") is not None and t.get("hit_rate") is not None
+            )
+            hit = f"{statistics.median(diffs):+.1f} ({diffs[0]:+.1f} to {diffs[-1]:+.1f})" if diffs else "n/a"
+            lines.append(
+                f"| {lb} | {hit} "
+                + " ".join(f"| {_ratio(pairs, 'ttft_ms', p)}" for p in ("p50", "p90", "p99"))
+                + f" | {_ratio(pairs, 'router_cpu_ms_per_request')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(pairs: Sequence[tuple[dict, dict]], key: str, sub: str | None = None) -> str:
+    """The median (min-max) over runs of ours / theirs for one figure of two routers' rows."""
+
+    def get(m: dict) -> float | None:
+        v = m.get(key)
+        return v.get(sub) if sub is not None and isinstance(v, dict) else v
+
+    xs = sorted(a / b for o, t in pairs if (a := get(o)) is not None and (b := get(t)))
+    if not xs:
+        return "n/a"
+    return f"{statistics.median(xs):.2f}x ({xs[0]:.2f}-{xs[-1]:.2f})"
+
+
 def summary_markdown(reports: Sequence[dict]) -> str:
     """Every cell in one table: per router the hit rate as a share of the oracle and TTFT p50 / p90 (ms),
     then where the recommended mode is behind a peer."""
@@ -557,7 +632,9 @@ def parser() -> argparse.ArgumentParser:
                    "fleet every peer and round robin)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="a short run: a third of the sessions, at most 3 turns")
     p.add_argument("--workers", type=int, default=None, help="engines (default 4; 8 on the fleet)")
-    p.add_argument("--runs", type=int, default=None, help="fleet: runs per cell, median and spread (3; quick 1)")
+    p.add_argument("--runs", type=int, default=None,
+                   help="runs per cell, the routers' order rotated each run, reported with the median of each "
+                   "figure and its spread (fleet: 3, quick 1; otherwise 1)")  # fmt: skip
     p.add_argument("--rates", default=None,
                    help="fleet: the rates to sweep, comma-separated, for every asked workload (default: each "
                    "workload's own)")  # fmt: skip
@@ -709,14 +786,24 @@ def run_cells(workloads: Sequence[Workload], loads: Sequence[float], specs: Sequ
               args: argparse.Namespace, command: str, reports: list[dict]) -> bool:  # fmt: skip
     """Every workload at every load: a report per cell, a plot per workload; whether no request failed."""
     ok = True
+    runs = max(1, args.runs or 1)
     for workload in workloads:
         cells = []
         for load in loads:
-            report = run_cell(workload, load, specs, args, command)
-            stem = os.path.join(args.out_dir, cell_stem(report))
-            write_report(stem, report, markdown(report))
-            ok = ok and all(m["completed"] == m["requests"] for m in report["routers"])
-            cells.append(report)
+            repeats = []
+            for run in range(runs):  # each run starts the rotation one router later
+                order = [*specs[run % len(specs) :], *specs[: run % len(specs)]]
+                report = run_cell(workload, load, order, args, command)
+                report["run"] = run + 1
+                stem = os.path.join(args.out_dir, cell_stem(report) + (f"-run{run + 1}" if runs > 1 else ""))
+                write_report(stem, report, markdown(report))
+                ok = ok and all(m["completed"] == m["requests"] for m in report["routers"])
+                repeats.append(report)
+            cells.append(repeats[-1])
+            if runs > 1:
+                stem = os.path.join(args.out_dir, cell_stem(repeats[0]) + f"-{runs}runs")
+                total = round(sum(r["total_s"] for r in repeats), 1)
+                write_report(stem, {"total_s": total, "runs": repeats}, runs_markdown(repeats))
         plot = os.path.join(args.out_dir, f"{cell_stem(cells[0], load=False)}.png")
         plot_workload(cells, plot)
         print(f"wrote {plot}")
