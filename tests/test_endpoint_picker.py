@@ -693,8 +693,12 @@ def test_a_buffered_partial_request_body_is_routed_whole_and_refused_when_cut(po
 def test_a_buffered_response_body_arrives_whole_and_ends_its_booking(pool: Pool) -> None:
     before = ends(pool)
     with gateway(pool, response_body_mode="BUFFERED") as gw:
+        served = pool.served()
         r = gw.post("/v1/chat/completions", json=chat("buffered answer", "hi", nvext={"extra_fields": ["worker_id"]}))
-        assert r.status_code == 200 and r.json()["nvext"]["worker_id"]["decode_worker_id"] in pool.served()
+        assert r.status_code == 200, r.text
+        worker = r.json()["nvext"]["worker_id"]["decode_worker_id"]  # added to the whole answer
+        after_served = pool.served()
+        assert after_served[worker] == served[worker] + 1, (worker, served, after_served)
         events = stream_events(gw, chat("buffered answer", "streamed", max_tokens=8))
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
     wait_until(pool.idle, 15, what="nothing booked")
