@@ -32,6 +32,7 @@ pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2", reason="
 
 MODEL = "kvroute-demo"
 BLOCK = 16
+CUT = -1  # a response cut mid-way (no status to count)
 
 
 class Pool:
@@ -455,6 +456,60 @@ def test_under_concurrency_every_booking_lasts_until_its_response_ends(pool: Poo
     assert counter(pool, "dynamo_frontend_model_cancellation_total") == cancelled
 
 
+def test_under_concurrency_streams_that_leave_and_streams_that_end_all_free_their_bookings(pool: Pool) -> None:
+    """Eight long streams at once through Envoy (GIE's full-duplex bodies); half of the clients leave after
+    their first chunk while the others read to the end. Each leaving one counts as a client gone and a
+    cancellation, each other one as a response end, and nothing stays booked."""
+    import threading
+
+    streams = 8
+    firsts: list[int] = []
+    results: dict[int, str] = {}
+    failures: list[str] = []
+    leave = threading.Event()  # the leaving clients hold their first chunk until every stream has one
+
+    def one(n: int, url: str) -> None:
+        body = chat(f"leave or stay {n}", "count slowly", max_tokens=1500, ignore_eos=True, stream=True)
+        try:
+            with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    failures.append(f"{n}: {r.status_code}")
+                    return
+                chunks = r.iter_raw()
+                data = next(chunks)
+                firsts.append(n)
+                if n % 2:
+                    leave.wait(60)
+                    results[n] = "left"
+                    return  # the response closes unread: the connection goes with it
+                data += b"".join(chunks)
+                results[n] = "done" if data.rstrip().endswith(b"data: [DONE]") else "no [DONE]"
+        except httpx.HTTPError as exc:
+            failures.append(f"{n}: {exc!r}")
+
+    cancelled = counter(pool, "dynamo_frontend_model_cancellation_total")
+    before = ends(pool)
+    with envoy_gateway(pool.epp_port) as url:
+        threads = [threading.Thread(target=one, args=(n, url)) for n in range(streams)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: len(firsts) == streams or failures, 60, what="every stream's first chunk")
+            assert not failures, failures
+            assert sum(booked(pool).values()) == streams  # all booked at once
+        finally:
+            leave.set()
+            for t in threads:
+                t.join(timeout=120)
+        assert not failures, failures
+        assert results == {n: "left" if n % 2 else "done" for n in range(streams)}, results
+    wait_until(pool.idle, 15, what="every booking freed")
+    after = ends(pool)
+    assert after["client_gone"] == before["client_gone"] + streams // 2, (before, after)
+    assert after["response_end"] == before["response_end"] + streams // 2, (before, after)
+    assert counter(pool, "dynamo_frontend_model_cancellation_total") == cancelled + streams // 2
+
+
 def test_response_body_none_ends_requests_without_cancelling_them_and_keeps_the_session(pool: Pool) -> None:
     """Response body NONE: Envoy carries the bytes, the picker hears the headers and the stream's close.
     The requests end as ended, not cancelled, and a session stays bound to its engine."""
@@ -592,13 +647,14 @@ def test_a_retry_to_a_fallback_endpoint_is_served_and_booked_there(tmp_path) -> 
 def test_with_the_picker_killed_under_traffic_the_failure_mode_decides(
     fail_open: bool, request_mode: str, served_while_down: bool
 ) -> None:
-    """The picker is killed (SIGKILL) under traffic. FailClose: the gateway answers 5xx at once while no
-    picker answers. FailOpen (a pool the gateway can balance itself, override_host's round robin) with a
-    buffered request body: every request is still served, without cache awareness; with a full-duplex
-    request body Envoy 1.40 answers some of them 500 all the same. Once a picker is back, requests are
-    routed by it again and nothing stays booked."""
+    """The picker is killed (SIGKILL) under traffic from three clients at once. FailClose: the gateway
+    answers 5xx at once while no picker answers. FailOpen (a pool the gateway can balance itself,
+    override_host's round robin) with a buffered request body: every request is still served, without
+    cache awareness; with a full-duplex request body Envoy 1.40 answers some of them 500 all the same.
+    Once a picker is back, requests are routed by it again and nothing stays booked."""
     import signal
     import threading
+    import time
 
     from support import mocker_url, service
 
@@ -607,30 +663,40 @@ def test_with_the_picker_killed_under_traffic_the_failure_mode_decides(
         args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
         args += ["--epp-port", str(epp), "--worker", worker]
         health = f"http://127.0.0.1:{port}/health"
-        outcomes: list[int] = []
+        outcomes: list[tuple[float, int]] = []  # (when the request was sent, its status or CUT)
         stop = threading.Event()
         options: dict[str, Any] = {"endpoints": [worker.removeprefix("http://")], "failure_mode_allow": fail_open}
         options["request_body_mode"] = request_mode
         with envoy_gateway(epp, **options) as url:
 
-            def traffic() -> None:
+            def traffic(client: int) -> None:
                 with httpx.Client(base_url=url, timeout=30) as gw:
                     for n in range(2000):  # bounded; ends when the test says so
                         if stop.is_set():
                             return
-                        body = chat(f"kill traffic {n % 7}", f"request {n}", stream=n % 2 == 0)
-                        outcomes.append(gw.post("/v1/chat/completions", json=body).status_code)
+                        body = chat(f"kill traffic {n % 7}", f"client {client} request {n}", stream=n % 2 == 0)
+                        sent = time.monotonic()
+                        try:
+                            status = gw.post("/v1/chat/completions", json=body).status_code
+                        except httpx.HTTPError:  # a response passing the picker as it died is cut
+                            status = CUT
+                        outcomes.append((sent, status))
 
-            thread = threading.Thread(target=traffic)
+            threads = [threading.Thread(target=traffic, args=(c,)) for c in range(3)]
             try:
                 with service(args, ready_url=health, timeout=90) as proc:
-                    thread.start()
-                    wait_until(lambda: outcomes.count(200) >= 5, 30, what="traffic through the picker")
+                    for thread in threads:
+                        thread.start()
+                    wait_until(lambda: [s for _, s in outcomes].count(200) >= 5, 30, what="traffic through the picker")
                     proc.send_signal(signal.SIGKILL)
                     proc.wait(timeout=10)
-                down = len(outcomes) + 1  # the request in flight at the kill may have passed the picker already
-                wait_until(lambda: len(outcomes) >= down + 10, 30, what="requests while the picker is down")
-                while_down = outcomes[down : down + 10]
+                    killed = time.monotonic()  # requests sent before may have passed the picker already
+
+                def sent_while_down() -> list[int]:
+                    return [s for t, s in sorted(list(outcomes)) if t > killed][:10]
+
+                wait_until(lambda: len(sent_while_down()) == 10, 30, what="requests while the picker is down")
+                while_down = sent_while_down()
                 with service(args, ready_url=health, timeout=90):
                     fe = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
                     started = r"^dynamo_component_router_requests_started_total(?:\{[^}]*\})? (\S+)"
@@ -641,8 +707,9 @@ def test_with_the_picker_killed_under_traffic_the_failure_mode_decides(
 
                     wait_until(lambda: routed() >= 5, 60, what="traffic routed by the new picker")
                     stop.set()
-                    thread.join(timeout=60)
-                    assert not thread.is_alive()
+                    for thread in threads:
+                        thread.join(timeout=60)
+                    assert not any(thread.is_alive() for thread in threads)
                     wait_until(
                         lambda: (
                             all(
@@ -656,8 +723,9 @@ def test_with_the_picker_killed_under_traffic_the_failure_mode_decides(
                     )
             finally:
                 stop.set()
-                if thread.is_alive():
-                    thread.join(timeout=60)
+                for thread in threads:
+                    if thread.is_alive():
+                        thread.join(timeout=60)
         if served_while_down:
             assert while_down == [200] * 10, while_down
         elif fail_open:  # Envoy 1.40 answers some 500 anyway (a mix: not a failure mode to rely on)
@@ -693,8 +761,12 @@ def test_a_buffered_partial_request_body_is_routed_whole_and_refused_when_cut(po
 def test_a_buffered_response_body_arrives_whole_and_ends_its_booking(pool: Pool) -> None:
     before = ends(pool)
     with gateway(pool, response_body_mode="BUFFERED") as gw:
+        served = pool.served()
         r = gw.post("/v1/chat/completions", json=chat("buffered answer", "hi", nvext={"extra_fields": ["worker_id"]}))
-        assert r.status_code == 200 and r.json()["nvext"]["worker_id"]["decode_worker_id"] in pool.served()
+        assert r.status_code == 200, r.text
+        worker = r.json()["nvext"]["worker_id"]["decode_worker_id"]  # added to the whole answer
+        after_served = pool.served()
+        assert after_served[worker] == served[worker] + 1, (worker, served, after_served)
         events = stream_events(gw, chat("buffered answer", "streamed", max_tokens=8))
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
     wait_until(pool.idle, 15, what="nothing booked")

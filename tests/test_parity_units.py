@@ -10,7 +10,6 @@ from frontend.observability.parity import (
     ParityMonitor,
     RequestProbe,
     UsageTap,
-    body_without_usage,
     parse_usage,
     stream_body_with_usage,
 )
@@ -36,23 +35,6 @@ def test_stream_body_asks_for_usage_without_reserialising_when_it_can() -> None:
     bad = {"model": "m", "stream": True, "stream_options": "yes"}
     assert stream_body_with_usage(bad, orjson.dumps(bad)) == (None, False)  # the engine answers the 400
     assert bad["stream_options"] == "yes"
-
-
-def test_body_without_usage_undoes_what_was_added_for_the_usage_and_nothing_else() -> None:
-    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    raw = orjson.dumps(body)
-    sent, _ = stream_body_with_usage(dict(body), raw)
-    assert sent is not None
-    assert body_without_usage(sent, raw) is raw  # only spliced in: the client's own bytes, no copy
-
-    changed = {**body, "priority": 3}  # otherwise rewritten too (nvext applied): serialised again
-    assert stream_body_with_usage(changed, None) == (None, True)
-    assert orjson.loads(body_without_usage(orjson.dumps(changed), raw)) == {**body, "priority": 3}
-
-    own = {**body, "stream_options": {"continuous_usage_stats": False}}
-    stream_body_with_usage(own, None)
-    out = orjson.loads(body_without_usage(orjson.dumps(own), raw))
-    assert out["stream_options"] == {"continuous_usage_stats": False}  # the client's options stay
 
 
 def _events(usage: dict) -> list[bytes]:

@@ -160,11 +160,17 @@ class RequestSource(Protocol):
     def excluded(self, state: FrontendState) -> set[int] | None:
         """Workers this request must not go to (a gateway's endpoint subset), None for none."""
 
+    @property
+    def reads_response(self) -> bool:
+        """Whether the response's body passes through kvroute: only then is the engine asked for stream
+        usage the client did not ask for (read for the parity alarm, then taken out of the client's stream)."""
+
 
 class HttpSource:
     """A request on the frontend's own HTTP API."""
 
     __slots__ = ("request", "headers", "receive")
+    reads_response = True  # the proxy relays every chunk
 
     def __init__(self, request: Request) -> None:
         self.request = request

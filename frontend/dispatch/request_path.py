@@ -147,8 +147,8 @@ class RequestPath:
             ctx.tokens = tokens = prompt.tokens
             if state.rate_limits is not None:  # per-key limits: 429 before anything is queued or sent
                 ctx.rate = state.rate_limits.admit(source.headers, len(tokens))
-            if stream and kind != "messages":  # the engine's usage (cached tokens) feeds the parity alarm
-                # and the decomposition (an Anthropic stream always carries its usage)
+            if stream and kind != "messages" and source.reads_response:  # the engine's usage (cached tokens)
+                # feeds the parity alarm and the decomposition (an Anthropic stream always carries its usage)
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
                 if spliced is not None:
                     raw = spliced

@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from frontend.observability.parity import UsageTap, body_without_usage
+from frontend.observability.parity import UsageTap
 from frontend.request.errors import OpenAIError
 
 if TYPE_CHECKING:
@@ -118,12 +118,20 @@ def _matches(endpoint: str, wanted: list[str]) -> bool:
 class PickerSource:
     """A request as the gateway sent it: headers, the body once complete, the endpoints it may go to."""
 
-    def __init__(self, headers: Headers, body: bytes, subset: list[str] | None, steering: list[str] | None) -> None:
+    def __init__(
+        self,
+        headers: Headers,
+        body: bytes,
+        subset: list[str] | None,
+        steering: list[str] | None,
+        reads_response: bool,
+    ) -> None:
         self.headers = headers
         self.receive: Receive | None = None  # the client is the gateway's: it leaving closes the ext_proc stream
         self.body = body
         self.subset = subset
         self.steering = steering
+        self.reads_response = reads_response  # response body NONE: no chunk passes the picker
 
     async def read(self, limit: int) -> tuple[bytes, dict[str, Any]]:
         import orjson
@@ -354,7 +362,7 @@ class _Stream:
                 return
             endpoints = [endpoint]
         else:
-            source = PickerSource(headers, sent, self.subset, self._steering(headers))
+            source = PickerSource(headers, sent, self.subset, self._steering(headers), self.response_mode != NONE)
             result = await self.picker.path.generate(source, kind, _hand_over)
             if isinstance(result, Response):  # refused: the error the proxy would have answered
                 self.end = END_REFUSED
@@ -363,11 +371,7 @@ class _Stream:
             assert isinstance(result, Picked)
             self.picked = result
             endpoints = self.picker.endpoints(result)
-            ctx = result.ctx
-            body = ctx.out_body
-            if ctx.strip_usage and self.response_mode == NONE:  # the client would get the usage it did not ask
-                body = body_without_usage(body, sent)  # for: nothing here takes it out of the stream
-                ctx.strip_usage = False
+            body = result.ctx.out_body
         self.endpoint = endpoints[0]
         yield self._route_to(endpoints, None if body is sent else body)
         if self.request_mode == FULL_DUPLEX:  # the body goes on as the picker streams it back

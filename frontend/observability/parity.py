@@ -98,22 +98,6 @@ def stream_body_with_usage(body: dict, raw: bytes | None) -> tuple[bytes | None,
     return None, True
 
 
-def body_without_usage(sent: bytes, raw: bytes) -> bytes:
-    """The body to send when nothing can take the engine's usage out of the client's stream (the
-    endpoint picker with response body ``NONE``): ``sent`` without what :func:`stream_body_with_usage`
-    added (``raw``: the client's body, returned as it is when the usage was all that changed)."""
-    i = raw.find(b"{")
-    if sent.startswith(_USAGE_SPLICE) and sent[len(_USAGE_SPLICE) :] == raw[i + 1 :]:
-        return raw
-    import orjson
-
-    body = orjson.loads(sent)
-    opts = body.get("stream_options")
-    if isinstance(opts, dict) and opts.pop("include_usage", None) is not None and not opts:
-        del body["stream_options"]
-    return orjson.dumps(body)
-
-
 def _event_end(data: bytes, pos: int) -> int:
     """Index just past the end of the SSE event containing ``pos`` (``len(data)`` if it has none)."""
     a = data.find(b"\n\n", pos)
