@@ -137,6 +137,28 @@ def test_the_recommended_mode_is_compared_with_every_peer_only():
     assert lost[1].startswith("hit rate to vllm-kv_aware (85.0% vs 80.0%)")
 
 
+def test_several_runs_report_each_figures_median_and_the_per_run_ratios():
+    """--runs N: each router's median with its min-max, and the recommended row against each router as
+    the median of the per-run ratios (not the ratio of the medians)."""
+
+    def run(ours: tuple[float, float], theirs: tuple[float, float]) -> dict:
+        def row(router: str, p50: float, cpu: float, hit: float) -> dict:
+            return {"router": router, "hit_rate": hit, "router_cpu_ms_per_request": cpu,
+                    "ttft_ms": {"p50": p50, "p90": 2 * p50, "p99": 3 * p50}}  # fmt: skip
+
+        return {
+            "workload": "w", "testbed": "mocker", "setup": "s", "command": "c", "machine": {"load_before": 1.0},
+            "routers": [row("kvroute-latency", *ours, 0.88), row("smg-cache_aware", *theirs, 0.87)],
+        }  # fmt: skip
+
+    runs = [run((11.0, 3.0), (10.0, 2.0)), run((20.0, 3.0), (10.0, 3.0)), run((12.0, 4.0), (12.0, 2.0))]
+    text = peers.runs_markdown(runs)
+    assert "| kvroute-latency | 88.0% (88.0%-88.0%) | 12 (11-20) |" in text
+    # per-run p50 ratios 1.1, 2.0, 1.0 -> median 1.10 (the ratio of the medians would be 12 / 10 = 1.2)
+    assert "| smg-cache_aware | +1.0 (+1.0 to +1.0) | 1.10x (1.00-2.00) | 1.10x (1.00-2.00) |" in text
+    assert text.rstrip().endswith("| 1.50x (1.00-2.00) |")  # CPU: 1.5, 1.0, 2.0
+
+
 def test_every_router_runs_in_front_of_canned_engines(peers_bin: str):
     """The overhead harness (python -m bench peers_overhead): each router in front of nginx engines
     answers the replayed schedule, streamed, without a non-2xx, and its CPU is measured."""
