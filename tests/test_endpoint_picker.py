@@ -726,6 +726,17 @@ def test_a_retry_to_a_fallback_endpoint_is_served_and_booked_there(tmp_path) -> 
             assert b'"decode_worker_id":%d' % other.worker_id in data.replace(b" ", b"")
             assert counter(p, "kvroute_epp_bookings_moved_total") == moved + 1
             wait_until(lambda: not any(booked(p).values()), 15, what="the moved booking freed at the end")
+            # the gateway could not use the first choice: the picker had it checked at once (rounds are 120 s apart)
+            wait_until(
+                lambda: (
+                    not next(w for w in p.fe.get("/admin/workers").json()["workers"] if w["id"] == holder)["healthy"]
+                ),
+                30,
+                what="the refusing engine taken out by the early probe",
+            )
+            after = gw.post("/v1/chat/completions", json=chat(prefix, "three", nvext={"extra_fields": ["worker_id"]}))
+            assert after.status_code == 200
+            assert after.headers["x-conformance-test-selected-endpoint"] == p.endpoint(other.worker_id)
 
 
 @pytest.mark.parametrize(

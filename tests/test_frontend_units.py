@@ -442,6 +442,60 @@ def test_health_probes_on_the_request_path_client_see_slow_failing_and_gone_work
     asyncio.run(main())
 
 
+def test_a_suspected_worker_is_probed_at_once_and_at_most_once_a_gap() -> None:
+    """``suspect``: a worker another component saw fail is probed now, not at the next round (none runs
+    here); a burst of suspicions (clients leaving mid-stream look the same) is one probe."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from frontend.pool.workers import SUSPECT_GAP_S, WorkerPool, WorkerSpec
+    from support import free_port
+
+    probes: list[int] = []
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def health(request):
+        probes.append(1)
+        return JSONResponse({})
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/health", health)])
+
+    async def until(cond, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + 10
+        while not cond():  # bounded: fails at the deadline
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        port = free_port()
+        server, task = await _serve(app, port)
+        pool = WorkerPool(lambda w: None, lambda w: None, health_interval=3600)  # no round starts (not started)
+        worker = pool.add(WorkerSpec(id=1, url=f"http://127.0.0.1:{port}"), "test")
+        try:
+            await pool.check_all()
+            await until(lambda: not pool._tasks, "the probe on adding it ended")
+            assert worker.healthy
+            before = len(probes)
+            for _ in range(5):
+                pool.suspect(worker)
+            await until(lambda: len(probes) == before + 1, "the early probe")
+            await until(lambda: not pool._tasks, "the early probe's task ended")
+            assert len(probes) == before + 1 and worker.healthy  # one probe for the burst; healthy, it stays
+        finally:
+            server.should_exit = True
+            await task
+        pool._suspected[worker.id] -= SUSPECT_GAP_S  # the gap has passed
+        pool.suspect(worker)  # nothing listens now: refused, out at once
+        await until(lambda: not worker.healthy, "the gone worker taken out by the early probe")
+        assert worker.unreachable
+        await pool.stop()
+
+    asyncio.run(main())
+
+
 def test_loop_lag_watch_sees_a_blocked_loop() -> None:
     """A callback that holds the loop 60 ms shows as one lag observation of about that much."""
     import time

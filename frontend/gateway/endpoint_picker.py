@@ -456,6 +456,7 @@ class _Stream:
         if picked is None:
             return
         if self.served is not None and self.served != self.endpoint:
+            self.picker.state.pool.suspect(picked.lease.decision.worker)  # the gateway could not use it
             self.picker.move_booking(picked, self.served)
         lease = picked.lease
         ctx = picked.ctx
@@ -520,6 +521,9 @@ class _Stream:
         elif self.status is not None and self.status != 200:
             self.finish(END_ENGINE_ERROR)
         else:
+            # cut before the response's end: the client left, or the engine died mid-response (the gateway
+            # closes the stream the same way for both): its engine is checked now, not at the next round
+            self.picker.state.pool.suspect(self.picked.lease.decision.worker)
             self.finish(END_CLIENT_GONE)
 
     def finish(self, reason: str) -> None:

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -38,6 +39,7 @@ _INT_FIELDS = {"id", "dp_size", "dp_start", "block_size", "num_gpu_blocks", "max
 _STR_FIELDS = {"url", "kv_events_endpoint", "replay_endpoint", "model", "model_path", "role", "engine"}
 # disaggregated serving: which phase a worker serves (names.md: role=prefill|decode|both)
 WORKER_ROLES = ("prefill", "decode", "both")
+SUSPECT_GAP_S = 1.0  # at most one early probe (``WorkerPool.suspect``) a worker per this many seconds
 # engine=vllm|sglang overrides the detected engine kind (it decides the sign of the engine's priority)
 WORKER_ENGINES = ("vllm", "sglang")
 _ALIASES = {
@@ -399,6 +401,7 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()
         self._health_task: asyncio.Task | None = None
         self._probe_locks: dict[int, asyncio.Lock] = {}
+        self._suspected: dict[int, float] = {}  # worker id -> loop time of its last early probe
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, spec: WorkerSpec, source: str) -> Worker:
@@ -598,6 +601,19 @@ class WorkerPool:
                 log.warning("worker %s marked unhealthy: %s", worker.id, error)
             worker.healthy = False
             self._on_change(worker)
+
+    def suspect(self, worker: Worker) -> None:
+        """Something another component saw says the worker may be gone (a stream it served was cut, the
+        gateway could not reach it): probe it now instead of at the next round, so new requests stop going
+        there within a round trip. At most one early probe a worker per ``SUSPECT_GAP_S``: clients that
+        leave mid-stream look the same and must not turn into a probe each."""
+        if self.workers.get(worker.id) is not worker or not worker.healthy:
+            return
+        now = time.monotonic()
+        if now - self._suspected.get(worker.id, -SUSPECT_GAP_S) < SUSPECT_GAP_S:
+            return
+        self._suspected[worker.id] = now
+        self._spawn(self.probe(worker))
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())), return_exceptions=True)
