@@ -174,10 +174,18 @@ def test_sigint_keeps_uvicorns_behaviour() -> None:
     """Ctrl-C (the demo, a terminal) is not a drain: the process stops at once, as before."""
     (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
-    with service(["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port)], ready_url=f"{url}/health") as proc:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("SIGINT did not stop the service") from None
-        assert code != 0  # uvicorn re-raises the signal after its shutdown
+    # a test run started as a background job ignores SIGINT, and an ignored signal stays ignored across exec:
+    # the service is started as from a terminal, with Ctrl-C's default action
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        args = ["-m", "slot_tracker", "--host", "127.0.0.1", "--port", str(port)]
+        with service(args, ready_url=f"{url}/health") as proc:
+            signal.signal(signal.SIGINT, previous)
+            proc.send_signal(signal.SIGINT)
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("SIGINT did not stop the service") from None
+            assert code != 0  # uvicorn re-raises the signal after its shutdown
+    finally:
+        signal.signal(signal.SIGINT, previous)
