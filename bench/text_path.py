@@ -7,6 +7,11 @@ threshold take the worker-thread path (``nogil``: the backend's GIL-free encode)
 path, so both are measured. Each variant gets a fresh encoder (empty caches); the ids are checked equal.
 ``--backend-only`` encodes new text with the tokenizer's backend, as for tokenizers without the ``re``
 fast path (an HF Llama-3 tokenizer).
+
+``--idle-gap-ms G`` adds a row: the chunk-cache path with the thread idle for G ms before each prompt,
+as a router between requests at light load is. On a virtual CPU that halts when idle, the same work
+then costs several times its back-to-back CPU time (cold caches and branch predictors after the
+halt): the cost a request pays on an idle router's critical path.
 """
 
 from __future__ import annotations
@@ -20,11 +25,16 @@ from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS
 from kvroute_common.tokenizer import PromptEncoder, load_tokenizer
 
 
-def run(encoder: PromptEncoder, prompts: list[str], block_size: int, offload_chars: int) -> tuple[list[float], list]:
-    """CPU ms per prompt (tokenize + block and sequence hashes) and the ids."""
+def run(
+    encoder: PromptEncoder, prompts: list[str], block_size: int, offload_chars: int, idle_gap_s: float = 0.0
+) -> tuple[list[float], list]:
+    """CPU ms per prompt (tokenize + block and sequence hashes) and the ids; ``idle_gap_s``: the thread
+    sleeps that long before each prompt."""
     per: list[float] = []
     out = []
     for text in prompts:
+        if idle_gap_s:
+            time.sleep(idle_gap_s)
         t0 = time.thread_time()
         ids = encoder.encode(text, add_special_tokens=True, nogil=0 < offload_chars < len(text))
         sequence_hashes(local_block_hashes(ids, block_size))
@@ -41,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-chars", type=int, default=DEFAULT_OFFLOAD_CHARS)
     ap.add_argument("--rounds", type=int, default=3, help="each variant this many times, alternating")
     ap.add_argument(
+        "--idle-gap-ms",
+        type=float,
+        default=0.0,
+        help="also the chunk-cache path with the thread idle this long before each prompt (0: not measured)",
+    )
+    ap.add_argument(
         "--backend-only",
         action="store_true",
         help="new text through the backend's encode, never the re fast path: what an HF tokenizer whose "
@@ -55,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     mean = sum(map(len, prompts)) / len(prompts)
     print(f"load average {load}; {len(prompts)} prompts, mean {mean:.0f} chars; offload above {args.offload_chars}")
     results: dict[str, list[float]] = {"whole prompts": [], "chunk cache": []}
+    idle_row = f"chunk cache, idle {args.idle_gap_ms:g} ms before each"
+    if args.idle_gap_ms > 0:
+        results[idle_row] = []
     reference = None
     for _ in range(args.rounds):
         for name in results:
@@ -63,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 enc.piece_re = None
             if name == "whole prompts":
                 enc.cuts = None
-            per, ids = run(enc, prompts, args.block_size, args.offload_chars)
+            gap = args.idle_gap_ms / 1000 if name == idle_row else 0.0
+            per, ids = run(enc, prompts, args.block_size, args.offload_chars, gap)
             if reference is None:
                 reference = ids
             elif ids != reference:
