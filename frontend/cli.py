@@ -12,7 +12,7 @@ from kvroute_common.drain import add_drain_arg
 from kvroute_common.gc_policy import tune_gc
 from kvroute_common.multimodal import DEFAULT_MAX_IMAGE_BYTES, HASH_ALGORITHMS, ImageOptions
 from kvroute_common.security import add_security_args
-from kvroute_common.tokenize_offload import LOOP_SWITCH_INTERVAL_MS
+from kvroute_common.tokenize_offload import LOOP_SWITCH_INTERVAL_MS, bound_encoder_threads
 from router.config import JETSTREAM_FLAGS, RouterConfig, add_router_args
 
 log = logging.getLogger("frontend")
@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return flag_reference.main(argv[1:], build_parser)
     ns = build_parser().parse_args(argv)
+    bound_encoder_threads()  # before any encode (--workers N: the children inherit it)
     from frontend.supervisor import ENV_REUSE_PORT, child_index, reuse_port_socket, supervise
 
     index = child_index()

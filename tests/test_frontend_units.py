@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import sys
 
 import pytest
 
@@ -593,6 +595,51 @@ def test_switch_interval_defaults_to_the_loops_and_a_non_positive_one_is_a_usage
     assert build_parser().parse_args([]).switch_interval_ms == 2.0
     with pytest.raises(SystemExit, match="--switch-interval-ms must be > 0"):
         make_state(build_parser().parse_args(["--switch-interval-ms", "0"]))
+
+
+def test_the_encoder_pool_leaves_the_loop_a_core_unless_the_operator_sized_it() -> None:
+    from kvroute_common.tokenize_offload import ENCODER_POOL_ENV, bound_encoder_threads
+
+    env: dict[str, str] = {}
+    assert bound_encoder_threads(env, cores=2) == 1 and env == {ENCODER_POOL_ENV: "1"}
+    assert bound_encoder_threads(env := {}, cores=8) == 7 and env[ENCODER_POOL_ENV] == "7"
+    assert bound_encoder_threads(env := {}, cores=1) == 1 and env[ENCODER_POOL_ENV] == "1"
+    for operator in ({ENCODER_POOL_ENV: "4"}, {"TOKENIZERS_PARALLELISM": "false"}):
+        env = dict(operator)
+        assert bound_encoder_threads(env, cores=8) is None and env == operator
+
+
+_ENCODER_THREADS = """
+import os, sys
+from kvroute_common.tokenize_offload import bound_encoder_threads
+from kvroute_common.tokenizer import load_tokenizer, prompt_encoder
+if sys.argv[1] == "bounded":
+    bound_encoder_threads(cores=int(sys.argv[2]))
+encoder = prompt_encoder(load_tokenizer(None))
+before = len(os.listdir("/proc/self/task"))
+encoder._batch_fast(["lorem ipsum dolor sit amet " * 40] * 64, add_special_tokens=False)
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to see the pool's default size")
+def test_a_frontend_process_encodes_a_batch_on_one_core_fewer_than_it_has() -> None:
+    """The real tokenizer library honours the bound: a batch encode starts as many pool threads as the
+    process has cores by default, one fewer once bounded (the frontend calls it first thing)."""
+    import subprocess
+
+    cores = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM")}
+
+    def new_threads(*mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _ENCODER_THREADS, *mode], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    assert new_threads("default") == cores
+    assert new_threads("bounded", str(cores)) == cores - 1
 
 
 def test_a_huge_chat_message_is_rendered_and_tokenized_off_the_loop_a_tiny_one_inline() -> None:
