@@ -27,6 +27,9 @@ vocabulary with Llama-3's split pattern, which Python's ``re`` cannot run, so kv
 with the Hugging Face backend (what a deployment's ``tokenizer.json`` gets); the mockers load it too.
 ``--pin``: the router on core 1 (all its threads), the mockers and this client on core 0, so the
 router's decision latency is seen apart from contention for a core (needs 2 cores).
+``--runs N``: every cell N times, the routers' order rotated each run; the report adds, per cell, each
+figure's median and min-max and kvroute ``latency`` against each router as the median of the per-run
+ratios (one run's ratios spread 10-25 % on this machine).
 Nothing here asserts: benchmarks measure. Figures: docs/benchmarks.md.
 """
 
@@ -48,7 +51,7 @@ from typing import Any
 
 import httpx
 
-from bench.peers import ROUTERS, RouterSpec, Testbed, peers_bin, router_specs, start_router
+from bench.peers import ROUTERS, RouterSpec, Testbed, peers_bin, router_specs, runs_markdown, start_router
 from bench.replay import RunOptions, measure, read_counter
 from bench.sessions import WORKLOADS, Workload, session_trace
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
@@ -230,6 +233,7 @@ def run_cell(
                 else None
             )
             engine_urls = [w.metrics_url for w in cluster.workers]
+            load_before = round(os.getloadavg()[0], 1)
             e0 = engine_ttft(engine_urls)
             cpu0 = session_cpu_s(pid)
             row = measure(trace, url, label, engine_urls, opts, None)
@@ -257,6 +261,7 @@ def run_cell(
                     "phases_ms_per_request": (
                         {k: round(v * per_request, 3) for k, v in shares.items()} if shares else None
                     ),
+                    "loadavg_1m_before": load_before,
                     "loadavg_1m": round(os.getloadavg()[0], 1),
                 }
             )
@@ -281,6 +286,41 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def runs_report(rows: Sequence[dict[str, Any]], command: str, engines: int) -> str:
+    """Per cell (tokenizer, API, output length, concurrency) over the runs: each router's median figures
+    with their min-max, and kvroute ``latency`` against each router as the median of the per-run ratios."""
+    cells: dict[tuple, dict[int, list[dict[str, Any]]]] = {}
+    for r in rows:
+        key = (r["tokenizer"], r["api"], r["output_tokens"], r["concurrency"], r["pinned"])
+        cells.setdefault(key, {}).setdefault(r["run"], []).append(r)
+    parts = []
+    for (tokenizer, api, out, c, pinned), by_run in cells.items():
+        setup = f"{engines} mockers, {tokenizer} tokenizer, {api}, {out} output tokens, {c} in flight" + (
+            ", the router alone on core 1" if pinned else ""
+        )
+        runs = [
+            {
+                "workload": "agentic-dense",
+                "testbed": "mocker",
+                "setup": setup,
+                "command": command,
+                "machine": {"load_before": ms[0]["loadavg_1m_before"]},
+                "routers": [
+                    {
+                        "router": m["router"],
+                        "hit_rate": m["hit_rate"],
+                        "ttft_ms": dict(zip(("p50", "p90", "p99"), m["ttft_ms"], strict=True)),
+                        "router_cpu_ms_per_request": m["cpu_ms_per_request"],
+                    }
+                    for m in ms
+                ],
+            }
+            for _, ms in sorted(by_run.items())
+        ]
+        parts.append(runs_markdown(runs))
+    return "\n".join(parts)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench data_path", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
@@ -297,6 +337,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speedup-ratio", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--bin-dir", default=None, help="the peers' bin directory (default: $KVROUTE_PEERS_BIN)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="runs of every cell, the routers' order rotated each run, with medians and "
+                   "per-run ratios")  # fmt: skip
     p.add_argument("--out-dir", default="bench/out/data_path")
     p.add_argument("--before", default=None,
                    help="another checkout of kvroute (git worktree add DIR REV): each kvroute row also runs with its "
@@ -309,17 +352,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = router_specs(args.routers, args.before)
     args.bin_dir = peers_bin(args.bin_dir)
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.runs < 1:
+        raise SystemExit("--runs must be >= 1")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-data-path-") as tmp:
         args.hf_dir = hf_tokenizer_dir(tmp)
-        for tokenizer in args.tokenizers.split(","):
-            for api in args.apis.split(","):
-                for out in (int(x) for x in args.output_tokens.split(",")):
-                    for spec in specs:
-                        rows += run_cell(spec, tokenizer, api, out, concurrency, args)
+        for run in range(1, args.runs + 1):
+            order = specs[(run - 1) % len(specs) :] + specs[: (run - 1) % len(specs)]
+            for tokenizer in args.tokenizers.split(","):
+                for api in args.apis.split(","):
+                    for out in (int(x) for x in args.output_tokens.split(",")):
+                        for spec in order:
+                            rows += [dict(r, run=run) for r in run_cell(spec, tokenizer, api, out, concurrency, args)]
     command = "python -m bench data_path " + " ".join(argv if argv is not None else sys.argv[1:])
     text = f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n{table(rows)}\n"
+    if args.runs > 1:
+        text += "\n" + runs_report(rows, command, args.workers)
     with open(os.path.join(args.out_dir, "data_path.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out_dir, "data_path.md"), "w", encoding="utf-8") as f:

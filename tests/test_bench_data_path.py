@@ -21,15 +21,25 @@ def test_a_sample_belongs_to_the_phase_of_its_innermost_known_frame() -> None:
 
 
 def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
+    """Two routers, two runs: every cell's row is complete, the routers' order is rotated each run, and the
+    report gives kvroute's per-run ratios against the other router."""
     out = str(tmp_path)
-    argv = ["--tokenizers", "builtin", "--apis", "completions", "--concurrency", "2", "--requests", "12",
-            "--workers", "2", "--no-profile", "--out-dir", out]  # fmt: skip
+    argv = ["--routers", "kvroute-latency,round_robin", "--runs", "2", "--tokenizers", "builtin",
+            "--apis", "completions", "--concurrency", "2", "--requests", "12", "--workers", "2",
+            "--no-profile", "--out-dir", out]  # fmt: skip
     assert data_path.main(argv) == 0
     with open(os.path.join(out, "data_path.json"), encoding="utf-8") as f:
         rows = json.load(f)["rows"]
-    assert len(rows) == 1
-    row = rows[0]
-    assert row["router"] == "kvroute-latency" and row["completed"] == row["requests"] == 12
-    assert row["cpu_ms_per_request"] > 0 and row["ttft_added_ms"] is not None
-    p50, p90, p99 = row["ttft_ms"]
-    assert 0 < p50 <= p90 <= p99
+    assert [(r["run"], r["router"]) for r in rows] == [
+        (1, "kvroute-latency"), (1, "round_robin"), (2, "round_robin"), (2, "kvroute-latency"),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["completed"] == row["requests"] == 12
+        assert row["cpu_ms_per_request"] > 0 and row["ttft_added_ms"] is not None
+        p50, p90, p99 = row["ttft_ms"]
+        assert 0 < p50 <= p90 <= p99
+    with open(os.path.join(out, "data_path.md"), encoding="utf-8") as f:
+        report = f.read()
+    assert "2 runs, the routers' order rotated" in report
+    [ratios] = [line for line in report.splitlines() if line.startswith("| round_robin |") and "x (" in line]
+    assert ratios.count("x (") == 4  # TTFT p50, p90, p99 and CPU: median (min-max) of the two runs' ratios
