@@ -118,12 +118,14 @@ async def send_one(
                 text = (await resp.aread()).decode("utf-8", "replace")[:300]
                 result.error = f"HTTP {resp.status_code}: {text}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            done = False
+            async for line in resp.aiter_lines():  # to the stream's end, so the connection is kept alive
+                if done or not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    done = True
+                    continue
                 if _ROLE_ONLY.search(data):
                     continue
                 if '"usage"' in data and not _NULL_USAGE.search(data):  # only the usage chunk is decoded

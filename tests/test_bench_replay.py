@@ -173,3 +173,48 @@ def test_a_chat_streams_opening_role_delta_is_not_its_first_token(tmp_path):
         chat, text = asyncio.run(both(worker.url))
     assert chat.ok and text.ok, (chat.error, text.error)
     assert chat.output_chunks == text.output_chunks == 5  # 5 generated tokens; the role chunk is not one
+
+
+def test_the_replay_client_reads_each_stream_to_its_end_and_keeps_its_connection(tmp_path):
+    """Like the OpenAI SDK, the replay client reads a stream past ``data: [DONE]`` to the end of the
+    response, so its connection goes back to the pool: requests in a row share one connection. A
+    client that stopped at ``[DONE]`` closed it and opened one per request, which charged every
+    router a TCP accept and a protocol set-up per request that real clients do not cause."""
+    import asyncio
+
+    import httpx
+
+    from bench.replay import RequestResult, send_one
+    from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def through_counting_proxy(port: int) -> tuple[list[RequestResult], int]:
+        accepted = 0
+
+        async def forward(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", port)
+            await asyncio.gather(pipe(client_r, up_w), pipe(up_r, client_w))
+
+        server = await asyncio.start_server(forward, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        results = [RequestResult(i, 0.0) for i in range(3)]
+        async with server, httpx.AsyncClient(timeout=30.0) as client:
+            for r in results:
+                await send_one(client, url, DEFAULT_MODEL, [], 4, r, text="hello there")
+        return results, accepted
+
+    with Cluster(log_dir=str(tmp_path / "logs")) as cluster:
+        worker = cluster.start_mocker(MockerOptions(speedup_ratio=10))
+        cluster.wait_workers_ready(60)
+        results, accepted = asyncio.run(through_counting_proxy(int(worker.url.rsplit(":", 1)[1])))
+    assert all(r.ok and r.output_chunks == 4 for r in results), [(r.error, r.output_chunks) for r in results]
+    assert accepted == 1
