@@ -417,7 +417,10 @@ class ChunkWriter:
         if self._cycle.disconnected:
             return False
         if part:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(part), part))
+            transport = self._transport
+            transport.write(b"%x\r\n%b\r\n" % (len(part), part))
+            if type(transport) is _HeaderHoldingTransport and transport._held is None:
+                self._transport = transport._transport  # the header block is out: the rest go straight
         return not self._flow.write_paused
 
 

@@ -56,6 +56,7 @@ class UpstreamResponse:
         "_sink",
         "_last_body",
         "_idle_timer",
+        "_loop",
     )
 
     def __init__(self, conn: _Connection, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
@@ -72,6 +73,7 @@ class UpstreamResponse:
         self._sink: Callable[[bytes], bool] | None = None  # relay(): body bytes handed on in the callbacks
         self._last_body = 0.0  # relay(): loop time of the last body bytes (for the idle timeout)
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._loop = loop  # on_body reads its clock per chunk; asyncio.get_running_loop() costs a getpid() system call
 
     @overload
     def header(self, name: bytes, default: bytes) -> bytes: ...
@@ -106,7 +108,7 @@ class UpstreamResponse:
                 return True
         if self.complete or self.error is not None:
             return got
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         fut = self._waiter = loop.create_future()
         self._sink = sink
         self._last_body = loop.time() if got else 0.0
@@ -154,7 +156,7 @@ class UpstreamResponse:
                 return
             if self.error is not None:
                 raise self.error
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             fut = self._waiter = loop.create_future()
             timer = (
                 loop.call_later(idle_timeout, _idle_expired, fut, idle_timeout)
@@ -267,7 +269,7 @@ class _Connection(asyncio.Protocol):
             if resp._waiter is not None:
                 resp._wake()
             return
-        resp._last_body = asyncio.get_running_loop().time()
+        resp._last_body = resp._loop.time()
         try:
             keep = sink(body)
         except Exception as exc:  # the relay's own failure: raised in the relaying task
