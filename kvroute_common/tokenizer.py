@@ -406,6 +406,8 @@ def completion_prompt_token_ids(tokenizer, prompt: Any, nogil: bool = False, lim
         if not prompt:
             raise PromptError("prompt must not be empty")
         vocab = len(tokenizer)
+        if set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab:
+            return list(prompt)  # checked at C speed: a router sends every prompt as ids (--send-token-ids)
         for t in prompt:
             if type(t) is not int or t < 0 or t >= vocab:
                 if isinstance(t, (str, list)):
