@@ -205,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
         "0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 16384]",
     )
     g.add_argument(
+        "--send-token-ids",
+        action="store_true",
+        default=os.environ.get("KVROUTE_SEND_TOKEN_IDS", "") not in ("", "0", "false"),
+        help="send a /v1/completions text prompt to the engine as the token ids the router computed for it, so "
+        "the engine does not tokenize it again; the engines must use the frontend's tokenizer (--model-path), as "
+        "KV-aware routing needs anyway. Prompts the router tokenized on a worker thread, and requests with echo, "
+        "prompt_logprobs, suffix, add_special_tokens or a speculative prefill, keep their text "
+        "[env KVROUTE_SEND_TOKEN_IDS; default off]",
+    )
+    g.add_argument(
         "--use-remote-indexer",
         default=os.environ.get("DYN_USE_REMOTE_INDEXER", ""),
         metavar="URL[,URL...]",
@@ -412,6 +422,7 @@ def make_state(ns: argparse.Namespace):
     elif ns.remote_indexer_register:
         raise SystemExit("--remote-indexer-register needs --use-remote-indexer")
     state.serve_indexer = ns.serve_indexer
+    state.send_token_ids = ns.send_token_ids
     state.rate_limits = _rate_limits(ns, state)
     from frontend.observability.tracing import tracing_from_args
 

@@ -133,6 +133,7 @@ class FrontendState:
         self._render_checked: dict[int, int] = {}  # worker id -> the discovery its rendering was checked at
         self.remote_index: RemoteIndexers | None = None  # --use-remote-indexer: overlaps from there, no events here
         self.serve_indexer = False  # --serve-indexer: POST /query, /query_by_hash on the embedded index
+        self.send_token_ids = False  # --send-token-ids: completions prompts go to the engines as token ids
         self._init_extensions()
         # hash-parity alarm + hit-rate decomposition, fed where a response's usage arrives
         self.parity = ParityMonitor(self.metrics.registry, lambda: self.events)

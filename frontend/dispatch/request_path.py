@@ -32,7 +32,7 @@ from frontend.routing import disagg as _disagg
 from frontend.routing.admission import ClientDisconnected, QueueRejected
 from frontend.routing.engine_polarity import for_worker as _priority_for_worker
 from frontend.routing.models import ModelEntry
-from frontend.routing.prompt import Prompt, hash_tokens, tokenize_request
+from frontend.routing.prompt import Prompt, engine_token_ids, hash_tokens, tokenize_request
 from frontend.routing.routing_record import wants_routing
 from frontend.state import FrontendState
 from kvroute_common import anthropic_api
@@ -147,6 +147,9 @@ class RequestPath:
             ctx.tokens = tokens = prompt.tokens
             if state.rate_limits is not None:  # per-key limits: 429 before anything is queued or sent
                 ctx.rate = state.rate_limits.admit(source.headers, len(tokens))
+            ids = engine_token_ids(body, prompt, hints) if (state.send_token_ids and kind == "completions") else None
+            if ids is not None:
+                modified = True
             if stream and kind != "messages" and source.reads_response:  # the engine's usage (cached tokens)
                 # feeds the parity alarm and the decomposition (an Anthropic stream always carries its usage)
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
@@ -154,7 +157,10 @@ class RequestPath:
                     raw = spliced
                 elif ctx.strip_usage:
                     modified = True
-            ctx.out_body = orjson.dumps(body) if modified else raw
+            if ids is not None:  # ctx.body keeps the text (migration and prefill continue from it)
+                ctx.out_body = orjson.dumps({**body, "prompt": ids})
+            else:
+                ctx.out_body = orjson.dumps(body) if modified else raw
 
             pinned_worker = hints.pinned_worker_id if hints is not None else None
             pinned_rank = hints.pinned_dp_rank if hints is not None else None

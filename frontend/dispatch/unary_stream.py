@@ -35,14 +35,15 @@ _STREAM_FIELDS = b',"stream":true,"stream_options":{"include_usage":true}}'
 def streaming_body(body: dict, raw: bytes | None = None) -> bytes:
     """The body sent to the engine: the same request, streamed, with usage at the end.
 
-    ``raw``: ``body``'s JSON as it is sent otherwise. When ``body`` has neither field, they are
-    appended to those bytes instead of serialising the whole body again: a long prompt's body is
-    copied once on the event loop, not re-encoded (orjson, ~0.5 ms per MB)."""
+    ``raw``: the JSON sent otherwise, which wins over ``body`` (its prompt may be token ids where
+    ``body`` has text: ``--send-token-ids``). When ``body`` has neither field, they are appended to
+    those bytes instead of serialising the whole body again: a long prompt's body is copied once on
+    the event loop, not re-encoded (orjson, ~0.5 ms per MB)."""
     if raw is not None and body and "stream" not in body and "stream_options" not in body:
         end = raw.rstrip()
         if end.endswith(b"}"):
             return b"".join((memoryview(end)[:-1], _STREAM_FIELDS))
-    out = dict(body)
+    out = orjson.loads(raw) if raw is not None else dict(body)
     out["stream"] = True
     out["stream_options"] = {"include_usage": True}
     return orjson.dumps(out)

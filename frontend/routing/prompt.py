@@ -25,6 +25,7 @@ from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes
 NEW_CHARS_SCAN_MAX = 256 * 1024
 
 if TYPE_CHECKING:
+    from frontend.request.hints import RequestHints
     from frontend.routing.images import ImageCache
     from frontend.routing.models import ModelEntry
     from kvroute_common.tokenize_offload import TokenizeOffload
@@ -65,6 +66,29 @@ def hashed(entry: ModelEntry, tokens: Sequence[int], salt: str | None, images: S
     mm = block_mm_hashes(images, len(tokens), bs) if images else None
     local = local_block_hashes(tokens, bs, entry.lora_name, salt, mm)
     return Prompt(tokens, local, sequence_hashes(local), salt)
+
+
+# completions fields whose meaning depends on the prompt's text: such requests keep it
+_TEXT_FIELDS = ("echo", "prompt_logprobs", "suffix", "add_special_tokens", "prompt_embeds")
+
+
+def engine_token_ids(body: dict, prompt: Prompt, hints: RequestHints | None) -> list[int] | None:
+    """What a completions request sends the engine as its prompt instead of its text
+    (``--send-token-ids``): the ids the router computed for routing, the engine's own tokens, so the
+    engine skips tokenizing them again. None keeps the text: a prompt that was already ids, one
+    tokenized on a worker thread (its ids are a compact array, and a list of them would be built on
+    the loop), a request whose fields read the text, or one whose next turn is prefilled
+    speculatively (that builds on the text)."""
+    text = body.get("prompt")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str) or type(prompt.tokens) is not list:
+        return None
+    if any(k in body for k in _TEXT_FIELDS):
+        return None
+    if hints is not None and (hints.speculative_prefill or hints.token_data):
+        return None
+    return prompt.tokens
 
 
 def body_tokens(

@@ -1,0 +1,64 @@
+"""``--send-token-ids`` end to end: a frontend with the built-in tokenizer in front of a mocker that loads
+another one (Llama-3's split pattern, which cuts digit runs in threes), so the engine's own count of a
+text prompt differs from the router's. With the flag the engine computes the router's ids, streamed or
+not; a request with a field that reads the text keeps it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from bench.data_path import hf_tokenizer_dir
+from frontend.routing.prompt import Prompt, engine_token_ids
+from kvroute_common.hashing import token_array
+from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
+from kvroute_common.tokenizer import load_tokenizer
+from support import wait_until
+
+TEXT = "Invoice 12345678901234567890 for order 98765432123456789, paid 31415926535."
+
+
+def engine_prompt_tokens(base: str, body: dict) -> int:
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        return r.json()["usage"]["prompt_tokens"]
+    usage = [line for line in r.text.splitlines() if '"prompt_tokens"' in line]
+    assert len(usage) == 1 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    return httpx.Response(200, content=usage[0][len("data: ") :]).json()["usage"]["prompt_tokens"]
+
+
+def test_the_engine_computes_the_routers_ids_and_text_fields_keep_the_text(tmp_path) -> None:
+    ours = len(load_tokenizer(None)(TEXT)["input_ids"])
+    engines = hf_tokenizer_dir(str(tmp_path))
+    theirs = len(load_tokenizer(engines)(TEXT)["input_ids"])
+    assert ours != theirs  # the two tokenizers disagree on this text
+    base = {"model": DEFAULT_MODEL, "prompt": TEXT, "max_tokens": 2}
+    with Cluster(log_dir=str(tmp_path / "logs")) as cluster:
+        worker = cluster.start_mocker(MockerOptions(speedup_ratio=10, model_path=engines))
+        cluster.wait_workers_ready(60)
+        url = cluster.start_frontend(extra_args=["--send-token-ids"])
+        wait_until(lambda: httpx.get(f"{url}/v1/models", timeout=5).json()["data"], 60, what="the model served")
+        assert engine_prompt_tokens(worker.url, base) == theirs  # the engine alone tokenizes its way
+        assert engine_prompt_tokens(url, base) == ours
+        assert engine_prompt_tokens(url, {**base, "prompt": [TEXT]}) == ours  # a batch of one
+        assert engine_prompt_tokens(url, {**base, "stream": True, "stream_options": {"include_usage": True}}) == ours
+        assert engine_prompt_tokens(url, {**base, "stream": False}) == ours  # sent streamed, answered whole
+        assert engine_prompt_tokens(url, {**base, "echo": False}) == theirs  # echo reads the text: it goes as text
+
+
+@pytest.mark.parametrize(
+    ("body", "prompt", "sent"),
+    [
+        ({"prompt": "a b"}, Prompt([1, 2]), [1, 2]),
+        ({"prompt": ["a b"]}, Prompt([1, 2]), [1, 2]),
+        ({"prompt": [1, 2]}, Prompt([1, 2]), None),  # already ids
+        ({"prompt": "a b"}, Prompt(token_array([1, 2])), None),  # tokenized on a worker thread
+        ({"prompt": "a b", "echo": True}, Prompt([1, 2]), None),
+        ({"prompt": "a b", "suffix": "c"}, Prompt([1, 2]), None),
+        ({"prompt": "a b", "add_special_tokens": False}, Prompt([1, 2]), None),
+        ({"prompt": "a b", "prompt_logprobs": 1}, Prompt([1, 2]), None),
+    ],
+)
+def test_which_prompts_go_as_ids(body: dict, prompt: Prompt, sent: list[int] | None) -> None:
+    assert engine_token_ids(body, prompt, None) == sent
