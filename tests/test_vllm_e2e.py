@@ -233,6 +233,38 @@ def test_chat_and_completions_stream_and_unary_through_kvroute(pair: tuple[Kvrou
     wait_until(fe.idle, WAIT, what="loads back at 0")
 
 
+def test_completions_sent_as_the_routers_token_ids_get_the_answer_vllm_gives_their_text(
+    vllm_engines: dict[str, Any],
+) -> None:
+    """``--send-token-ids``: vLLM takes the router's ids for a completions prompt and answers as it answers
+    the text (greedy): the same text and usage, unary and streamed; the repeat finds cached the blocks the
+    router predicted, so the ids are the tokens vLLM computes for the text."""
+    engines = vllm_engines["pair"]
+    body = {"model": MODEL, "prompt": system_prompt("token-ids"), "max_tokens": 6, "temperature": 0.0}
+    direct = httpx.post(f"{engines[0].url}/v1/completions", json={**body, "ignore_eos": True}, timeout=WAIT).json()
+    specs = [e.worker_spec(i + 1) for i, e in enumerate(engines)]
+    with kvroute(vllm_engines["model_dir"], specs, "--send-token-ids") as fe:
+        unary = fe.sdk.completions.create(
+            **body, extra_body={"ignore_eos": True, "nvext": {"extra_fields": ["routing"]}}
+        )
+        assert unary.choices[0].text == direct["choices"][0]["text"]
+        assert unary.usage is not None and unary.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+        worker = unary.model_extra["nvext"]["routing"]["worker_id"]
+        wait_indexed(fe, body, worker, unary.usage.prompt_tokens)
+        predicted = fe.overlap(body, worker)
+        chunks = list(
+            fe.sdk.completions.create(
+                **body, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == direct["choices"][0]["text"]
+        usage = chunks[-1].usage
+        assert usage is not None and usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+        cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
+        assert predicted > 0 and cached == expected_cached(predicted, usage.prompt_tokens)
+        wait_until(fe.idle, WAIT, what="loads back at 0")
+
+
 def test_responses_api_is_passed_through(pair: tuple[Kvroute, list[VllmEngine]]) -> None:
     fe, _ = pair
     out = fe.sdk.responses.create(model=MODEL, input="Name a color.", max_output_tokens=8)
