@@ -35,6 +35,11 @@ def _env_int(name: str) -> int | None:
         raise SystemExit(f"{name}={raw!r} is not an integer") from None
 
 
+def _env_flag(name: str) -> bool:
+    """An on/off setting from the environment: anything but unset, empty, 0 or false is on."""
+    return os.environ.get(name, "") not in ("", "0", "false")
+
+
 def media_policy_from_args(ns: argparse.Namespace) -> MediaPolicy:
     """The media fetch policy of the ``--mm-*`` flags; a bad value is a start-up error."""
     raw = ns.mm_allowed_media_domains
@@ -87,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--epp-conformance-hooks",
         action="store_true",
-        default=os.environ.get("KVROUTE_EPP_CONFORMANCE_HOOKS", "") not in ("", "0", "false"),
+        default=_env_flag("KVROUTE_EPP_CONFORMANCE_HOOKS"),
         help="endpoint picker: the Inference Extension conformance suite's hooks (the test-epp-endpoint-selection "
         "header restricts the candidates to the endpoints it names; the served endpoint is echoed in "
         "x-conformance-test-served-endpoint). Any client could steer its requests within the pool: for "
@@ -207,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--send-token-ids",
         action="store_true",
-        default=os.environ.get("KVROUTE_SEND_TOKEN_IDS", "") not in ("", "0", "false"),
+        default=_env_flag("KVROUTE_SEND_TOKEN_IDS"),
         help="send a /v1/completions text prompt to the engine as the token ids the router computed for it, so "
         "the engine does not tokenize it again; the engines must use the frontend's tokenizer (--model-path), as "
         "KV-aware routing needs anyway. Prompts the router tokenized on a worker thread, and requests with echo, "

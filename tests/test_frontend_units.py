@@ -693,3 +693,14 @@ def test_epp_port_without_the_epp_extra_is_a_usage_error_naming_the_install(monk
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "grpc" else real(name))
     with pytest.raises(SystemExit, match=r"pip install 'kvroute\[epp\]'"):
         check_epp_installed()
+
+
+def test_sending_token_ids_is_off_unless_the_flag_or_its_variable_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from frontend.cli import build_parser
+
+    monkeypatch.delenv("KVROUTE_SEND_TOKEN_IDS", raising=False)
+    assert build_parser().parse_args([]).send_token_ids is False
+    assert build_parser().parse_args(["--send-token-ids"]).send_token_ids is True
+    for value, on in (("1", True), ("true", True), ("0", False), ("false", False), ("", False)):
+        monkeypatch.setenv("KVROUTE_SEND_TOKEN_IDS", value)
+        assert build_parser().parse_args([]).send_token_ids is on
