@@ -241,7 +241,10 @@ def test_completions_sent_as_the_routers_token_ids_get_the_answer_vllm_gives_the
     router predicted, so the ids are the tokens vLLM computes for the text."""
     engines = vllm_engines["pair"]
     body = {"model": MODEL, "prompt": system_prompt("token-ids"), "max_tokens": 6, "temperature": 0.0}
-    direct = httpx.post(f"{engines[0].url}/v1/completions", json={**body, "ignore_eos": True}, timeout=WAIT).json()
+    # salted: the engine answers the text without caching blocks the router's requests would find unannounced
+    direct = httpx.post(
+        f"{engines[0].url}/v1/completions", json={**body, "ignore_eos": True, "cache_salt": "text"}, timeout=WAIT
+    ).json()
     specs = [e.worker_spec(i + 1) for i, e in enumerate(engines)]
     with kvroute(vllm_engines["model_dir"], specs, "--send-token-ids") as fe:
         unary = fe.sdk.completions.create(
