@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -144,6 +144,21 @@ def stream_events(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, 
     events = [e[6:] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
     assert events[-1] == b"[DONE]", data[-200:]
     return [orjson.loads(e) for e in events[:-1]]
+
+
+def stream_through(url: str, body: dict[str, Any], after_first: Callable[[], bool] = lambda: True) -> str:
+    """One client streaming ``body`` through the gateway at ``url`` on a connection of its own:
+    ``after_first`` runs once the first chunk arrived and returns False to leave there (the response is
+    closed unread, its connection with it). Returns "done", "left", "no [DONE]" or "HTTP <status>"."""
+    with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return f"HTTP {r.status_code}"
+        chunks = r.iter_raw()
+        data = next(chunks, b"")
+        if data and not after_first():
+            return "left"
+        data += b"".join(chunks)
+        return "done" if data.rstrip().endswith(b"data: [DONE]") else "no [DONE]"
 
 
 def test_prefixes_through_envoy_go_to_the_engine_that_holds_them_as_predicted(pool: Pool) -> None:
@@ -499,21 +514,19 @@ def test_under_concurrency_every_booking_lasts_until_its_response_ends(pool: Poo
 
     def one(n: int, url: str) -> None:
         body = chat(f"stress {response_mode} {n}", "count slowly", max_tokens=1500, ignore_eos=True, stream=True)
+
+        def after_first() -> bool:
+            firsts.append(1.0)
+            return True
+
         try:
-            with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
-                if r.status_code != 200:
-                    failures.append(f"{n}: {r.status_code}")
-                    return
-                data = b""
-                for chunk in r.iter_raw():
-                    if not data:
-                        firsts.append(1.0)
-                    data += chunk
-                if not data.rstrip().endswith(b"data: [DONE]"):
-                    failures.append(f"{n}: stream ended without [DONE]")
-                done.append(n)
+            ended = stream_through(url, body, after_first)
         except httpx.HTTPError as exc:
-            failures.append(f"{n}: {exc!r}")
+            ended = repr(exc)
+        if ended == "done":
+            done.append(n)
+        else:
+            failures.append(f"{n}: {ended}")
 
     cancelled = counter(pool, "dynamo_frontend_model_cancellation_total")
     before = ends(pool)
@@ -558,20 +571,16 @@ def test_under_concurrency_streams_that_leave_and_streams_that_end_all_free_thei
 
     def one(n: int, url: str) -> None:
         body = chat(f"leave or stay {n}", "count slowly", max_tokens=1500, ignore_eos=True, stream=True)
+
+        def after_first() -> bool:
+            firsts.append(n)
+            if n % 2:  # the odd clients leave once every stream has its first chunk
+                leave.wait(60)
+                return False
+            return True
+
         try:
-            with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
-                if r.status_code != 200:
-                    failures.append(f"{n}: {r.status_code}")
-                    return
-                chunks = r.iter_raw()
-                data = next(chunks)
-                firsts.append(n)
-                if n % 2:
-                    leave.wait(60)
-                    results[n] = "left"
-                    return  # the response closes unread: the connection goes with it
-                data += b"".join(chunks)
-                results[n] = "done" if data.rstrip().endswith(b"data: [DONE]") else "no [DONE]"
+            results[n] = stream_through(url, body, after_first)
         except httpx.HTTPError as exc:
             failures.append(f"{n}: {exc!r}")
 
