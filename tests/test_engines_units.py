@@ -153,6 +153,23 @@ def test_streaming_body_appends_to_the_raw_bytes_and_reencodes_only_when_it_must
         assert orjson.loads(sent) == {**body, **want} and sent.count(b'"stream"') == 1
 
 
+def test_streaming_body_encodes_again_what_is_sent_not_the_clients_body() -> None:
+    """A unary request that said ``stream: false`` is encoded again from the bytes the engine was to get:
+    a prompt sent as the router's ids and a decode request's transfer parameters stay in it."""
+    from frontend.routing.disagg import decode_body
+
+    body = {"model": "m", "prompt": "a b", "stream": False, "max_tokens": 1}
+    want = {"stream": True, "stream_options": {"include_usage": True}}
+    as_ids = orjson.dumps({**body, "prompt": [1, 2]})
+    assert orjson.loads(streaming_body(body, as_ids)) == {**body, "prompt": [1, 2], **want}
+    decode = decode_body(body, {"remote_block_ids": [7]})
+    assert orjson.loads(streaming_body(body, decode)) == {
+        **body,
+        "kv_transfer_params": {"remote_block_ids": [7]},
+        **want,
+    }
+
+
 def test_capacity_from_vllm_metrics_and_server_info() -> None:
     text = (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
