@@ -338,7 +338,9 @@ def test_a_worker_that_never_answers_times_out_and_the_other_keeps_serving():
         # the stalled worker's bookings were freed; the healthy one still answers
         wait_until(lambda: loads_zero(fe), timeout=30, what="every load back to 0")
         assert chat(fe, "still serving?", timeout=30).status_code in (200, 504)
-        assert any(chat(fe, prompt_text(10 + i)).status_code == 200 for i in range(6))
+        # ties between the two idle workers are broken at random: one answer in 24 tries is certain but
+        # for a chance of 2**-24 (six tries failed about once in 64 runs)
+        assert any(chat(fe, prompt_text(10 + i)).status_code == 200 for i in range(24))
         wait_until(lambda: loads_zero(fe), timeout=30, what="every load back to 0 again")
 
 
