@@ -18,10 +18,12 @@ import heapq
 import random
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 
 from bench.replay import build_trace, gpu_blocks_for, parse_loads, percentile
 from bench.replay import parser as replay_parser
+from bench.sessions import WORKLOADS, session_trace
 from bench.traces import Trace, oracle
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from mocker.engine import RankScheduler, Sequence, Step
@@ -53,8 +55,12 @@ def simulate(
     max_num_seqs: int = 64,
     max_batched: int = 4096,
     seed: int = 0,
+    max_concurrency: int = 0,
 ) -> dict:
-    """Route and run every request of ``trace``; returns TTFT percentiles (ms) and the hit rate."""
+    """Route and run every request of ``trace``; returns TTFT percentiles (ms) and the hit rate.
+
+    ``max_concurrency`` (0: none) holds arrivals while that many requests are in flight and sends them in
+    arrival order as requests finish, as the replay's client does; a TTFT counts from the send."""
     clock = _Clock()
     rng = random.Random(seed)
     perf = PerfModel(speedup)
@@ -80,8 +86,18 @@ def simulate(
         if policy == "latency":
             models.observe((w, 0), work, dec, clock.now - sent_at[rid])
 
+    in_flight = most_in_flight = 0
+    held: deque[int] = deque()  # arrivals waiting for a client slot (max_concurrency)
+    order = len(trace.requests)  # tie-breaker of events at the same time
+
     def on_finished(seq: Sequence, _reason: str) -> None:
+        nonlocal in_flight, order
         tracker.free(seq.request_id, notify=False)
+        in_flight -= 1
+        if held:  # the slot goes to the oldest held arrival, sent now
+            in_flight += 1
+            order += 1
+            heapq.heappush(events, (clock.now, 2, order, held.popleft()))
 
     ranks = [
         RankScheduler(
@@ -97,10 +113,9 @@ def simulate(
         for w in range(workers)
     ]
     busy_until: list[Step | None] = [None] * workers  # the step in flight per rank
-    events: list[tuple[float, int, int, int]] = []  # (time, kind 0=step end 1=arrival, order, index)
+    events: list[tuple[float, int, int, int]] = []  # (time, kind 0=step end 1=arrival 2=send, order, index)
     for r in trace.requests:
         heapq.heappush(events, (r.arrival_s, 1, r.index, r.index))
-    order = len(trace.requests)
     rr = 0
 
     def kick(w: int) -> None:
@@ -124,6 +139,12 @@ def simulate(
             ranks[idx].commit(done)
             kick(idx)
             continue
+        if kind == 1:
+            if max_concurrency and in_flight >= max_concurrency:
+                held.append(idx)
+                continue
+            in_flight += 1
+        most_in_flight = max(most_in_flight, in_flight)
         req = trace.requests[idx]
         rid = f"r{idx}"
         local = local_block_hashes(req.tokens, block_size)
@@ -191,6 +212,7 @@ def simulate(
         "hit_rate": hits / queries if queries else None,
         "ttft_ms": {f"p{p}": round(1e3 * (percentile(vals, p) or 0.0), 1) for p in (50, 90, 99)} if vals else None,
         "latency_models": models.snapshot() if policy == "latency" else None,
+        "most_in_flight": most_in_flight,
     }
 
 
@@ -221,10 +243,18 @@ def main(argv: Seq[str] | None = None) -> int:
         add_help=False,
         conflict_handler="resolve",
     )
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated, from {', '.join(POLICIES)}, prefix; latency:r=R,l=W,f=H sets its weights",
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=0, help="requests in flight at most, as the replay's client (0: none)"
+    )
     args = p.parse_args(argv)
     for name in [t.strip() for t in args.trace.split(",") if t.strip()]:
-        trace = build_trace(name, args)
+        # a bench.sessions workload by name (e.g. agentic-dense, the peers testbed's), else a trace
+        trace = session_trace(WORKLOADS[name], args.seed) if name in WORKLOADS else build_trace(name, args)
         orc = oracle([r.tokens for r in trace.requests], args.block_size).token_share
         blocks = gpu_blocks_for(trace, args)
         print(f"== {trace.name}: {len(trace.requests)} requests, oracle {orc:.1%}, {blocks} blocks per worker")
@@ -242,7 +272,9 @@ def main(argv: Seq[str] | None = None) -> int:
                     args.max_num_seqs,
                     args.max_num_batched_tokens,
                     args.seed,
+                    args.max_concurrency,
                 )
+                r["policy"] = pol
                 r["cpu_s"] = round(time.process_time() - t0, 1)
                 rows.append(r)
             rr = next((r for r in rows if r["policy"] == "round_robin"), None)

@@ -349,3 +349,7 @@ def test_offline_routing_simulation_compares_cost_models():
     assert rows["latency"]["latency_models"]  # it learned from the simulated first tokens
     assert simulate(t, "latency", 3, 2048, 0.5) == rows["latency"]  # deterministic
     assert 0 < ttft_floor_ms(t, 16, 0.5) <= rows["latency"]["ttft_ms"]["p50"]
+    # a client that keeps at most 2 in flight, as the replay's --max-concurrency: every request still runs
+    assert rows["latency"]["most_in_flight"] > 2
+    capped = simulate(t, "latency", 3, 2048, 0.5, max_concurrency=2)
+    assert capped["most_in_flight"] == 2 and capped["completed"] == len(t.requests)
