@@ -119,8 +119,9 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("kvroute-latency-shared", "kvroute", "latency", extra=("--router-latency-recompute-weight", "4")),
         # latency mode booking only the rest of a prompt whose prefix it has just routed to the same rank
         RouterSpec("kvroute-latency-book", "kvroute", "latency", extra=("--router-latency-book-predicted",)),
-        # latency mode sending completions prompts to the engines as the ids it computed (--send-token-ids)
-        RouterSpec("kvroute-latency-ids", "kvroute", "latency", extra=("--send-token-ids",)),
+        # latency mode sending every prompt as its text (by default a completions prompt goes to an engine as the
+        # router's ids where the engine proved it tokenizes as the router does: --send-token-ids auto)
+        RouterSpec("kvroute-latency-text", "kvroute", "latency", extra=("--send-token-ids", "never")),
     )
 }
 # the rows of a plain run: the gateway and the variant rows are asked for by name

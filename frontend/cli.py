@@ -40,6 +40,17 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0", "false")
 
 
+SEND_IDS_MODES = ("auto", "always", "never")  # --send-token-ids (frontend.routing.prompt.takes_prompt_ids)
+
+
+def _send_ids_mode(value: str) -> str:
+    """``KVROUTE_SEND_TOKEN_IDS``: auto (unset or empty), always (also 1, true) or never (also 0, false)."""
+    mode = {"": "auto", "1": "always", "true": "always", "0": "never", "false": "never"}.get(value.lower(), value)
+    if mode not in SEND_IDS_MODES:
+        raise SystemExit(f"KVROUTE_SEND_TOKEN_IDS={value!r}: expected one of {', '.join(SEND_IDS_MODES)}")
+    return mode
+
+
 def media_policy_from_args(ns: argparse.Namespace) -> MediaPolicy:
     """The media fetch policy of the ``--mm-*`` flags; a bad value is a start-up error."""
     raw = ns.mm_allowed_media_domains
@@ -211,13 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--send-token-ids",
-        action="store_true",
-        default=_env_flag("KVROUTE_SEND_TOKEN_IDS"),
-        help="send a /v1/completions text prompt to the engine as the token ids the router computed for it, so "
-        "the engine does not tokenize it again; the engines must use the frontend's tokenizer (--model-path), as "
-        "KV-aware routing needs anyway. Prompts the router tokenized on a worker thread, and requests with echo, "
-        "prompt_logprobs, suffix, add_special_tokens or a speculative prefill, keep their text "
-        "[env KVROUTE_SEND_TOKEN_IDS; default off]",
+        nargs="?",
+        const="always",
+        choices=SEND_IDS_MODES,
+        default=_send_ids_mode(os.environ.get("KVROUTE_SEND_TOKEN_IDS", "")),
+        help="send a /v1/completions text prompt to the engine as the token ids the router computed for it, so the "
+        "engine does not tokenize it again: auto = to each worker whose engine turned a probe text into the router's "
+        "ids when it joined (its render route or /tokenize; until then, and where it did not, the text goes); "
+        "always (the flag alone) = to every worker (their engines must use the frontend's tokenizer); never. Prompts "
+        "the router tokenized on a worker thread, requests with echo, prompt_logprobs, suffix, add_special_tokens or "
+        "a speculative prefill, and disaggregated requests keep their text "
+        "[env KVROUTE_SEND_TOKEN_IDS: auto, always (or 1), never (or 0); default auto]",
     )
     g.add_argument(
         "--use-remote-indexer",

@@ -133,7 +133,7 @@ class FrontendState:
         self._render_checked: dict[int, int] = {}  # worker id -> the discovery its rendering was checked at
         self.remote_index: RemoteIndexers | None = None  # --use-remote-indexer: overlaps from there, no events here
         self.serve_indexer = False  # --serve-indexer: POST /query, /query_by_hash on the embedded index
-        self.send_token_ids = False  # --send-token-ids: completions prompts go to the engines as token ids
+        self.send_token_ids = "auto"  # --send-token-ids: which workers get completions prompts as token ids
         self._init_extensions()
         # hash-parity alarm + hit-rate decomposition, fed where a response's usage arrives
         self.parity = ParityMonitor(self.metrics.registry, lambda: self.events)
@@ -479,6 +479,7 @@ class FrontendState:
             self._spawn(self._register_remote(worker))
         if attached and self._render_checked.get(worker.id) != worker.discoveries:
             self._render_checked[worker.id] = worker.discoveries  # once per (re)discovery of the process
+            worker.prompt_ids_proven = False  # a restarted process may load another tokenizer: text until proven
             self._spawn(self._check_rendering(worker))
 
     async def _register_remote(self, worker: Worker) -> None:
@@ -526,6 +527,7 @@ class FrontendState:
         if self.pool.workers.get(worker.id) is not worker:
             return  # removed meanwhile
         self.parity.render_checked(worker.id, check, entry.block_size)
+        worker.prompt_ids_proven = check.prompt_ids == "match"
         if check.status == "mismatch":
             log.warning("worker %s: %s", worker.id, check.cause())
         else:

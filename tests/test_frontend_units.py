@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -695,12 +696,39 @@ def test_epp_port_without_the_epp_extra_is_a_usage_error_naming_the_install(monk
         check_epp_installed()
 
 
-def test_sending_token_ids_is_off_unless_the_flag_or_its_variable_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_token_ids_go_to_proven_workers_unless_the_flag_or_its_variable_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from frontend.cli import build_parser
 
     monkeypatch.delenv("KVROUTE_SEND_TOKEN_IDS", raising=False)
-    assert build_parser().parse_args([]).send_token_ids is False
-    assert build_parser().parse_args(["--send-token-ids"]).send_token_ids is True
-    for value, on in (("1", True), ("true", True), ("0", False), ("false", False), ("", False)):
+    assert build_parser().parse_args([]).send_token_ids == "auto"
+    assert build_parser().parse_args(["--send-token-ids"]).send_token_ids == "always"  # the flag alone, as before
+    assert build_parser().parse_args(["--send-token-ids", "never"]).send_token_ids == "never"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--send-token-ids", "sometimes"])
+    for value, mode in (("1", "always"), ("true", "always"), ("0", "never"), ("FALSE", "never"), ("", "auto")):
         monkeypatch.setenv("KVROUTE_SEND_TOKEN_IDS", value)
-        assert build_parser().parse_args([]).send_token_ids is on
+        assert build_parser().parse_args([]).send_token_ids == mode
+    monkeypatch.setenv("KVROUTE_SEND_TOKEN_IDS", "maybe")
+    with pytest.raises(SystemExit, match="KVROUTE_SEND_TOKEN_IDS"):
+        build_parser()
+
+
+def test_a_completions_prompt_goes_as_ids_only_to_a_worker_that_takes_them() -> None:
+    import orjson
+
+    from frontend.dispatch.context import RequestContext
+    from frontend.routing.prompt import takes_prompt_ids
+
+    proven, unproven = SimpleNamespace(prompt_ids_proven=True), SimpleNamespace(prompt_ids_proven=False)
+    assert [takes_prompt_ids(m, proven) for m in ("auto", "always", "never")] == [True, True, False]
+    assert [takes_prompt_ids(m, unproven) for m in ("auto", "always", "never")] == [False, True, False]
+    ctx = RequestContext()
+    ctx.out_body = b'{"model":"m","prompt":"a b","stream":true,"stream_options":{"include_usage":true}}'
+    assert ctx.body_for(True) is ctx.out_body  # no ids computed for it (e.g. echo): the text
+    ctx.engine_ids = [1, 2]
+    assert ctx.body_for(False) is ctx.out_body
+    sent = ctx.body_for(True)
+    assert orjson.loads(sent) == {**orjson.loads(ctx.out_body), "prompt": [1, 2]}  # every other field kept
+    assert ctx.body_for(True) is sent  # built once per request

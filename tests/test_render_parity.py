@@ -59,11 +59,15 @@ def test_rendering_is_compared_when_a_worker_joins_before_any_request() -> None:
             assert diff["probe"] == "chat_with_system" and diff["position"] >= 0
             assert "<<system>>" in diff["engine_text"] and "<<system>>" not in diff["router_text"]
             assert checks[3]["status"] == "unavailable"
+            # completions tokenize alike on all three (rendered, or through /tokenize where there is no render
+            # route): each may be sent the router's ids (--send-token-ids auto)
+            assert [checks[w]["prompt_ids"] for w in (1, 2, 3)] == ["match"] * 3
 
             rows = {w["id"]: w for w in fe.get("/admin/workers").json()["workers"]}
             assert rows[2]["hash_parity"]["mismatch"] is True
             assert "render" in rows[2]["hash_parity"]["likely_cause"]
             assert rows[1]["hash_parity"]["mismatch"] is False
+            assert all(rows[w]["prompt_ids_proven"] for w in (1, 2, 3))
             text = fe.get("/metrics").text
             assert _metric(text, "kvroute_hash_parity_mismatch", "2") == 1
             assert _metric(text, "kvroute_hash_parity_mismatch", "1") == 0

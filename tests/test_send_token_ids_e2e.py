@@ -1,7 +1,9 @@
 """``--send-token-ids`` end to end: a frontend with the built-in tokenizer in front of a mocker that loads
 another one (Llama-3's split pattern, which cuts digit runs in threes), so the engine's own count of a
-text prompt differs from the router's. With the flag the engine computes the router's ids, streamed or
-not; a request with a field that reads the text keeps it."""
+text prompt differs from the router's. By default (auto) ids go only to a worker that turned the probe
+text into the router's ids when it joined: that one gets the text, a mocker with the router's tokenizer
+is proven. With ``always`` the engine computes the router's ids, streamed or not; a request with a field
+that reads the text keeps it."""
 
 from __future__ import annotations
 
@@ -36,15 +38,28 @@ def test_the_engine_computes_the_routers_ids_and_text_fields_keep_the_text(tmp_p
     base = {"model": DEFAULT_MODEL, "prompt": TEXT, "max_tokens": 2}
     with Cluster(log_dir=str(tmp_path / "logs")) as cluster:
         worker = cluster.start_mocker(MockerOptions(speedup_ratio=10, model_path=engines))
+        cluster.start_mocker(MockerOptions(speedup_ratio=10))  # the router's own tokenizer
         cluster.wait_workers_ready(60)
-        url = cluster.start_frontend(extra_args=["--send-token-ids"])
+        url = cluster.start_frontend()  # auto
+
+        def proven() -> dict[int, bool]:
+            rows = httpx.get(f"{url}/admin/workers", timeout=5).json()["workers"]
+            if not all((w.get("hash_parity") or {}).get("render") for w in rows):
+                return {}
+            assert {w["id"]: w["hash_parity"]["render"]["prompt_ids"] for w in rows} == {1: "mismatch", 2: "match"}
+            return {w["id"]: w["prompt_ids_proven"] for w in rows}
+
+        assert wait_until(proven, 60, what="the probes answered") == {1: False, 2: True}
+        pinned = {**base, "nvext": {"backend_instance_id": worker.worker_id}}
+        assert engine_prompt_tokens(url, pinned) == theirs  # not proven: the text, as the engine reads it
+        url = cluster.start_frontend(extra_args=["--send-token-ids"])  # always
         wait_until(lambda: httpx.get(f"{url}/v1/models", timeout=5).json()["data"], 60, what="the model served")
         assert engine_prompt_tokens(worker.url, base) == theirs  # the engine alone tokenizes its way
-        assert engine_prompt_tokens(url, base) == ours
-        assert engine_prompt_tokens(url, {**base, "prompt": [TEXT]}) == ours  # a batch of one
-        assert engine_prompt_tokens(url, {**base, "stream": True, "stream_options": {"include_usage": True}}) == ours
-        assert engine_prompt_tokens(url, {**base, "stream": False}) == ours  # sent streamed, answered whole
-        assert engine_prompt_tokens(url, {**base, "echo": False}) == theirs  # echo reads the text: it goes as text
+        assert engine_prompt_tokens(url, pinned) == ours
+        assert engine_prompt_tokens(url, {**pinned, "prompt": [TEXT]}) == ours  # a batch of one
+        assert engine_prompt_tokens(url, {**pinned, "stream": True, "stream_options": {"include_usage": True}}) == ours
+        assert engine_prompt_tokens(url, {**pinned, "stream": False}) == ours  # sent streamed, answered whole
+        assert engine_prompt_tokens(url, {**pinned, "echo": False}) == theirs  # echo reads the text: it goes as text
 
 
 @pytest.mark.parametrize(

@@ -401,6 +401,11 @@ _SCHEMAS: dict[str, Any] = {
             "healthy": {"type": "boolean"},
             "models": {"type": "array", "items": {"type": "string"}},
             "last_error": {"type": ["string", "null"]},
+            "prompt_ids_proven": {
+                "type": "boolean",
+                "description": "the engine turned the probe text into the router's ids when it joined: with "
+                "--send-token-ids auto it gets completions prompts as ids",
+            },
         },
     },
     "RouteDecision": {

@@ -18,7 +18,7 @@ from frontend.observability.parity import RequestProbe
 from frontend.request.hints import RequestTiming
 from frontend.routing import disagg as _disagg
 from frontend.routing.models import ModelEntry
-from frontend.routing.prompt import Prompt
+from frontend.routing.prompt import Prompt, with_prompt_ids
 from frontend.routing.routing_record import wants_routing
 from frontend.state import FrontendState
 from kvroute_common.openai_api import read_openai_body
@@ -46,6 +46,8 @@ class RequestContext:
         "tokens",
         "body",
         "out_body",
+        "engine_ids",
+        "ids_body",
         "stream",
         "chat",
         "t_start",
@@ -94,8 +96,18 @@ class RequestContext:
         self.session: SessionLease | None = None
         self.rate: KeyState | None = None  # per-key rate limits: the key's buckets (charged at the end)
         self.trace: RequestTrace | None = None  # --otlp-traces-endpoint: the request's spans
+        self.engine_ids: list[int] | None = None  # a completions prompt as ids, for workers that take them
+        self.ids_body: bytes | None = None  # out_body with engine_ids as its prompt, built on first use
         self.entry: ModelEntry
         self.mm: ModelMetrics
+
+    def body_for(self, takes_ids: bool) -> bytes:
+        """The body a worker gets: ``out_body``, with the prompt as the router's ids where it takes them."""
+        if not takes_ids or self.engine_ids is None:
+            return self.out_body
+        if self.ids_body is None:
+            self.ids_body = with_prompt_ids(self.out_body, self.engine_ids)
+        return self.ids_body
 
     def count_start(self, mm: ModelMetrics) -> None:
         """The request enters the metrics: started, in flight, waiting for its first token."""

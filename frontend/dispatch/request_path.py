@@ -32,7 +32,7 @@ from frontend.routing import disagg as _disagg
 from frontend.routing.admission import ClientDisconnected, QueueRejected
 from frontend.routing.engine_polarity import for_worker as _priority_for_worker
 from frontend.routing.models import ModelEntry
-from frontend.routing.prompt import Prompt, engine_token_ids, hash_tokens, tokenize_request
+from frontend.routing.prompt import Prompt, engine_token_ids, hash_tokens, takes_prompt_ids, tokenize_request
 from frontend.routing.routing_record import wants_routing
 from frontend.state import FrontendState
 from kvroute_common import anthropic_api
@@ -147,9 +147,8 @@ class RequestPath:
             ctx.tokens = tokens = prompt.tokens
             if state.rate_limits is not None:  # per-key limits: 429 before anything is queued or sent
                 ctx.rate = state.rate_limits.admit(source.headers, len(tokens))
-            ids = engine_token_ids(body, prompt, hints) if (state.send_token_ids and kind == "completions") else None
-            if ids is not None:
-                modified = True
+            if kind == "completions" and state.send_token_ids != "never":  # the workers that take ids get them
+                ctx.engine_ids = engine_token_ids(body, prompt, hints)
             if stream and kind != "messages" and source.reads_response:  # the engine's usage (cached tokens)
                 # feeds the parity alarm and the decomposition (an Anthropic stream always carries its usage)
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
@@ -157,10 +156,7 @@ class RequestPath:
                     raw = spliced
                 elif ctx.strip_usage:
                     modified = True
-            if ids is not None:  # ctx.body keeps the text (migration and prefill continue from it)
-                ctx.out_body = orjson.dumps({**body, "prompt": ids})
-            else:
-                ctx.out_body = orjson.dumps(body) if modified else raw
+            ctx.out_body = orjson.dumps(body) if modified else raw  # the text (migration and prefill use it)
 
             pinned_worker = hints.pinned_worker_id if hints is not None else None
             pinned_rank = hints.pinned_dp_rank if hints is not None else None
@@ -333,7 +329,9 @@ class RequestPath:
         session = ctx.session
         # non-streaming: streamed from the engine, reassembled here (prefill completes at its first token)
         as_stream = not stream and ctx.kind in ("chat", "completions") and convertible(ctx.body)
-        body = streaming_body(ctx.body, ctx.out_body) if as_stream else ctx.out_body
+        body = ctx.out_body if ctx.engine_ids is None else ctx.body_for(takes_prompt_ids(state.send_token_ids, worker))
+        if as_stream:
+            body = streaming_body(ctx.body, body)
         body = _priority_for_worker(body, hints, worker)  # the chosen engine's priority sign
         watch = None
         upstream = None

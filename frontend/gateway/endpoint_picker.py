@@ -46,6 +46,7 @@ from starlette.responses import Response
 
 from frontend.observability.parity import UsageTap
 from frontend.request.errors import OpenAIError
+from frontend.routing.prompt import takes_prompt_ids
 
 if TYPE_CHECKING:
     import grpc
@@ -371,7 +372,8 @@ class _Stream:
             assert isinstance(result, Picked)
             self.picked = result
             endpoints = self.picker.endpoints(result)
-            body = result.ctx.out_body
+            worker = result.lease.decision.worker
+            body = result.ctx.body_for(takes_prompt_ids(self.picker.state.send_token_ids, worker))
         self.endpoint = endpoints[0]
         yield self._route_to(endpoints, None if body is sent else body)
         if self.request_mode == FULL_DUPLEX:  # the body goes on as the picker streams it back

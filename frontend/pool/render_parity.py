@@ -11,6 +11,11 @@ it: ``error``, not evidence), a completion, a LoRA adapter (when the worker serv
 Anthropic Messages request with tool use in its history. An engine without the render routes
 (404/405/501) leaves the check ``unavailable``: the request-time evidence of ``frontend/observability/parity.py``
 still applies.
+
+``prompt_ids`` says whether the engine turns a completions prompt into the router's ids: the completion
+probe's rendering, else the same text through the engine's ``/tokenize`` (vLLM, SGLang and the mocker
+serve it without ``--enable-scale-out``). Where it matched, completions prompts go to the worker as the
+router's ids (``--send-token-ids auto``).
 """
 
 from __future__ import annotations
@@ -104,9 +109,11 @@ class RenderCheck:
     probes: dict[str, str] = field(default_factory=dict)  # probe -> match | mismatch | unavailable | error
     difference: dict[str, Any] | None = None  # the first mismatching probe's first difference
     errors: dict[str, str] = field(default_factory=dict)  # probe -> why the engine did not render it
+    # the engine's ids for the completion probe (rendered, else /tokenize) against the router's
+    prompt_ids: str = "unavailable"
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": self.status, "probes": dict(self.probes)}
+        out: dict[str, Any] = {"status": self.status, "probes": dict(self.probes), "prompt_ids": self.prompt_ids}
         if self.difference is not None:
             out["first_difference"] = self.difference
         if self.errors:
@@ -193,4 +200,26 @@ async def check(worker: Worker, entry: ModelEntry, adapter_entry: ModelEntry | N
             result.difference = describe_difference(mine, probe.name, ours, theirs, pos)
     values = set(result.probes.values())
     result.status = next((s for s in ("mismatch", "match", "error") if s in values), "unavailable")
+    result.prompt_ids = result.probes.get("completion", "unavailable")
+    if result.prompt_ids == "unavailable":
+        result.prompt_ids = await _tokenize_probe(worker, entry, timeout)
     return result
+
+
+async def _tokenize_probe(worker: Worker, entry: ModelEntry, timeout: float) -> str:
+    """The completion probe through the engine's ``/tokenize``: match, mismatch, unavailable or error."""
+    from frontend.routing.prompt import tokenize_request_sync
+
+    body = {"model": entry.name, "prompt": _COMPLETION}
+    try:
+        resp = await worker.client.post("/tokenize", json=body, timeout=timeout)
+        data = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        log.info("worker %s: /tokenize probe failed: %s", worker.id, exc)
+        return "error"
+    if resp.status_code in (404, 405, 501):
+        return "unavailable"
+    theirs = data.get("tokens") if isinstance(data, dict) else None
+    if not isinstance(theirs, list) or not all(type(t) is int for t in theirs):
+        return "error"
+    return "match" if tokenize_request_sync(entry, body, "completions") == theirs else "mismatch"

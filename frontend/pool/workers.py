@@ -299,6 +299,8 @@ class Worker:
     # set once the frontend has attached the worker to its models (tracker/indexer registration)
     attached_models: list[str] = field(default_factory=list)
     configured: WorkerSpec | None = None  # the spec as given (flags, file, API, discovery)
+    # the engine turned the probe completion into the router's ids (render_parity): it may get prompts as ids
+    prompt_ids_proven: bool = False
 
     def __post_init__(self) -> None:
         if self.configured is None:
@@ -332,6 +334,7 @@ class Worker:
             "capacity_unknown": self.capacity.unknown if self.capacity is not None else None,
             "warnings": list(self.warnings),
             "last_error": self.last_error,
+            "prompt_ids_proven": self.prompt_ids_proven,
         }
 
 

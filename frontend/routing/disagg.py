@@ -204,6 +204,7 @@ async def run_prefill(state: FrontendState, ctx: Any) -> PrefillResult | None:
     g[0].set(seconds)
     g[1].set(decision.isl)
     ctx.out_body = decode_body(ctx.body, params, getattr(ctx, "strip_usage", False))
+    ctx.engine_ids = ctx.ids_body = None  # the decode side gets the text the prefill side computed
     ctx.body = {**ctx.body, "kv_transfer_params": params}  # bodies re-derived from it (unary-as-stream) keep them
     record = routing_record(state.prefill_router.config, pool, decision) if wants_routing(hints) else None
     return PrefillResult(

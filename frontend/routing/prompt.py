@@ -10,9 +10,10 @@ its ids are even built).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
 from frontend.request.errors import OpenAIError
 from frontend.request.validation import PromptLimit, check_context_length, check_prompt_fits
@@ -89,6 +90,20 @@ def engine_token_ids(body: dict, prompt: Prompt, hints: RequestHints | None) -> 
     if hints is not None and (hints.speculative_prefill or hints.token_data):
         return None
     return prompt.tokens
+
+
+def takes_prompt_ids(mode: str, worker: Any) -> bool:
+    """Whether ``worker`` gets a completions prompt as the router's ids (``--send-token-ids``): always, never,
+    or (auto) where the engine turned the probe completion into the router's ids when it joined
+    (``frontend.pool.render_parity``): an engine with another tokenizer would compute another prompt."""
+    return mode == "always" or (mode == "auto" and worker.prompt_ids_proven)
+
+
+def with_prompt_ids(body: bytes, ids: list[int]) -> bytes:
+    """A completions request as it goes out (``body``), with ``ids`` as its prompt."""
+    doc = orjson.loads(body)
+    doc["prompt"] = ids
+    return orjson.dumps(doc)
 
 
 def body_tokens(
