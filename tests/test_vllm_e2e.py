@@ -710,7 +710,8 @@ def test_tokenizer_parity_is_proven_from_vllms_rendering_before_any_request(vllm
     once, naming the first differing token and both texts around it, before any request is routed."""
     one = vllm_engines["pair"][0]
     other: VllmEngine = vllm_engines["other_template"]
-    with kvroute(vllm_engines["model_dir"], [one.worker_spec(1), other.worker_spec(2)]) as fe:
+    dp2: VllmEngine = vllm_engines["dp2"]  # no render routes: its /tokenize answers the completion probe
+    with kvroute(vllm_engines["model_dir"], [one.worker_spec(1), other.worker_spec(2), dp2.worker_spec(3)]) as fe:
 
         def checks() -> dict[int, Any]:
             return {wid: (row.get("hash_parity") or {}).get("render") for wid, row in fe.workers().items()}
@@ -726,9 +727,13 @@ def test_tokenizer_parity_is_proven_from_vllms_rendering_before_any_request(vllm
                 "lora_a1": "match",
                 "anthropic_messages": "match",
             },
+            "prompt_ids": "match",
         }
         assert found[2]["status"] == "mismatch", found[2]
         assert found[2]["probes"]["completion"] == "match"  # no chat template, the same tokens
+        assert found[3]["status"] == "unavailable" and found[3]["prompt_ids"] == "match", found[3]
+        # completions tokenize as the router's on all three: --send-token-ids auto sends them ids
+        assert all(row["prompt_ids_proven"] for row in fe.workers().values())
         diff = found[2]["first_difference"]
         assert diff["probe"] == "chat_with_system"
         assert "<<system>>" in diff["engine_text"] and "<<system>>" not in diff["router_text"]

@@ -9,7 +9,7 @@ template; the first differing position, with both sides' text around it, names t
 chat with a system prompt, the same chat offering tools (an engine without a tool-call parser refuses
 it: ``error``, not evidence), a completion, a LoRA adapter (when the worker serves one) and an
 Anthropic Messages request with tool use in its history. An engine without the render routes
-(404/405/501) leaves the check ``unavailable``: the request-time evidence of ``frontend/observability/parity.py``
+(403/404/405/501) leaves the check ``unavailable``: the request-time evidence of ``frontend/observability/parity.py``
 still applies.
 
 ``prompt_ids`` says whether the engine turns a completions prompt into the router's ids: the completion
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("frontend.pool.render_parity")
 
 CONTEXT = 8  # tokens shown on each side of the first difference
+# the engine does not serve the route: vLLM answers 403 on its render routes without --enable-scale-out
+_NO_ROUTE = (403, 404, 405, 501)
 
 _TOOLS = [
     {
@@ -175,7 +177,7 @@ async def check(worker: Worker, entry: ModelEntry, adapter_entry: ModelEntry | N
             result.probes[probe.name] = "error"
             result.errors[probe.name] = f"{type(exc).__name__}: {exc}"
             continue
-        if resp.status_code in (404, 405, 501):
+        if resp.status_code in _NO_ROUTE:
             result.probes[probe.name] = "unavailable"
             continue
         try:
@@ -201,7 +203,7 @@ async def check(worker: Worker, entry: ModelEntry, adapter_entry: ModelEntry | N
     values = set(result.probes.values())
     result.status = next((s for s in ("mismatch", "match", "error") if s in values), "unavailable")
     result.prompt_ids = result.probes.get("completion", "unavailable")
-    if result.prompt_ids == "unavailable":
+    if result.prompt_ids not in ("match", "mismatch"):
         result.prompt_ids = await _tokenize_probe(worker, entry, timeout)
     return result
 
@@ -217,7 +219,7 @@ async def _tokenize_probe(worker: Worker, entry: ModelEntry, timeout: float) -> 
     except (httpx.HTTPError, ValueError) as exc:
         log.info("worker %s: /tokenize probe failed: %s", worker.id, exc)
         return "error"
-    if resp.status_code in (404, 405, 501):
+    if resp.status_code in _NO_ROUTE:
         return "unavailable"
     theirs = data.get("tokens") if isinstance(data, dict) else None
     if not isinstance(theirs, list) or not all(type(t) is int for t in theirs):
