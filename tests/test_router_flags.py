@@ -82,7 +82,8 @@ def test_frontend_help_accepts_every_flag_of_the_table():
     for flag, env in documented_flags().items():
         assert re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", out.stdout, re.M), f"{flag} not in --help"
         action = parser._option_string_actions[flag]
-        args = [flag] if action.nargs == 0 else [flag, samples.get(flag, "8")]
+        value = samples.get(flag) or (next(iter(action.choices)) if action.choices else "8")  # a valid value
+        args = [flag] if action.nargs == 0 else [flag, value]
         ns = parser.parse_args(args)  # accepted: no SystemExit
         assert ns is not None
         if env.startswith("DYN_ROUTER") or env.startswith("DYN_ACTIVE"):
