@@ -479,7 +479,6 @@ class FrontendState:
             self._spawn(self._register_remote(worker))
         if attached and self._render_checked.get(worker.id) != worker.discoveries:
             self._render_checked[worker.id] = worker.discoveries  # once per (re)discovery of the process
-            worker.prompt_ids_proven = False  # a restarted process may load another tokenizer: text until proven
             self._spawn(self._check_rendering(worker))
 
     async def _register_remote(self, worker: Worker) -> None:

@@ -245,18 +245,19 @@ class Cluster:
         self.frontend_url = url
         return self.frontend
 
-    def restart_mocker(self, worker: Worker, sig: int = signal.SIGKILL) -> None:
+    def restart_mocker(self, worker: Worker, sig: int = signal.SIGKILL, extra_args: Sequence[str] = ()) -> None:
         """Fault injection: kill ``worker``'s process (SIGKILL: no clean-up, its cache is lost) and
-        start a new one with the same flags, so on the same HTTP and ZMQ ports; returns at once
-        (wait with ``wait_workers_ready``). Call it from the main thread: the child's parent-death
-        signal fires when the spawning thread ends."""
+        start a new one with the same flags (then ``extra_args``, which win), so on the same HTTP and
+        ZMQ ports; returns at once (wait with ``wait_workers_ready``). Call it from the main thread:
+        the child's parent-death signal fires when the spawning thread ends."""
         old = worker.child
         _signal_group(old.proc, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             old.proc.wait(timeout=10.0)
         if old in self._children:
             self._children.remove(old)
-        worker.child = self._spawn(old.name, list(old.proc.args)[1:])  # type: ignore[arg-type]
+        args = [str(a) for a in list(old.proc.args)[1:]]  # type: ignore[arg-type]
+        worker.child = self._spawn(old.name, [*args, *extra_args])
 
     # -- readiness --------------------------------------------------------------------------------
     def wait_workers_ready(self, timeout: float = 90.0) -> None:

@@ -513,6 +513,7 @@ class WorkerPool:
 
     async def _discover(self, worker: Worker) -> None:
         spec = worker.spec
+        worker.prompt_ids_proven = False  # a new process may load another tokenizer: text until probed again
         models_json: Any = None
         try:
             resp = await worker.client.get("/v1/models", timeout=self.health_timeout)
