@@ -1,10 +1,12 @@
 """The router's text path alone, per request of a session workload: tokenize (and hash) every prompt of the
-schedule in arrival order, as the frontend does, with and without the chunk cache.
+schedule in arrival order, as the frontend does, with and without the chunk cache and the turn memo.
 
 Why: ``python -m bench peers`` measures a router's whole CPU per request; this isolates the part that
 grows with the history a multi-turn prompt repeats (issue 28). Prompts above the frontend's offload
 threshold take the worker-thread path (``nogil``: the backend's GIL-free encode), the others the inline
 path, so both are measured. Each variant gets a fresh encoder (empty caches); the ids are checked equal.
+The turn-memo row is what the frontend does for completions prompts: a prompt that continues a
+remembered one reuses its ids and block hashes (frontend/routing/turn_memo.py).
 ``--backend-only`` encodes new text with the tokenizer's backend, as for tokenizers without the ``re``
 fast path (an HF Llama-3 tokenizer).
 
@@ -20,24 +22,37 @@ import argparse
 import time
 
 from bench.sessions import WORKLOADS, session_trace
+from frontend.routing.prompt import NEW_CHARS_SCAN_MAX
+from frontend.routing.turn_memo import TurnMemo
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS
 from kvroute_common.tokenizer import PromptEncoder, load_tokenizer
 
 
 def run(
-    encoder: PromptEncoder, prompts: list[str], block_size: int, offload_chars: int, idle_gap_s: float = 0.0
+    encoder: PromptEncoder,
+    prompts: list[str],
+    block_size: int,
+    offload_chars: int,
+    idle_gap_s: float = 0.0,
+    turns: bool = False,
 ) -> tuple[list[float], list]:
     """CPU ms per prompt (tokenize + block and sequence hashes) and the ids; ``idle_gap_s``: the thread
-    sleeps that long before each prompt."""
+    sleeps that long before each prompt; ``turns``: inline prompts through a turn memo, as the frontend
+    encodes completions prompts (frontend/routing/turn_memo.py)."""
     per: list[float] = []
     out = []
+    memo = TurnMemo(encoder, block_size, None) if turns else None
     for text in prompts:
         if idle_gap_s:
             time.sleep(idle_gap_s)
         t0 = time.thread_time()
-        ids = encoder.encode(text, add_special_tokens=True, nogil=0 < offload_chars < len(text))
-        sequence_hashes(local_block_hashes(ids, block_size))
+        nogil = 0 < offload_chars < len(text)
+        if memo is not None and not nogil and memo.usable(text, NEW_CHARS_SCAN_MAX):
+            ids = memo.prompt(text, None).ids
+        else:
+            ids = encoder.encode(text, add_special_tokens=True, nogil=nogil)
+            sequence_hashes(local_block_hashes(ids, block_size))
         per.append(1000 * (time.thread_time() - t0))
         out.append(ids)
     return per, out
@@ -70,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         load = " ".join(f.read().split()[:3])
     mean = sum(map(len, prompts)) / len(prompts)
     print(f"load average {load}; {len(prompts)} prompts, mean {mean:.0f} chars; offload above {args.offload_chars}")
-    results: dict[str, list[float]] = {"whole prompts": [], "chunk cache": []}
+    results: dict[str, list[float]] = {"whole prompts": [], "chunk cache": [], "chunk cache + turn memo": []}
     idle_row = f"chunk cache, idle {args.idle_gap_ms:g} ms before each"
     if args.idle_gap_ms > 0:
         results[idle_row] = []
@@ -83,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "whole prompts":
                 enc.cuts = None
             gap = args.idle_gap_ms / 1000 if name == idle_row else 0.0
-            per, ids = run(enc, prompts, args.block_size, args.offload_chars, gap)
+            per, ids = run(enc, prompts, args.block_size, args.offload_chars, gap, name == "chunk cache + turn memo")
             if reference is None:
                 reference = ids
             elif ids != reference:

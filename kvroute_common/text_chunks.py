@@ -89,13 +89,13 @@ def _split_pattern(pre: Mapping[str, Any]) -> str | None:
     return regex if isinstance(regex, str) else None
 
 
-def chunk_ends(text: str, cuts: re.Pattern[str], min_chars: int) -> list[int]:
+def chunk_ends(text: str, cuts: re.Pattern[str], min_chars: int, start: int = 0) -> list[int]:
     """Where each chunk of ``text`` ends: at the first cut at least ``min_chars`` after the chunk's start
-    (the last chunk ends with the text). One C-level search per chunk."""
+    (the last chunk ends with the text). One C-level search per chunk. ``start``: where a chunk of
+    ``text`` starts (0, or one of these ends): the chunks from there, as the scan from 0 finds them."""
     n = len(text)
     ends: list[int] = []
     search = cuts.search
-    start = 0
     while start + min_chars < n:
         m = search(text, start + min_chars)
         if m is None:

@@ -31,7 +31,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvroute_common.multimodal import (
     IMAGE_PART,
@@ -421,6 +421,16 @@ def completion_prompt_token_ids(tokenizer, prompt: Any, nogil: bool = False, lim
 # fast, exact encoding
 
 
+class ChunkedIds(NamedTuple):
+    """A text's ids from its chunks, with where its last chunk starts (``last_start``, a character
+    index) and how many of the ids come before that chunk (``ids_before_last``): where the encode of a
+    longer text that repeats this one resumes (``PromptEncoder.encode_from``)."""
+
+    ids: list[int]
+    last_start: int
+    ids_before_last: int
+
+
 class PromptEncoder:
     """Encodes text to exactly the ids of ``tokenizer.backend_tokenizer.encode`` (see module doc)."""
 
@@ -543,7 +553,7 @@ class PromptEncoder:
                 self._refuse_early(text, limit)
             if self.cuts is not None and len(text) >= self.CHUNK_MIN_CHARS:
                 affixes = len(self.prefix) + len(self.suffix) if add_special_tokens else 0
-                ids = self._encode_chunked(text, nogil, None if limit is None or not nogil else (limit, affixes))
+                ids = self._encode_chunked(text, nogil, None if limit is None or not nogil else (limit, affixes)).ids
             elif nogil:
                 enc = self._batch_fast([text], add_special_tokens=add_special_tokens)[0]
                 if limit is not None and len(enc) >= limit:
@@ -588,24 +598,37 @@ class PromptEncoder:
             self._repeats[text] = ids
         return list(ids)
 
-    def _encode_chunked(self, text: str, nogil: bool, limit: tuple[int, int] | None = None) -> list[int]:
-        """The ids of ``text`` (no special tokens added) from its chunks' cached ids; only the chunks not
-        in the cache are encoded: with the backend call that releases the GIL on a worker thread, else
-        on the fast path or one by one (holding the GIL, as GIL_HELD_PIECES explains). ``limit`` (worker
-        threads: the limit, and the special tokens the prompt gets): PromptTooLong from the chunks'
-        lengths, before the new chunks' id lists are built."""
+    def encode_from(self, text: str, start: int) -> ChunkedIds:
+        """The ids of ``text[start:]`` (no special tokens added), where ``start`` is where a chunk of
+        ``text`` starts: the last chunk start of an earlier prompt that ``text`` extends (``ChunkedIds.
+        last_start``) is one, since a cut depends only on the text before it and one character after.
+        A conversation's next turn so encodes only what follows its previous prompt's last chunk.
+        Holds the GIL (the loop's inline path); needs the chunk cuts (``cuts`` not None)."""
+        try:
+            return self._encode_chunked(text, False, None, start)
+        except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot encode
+            raise PromptError(f"the prompt cannot be tokenized: {exc}") from None
+
+    def _encode_chunked(
+        self, text: str, nogil: bool, limit: tuple[int, int] | None = None, start: int = 0
+    ) -> ChunkedIds:
+        """The ids of ``text[start:]`` (no special tokens added) from its chunks' cached ids; only the
+        chunks not in the cache are encoded: with the backend call that releases the GIL on a worker
+        thread, else on the fast path or one by one (holding the GIL, as GIL_HELD_PIECES explains).
+        ``limit`` (worker threads: the limit, and the special tokens the prompt gets): PromptTooLong
+        from the chunks' lengths, before the new chunks' id lists are built."""
         assert self.cuts is not None
         cache = self.chunks
         parts: list[list[int] | None] = []
         missing: list[str] = []
-        start = 0
-        for end in chunk_ends(text, self.cuts, self.CHUNK_MIN_CHARS):
+        last = start
+        for end in chunk_ends(text, self.cuts, self.CHUNK_MIN_CHARS, start):
             chunk = text[start:end] if start or end < len(text) else text
             ids = cache.get(chunk)
             if ids is None:
                 missing.append(chunk)
             parts.append(ids)
-            start = end
+            last, start = start, end
         encoded: list[list[int]] = []
         if missing:
             if nogil:
@@ -622,9 +645,11 @@ class PromptEncoder:
             self._check_limit(0, parts, limit)
         out: list[int] = []
         fresh = iter(encoded)
+        before_last = 0
         for p in parts:
+            before_last = len(out)
             out += p if p is not None else next(fresh)
-        return out
+        return ChunkedIds(out, last, before_last)
 
     @staticmethod
     def _check_limit(new: int, parts: list[list[int] | None], limit: tuple[int, int] | None) -> None:

@@ -14,7 +14,8 @@ def test_every_variant_reports_a_row_with_the_same_ids(capsys: pytest.CaptureFix
     assert text_path.main(["--workload", "agentic-dense", "--rounds", "1", "--idle-gap-ms", "0.2"]) == 0
     out = capsys.readouterr().out
     rows = dict(re.findall(r"^\| (.+?) \| ([0-9.]+) \|$", out, re.M))
-    assert set(rows) == {"whole prompts", "chunk cache", "chunk cache, idle 0.2 ms before each"}
+    idle = "chunk cache, idle 0.2 ms before each"
+    assert set(rows) == {"whole prompts", "chunk cache", "chunk cache + turn memo", idle}
     assert all(float(ms) > 0 for ms in rows.values())
 
 

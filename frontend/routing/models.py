@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from frontend.pool.workers import Worker
+    from frontend.routing.turn_memo import TurnMemo
     from indexer.approx import ApproxIndex
     from indexer.core import KvIndex
     from indexer.registry import IndexerRegistry
@@ -82,6 +83,7 @@ class ModelEntry:
         "_slots",
         "_events",
         "image_options",
+        "_turns",
     )
 
     def __init__(
@@ -109,6 +111,18 @@ class ModelEntry:
         self.approx = approx  # indexer.approx.ApproxIndex in approximate mode, else None
         self._slots = slots  # slot_tracker.core.SlotRegistry
         self._events = events  # the embedded IndexerRegistry (KV events mode) or None
+        self._turns: TurnMemo | None = None
+
+    @property
+    def turns(self) -> TurnMemo:
+        """This model's recent completions prompts, reused by their next turn (built on first use: it
+        needs the tokenizer's encoder)."""
+        if self._turns is None:
+            from frontend.routing.turn_memo import TurnMemo
+            from kvroute_common.tokenizer import prompt_encoder
+
+            self._turns = TurnMemo(prompt_encoder(self.tokenizer), self.block_size, self.lora_name)
+        return self._turns
 
     @property
     def tracker(self) -> SlotTracker | _EmptyTracker:

@@ -200,7 +200,7 @@ async def tokenize_request(
         kind = "chat" if kind else "completions"
     chars = prompt_chars(body)
     if kind == "completions" and offload.offloads(chars):
-        chars = _new_chars(entry, body.get("prompt"), chars)
+        chars = _new_chars(entry, body.get("prompt"), chars, salt)
     if kind == "embeddings":
         tokens = await offload.run(chars, embedding_tokens, entry, body, limit=entry.prompt_limit())
         return Prompt(tokens)
@@ -222,15 +222,26 @@ async def tokenize_request(
     )
 
 
-def _new_chars(entry: ModelEntry, prompt: object, chars: int) -> int:
-    """A completion prompt's text still to tokenize (what decides the worker thread), or ``chars``."""
+def _new_chars(entry: ModelEntry, prompt: object, chars: int, salt: str | None) -> int:
+    """A completion prompt's text still to tokenize (what decides the worker thread), or ``chars``: what
+    follows the remembered prompt it continues, else its chunks the cache does not hold."""
     from kvroute_common.tokenizer import prompt_encoder
 
+    text = _text_prompt(prompt)
+    if text is None or len(text) > NEW_CHARS_SCAN_MAX:
+        return chars
+    if entry.turns.usable(text, NEW_CHARS_SCAN_MAX):
+        new = entry.turns.new_chars(text, salt)
+        if new is not None:
+            return new
+    return prompt_encoder(entry.tokenizer).new_chars(text)
+
+
+def _text_prompt(prompt: object) -> str | None:
+    """A completions ``prompt`` that is one text (alone or a batch of one), else None."""
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
-    if not isinstance(prompt, str) or len(prompt) > NEW_CHARS_SCAN_MAX:
-        return chars
-    return prompt_encoder(entry.tokenizer).new_chars(prompt)
+    return prompt if isinstance(prompt, str) else None
 
 
 async def hash_tokens(offload: TokenizeOffload, entry: ModelEntry, tokens: list[int], salt: str | None) -> Prompt:
@@ -251,12 +262,29 @@ def _tokens_and_hashes(
     nogil: bool = False,
     limit: PromptLimit | None = None,
 ) -> Prompt:
+    if not chat and not nogil:
+        text = _text_prompt(body.get("prompt"))
+        if text is not None and entry.turns.usable(text, NEW_CHARS_SCAN_MAX):
+            return _continued_turn(entry, body, text, salt, limit)
     tokens, placeholders = body_prompt(entry, body, chat, images, nogil, limit)
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
         prompt = hashed(entry, token_array(tokens), salt, placeholders)
         prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
         return prompt
     return hashed(entry, tokens, salt, placeholders)
+
+
+def _continued_turn(entry: ModelEntry, body: dict, text: str, salt: str | None, limit: PromptLimit | None) -> Prompt:
+    """A completions text prompt through the model's turn memo (``frontend/routing/turn_memo.py``):
+    what a remembered earlier prompt already holds is not tokenized or hashed again."""
+    from kvroute_common.tokenizer import PromptError
+
+    try:
+        turn = entry.turns.prompt(text, salt)
+    except PromptError as exc:
+        raise OpenAIError(400, str(exc)) from None
+    check_prompt_fits(len(turn.ids), body, limit, False)
+    return Prompt(turn.ids, turn.local_hashes, turn.seq_hashes, salt)
 
 
 def tokenize_request_sync(entry: ModelEntry, body: dict, kind: str) -> list[int]:

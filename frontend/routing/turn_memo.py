@@ -1,0 +1,157 @@
+"""The next turn of a conversation repeats its previous prompt: that prompt's ids and block hashes are
+reused, and only what the turn adds is tokenized and hashed.
+
+Why: a multi-turn completions prompt is the whole history again with a new turn at its end. The chunk
+cache (``kvroute_common.text_chunks``) already saves encoding the history, but finding its chunks,
+joining their ids and hashing every block still cost the loop time in proportion to the whole prompt.
+Here a prompt that starts with a remembered prompt takes that prompt's ids up to where its last chunk
+starts (a cut a longer text shares, ``PromptEncoder.encode_from``) and the block hashes of the full
+blocks inside them; the rest is encoded from its chunks and hashed, chained on.
+
+A remembered prompt is found by its first ``FINGERPRINT_CHARS`` characters and then compared whole
+(C-speed); the turn it continues is forgotten, its conversation having moved on. Only the loop's
+inline path uses this (one thread, no lock); prompts of at most ``max_chars`` characters.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvroute_common.hashing import local_block_hashes, sequence_hashes
+
+if TYPE_CHECKING:
+    from kvroute_common.tokenizer import PromptEncoder
+
+
+class TurnPrompt(NamedTuple):
+    """A prompt's ids (special tokens included) and the local and sequence hashes of its full blocks."""
+
+    ids: list[int]
+    local_hashes: list[int]
+    seq_hashes: list[int]
+
+
+class _Turn:
+    __slots__ = ("text", "key", "resume_char", "resume_ids", "prompt", "size")
+
+    def __init__(self, text: str, key: tuple, resume_char: int, resume_ids: int, prompt: TurnPrompt) -> None:
+        self.text = text
+        self.key = key
+        self.resume_char = resume_char  # where the text's last chunk starts
+        self.resume_ids = resume_ids  # how many of the ids come before it
+        self.prompt = prompt
+        # the text (ASCII: a byte a character), a list slot per id (the int objects are the chunk
+        # cache's), an int object and two slots per block hash, the objects themselves
+        self.size = len(text) + 8 * len(prompt.ids) + 80 * len(prompt.local_hashes) + 400
+
+
+class TurnMemo:
+    """Recent prompts of one model (its tokenizer, block size and LoRA adapter), least recently used
+    first out, bounded by an estimate of the bytes they hold."""
+
+    FINGERPRINT_CHARS = 256
+    # a prompt sharing its first characters (a system prompt) with this many remembered ones is compared
+    # with each: the oldest is forgotten beyond it
+    PER_FINGERPRINT = 64
+    TAIL_CHARS = 16  # compared before the whole text: where two remembered prompts most likely differ
+    MAX_BYTES = 8 * 1024 * 1024
+
+    def __init__(self, encoder: PromptEncoder, block_size: int, lora_name: str | None, max_bytes: int = MAX_BYTES):
+        self.encoder = encoder
+        self.block_size = block_size
+        self.lora_name = lora_name
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._turns: OrderedDict[int, _Turn] = OrderedDict()  # id(turn) -> turn, least recently used first
+        self._by_start: dict[tuple, list[_Turn]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def usable(self, text: str, max_chars: int) -> bool:
+        """Whether ``text`` is encoded through the memo: long enough to be cut into chunks, at most
+        ``max_chars`` (the loop's bound on work that grows with a prompt)."""
+        enc = self.encoder
+        return enc.cuts is not None and enc.CHUNK_MIN_CHARS <= len(text) <= max_chars
+
+    def new_chars(self, text: str, salt: str | None) -> int | None:
+        """Characters of ``text`` left to encode after the remembered prompt it continues (None: none)."""
+        turn = self._find(text, salt)
+        return None if turn is None else len(text) - turn.resume_char
+
+    def prompt(self, text: str, salt: str | None) -> TurnPrompt:
+        """``text``'s ids with the tokenizer's special tokens (a completions prompt's, as vLLM encodes
+        it) and its block hashes; remembered for the next turn. Raises PromptError."""
+        enc = self.encoder
+        bs = self.block_size
+        turn = self._find(text, salt)
+        if turn is None:
+            self.misses += 1
+            chunked = enc.encode_from(text, 0)
+            head = len(enc.prefix)
+            ids = enc.prefix + chunked.ids + enc.suffix if (enc.prefix or enc.suffix) else chunked.ids
+            local = local_block_hashes(ids, bs, self.lora_name, salt)
+            prompt = TurnPrompt(ids, local, sequence_hashes(local))
+        else:
+            self.hits += 1
+            self._forget(turn)  # the conversation moved on
+            chunked = enc.encode_from(text, turn.resume_char)
+            head = turn.resume_ids
+            before = turn.prompt
+            ids = before.ids[:head]
+            ids += chunked.ids
+            if enc.suffix:
+                ids += enc.suffix
+            kept = head // bs  # full blocks inside the reused ids
+            local = before.local_hashes[:kept]
+            local += local_block_hashes(ids[kept * bs :], bs, self.lora_name, salt)
+            seq = before.seq_hashes[:kept]
+            seq += sequence_hashes(local[kept:], seq[-1] if kept else None)
+            prompt = TurnPrompt(ids, local, seq)
+        self._remember(_Turn(text, (salt, text[: self.FINGERPRINT_CHARS]), chunked.last_start,
+                             head + chunked.ids_before_last, prompt))  # fmt: skip
+        return prompt
+
+    def _find(self, text: str, salt: str | None) -> _Turn | None:
+        """The longest remembered prompt ``text`` starts with."""
+        candidates = self._by_start.get((salt, text[: self.FINGERPRINT_CHARS]))
+        if not candidates:
+            return None
+        best: _Turn | None = None
+        size = len(text)
+        tail = self.TAIL_CHARS
+        for turn in candidates:
+            before = turn.text
+            n = len(before)
+            if (
+                n <= size
+                and (best is None or n > len(best.text))
+                and text.startswith(before[-tail:], n - tail)
+                and text.startswith(before)
+            ):
+                best = turn
+        return best
+
+    def _remember(self, turn: _Turn) -> None:
+        if turn.size > self.max_bytes:
+            return
+        same = self._by_start.setdefault(turn.key, [])
+        same.append(turn)
+        if len(same) > self.PER_FINGERPRINT:
+            self._forget(same[0])
+        self._turns[id(turn)] = turn
+        self.bytes += turn.size
+        while self.bytes > self.max_bytes:
+            self._forget(next(iter(self._turns.values())))
+
+    def _forget(self, turn: _Turn) -> None:
+        if self._turns.pop(id(turn), None) is None:
+            return
+        self.bytes -= turn.size
+        same = self._by_start[turn.key]
+        same.remove(turn)
+        if not same:
+            del self._by_start[turn.key]

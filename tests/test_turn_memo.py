@@ -1,0 +1,120 @@
+"""A conversation's next turn reuses its previous prompt's ids and block hashes, and gets exactly what a
+full tokenization and hashing gives (the routing decision and hash parity with the engines depend on it).
+
+Differential: growing multi-turn histories (random texts with whitespace runs, unicode and special
+tokens), branches, repeats, salts and LoRA names, through the memo against the tokenizer's own full
+encode and the block hashes of its ids; for the built-in tokenizer and HF tokenizers of each known
+pre-tokenizer family. Then through the frontend: a session's turns routed by a real frontend in front
+of mockers report the engines' prompt lengths back as the router counted them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+
+from frontend.routing.turn_memo import TurnMemo
+from kvroute_common.hashing import local_block_hashes, sequence_hashes
+from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
+from kvroute_common.tokenizer import PromptEncoder
+from support import wait_until
+from tests.test_text_chunks import SPECIALS, builtin, hf, random_text  # noqa: F401 - fixtures
+
+BLOCK = 16
+
+
+def full(tok, text: str, lora: str | None = None, salt: str | None = None) -> tuple[list[int], list[int], list[int]]:
+    ids = tok.backend_tokenizer.encode(text, add_special_tokens=True).ids
+    local = local_block_hashes(ids, BLOCK, lora, salt)
+    return ids, local, sequence_hashes(local)
+
+
+def test_each_turn_gets_the_full_encode_and_hashes_and_reuses_the_one_before(builtin, hf) -> None:  # noqa: F811
+    rng = random.Random(21)
+    for tok, specials in ((builtin, ["<|im_start|>", "<|im_end|>"]), (hf, SPECIALS)):
+        memo = TurnMemo(PromptEncoder(tok), BLOCK, None)
+        system = random_text(rng, specials, 2500)
+        for session in range(3):
+            history = system + f"\nsession {session}"
+            for turn in range(5):
+                history += "\n\nUser: " + random_text(rng, specials, rng.randint(20, 900))
+                prompt = history + "\n\nAssistant:"
+                hits = memo.hits
+                got = memo.prompt(prompt, None)
+                assert tuple(got) == full(tok, prompt), (session, turn)
+                assert memo.hits == hits + (turn > 0)  # every later turn continues the one before
+                history = prompt + " " + random_text(rng, specials, rng.randint(5, 300))
+        assert len(memo) == 3  # a turn that was continued is forgotten: one per conversation
+
+
+def test_repeats_branches_salts_and_adapters_stay_exact(builtin) -> None:  # noqa: F811
+    rng = random.Random(4)
+    memo = TurnMemo(PromptEncoder(builtin), BLOCK, "my-adapter")
+    base = random_text(rng, [], 3000)
+    assert tuple(memo.prompt(base, None)) == full(builtin, base, "my-adapter")
+    again = memo.prompt(base, None)  # the same prompt again: a full hit
+    assert tuple(again) == full(builtin, base, "my-adapter") and memo.hits == 1
+    one = base + random_text(rng, [], 700)
+    assert tuple(memo.prompt(one, None)) == full(builtin, one, "my-adapter")
+    other = base + random_text(rng, [], 700)  # a second branch from the same turn: its turn is gone
+    assert tuple(memo.prompt(other, None)) == full(builtin, other, "my-adapter")
+    salted = one + "more"
+    assert tuple(memo.prompt(salted, "tenant-a")) == full(builtin, salted, "my-adapter", "tenant-a")
+    assert memo.new_chars(salted + "x", "tenant-b") is None  # another salt: nothing remembered
+    assert memo.new_chars(salted + "x", "tenant-a") is not None
+
+
+def test_new_chars_is_what_follows_the_remembered_turn(builtin) -> None:  # noqa: F811
+    rng = random.Random(6)
+    memo = TurnMemo(PromptEncoder(builtin), BLOCK, None)
+    history = random_text(rng, [], 20_000)
+    assert memo.new_chars(history, None) is None
+    memo.prompt(history, None)
+    turn = history + "\n\nUser: " + random_text(rng, [], 600)
+    new = memo.new_chars(turn, None)
+    assert new is not None and 600 < new <= 600 + 10 + 2 * memo.encoder.CHUNK_MIN_CHARS
+
+
+def test_the_memo_holds_at_most_its_bytes_and_forgets_the_oldest(builtin) -> None:  # noqa: F811
+    rng = random.Random(7)
+    memo = TurnMemo(PromptEncoder(builtin), BLOCK, None, max_bytes=200_000)
+    texts = [f"conversation {i}: " + random_text(rng, [], 4000) for i in range(12)]
+    for text in texts:
+        memo.prompt(text, None)
+        assert memo.bytes <= 200_000
+    assert 0 < len(memo) < len(texts)
+    assert memo.new_chars(texts[-1] + "!", None) is not None
+    assert memo.new_chars(texts[0] + "!", None) is None  # forgotten first
+    short = TurnMemo(PromptEncoder(builtin), BLOCK, None)
+    assert not short.usable("x" * (short.encoder.CHUNK_MIN_CHARS - 1), 1 << 20)
+    assert not short.usable("x" * 5000, 4000)  # beyond the loop's bound
+
+
+def test_a_session_through_the_frontend_hashes_as_the_engine_does(tmp_path) -> None:
+    """Every turn of a conversation (one of them repeated) routed by a real frontend: the engine's own
+    prompt length and its KV events agree with the router's ids and hashes (the hash-parity monitor
+    saw matches and no mismatch), and each later turn found the earlier ones' blocks on the engine."""
+    rng = random.Random(12)
+    history = random_text(rng, [], 3000)
+    with Cluster(log_dir=str(tmp_path / "logs")) as cluster:
+        cluster.start_mocker(MockerOptions(speedup_ratio=50))
+        cluster.wait_workers_ready(60)
+        url = cluster.start_frontend(extra_args=["--send-token-ids", "never"])  # the engine tokenizes the text
+        cluster.wait_frontend_ready()
+        with httpx.Client(base_url=url, timeout=30) as client:
+            for turn in range(4):
+                history += "\n\nUser: " + random_text(rng, [], 400) + "\n\nAssistant:"
+                for _ in range(2 if turn == 2 else 1):
+                    body = {"model": DEFAULT_MODEL, "prompt": history, "max_tokens": 2}
+                    r = client.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                history += " " + r.json()["choices"][0]["text"]
+
+            def parity() -> dict:
+                rows = client.get("/admin/workers").json()["workers"]
+                return rows[0].get("hash_parity") or {}
+
+            assert wait_until(lambda: parity().get("matches", 0) >= 4, 30, what="hash-parity evidence")
+            seen = parity()
+        assert seen["mismatches"] == 0 and "prompt_tokens_router_vs_engine" not in seen, seen
