@@ -13,8 +13,8 @@ Speed: HF ``tokenizers`` needs ~6-8 ms for 32 KB of text on this machine, far ab
 2 ms routing budget. ``PromptEncoder`` gives the same ids faster for tokenizers whose pre-tokeniser is
 one regex split + byte-level mapping (the built-in one): it splits off special tokens and
 pre-tokenises with Python's ``re`` (identical semantics for that pattern), then maps each piece
-through a cache of piece -> ids, asking the real tokenizer (one batched call) only for unseen
-pieces. Whole segments between special tokens (e.g. a long system prompt) are cached too. Any other
+through a cache of piece -> ids; an unseen piece gets the tokenizer's own BPE model's merges on its
+byte-level characters (many unseen pieces: one batched encode that releases the GIL). Whole segments between special tokens (e.g. a long system prompt) are cached too. Any other
 tokenizer goes straight to its backend encode.
 
 Both paths reuse earlier prompts: a long text is cut where the pre-tokenizer is sure to split and each
@@ -29,7 +29,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -421,6 +421,22 @@ def completion_prompt_token_ids(tokenizer, prompt: Any, nogil: bool = False, lim
 # fast, exact encoding
 
 
+def _byte_level_table() -> dict[int, str]:
+    """Byte (as the code point of a latin-1 character) -> the byte-level alphabet's character: printable
+    bytes map to themselves, the others to 256 and up, in byte order (GPT-2's ``bytes_to_unicode``)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in kept}
+    extra = 256
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(extra)
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
 class ChunkedIds(NamedTuple):
     """A text's ids from its chunks, with where its last chunk starts (``last_start``, a character
     index) and how many of the ids come before that chunk (``ids_before_last``): where the encode of a
@@ -460,6 +476,7 @@ class PromptEncoder:
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
         self._repeats: dict[str, list[int]] = {}  # short texts that recur whole (image placeholder runs)
         self.piece_re: re.Pattern[str] | None = None
+        self._bpe: Callable[[str], list[Any]] | None = None  # the BPE model's tokenize (see _piece_ids)
         self.special_re: re.Pattern[str] | None = None
         self.special_ids: dict[str, int] = {}
         self.prefix: list[int] = []
@@ -531,10 +548,25 @@ class PromptEncoder:
             alts = sorted(self.special_ids, key=len, reverse=True)  # leftmost-longest, like HF
             self.special_re = re.compile("|".join(re.escape(a) for a in alts))
         self.piece_re = piece_re
-        # self-check on a mixed sample; any disagreement disables the fast path
+        tokenize = getattr(getattr(self.backend, "model", None), "tokenize", None)
+        if callable(tokenize) and not model.get("byte_fallback"):
+            self._bpe = tokenize
+        # self-check on a mixed sample; any disagreement disables the model's own BPE, then the fast path
         sample = "Hello  world!\n\n  x=42;\t<|im_start|>ünï ☃ code()  \r\n end "
-        if self._encode_fast(sample) != self.backend.encode(sample, add_special_tokens=False).ids:
+        backend = self.backend
+        if any(self._piece_ids(p) != backend.encode(p, add_special_tokens=False).ids for p in piece_re.findall(sample)):
+            self._bpe = None
+        if self._encode_fast(sample) != backend.encode(sample, add_special_tokens=False).ids:
             self.piece_re = None
+
+    def _piece_ids(self, piece: str) -> list[int]:
+        """The ids of one pre-tokenized piece with no added token in it: the BPE model's own merges on its
+        byte-level characters (a third of a whole ``encode`` call's cost, which also builds offsets and
+        word ids), else the backend's encode."""
+        bpe = self._bpe
+        if bpe is None:
+            return self.backend.encode(piece, add_special_tokens=False).ids
+        return [t.id for t in bpe(piece.encode("utf-8").decode("latin-1").translate(_BYTE_LEVEL))]
 
     def encode(
         self, text: str, add_special_tokens: bool = False, nogil: bool = False, limit: int | None = None
@@ -706,21 +738,19 @@ class PromptEncoder:
         missing = [p for p in set(pieces) if p not in cache]
         if missing:
             if len(missing) <= self.GIL_HELD_PIECES:
-                encs = [self.backend.encode(p, add_special_tokens=False) for p in missing]
+                found = [self._piece_ids(p) for p in missing]
             else:
-                encs = self._batch_fast(missing, add_special_tokens=False)
+                found = [e.ids for e in self._batch_fast(missing, add_special_tokens=False)]
             with self._lock:
                 if len(cache) + len(missing) > self.PIECE_CACHE_MAX:
                     cache.clear()
-                for p, e in zip(missing, encs, strict=True):
-                    cache[p] = e.ids
+                for p, new in zip(missing, found, strict=True):
+                    cache[p] = new
         out: list[int] = []
         get = cache.get
         for p in pieces:
             ids = get(p)
-            if ids is None:  # evicted by a concurrent clear
-                ids = self.backend.encode(p, add_special_tokens=False).ids
-            out += ids
+            out += ids if ids is not None else self._piece_ids(p)  # None: evicted by a concurrent clear
         if cacheable:
             with self._lock:
                 self._segments[segment] = out

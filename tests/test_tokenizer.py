@@ -217,6 +217,39 @@ def test_fast_encoder_is_exact_on_random_text(tok):
     assert enc.encode(long) == enc.encode(long) == tok(long, add_special_tokens=False)["input_ids"]  # segment cache
 
 
+def test_unseen_pieces_get_the_bpe_models_merges_exactly_as_the_backend_encodes_them(tok):
+    """A piece the cache has not seen goes through the BPE model's own merges on its byte-level
+    characters: for every vocabulary entry and for random pieces (multi-byte characters, control bytes,
+    whitespace runs) the ids are the backend's; a model that disagrees on the self-check is not used."""
+    enc = T.PromptEncoder(tok)
+    assert enc._bpe is not None
+    backend = tok.backend_tokenizer
+    rng = random.Random(3)
+    alphabet = list("abcXYZ019 \t\n\r.,;'\"()<>|_-ünï☃€😀\x00\x7f\u00a0")
+    pieces = [tok.convert_tokens_to_string([t]) for t in backend.get_vocab()]
+    pieces += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(2000)]
+    for text in pieces:
+        for piece in enc.piece_re.findall(text):
+            assert enc._piece_ids(piece) == backend.encode(piece, add_special_tokens=False).ids, repr(piece)
+
+    class WrongModel:  # merges nothing: every byte its own token
+        def __init__(self, model) -> None:
+            self.tokenize = lambda s: [model.tokenize(c)[0] for c in s]
+
+    class Backend:  # the real backend with that model
+        def __init__(self, real) -> None:
+            self.real, self.model = real, WrongModel(real.model)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    fake = T.PromptEncoder.__new__(T.PromptEncoder)
+    fake.__dict__.update(enc.__dict__)
+    fake.backend, fake._bpe = Backend(backend), None
+    fake._setup_fast_path(json.loads(backend.to_str()))
+    assert fake._bpe is None and fake.piece_re is not None  # the self-check caught it; the fast path stays
+
+
 def test_loads_offline_without_network(tmp_path):
     env = dict(
         os.environ,
