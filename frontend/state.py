@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from frontend.observability.metrics import PREFILL_WORKER_TYPE, WORKER_TYPE, CallbackCollector, FrontendMetrics
 from frontend.observability.parity import ParityMonitor
@@ -282,6 +282,20 @@ class FrontendState:
                     [entry.name, WORKER_TYPE, "dynamo", "backend", "generate"],
                     sum(1 for w in entry.workers.values() if w.healthy and not w.spec.kv_events_endpoint),
                 )
+        turns = CounterMetricFamily(
+            "kvroute_turn_memo_prompts",
+            "Completions prompts through the turn memo: continuing a remembered prompt (hit) or not (miss)",
+            labels=["model", "result"],
+        )
+        turn_bytes = GaugeMetricFamily(
+            "kvroute_turn_memo_bytes", "Estimated bytes of the prompts the turn memo remembers", labels=["model"]
+        )
+        for entry in list(self.models.values()):
+            memo = entry.turns_in_use
+            if memo is not None:
+                turns.add_metric([entry.name, "hit"], memo.hits)
+                turns.add_metric([entry.name, "miss"], memo.misses)
+                turn_bytes.add_metric([entry.name], memo.bytes)
         health = self.events.health_metrics() if self.events is not None else []  # KV-event health per worker rank
         out = [
             decode,
@@ -297,6 +311,8 @@ class FrontendState:
             seqs,
             ctx_len,
             mismatch,
+            turns,
+            turn_bytes,
             *health,
         ]
         events = self.events

@@ -94,7 +94,8 @@ def test_the_memo_holds_at_most_its_bytes_and_forgets_the_oldest(builtin) -> Non
 def test_a_session_through_the_frontend_hashes_as_the_engine_does(tmp_path) -> None:
     """Every turn of a conversation (one of them repeated) routed by a real frontend: the engine's own
     prompt length and its KV events agree with the router's ids and hashes (the hash-parity monitor
-    saw matches and no mismatch), and each later turn found the earlier ones' blocks on the engine."""
+    saw matches and no mismatch), and the memo's counters on /metrics show each later turn continued the
+    one before."""
     rng = random.Random(12)
     history = random_text(rng, [], 3000)
     with Cluster(log_dir=str(tmp_path / "logs")) as cluster:
@@ -117,4 +118,8 @@ def test_a_session_through_the_frontend_hashes_as_the_engine_does(tmp_path) -> N
 
             assert wait_until(lambda: parity().get("matches", 0) >= 4, 30, what="hash-parity evidence")
             seen = parity()
+            metrics = client.get("/metrics").text
+        # the first turn is new; every later one (and the repeat) continued the one before
+        assert f'kvroute_turn_memo_prompts_total{{model="{DEFAULT_MODEL}",result="hit"}} 4.0' in metrics
+        assert f'kvroute_turn_memo_prompts_total{{model="{DEFAULT_MODEL}",result="miss"}} 1.0' in metrics
         assert seen["mismatches"] == 0 and "prompt_tokens_router_vs_engine" not in seen, seen

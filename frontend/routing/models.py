@@ -125,6 +125,11 @@ class ModelEntry:
         return self._turns
 
     @property
+    def turns_in_use(self) -> TurnMemo | None:
+        """The turn memo once a prompt went through it (metrics read it without building one)."""
+        return self._turns
+
+    @property
     def tracker(self) -> SlotTracker | _EmptyTracker:
         """This model's slot tracker (the registry owns it; an external /unregister may drop it)."""
         t = self._slots.get(self.base, TENANT)
