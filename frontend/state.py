@@ -335,7 +335,15 @@ class FrontendState:
             from indexer.registry import IndexerRegistry
 
             self.events = IndexerRegistry()
+            self.events.on_restart = self._engine_restarted
         return self.events
+
+    def _engine_restarted(self, worker_id: int, dp_rank: int) -> None:
+        """A worker's KV-event stream shows a new engine process (it restarted between two health checks):
+        its sessions' engine state is gone, and what the old process said about itself is read again."""
+        if self.sessions is not None:
+            self.sessions.drop_worker(worker_id)
+        self.pool.rediscover(worker_id)
 
     def _tokenizer_path(self, model: str, worker: Worker) -> str | None:
         base = worker.adapters.get(model)  # a LoRA adapter tokenizes as its base model

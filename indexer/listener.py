@@ -118,6 +118,7 @@ class Listener:
         replay_timeout: float = 2.0,
         on_change: Callable[[], None] | None = None,
         lag_histogram: LagHistogram | None = None,
+        on_restart: Callable[[], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
@@ -145,6 +146,7 @@ class Listener:
         self.batches_waiting = 0
         self._lag_histogram = lag_histogram
         self._on_change = on_change
+        self._on_restart = on_restart  # told when a restarted engine is seen (its owner reads it again)
         self._task: asyncio.Task[None] | None = None
         self._sub: zmq.Socket | None = None
 
@@ -304,6 +306,11 @@ class Listener:
         )
         self.applier.reset_rank()
         self.seq.last_seq = None
+        if self._on_restart is not None:
+            try:
+                self._on_restart()
+            except Exception:  # the owner's reaction never stops the stream
+                log.exception("engine restart callback of %s failed", self.endpoint)
 
     def _apply(self, seq: int, payload: bytes) -> bool:
         try:

@@ -84,6 +84,8 @@ class IndexerRegistry:
         self._seq_states: dict[tuple[int, int], SequenceState] = {}
         self.event_counters: dict[tuple[str, str], int] = {}
         self.on_change: Callable[[], None] | None = None
+        # (instance_id, dp_rank) whose listener saw a restarted engine (a new process on the same endpoint)
+        self.on_restart: Callable[[int, int], None] | None = None
         self.apply_lag = LagHistogram()  # every listener's batches
 
     # -- partitions
@@ -159,10 +161,15 @@ class IndexerRegistry:
             replay_timeout=self.replay_timeout,
             on_change=self.on_change,
             lag_histogram=self.apply_lag,
+            on_restart=lambda: self._engine_restarted(instance_id, dp_rank),
         )
         inst.listeners[dp_rank] = listener
         listener.start()
         return listener
+
+    def _engine_restarted(self, instance_id: int, dp_rank: int) -> None:
+        if self.on_restart is not None:
+            self.on_restart(instance_id, dp_rank)
 
     async def unregister(
         self,

@@ -184,6 +184,44 @@ def test_engine_restart_resets_its_blocks_and_the_index_relearns():
             assert metric(ix, "kvroute_kv_event_engine_restarts_total") == 1
 
 
+def test_an_engine_restarted_between_two_health_checks_is_read_again():
+    """An engine that restarts faster than the health interval (no failed check, no failed dispatch) is a new
+    process behind the same address: its KV-event stream starting again is how the frontend sees it. The
+    worker is then read again (capacity, models, event sources) and its tokenizer proven again, instead
+    of being routed on what the old process said (here: a cache twice as large)."""
+    port = free_ports(1)[0]
+    pub, rep = free_port_block(1), free_port_block(1)
+    spec = f"id=1,url=http://127.0.0.1:{port},kv_events_endpoint=tcp://127.0.0.1:{pub},replay_endpoint=tcp://127.0.0.1:{rep}"
+    with mocker(port, pub, rep) as m, frontend_client([spec], "--health-check-interval", "3600") as fe:
+
+        def row() -> dict:
+            return fe.get("/admin/workers").json()["workers"][0]
+
+        wait_until(lambda: row()["prompt_ids_proven"], timeout=30, what="the first engine's tokenizer proven")
+        assert row()["num_gpu_blocks"] == 256
+        for i in range(5):
+            complete(m, prompt_text(40 + i), 0)
+        health = lambda: row()["kv_events"]["health"]["0"]  # noqa: E731
+        wait_until(lambda: health()["batches_applied"] >= 5, 30, what="the first engine's events")
+        kill(m["proc"])
+        with mocker(port, pub, rep, "--num-gpu-blocks", "512") as m2:
+            n = iter(range(1000))
+
+            def read_again() -> bool:
+                # the restart shows at the first batch the re-connected subscriber receives: a slow trickle
+                r = row()
+                if r["num_gpu_blocks"] == 512 and r["prompt_ids_proven"]:
+                    return True
+                complete(m2, prompt_text(30 + next(n)), 0)
+                return False
+
+            wait_until(read_again, timeout=60, interval=0.5, what="the restarted engine read again")
+            r = row()
+            assert r["healthy"] and health()["engine_restarts"] == 1
+            body = {"model": MODEL, "prompt": prompt_text(7), "max_tokens": 2}
+            assert fe.post("/v1/completions", json=body).status_code == 200
+
+
 def test_a_live_worker_removed_and_added_again_is_relearnt_from_its_replay_socket():
     """A worker taken out of the frontend while its engine keeps running (``DELETE /admin/workers``; a
     discovery lapse or a workers-file edit does the same) loses its blocks with its KV-event stream;

@@ -274,9 +274,12 @@ def test_gap_is_replayed_from_the_router_in_order() -> None:
 
 
 def test_engine_restart_resets_the_rank_and_relearns() -> None:
-    """A restarted engine's sequence starts again at 0: its old blocks go, its new ones are learnt."""
+    """A restarted engine's sequence starts again at 0: its old blocks go, its new ones are learnt, and the
+    registry's owner is told which stream saw a new engine (the frontend reads that worker again)."""
 
     async def body(engine: Engine, reg, listener, index: KvIndex) -> None:
+        told: list[tuple[int, int]] = []
+        reg.on_restart = lambda instance, rank: told.append((instance, rank))
         for seq in range(1, 6):
             engine.publish(seq, batch(stored([seq])))
         await until(lambda: listener.seq.last_seq == 5, what="seq 5")
@@ -289,7 +292,7 @@ def test_engine_restart_resets_the_rank_and_relearns() -> None:
         for old in (999, 1, 5):
             assert index.find_matches(local(old)) == {}, old
         assert index.find_matches(local(40)) == {(1, 0): 1} and index.find_matches(local(41)) == {(1, 0): 1}
-        assert listener.health()["engine_restarts"] == 1
+        assert listener.health()["engine_restarts"] == 1 and told == [(1, 0)]
         engine.publish(2, batch(stored([42])))  # and it goes on in order
         await until(lambda: listener.seq.last_seq == 2, what="seq 2")
         assert index.find_matches(local(42)) == {(1, 0): 1}

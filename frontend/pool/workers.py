@@ -474,6 +474,7 @@ class WorkerPool:
             if self.workers.get(worker.id) is not worker:
                 return False
             refused = False
+            rediscovered = worker.healthy and not worker.discovered  # a new process behind a healthy worker
             try:
                 if not worker.discovered:
                     await self._discover(worker)
@@ -499,17 +500,27 @@ class WorkerPool:
             was_unreachable = worker.unreachable
             if not ok and refused:
                 worker.unreachable = True
-            changed = ok != worker.healthy or (worker.unreachable and not was_unreachable)
+            changed = ok != worker.healthy or (worker.unreachable and not was_unreachable) or (ok and rediscovered)
             worker.healthy = ok
             worker.last_error = error
             if not ok:
                 worker.discovered = False  # when it comes back, read its models and capacity again
             if changed:
-                log.info(
-                    "worker %s is %s%s", worker.id, "healthy" if ok else "unhealthy", f" ({error})" if error else ""
-                )
+                state = "read again after a restart" if ok and rediscovered else "healthy" if ok else "unhealthy"
+                log.info("worker %s is %s%s", worker.id, state, f" ({error})" if error else "")
                 self._on_change(worker)
             return ok
+
+    def rediscover(self, worker_id: int) -> None:
+        """A new process behind a healthy worker's address (its KV-event stream started again between two
+        health checks): read its models, capacity and event sources again, and prove its tokenizer again,
+        instead of going on with what the old process said."""
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.discovered:  # gone, or being read already
+            return
+        worker.discovered = False
+        worker.prompt_ids_proven = False
+        self._spawn(self.probe(worker))
 
     async def _discover(self, worker: Worker) -> None:
         spec = worker.spec
