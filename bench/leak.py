@@ -547,13 +547,14 @@ class EngineRestarts:
 
     async def cycle(self, c: httpx.AsyncClient, n: int) -> dict[str, Any]:
         """One restart of the engine serving a witness stream. A witness that ends before its engine is
-        found (the index learns its prompt from the engine's KV events, late on a loaded machine) was not
-        killed mid-stream: a new witness, with a prompt of its own, is started instead (at most 3)."""
+        found (the index learns its prompt from the engine's KV events, late on a loaded machine), or
+        whose engine had already generated all of it when killed (no request migrated), was not killed
+        mid-stream: a new witness, with a prompt of its own, is started instead (at most 3)."""
         for attempt in range(3):
             row = await self._witness_cycle(c, f"{n}.{attempt}")
             if row is not None:
                 return row
-        raise RuntimeError(f"restart cycle {n}: three witnesses ended before their engine was found")
+        raise RuntimeError(f"restart cycle {n}: three witnesses ended before their engine was found or killed")
 
     async def _witness_cycle(self, c: httpx.AsyncClient, tag: str) -> dict[str, Any] | None:
         from kvroute_common.real_engines.vllm_cpu import SERVED_NAME
@@ -587,8 +588,13 @@ class EngineRestarts:
         if task.done():  # over before its engine was found: no mid-stream kill to see
             return None
         events_at_kill = len(events)
+        migrations = await asyncio.to_thread(_migrations, self.url)
         down_s = await asyncio.to_thread(self._restart, victim - 1)
         outcome, _ = await asyncio.wait_for(task, self.timeout)
+        if await asyncio.to_thread(_migrations, self.url) == migrations:
+            # nothing was cut: the engine had generated the whole witness (its tail still on its way to a
+            # slow client) and had nothing else running
+            return None
         finishes = [ch.get("finish_reason") for e in events for ch in e.get("choices") or [] if ch.get("finish_reason")]
         usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None) or {}
         return {
