@@ -167,7 +167,7 @@ def simulate(
             loads = [CandidateLoad(p[0], p[1], p[2], p[3], p[4]) for p in tracker.potential_loads(seq_h, 0)]
             if policy == "latency":
                 overflow = {k: footprint.overflow_blocks(k, seq_h, blocks, t) for k in overlaps} if footprint else None
-                pressure = {k: footprint.pressure_blocks(k, blocks, t) for k in overlaps} if footprint else None
+                pressure = {k: footprint.pressure_blocks(k, blocks, t, seq_h) for k in overlaps} if footprint else None
                 costs = score_latency(
                     loads,
                     overlaps,

@@ -27,6 +27,9 @@ from collections.abc import Sequence
 from router.selection import WorkerRank
 
 DEFAULT_HORIZON_S = 10.0
+# a conversation's next turn pays no room charge on its rank while the rank's live blocks fill less than
+# this share of its cache (see ``pressure_blocks``)
+ROOM_FREE_FULLNESS = 0.75
 # blocks recorded or expired per step: ~0.5 ms of the loop's time (a 128k-token prompt is 4-8k blocks)
 SLICE_BLOCKS = 2048
 
@@ -39,7 +42,7 @@ class LiveFootprint:
     which lets ``live_prefix`` binary-search instead of looking up every block.
     """
 
-    __slots__ = ("horizon_s", "slice_blocks", "_ranks", "_pending")
+    __slots__ = ("horizon_s", "slice_blocks", "_ranks", "_pending", "_tails")
 
     def __init__(self, horizon_s: float = DEFAULT_HORIZON_S, slice_blocks: int = SLICE_BLOCKS) -> None:
         if horizon_s <= 0:
@@ -51,6 +54,8 @@ class LiveFootprint:
         self._ranks: dict[WorkerRank, OrderedDict[int, float]] = {}
         # touches not fully recorded: [rank, sequence hashes, blocks of it still to record (a prefix), time]
         self._pending: deque[list] = deque()
+        # per rank, the last block of each prompt touched within the horizon (where a next turn resumes)
+        self._tails: dict[WorkerRank, OrderedDict[int, float]] = {}
 
     def _live(self, key: WorkerRank, now: float) -> OrderedDict[int, float] | None:
         blocks = self._ranks.get(key)
@@ -90,11 +95,30 @@ class LiveFootprint:
         excess = live + added - capacity_blocks
         return 0 if excess <= 0 else min(added, excess)
 
-    def pressure_blocks(self, key: WorkerRank, capacity_blocks: int, now: float) -> float:
+    def extends_prompt(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> bool:
+        """Whether the prompt continues one routed to the rank within the horizon: its live prefix there
+        ends where such a prompt ended (a conversation's next turn; a shared document's next reader
+        ends its live prefix inside another prompt)."""
+        n = self.live_prefix(key, seq_hashes, now)
+        if not n:
+            return False
+        tails = self._tails.get(key)
+        at = None if tails is None else tails.get(seq_hashes[n - 1])
+        return at is not None and at >= now - self.horizon_s
+
+    def pressure_blocks(
+        self, key: WorkerRank, capacity_blocks: int, now: float, seq_hashes: Sequence[int] = ()
+    ) -> float:
         """The rank's live blocks weighted by how full they make its cache (live / capacity, at most 1): a
-        rank whose live set fills half its cache weighs a quarter of a full one's, block for block."""
+        rank whose live set fills half its cache weighs a quarter of a full one's, block for block.
+
+        0 for ``seq_hashes`` continuing a prompt routed there while the live set fills less than
+        ``ROOM_FREE_FULLNESS`` of the cache: the charge spreads new footprint before caches fill, and
+        moving a conversation off a rank with room only computes its history again."""
         live = self.live_blocks(key, now)
         if capacity_blocks <= 0:
+            return 0.0
+        if seq_hashes and live < ROOM_FREE_FULLNESS * capacity_blocks and self.extends_prompt(key, seq_hashes, now):
             return 0.0
         return live * min(1.0, live / capacity_blocks)
 
@@ -103,6 +127,16 @@ class LiveFootprint:
         ``slice_blocks`` at once, the rest by ``settle``)."""
         if seq_hashes:
             self._pending.append([key, seq_hashes, len(seq_hashes), now])
+            tails = self._tails.get(key)
+            if tails is None:
+                tails = self._tails[key] = OrderedDict()
+            tails[seq_hashes[-1]] = now
+            tails.move_to_end(seq_hashes[-1])
+            cutoff = now - self.horizon_s
+            for _ in range(min(len(tails), self.slice_blocks)):  # bounded: each pass removes one expired tail
+                if next(iter(tails.values())) >= cutoff:
+                    break
+                tails.popitem(last=False)
         self.settle()
         self._live(key, now)
 
@@ -138,6 +172,8 @@ class LiveFootprint:
     def forget_worker(self, worker_id: int) -> None:
         for key in [k for k in self._ranks if k[0] == worker_id]:
             del self._ranks[key]
+        for key in [k for k in self._tails if k[0] == worker_id]:
+            del self._tails[key]
         self._pending = deque(p for p in self._pending if p[0][0] != worker_id)
 
     def snapshot(self, now: float) -> dict[str, int]:

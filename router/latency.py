@@ -9,7 +9,8 @@ For each candidate (worker, DP rank):
 plus, where the rank's cache would evict blocks other requests used recently to make room for this
 prompt (``router.footprint``: its live blocks would no longer fit), the time to compute those again,
 plus ``ROOM_WEIGHT`` (1/4) of a block's prefill per block live on the rank (used within the last 10 s
-by the requests routed there) times how full they make its cache (live / capacity, at most 1), and,
+by the requests routed there) times how full they make its cache (live / capacity, at most 1; not on a rank
+whose live set fills under 3/4 of its cache for a prompt extending one routed there, a conversation's next turn), and,
 on ranks holding less of the prompt than the best rank,
 ``RECOMPUTE_WEIGHT`` (1) x the time to compute again the blocks another rank already holds. That work
 is paid twice: by this request (it is in ``work_tokens``) and by the cluster, which spends prefill

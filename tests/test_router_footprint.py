@@ -1,6 +1,7 @@
 """Live cache footprint (router/footprint.py): what a rank's recent requests used, and what a new prompt
 would push out of its cache."""
 
+import time
 from typing import Any
 
 import pytest
@@ -100,6 +101,48 @@ def test_pressure_grows_with_how_full_the_live_set_makes_the_cache() -> None:
     assert fp.pressure_blocks((1, 0), capacity_blocks=10_000, now=1.0) < 0.02  # a huge cache: almost nothing
     assert fp.pressure_blocks((2, 0), capacity_blocks=10, now=1.0) == 0.0
     assert fp.pressure_blocks((1, 0), capacity_blocks=0, now=1.0) == 0.0
+
+
+def test_a_conversations_next_turn_pays_no_room_on_its_rank_while_the_cache_has_room() -> None:
+    """The room charge spreads new footprint; a prompt that extends one routed to the rank (its live prefix
+    ends where that prompt ended) is not charged there while the live set fills under 3/4 of the cache. A
+    shared document's next reader (its live prefix ends inside the first reader's prompt) still is, as is
+    every prompt on a rank filled past 3/4; another rank, or an expired turn, charges as before."""
+    fp = LiveFootprint(horizon_s=10.0)
+    turn1 = _chain(list(range(40)))  # 10 blocks
+    turn2 = _chain(list(range(40)) + list(range(100, 120)))  # turn 1, then 5 more blocks
+    reader2 = _chain(list(range(24)) + list(range(300, 316)))  # the first 6 blocks of turn 1, then its own
+    fp.touch((1, 0), turn1, now=0.0)
+    assert fp.extends_prompt((1, 0), turn2, 1.0) and not fp.extends_prompt((1, 0), reader2, 1.0)
+    assert not fp.extends_prompt((2, 0), turn2, 1.0)
+    assert fp.pressure_blocks((1, 0), 20, 1.0, turn2) == 0.0  # 10 live of 20: room
+    assert fp.pressure_blocks((1, 0), 20, 1.0, reader2) == fp.pressure_blocks((1, 0), 20, 1.0) == 10 * 0.5
+    assert fp.pressure_blocks((1, 0), 12, 1.0, turn2) == pytest.approx(10 * 10 / 12)  # past 3/4: charged
+    assert not fp.extends_prompt((1, 0), turn2, 11.0)  # the turn is no longer live
+    fp.touch((1, 0), turn2, now=2.0)  # the next turn went there: it is what a third turn extends
+    turn3 = _chain(list(range(40)) + list(range(100, 120)) + list(range(500, 508)))
+    assert fp.extends_prompt((1, 0), turn3, 3.0)
+    fp.forget_worker(1)
+    assert not fp.extends_prompt((1, 0), turn3, 3.0) and fp._tails == {}
+
+
+def test_the_frontend_router_keeps_a_conversation_on_its_rank_while_its_cache_has_room() -> None:
+    """Rank 1 holds a conversation and other live work (6,000 of 10,000 blocks: room charge 0.25 x 6,000 x
+    0.6 = 900 blocks of prefill); rank 2 is empty. The conversation's next turn stays on rank 1 (before,
+    the room charge sent it to rank 2, which computed its 100-block history again)."""
+    from router.config import RouterConfig
+
+    router, entry = _two_idle_ranks(RouterConfig(router_mode="latency"))
+    fp = router.footprint(entry)
+    history = list(range(1600))  # 100 blocks of 16
+    first = router.route(entry, history, pinned_worker=1)
+    router.book(entry, "turn1", first)
+    entry.tracker.free("turn1")
+    fp.touch((1, 0), list(range(10**6, 10**6 + 5900)), time.monotonic())  # other sessions' live blocks
+    while fp.settle():
+        pass
+    nxt = router.route(entry, history + list(range(9000, 9160)), overlaps={(1, 0): 100}, explain=True)
+    assert nxt.worker.id == 1, nxt.costs
 
 
 def test_the_frontend_router_books_into_the_footprint_and_charges_it() -> None:

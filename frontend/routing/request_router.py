@@ -175,7 +175,7 @@ class RequestRouter:
                     key = (cand.id, r)
                     if cand.num_gpu_blocks and self._live_horizon:  # unknown capacity: no cache terms
                         overflow[key] = fp.overflow_blocks(key, seq, cand.num_gpu_blocks, now)
-                        pressure[key] = fp.pressure_blocks(key, cand.num_gpu_blocks, now)
+                        pressure[key] = fp.pressure_blocks(key, cand.num_gpu_blocks, now, seq)
                     if predict:  # blocks just routed there are cached there before their KV events arrive
                         live = fp.live_prefix(key, seq, now)
                         if live > scored.get(key, 0):
