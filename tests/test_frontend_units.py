@@ -490,10 +490,14 @@ def test_a_suspected_worker_is_probed_at_once_and_at_most_once_a_gap() -> None:
         finally:
             server.should_exit = True
             await task
-        pool._suspected[worker.id] -= SUSPECT_GAP_S  # the gap has passed
-        pool.suspect(worker)  # nothing listens now: refused, out at once
-        await until(lambda: not worker.healthy, "the gone worker taken out by the early probe")
-        assert worker.unreachable
+        t, probe = pool._suspected[worker.id]
+        assert probe.result() is True  # the burst's probe: the worker answered
+        assert pool.suspect(worker) is probe  # within the gap: that probe's answer again
+        pool._suspected[worker.id] = (t - SUSPECT_GAP_S, probe)  # the gap has passed
+        probe = pool.suspect(worker)  # nothing listens now: refused, out at once
+        assert probe is not None and await probe is False
+        assert not worker.healthy and worker.unreachable
+        assert pool.suspect(worker) is None  # unhealthy: nothing to probe early, nothing to answer
         await pool.stop()
 
     asyncio.run(main())

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -513,24 +513,51 @@ class _Stream:
         return self.rewriter.unary(whole) if self.rewriter is not None else data
 
     def closed(self) -> None:
-        """The gateway closed the stream (or the picker stops): what has not ended ends now."""
-        if self.end is not None:
-            return
-        if self.picked is None:  # closed before the decision (the client left while sending)
-            self.finish(END_CLIENT_GONE)
-        elif self.status == 200 and self.response_mode == NONE:
-            self.finish(END_CLOSED)  # the gateway closes the stream at the response's end
-        elif self.status is not None and self.status != 200:
-            self.finish(END_ENGINE_ERROR)
-        else:
-            # cut before the response's end: the client left, or the engine died mid-response (the gateway
-            # closes the stream the same way for both): its engine is checked now, not at the next round
-            self.picker.state.pool.suspect(self.picked.lease.decision.worker)
-            self.finish(END_CLIENT_GONE)
+        """The gateway closed the stream (or the picker stops): what has not ended ends now, and the stream
+        is counted by how it ended (a stream cut mid-response once its engine has answered a probe)."""
+        if self.end is None:
+            if self.picked is None:  # closed before the decision (the client left while sending)
+                self.finish(END_CLIENT_GONE)
+            elif self.status == 200 and self.response_mode == NONE:
+                self.finish(END_CLOSED)  # the gateway closes the stream at the response's end
+            elif self.status is not None and self.status != 200:
+                self.finish(END_ENGINE_ERROR)
+            elif not self.picked.lease.released:
+                self._cut(self.picked.lease)
+                return
+        self.picker.ended(self)
+
+    def _cut(self, lease: Lease) -> None:
+        """Cut before the response's end: the client left, or the engine died mid-response (the gateway
+        closes the stream the same way for both). The booking is freed now; the engine is probed at once
+        (one probe a gap for a burst of cuts) and the request ends as the proxy would end it: cancelled
+        when the engine answers, an engine failure when it does not."""
+        lease.free_booking()
+        probe = self.picker.state.pool.suspect(lease.decision.worker)
+        self.picker.spawn(self._end_cut(lease, probe))
+
+    async def _end_cut(self, lease: Lease, probe: asyncio.Task[bool] | None) -> None:
+        answered = False  # no probe: the worker is already unhealthy, or gone from the pool
+        try:
+            if probe is not None:
+                answered = await asyncio.shield(probe)
+        except asyncio.CancelledError:  # the picker stops: nothing says the engine is gone
+            answered = True
+            raise
+        except Exception:  # the probe itself failed (a bug): nor does this
+            log.exception("probing worker %s after a cut stream", lease.decision.worker.id)
+            answered = True
+        finally:
+            if answered:
+                self.finish(END_CLIENT_GONE)
+            else:
+                lease.fail(500, "internal")
+                self.finish(END_ENGINE_ERROR)
+            self.picker.ended(self)
 
     def finish(self, reason: str) -> None:
-        """The stream ended for ``reason``: counted, and the booking freed once (a cancellation unless the
-        response reached its end)."""
+        """The stream ended for ``reason``: the booking freed and the request's end recorded, once (a
+        cancellation when the client left before the response's end)."""
         if self.end is None or self.end == reason:
             self.end = reason
         picked = self.picked
@@ -581,6 +608,7 @@ class EndpointPicker:
         self._ends = {r: m.epp_streams.labels(r) for r in END_REASONS}
         self._messages = {k: m.epp_messages.labels(k) for k in MESSAGE_KINDS}
         self._moved = m.epp_moved
+        self._tasks: set[asyncio.Task[None]] = set()  # cut streams waiting for their engine's probe
 
     async def start(self, host: str, port: int) -> int:
         import grpc
@@ -610,6 +638,10 @@ class EndpointPicker:
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
+        if self._tasks:  # cut streams still waiting for a probe: ended now, as when their engine answered
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def count_message(self, kind: str) -> None:
         counter = self._messages.get(kind)
@@ -699,16 +731,25 @@ class EndpointPicker:
         finally:
             self.streams -= 1
             stream.closed()  # the gateway closed the stream before the response ended: free at once
-            reason = stream.end or END_CLIENT_GONE
-            self._ends[reason].inc()
-            if log.isEnabledFor(logging.DEBUG):
-                picked = stream.picked
-                log.debug(
-                    "ext_proc stream ended: %s (request %s, endpoint %s, served %s, status %s, last message %s)",
-                    reason,
-                    picked.lease.request_id if picked is not None else None,
-                    stream.endpoint,
-                    stream.served,
-                    stream.status,
-                    stream.last_message,
-                )
+
+    def ended(self, stream: _Stream) -> None:
+        """Count a stream by how it ended (``kvroute_epp_streams_total{end}``)."""
+        reason = stream.end or END_CLIENT_GONE
+        self._ends[reason].inc()
+        if log.isEnabledFor(logging.DEBUG):
+            picked = stream.picked
+            log.debug(
+                "ext_proc stream ended: %s (request %s, endpoint %s, served %s, status %s, last message %s)",
+                reason,
+                picked.lease.request_id if picked is not None else None,
+                stream.endpoint,
+                stream.served,
+                stream.status,
+                stream.last_message,
+            )
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` on the loop, kept until it ends (``stop`` waits for what is still running)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

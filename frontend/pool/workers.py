@@ -22,9 +22,9 @@ import os
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -34,6 +34,7 @@ from frontend.dispatch.upstream import UpstreamConnectError, UpstreamError, Upst
 from frontend.request.validation import PromptLimit
 
 log = logging.getLogger("frontend.pool.workers")
+T = TypeVar("T")
 
 _INT_FIELDS = {"id", "dp_size", "dp_start", "block_size", "num_gpu_blocks", "max_num_batched_tokens"}
 _STR_FIELDS = {"url", "kv_events_endpoint", "replay_endpoint", "model", "model_path", "role", "engine"}
@@ -404,7 +405,8 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()
         self._health_task: asyncio.Task | None = None
         self._probe_locks: dict[int, asyncio.Lock] = {}
-        self._suspected: dict[int, float] = {}  # worker id -> loop time of its last early probe
+        # worker id -> (monotonic time, task) of its last early probe
+        self._suspected: dict[int, tuple[float, asyncio.Task[bool]]] = {}
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, spec: WorkerSpec, source: str) -> Worker:
@@ -617,18 +619,24 @@ class WorkerPool:
             worker.healthy = False
             self._on_change(worker)
 
-    def suspect(self, worker: Worker) -> None:
+    def suspect(self, worker: Worker) -> asyncio.Task[bool] | None:
         """Something another component saw says the worker may be gone (a stream it served was cut, the
         gateway could not reach it): probe it now instead of at the next round, so new requests stop going
         there within a round trip. At most one early probe a worker per ``SUSPECT_GAP_S``: clients that
-        leave mid-stream look the same and must not turn into a probe each."""
+        leave mid-stream look the same and must not turn into a probe each.
+
+        Returns that probe's task (this one, or the one the gap still covers), whose result says whether
+        the worker answered; None when the worker is gone or already unhealthy (or no loop runs yet)."""
         if self.workers.get(worker.id) is not worker or not worker.healthy:
-            return
+            return None
         now = time.monotonic()
-        if now - self._suspected.get(worker.id, -SUSPECT_GAP_S) < SUSPECT_GAP_S:
-            return
-        self._suspected[worker.id] = now
-        self._spawn(self.probe(worker))
+        last = self._suspected.get(worker.id)
+        if last is not None and now - last[0] < SUSPECT_GAP_S:
+            return last[1]
+        task = self._spawn(self.probe(worker))
+        if task is not None:
+            self._suspected[worker.id] = (now, task)
+        return task
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())), return_exceptions=True)
@@ -657,14 +665,15 @@ class WorkerPool:
             if w.health is not None:
                 await w.health.aclose()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T] | None:
         try:
             task = asyncio.get_running_loop().create_task(coro)
         except RuntimeError:  # no loop yet (CLI setup): the start-up check probes everyone
             coro.close()
-            return
+            return None
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 class WorkersFileWatcher:
