@@ -521,16 +521,37 @@ class FrontendState:
         ]
         await remote.ensure_registered(worker.id, entry.base, entry.block_size, streams)  # type: ignore[arg-type]
 
-    async def _remote_registration_loop(self) -> None:
-        """Re-assert every worker on its shard: a shard that restarted empty is told its workers again."""
+    async def _remote_index_loop(self) -> None:
+        """Every ``REMOTE_REGISTER_INTERVAL``: with ``--remote-indexer-register``, re-assert every worker on its
+        shard (a shard that restarted empty is told its workers again); and read the engine restarts the
+        shards' KV listeners saw, since with remote indexers no listener runs here: a worker whose engine
+        restarted between two health checks is read again, as with an embedded index."""
+        remote = self.remote_index
+        assert remote is not None
+        seen: dict[tuple[str, int, int], int] = {}
+        first = True
         while True:
-            await asyncio.sleep(REMOTE_REGISTER_INTERVAL)
-            for worker in list(self.pool.workers.values()):
-                if worker.healthy and worker.attached_models:
-                    try:
-                        await self._register_remote(worker)
-                    except Exception:  # never let the loop die
-                        log.exception("registering worker %s on its remote indexer failed", worker.id)
+            if not first:  # the first counts at once: any restart after them is seen
+                await asyncio.sleep(REMOTE_REGISTER_INTERVAL)
+            first = False
+            if remote.register:
+                for worker in list(self.pool.workers.values()):
+                    if worker.healthy and worker.attached_models:
+                        try:
+                            await self._register_remote(worker)
+                        except Exception:  # never let the loop die
+                            log.exception("registering worker %s on its remote indexer failed", worker.id)
+            try:
+                restarts = await remote.engine_restarts()
+            except Exception:  # never let the loop die
+                log.exception("reading the remote indexers' engine restarts failed")
+                continue
+            for (shard, worker_id, rank), n in restarts.items():
+                before = seen.get((shard, worker_id, rank))
+                if before is not None and n > before:  # lower: the shard restarted and counts again
+                    log.info("worker %s rank %s: its engine restarted (seen by indexer %s)", worker_id, rank, shard)
+                    self._engine_restarted(worker_id, rank)
+            seen.update(restarts)  # a shard that did not answer keeps its last counts
 
     async def _check_rendering(self, worker: Worker) -> None:
         """Tokenizer parity before traffic: the engine's rendering of probe requests against ours."""
@@ -627,8 +648,8 @@ class FrontendState:
         self._spawn(watch_loop_lag(self.metrics.loop_lag.observe, busy=self.serving_requests))
         if self.loop_stall_threshold > 0:
             self.stall_logger = StallLogger(asyncio.get_running_loop(), self.loop_stall_threshold).start()
-        if self.remote_index is not None and self.remote_index.register:
-            self._spawn(self._remote_registration_loop())
+        if self.remote_index is not None:
+            self._spawn(self._remote_index_loop())
         if self.sessions is not None:
             self._spawn(self._session_reaper())
 

@@ -168,7 +168,8 @@ class Listener:
             self._sub = None
 
     def info(self) -> dict[str, object]:
-        out: dict[str, object] = {"endpoint": self.endpoint, "status": self.status}
+        # engine_restarts: a frontend routing on this index reads it to see a restart between its health checks
+        out: dict[str, object] = {"endpoint": self.endpoint, "status": self.status, "engine_restarts": self.restarts}
         if self.replay_endpoint:
             out["replay_endpoint"] = self.replay_endpoint
         if self.last_error:

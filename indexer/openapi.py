@@ -70,10 +70,12 @@ _RESPONSE_SCHEMAS: dict[str, Any] = {
                 "type": "object",
                 "additionalProperties": {
                     "type": "object",
-                    "required": ["endpoint", "status"],
+                    "required": ["endpoint", "status", "engine_restarts"],
                     "properties": {
                         "endpoint": {"type": "string"},
                         "status": {"type": "string"},
+                        # new engine processes the listener saw on its endpoint (a frontend reads them)
+                        "engine_restarts": {"type": "integer", "minimum": 0},
                         "replay_endpoint": {"type": "string"},
                         "last_error": {"type": "string"},
                     },

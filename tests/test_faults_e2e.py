@@ -222,6 +222,46 @@ def test_an_engine_restarted_between_two_health_checks_is_read_again():
             assert fe.post("/v1/completions", json=body).status_code == 200
 
 
+def test_a_restart_a_remote_indexer_saw_between_two_health_checks_has_the_worker_read_again():
+    """With ``--use-remote-indexer`` the KV listener that sees the new process runs in the indexer, not in
+    the frontend: the frontend reads the indexers' engine-restart counts (``/workers``, every few seconds)
+    and reads a worker whose count went up again, as it does with an embedded index."""
+    port, iport = free_ports(2)
+    pub, rep = free_port_block(1), free_port_block(1)
+    with mocker(port, pub, rep) as m, indexer(iport) as shard:
+        register(shard, f"tcp://127.0.0.1:{pub}", rep)
+        flags = ("--health-check-interval", "3600", "--use-remote-indexer", shard)
+        with frontend_client([f"id={INSTANCE},url={m['url']}"], *flags, events=False) as fe:
+
+            def row() -> dict:
+                return fe.get("/admin/workers").json()["workers"][0]
+
+            def restarts() -> int:
+                return httpx.get(shard + "/workers", timeout=10).json()[0]["listeners"]["0"]["engine_restarts"]
+
+            wait_until(lambda: row()["prompt_ids_proven"], timeout=30, what="the first engine's tokenizer proven")
+            assert row()["num_gpu_blocks"] == 256 and not row().get("kv_events")  # no listener in the frontend
+            for i in range(5):
+                complete(m, prompt_text(40 + i), 0)
+            wait_until(lambda: equal_to_cache(shard, m), 30, what="the indexer holding the first engine's blocks")
+            kill(m["proc"])
+            with mocker(port, pub, rep, "--num-gpu-blocks", "512") as m2:
+                n = iter(range(1000))
+
+                def read_again() -> bool:
+                    r = row()
+                    if r["num_gpu_blocks"] == 512 and r["prompt_ids_proven"]:
+                        return True
+                    if restarts() == 0:  # the indexer sees the new process at its first batch
+                        complete(m2, prompt_text(30 + next(n)), 0)
+                    return False
+
+                wait_until(read_again, timeout=60, interval=0.5, what="the restarted engine read again")
+                assert row()["healthy"] and restarts() == 1
+                body = {"model": MODEL, "prompt": prompt_text(7), "max_tokens": 2}
+                assert fe.post("/v1/completions", json=body).status_code == 200
+
+
 def test_a_live_worker_removed_and_added_again_is_relearnt_from_its_replay_socket():
     """A worker taken out of the frontend while its engine keeps running (``DELETE /admin/workers``; a
     discovery lapse or a workers-file edit does the same) loses its blocks with its KV-event stream;

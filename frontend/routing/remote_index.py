@@ -142,6 +142,32 @@ class RemoteIndexers:
             )
             return None
 
+    async def engine_restarts(self) -> dict[tuple[str, int, int], int]:
+        """Engine restarts each shard's KV listeners have seen: (shard URL, worker, DP rank) -> count (a count
+        is the listener's: a shard that restarts counts from 0 again). A shard that does not answer, or
+        does not report restarts (the reference indexer), adds nothing."""
+        results = await asyncio.gather(*(self._restarts(i) for i in range(len(self.urls))))
+        return {key: n for rows in results for key, n in rows}
+
+    async def _restarts(self, i: int) -> list[tuple[tuple[str, int, int], int]]:
+        url = self.urls[i]
+        try:
+            resp = await self._clients[i].get("/workers", timeout=max(self.timeout, 2.0))
+            rows = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("remote indexer %s: reading its workers: %s", url, exc)
+            return []
+        out = []
+        for row in rows if isinstance(rows, list) else ():
+            listeners = row.get("listeners") if isinstance(row, dict) else None
+            if not isinstance(listeners, dict) or not isinstance(row.get("instance_id"), int):
+                continue
+            for rank, info in listeners.items():
+                n = info.get("engine_restarts") if isinstance(info, dict) else None
+                if isinstance(n, int) and str(rank).isdigit():
+                    out.append(((url, row["instance_id"], int(rank)), n))
+        return out
+
     def shard_of(self, worker_id: int) -> str:
         return self.urls[worker_id % len(self.urls)]
 
