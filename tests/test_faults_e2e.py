@@ -18,7 +18,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import zmq
@@ -184,6 +184,34 @@ def test_engine_restart_resets_its_blocks_and_the_index_relearns():
             assert metric(ix, "kvroute_kv_event_engine_restarts_total") == 1
 
 
+def restart_and_wait_read_again(
+    fe: httpx.Client, m: dict, port: int, pub: int, rep: int, restarts: Callable[[], int]
+) -> None:
+    """Kill mocker ``m`` and start one with a cache twice as large on its ports; requests trickle in until
+    the listener that follows it (``restarts``: the count it shows) has seen the new process. The frontend
+    must then read the worker again (its new capacity, its tokenizer proven again), never unhealthy."""
+
+    def row() -> dict:
+        return fe.get("/admin/workers").json()["workers"][0]
+
+    kill(m["proc"])
+    with mocker(port, pub, rep, "--num-gpu-blocks", "512") as m2:
+        n = iter(range(1000))
+
+        def read_again() -> bool:
+            r = row()
+            if r["num_gpu_blocks"] == 512 and r["prompt_ids_proven"]:
+                return True
+            if restarts() == 0:  # the listener sees the new process at the first batch it receives
+                complete(m2, prompt_text(30 + next(n)), 0)
+            return False
+
+        wait_until(read_again, timeout=60, interval=0.5, what="the restarted engine read again")
+        assert row()["healthy"] and restarts() == 1
+        body = {"model": MODEL, "prompt": prompt_text(7), "max_tokens": 2}
+        assert fe.post("/v1/completions", json=body).status_code == 200
+
+
 def test_an_engine_restarted_between_two_health_checks_is_read_again():
     """An engine that restarts faster than the health interval (no failed check, no failed dispatch) is a new
     process behind the same address: its KV-event stream starting again is how the frontend sees it. The
@@ -193,33 +221,14 @@ def test_an_engine_restarted_between_two_health_checks_is_read_again():
     pub, rep = free_port_block(1), free_port_block(1)
     spec = f"id=1,url=http://127.0.0.1:{port},kv_events_endpoint=tcp://127.0.0.1:{pub},replay_endpoint=tcp://127.0.0.1:{rep}"
     with mocker(port, pub, rep) as m, frontend_client([spec], "--health-check-interval", "3600") as fe:
-
-        def row() -> dict:
-            return fe.get("/admin/workers").json()["workers"][0]
-
+        row = lambda: fe.get("/admin/workers").json()["workers"][0]  # noqa: E731
         wait_until(lambda: row()["prompt_ids_proven"], timeout=30, what="the first engine's tokenizer proven")
         assert row()["num_gpu_blocks"] == 256
         for i in range(5):
             complete(m, prompt_text(40 + i), 0)
         health = lambda: row()["kv_events"]["health"]["0"]  # noqa: E731
         wait_until(lambda: health()["batches_applied"] >= 5, 30, what="the first engine's events")
-        kill(m["proc"])
-        with mocker(port, pub, rep, "--num-gpu-blocks", "512") as m2:
-            n = iter(range(1000))
-
-            def read_again() -> bool:
-                # the restart shows at the first batch the re-connected subscriber receives: a slow trickle
-                r = row()
-                if r["num_gpu_blocks"] == 512 and r["prompt_ids_proven"]:
-                    return True
-                complete(m2, prompt_text(30 + next(n)), 0)
-                return False
-
-            wait_until(read_again, timeout=60, interval=0.5, what="the restarted engine read again")
-            r = row()
-            assert r["healthy"] and health()["engine_restarts"] == 1
-            body = {"model": MODEL, "prompt": prompt_text(7), "max_tokens": 2}
-            assert fe.post("/v1/completions", json=body).status_code == 200
+        restart_and_wait_read_again(fe, m, port, pub, rep, lambda: health()["engine_restarts"])
 
 
 def test_a_restart_a_remote_indexer_saw_between_two_health_checks_has_the_worker_read_again():
@@ -232,34 +241,14 @@ def test_a_restart_a_remote_indexer_saw_between_two_health_checks_has_the_worker
         register(shard, f"tcp://127.0.0.1:{pub}", rep)
         flags = ("--health-check-interval", "3600", "--use-remote-indexer", shard)
         with frontend_client([f"id={INSTANCE},url={m['url']}"], *flags, events=False) as fe:
-
-            def row() -> dict:
-                return fe.get("/admin/workers").json()["workers"][0]
-
-            def restarts() -> int:
-                return httpx.get(shard + "/workers", timeout=10).json()[0]["listeners"]["0"]["engine_restarts"]
-
+            row = lambda: fe.get("/admin/workers").json()["workers"][0]  # noqa: E731
             wait_until(lambda: row()["prompt_ids_proven"], timeout=30, what="the first engine's tokenizer proven")
             assert row()["num_gpu_blocks"] == 256 and not row().get("kv_events")  # no listener in the frontend
             for i in range(5):
                 complete(m, prompt_text(40 + i), 0)
             wait_until(lambda: equal_to_cache(shard, m), 30, what="the indexer holding the first engine's blocks")
-            kill(m["proc"])
-            with mocker(port, pub, rep, "--num-gpu-blocks", "512") as m2:
-                n = iter(range(1000))
-
-                def read_again() -> bool:
-                    r = row()
-                    if r["num_gpu_blocks"] == 512 and r["prompt_ids_proven"]:
-                        return True
-                    if restarts() == 0:  # the indexer sees the new process at its first batch
-                        complete(m2, prompt_text(30 + next(n)), 0)
-                    return False
-
-                wait_until(read_again, timeout=60, interval=0.5, what="the restarted engine read again")
-                assert row()["healthy"] and restarts() == 1
-                body = {"model": MODEL, "prompt": prompt_text(7), "max_tokens": 2}
-                assert fe.post("/v1/completions", json=body).status_code == 200
+            shard_restarts = lambda: httpx.get(shard + "/workers", timeout=10).json()[0]["listeners"]["0"]  # noqa: E731
+            restart_and_wait_read_again(fe, m, port, pub, rep, lambda: shard_restarts()["engine_restarts"])
 
 
 def test_a_live_worker_removed_and_added_again_is_relearnt_from_its_replay_socket():
