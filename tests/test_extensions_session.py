@@ -228,3 +228,22 @@ def test_bindings_listing(clock):
     lease.bind(7, 2)
     assert t.bindings() == [{"model": "m", "session_id": "s", "worker_id": 7, "dp_rank": 2, "active_requests": 1}]
     lease.release()
+
+
+def test_an_engine_restart_drops_the_workers_bindings_and_has_it_read_again(clock):
+    """A new engine process behind a worker (its KV-event stream started again): the sessions bound to the
+    worker lose their binding (the engine's state for them is gone) and the worker is read again."""
+    from types import SimpleNamespace
+
+    from frontend.state import FrontendState
+
+    t = table(clock)
+    for sid, w in (("a", 1), ("b", 1), ("c", 2)):
+        lease = t.lease("m", sid)
+        lease.bind(w, 0)
+        lease.release()
+    read_again: list[int] = []
+    state = SimpleNamespace(sessions=t, pool=SimpleNamespace(rediscover=read_again.append))
+    FrontendState._engine_restarted(state, 1, 0)  # type: ignore[arg-type]
+    assert t.lookup("m", "a") is None and t.lookup("m", "b") is None and t.lookup("m", "c") == (2, 0)
+    assert read_again == [1]
