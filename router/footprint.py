@@ -87,19 +87,22 @@ class LiveFootprint:
                 hi = mid - 1
         return lo
 
-    def overflow_blocks(self, key: WorkerRank, seq_hashes: Sequence[int], capacity_blocks: int, now: float) -> int:
+    def overflow_blocks(
+        self, key: WorkerRank, seq_hashes: Sequence[int], capacity_blocks: int, now: float, prefix: int | None = None
+    ) -> int:
         """Live blocks the rank would lose if this prompt went there: its blocks not yet live there, beyond
-        what the cache has room for next to the live ones."""
+        what the cache has room for next to the live ones. ``prefix``: the prompt's ``live_prefix`` there,
+        when the caller has it."""
         live = self.live_blocks(key, now)
-        added = len(seq_hashes) - self.live_prefix(key, seq_hashes, now)
+        added = len(seq_hashes) - (self.live_prefix(key, seq_hashes, now) if prefix is None else prefix)
         excess = live + added - capacity_blocks
         return 0 if excess <= 0 else min(added, excess)
 
-    def extends_prompt(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> bool:
+    def extends_prompt(self, key: WorkerRank, seq_hashes: Sequence[int], now: float, prefix: int | None = None) -> bool:
         """Whether the prompt continues one routed to the rank within the horizon: its live prefix there
-        ends where such a prompt ended (a conversation's next turn; a shared document's next reader
-        ends its live prefix inside another prompt)."""
-        n = self.live_prefix(key, seq_hashes, now)
+        (``prefix``, when the caller has it) ends where such a prompt ended (a conversation's next turn; a
+        shared document's next reader ends its live prefix inside another prompt)."""
+        n = self.live_prefix(key, seq_hashes, now) if prefix is None else prefix
         if not n:
             return False
         tails = self._tails.get(key)
@@ -107,7 +110,12 @@ class LiveFootprint:
         return at is not None and at >= now - self.horizon_s
 
     def pressure_blocks(
-        self, key: WorkerRank, capacity_blocks: int, now: float, seq_hashes: Sequence[int] = ()
+        self,
+        key: WorkerRank,
+        capacity_blocks: int,
+        now: float,
+        seq_hashes: Sequence[int] = (),
+        prefix: int | None = None,
     ) -> float:
         """The rank's live blocks weighted by how full they make its cache (live / capacity, at most 1): a
         rank whose live set fills half its cache weighs a quarter of a full one's, block for block.
@@ -118,7 +126,11 @@ class LiveFootprint:
         live = self.live_blocks(key, now)
         if capacity_blocks <= 0:
             return 0.0
-        if seq_hashes and live < ROOM_FREE_FULLNESS * capacity_blocks and self.extends_prompt(key, seq_hashes, now):
+        if (
+            seq_hashes
+            and live < ROOM_FREE_FULLNESS * capacity_blocks
+            and self.extends_prompt(key, seq_hashes, now, prefix)
+        ):
             return 0.0
         return live * min(1.0, live / capacity_blocks)
 

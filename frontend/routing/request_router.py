@@ -173,11 +173,12 @@ class RequestRouter:
                 predict = self._live_horizon and use_overlap and cfg.router_latency_predict_routed
                 for cand, r in candidates:
                     key = (cand.id, r)
-                    if cand.num_gpu_blocks and self._live_horizon:  # unknown capacity: no cache terms
-                        overflow[key] = fp.overflow_blocks(key, seq, cand.num_gpu_blocks, now)
-                        pressure[key] = fp.pressure_blocks(key, cand.num_gpu_blocks, now, seq)
+                    capacity = cand.num_gpu_blocks if self._live_horizon else None  # unknown: no cache terms
+                    live = fp.live_prefix(key, seq, now) if capacity or predict else 0  # one search a rank
+                    if capacity:
+                        overflow[key] = fp.overflow_blocks(key, seq, capacity, now, live)
+                        pressure[key] = fp.pressure_blocks(key, capacity, now, seq, live)
                     if predict:  # blocks just routed there are cached there before their KV events arrive
-                        live = fp.live_prefix(key, seq, now)
                         if live > scored.get(key, 0):
                             if scored is overlaps:
                                 scored = dict(overlaps)
