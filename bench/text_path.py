@@ -14,6 +14,10 @@ fast path (an HF Llama-3 tokenizer).
 as a router between requests at light load is. On a virtual CPU that halts when idle, the same work
 then costs several times its back-to-back CPU time (cold caches and branch predictors after the
 halt): the cost a request pays on an idle router's critical path.
+
+``--evict-mb M`` adds a row: the turn-memo path with M MB written before each prompt, which evicts the CPU
+caches as a loaded router's other work (the relay of every other stream, KV events) does between two
+requests: the cost a request's tokenization adds to its time to first token under load.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS
 from kvroute_common.tokenizer import PromptEncoder, load_tokenizer
 
+CACHE_LINE = 64
+
 
 def run(
     encoder: PromptEncoder,
@@ -36,16 +42,20 @@ def run(
     offload_chars: int,
     idle_gap_s: float = 0.0,
     turns: bool = False,
+    evict: bytearray | None = None,
 ) -> tuple[list[float], list]:
     """CPU ms per prompt (tokenize + block and sequence hashes) and the ids; ``idle_gap_s``: the thread
     sleeps that long before each prompt; ``turns``: inline prompts through a turn memo, as the frontend
-    encodes completions prompts (frontend/routing/turn_memo.py)."""
+    encodes completions prompts (frontend/routing/turn_memo.py); ``evict``: a buffer written whole (a byte a
+    cache line) before each prompt."""
     per: list[float] = []
     out = []
     memo = TurnMemo(encoder, block_size, None) if turns else None
     for text in prompts:
         if idle_gap_s:
             time.sleep(idle_gap_s)
+        if evict is not None:
+            evict[::CACHE_LINE] = bytes(len(evict) // CACHE_LINE)
         t0 = time.thread_time()
         nogil = 0 < offload_chars < len(text)
         if memo is not None and not nogil and memo.usable(text, NEW_CHARS_SCAN_MAX):
@@ -77,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         help="new text through the backend's encode, never the re fast path: what an HF tokenizer whose "
         "pattern Python's re cannot run (Llama-3's \\p classes) costs",
     )
+    ap.add_argument(
+        "--evict-mb",
+        type=int,
+        default=0,
+        help="also the turn-memo path with this many MB written before each prompt, evicting the CPU caches "
+        "as a loaded router's other work does (0: not measured)",
+    )
     args = ap.parse_args(argv)
     trace = session_trace(WORKLOADS[args.workload], tokenizer_path=args.model_path)
     prompts = [r.text for r in trace.requests if r.text is not None]
@@ -89,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     idle_row = f"chunk cache, idle {args.idle_gap_ms:g} ms before each"
     if args.idle_gap_ms > 0:
         results[idle_row] = []
+    evict_row = f"chunk cache + turn memo, {args.evict_mb} MB evicted before each"
+    if args.evict_mb > 0:
+        results[evict_row] = []
+    evict = bytearray(args.evict_mb * 1024 * 1024) if args.evict_mb > 0 else None
     reference = None
     for _ in range(args.rounds):
         for name in results:
@@ -98,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             if name == "whole prompts":
                 enc.cuts = None
             gap = args.idle_gap_ms / 1000 if name == idle_row else 0.0
-            per, ids = run(enc, prompts, args.block_size, args.offload_chars, gap, name == "chunk cache + turn memo")
+            turns = name in ("chunk cache + turn memo", evict_row)
+            per, ids = run(
+                enc, prompts, args.block_size, args.offload_chars, gap, turns, evict if name == evict_row else None
+            )
             if reference is None:
                 reference = ids
             elif ids != reference:
