@@ -632,35 +632,77 @@ class PromptEncoder:
             self._repeats[text] = ids
         return list(ids)
 
-    def encode_from(self, text: str, start: int) -> ChunkedIds:
+    def encode_from(self, text: str, start: int, known: tuple[int, list[int]] | None = None) -> ChunkedIds:
         """The ids of ``text[start:]`` (no special tokens added), where ``start`` is where a chunk of
         ``text`` starts: the last chunk start of an earlier prompt that ``text`` extends (``ChunkedIds.
         last_start``) is one, since a cut depends only on the text before it and one character after.
         A conversation's next turn so encodes only what follows its previous prompt's last chunk.
+        ``known``: a safe cut inside that chunk and the ids of ``text[start:cut]`` (``last_cut``): only
+        what follows the cut is encoded, and the chunk is cached whole as before.
         Holds the GIL (the loop's inline path); needs the chunk cuts (``cuts`` not None)."""
         try:
-            return self._encode_chunked(text, False, None, start)
+            return self._encode_chunked(text, False, None, start, known)
         except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot encode
             raise PromptError(f"the prompt cannot be tokenized: {exc}") from None
 
+    LAST_CUT_SCANS = (32, 256)  # characters before a text's end searched for its last cut, then all of it
+
+    def last_cut(self, text: str, start: int, n_ids: int) -> tuple[int, int] | None:
+        """The last safe cut of ``text`` after ``start`` (a chunk start) and how many of the ``n_ids`` ids
+        of ``text[start:]`` come before it, or None without such a cut. A longer text that repeats this
+        one has the same cut (it depends on the characters around it only), so its encode can resume
+        there (``encode_from``'s ``known``) instead of at ``start``: a conversation's next turn does not
+        encode its previous prompt's last chunk again. Costs the encode of the text after the cut."""
+        cuts = self.cuts
+        if cuts is None:
+            return None
+        cut = None
+        for pos in (*(len(text) - n for n in self.LAST_CUT_SCANS), start + 1):
+            for m in cuts.finditer(text, max(pos, start + 1)):
+                cut = m.start()
+            if cut is not None or pos <= start + 1:
+                break
+        if cut is None:
+            return None
+        tail = text[cut:]
+        if self.piece_re is not None:
+            n_tail = len(self._encode_fast(tail, False))
+        else:
+            n_tail = len(self.backend.encode(tail, add_special_tokens=False).ids)
+        before = n_ids - n_tail
+        return (cut, before) if before > 0 else None
+
     def _encode_chunked(
-        self, text: str, nogil: bool, limit: tuple[int, int] | None = None, start: int = 0
+        self,
+        text: str,
+        nogil: bool,
+        limit: tuple[int, int] | None = None,
+        start: int = 0,
+        known: tuple[int, list[int]] | None = None,
     ) -> ChunkedIds:
         """The ids of ``text[start:]`` (no special tokens added) from its chunks' cached ids; only the
         chunks not in the cache are encoded: with the backend call that releases the GIL on a worker
         thread, else on the fast path or one by one (holding the GIL, as GIL_HELD_PIECES explains).
         ``limit`` (worker threads: the limit, and the special tokens the prompt gets): PromptTooLong
-        from the chunks' lengths, before the new chunks' id lists are built."""
+        from the chunks' lengths, before the new chunks' id lists are built. ``known`` (``encode_from``):
+        the first chunk, if not cached, is encoded from the known cut on."""
         assert self.cuts is not None
         cache = self.chunks
         parts: list[list[int] | None] = []
-        missing: list[str] = []
+        keys: list[str] = []  # the chunks to encode
+        missing: list[str] = []  # their text still to encode (the first may start at the known cut)
+        head: list[int] = []  # the known ids of the first missing chunk
         last = start
         for end in chunk_ends(text, self.cuts, self.CHUNK_MIN_CHARS, start):
             chunk = text[start:end] if start or end < len(text) else text
             ids = cache.get(chunk)
             if ids is None:
-                missing.append(chunk)
+                keys.append(chunk)
+                if known is not None and not parts and start < known[0] < end and not nogil:
+                    missing.append(text[known[0] : end])
+                    head = known[1]
+                else:
+                    missing.append(chunk)
             parts.append(ids)
             last, start = start, end
         encoded: list[list[int]] = []
@@ -673,7 +715,9 @@ class PromptEncoder:
                 encoded = [self._encode_fast(c, cache_segments=False) for c in missing]
             else:
                 encoded = [self.backend.encode(c, add_special_tokens=False).ids for c in missing]
-            for chunk, ids in zip(missing, encoded, strict=True):
+            if head:
+                encoded[0] = head + encoded[0]
+            for chunk, ids in zip(keys, encoded, strict=True):
                 cache.put(chunk, ids)
         else:
             self._check_limit(0, parts, limit)

@@ -76,6 +76,30 @@ def test_new_chars_is_what_follows_the_remembered_turn(builtin) -> None:  # noqa
     assert new is not None and 600 < new <= 600 + 10 + 2 * memo.encoder.CHUNK_MIN_CHARS
 
 
+def test_a_next_turn_encodes_only_what_follows_the_previous_prompts_last_cut(builtin) -> None:  # noqa: F811
+    """The previous prompt's last chunk is not encoded again up to its last safe cut (before " turn"):
+    the encoder sees the text from there on, and the ids are still the full encode's."""
+    rng = random.Random(8)
+    enc = PromptEncoder(builtin)
+    memo = TurnMemo(enc, BLOCK, None)
+    first = random_text(rng, [], 3000) + " the end of the first turn"
+    memo.prompt(first, None)
+    encoded: list[str] = []
+    encode_fast = enc._encode_fast
+
+    def recording(text: str, cache_segments: bool = True) -> list[int]:
+        encoded.append(text)
+        return encode_fast(text, cache_segments)
+
+    enc._encode_fast = recording  # type: ignore[method-assign]
+    second = first + " and the second turn"
+    assert tuple(memo.prompt(second, None)) == full(builtin, second)
+    cut = first.rindex(" turn")
+    assert "".join(encoded[:-1]) == second[cut:]  # the new chunks, from the cut on
+    assert encoded[-1] == " turn"  # the next resume point: the text after the second prompt's last cut
+    assert memo.new_chars(second + " and a third", None) == len(" turn and a third")
+
+
 def test_the_memo_holds_at_most_its_bytes_and_forgets_the_oldest(builtin) -> None:  # noqa: F811
     rng = random.Random(7)
     memo = TurnMemo(PromptEncoder(builtin), BLOCK, None, max_bytes=200_000)
