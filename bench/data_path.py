@@ -160,6 +160,36 @@ class Sampler:
             return None
 
 
+# kvroute's path to the engine, as the frontend times it: the whole path (pipeline start to the body written
+# to the engine), its tokenize step and its routing decision (histograms in ms; means from their sums)
+PATH_HISTOGRAMS = {
+    "to_engine": "kvroute_dispatch_path_ms",
+    "tokenize": "dynamo_frontend_tokenizer_latency_ms",
+    "route": "dynamo_router_overhead_total_ms",
+}
+
+
+def path_sums(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of ``PATH_HISTOGRAMS`` on a kvroute frontend's /metrics (absent ones left out)."""
+    text = httpx.get(metrics_url, timeout=10.0).text
+    out = {}
+    for key, name in PATH_HISTOGRAMS.items():
+        total, count = read_counter(text, name + "_sum"), read_counter(text, name + "_count")
+        if total is not None and count is not None:
+            out[key] = (total, count)
+    return out
+
+
+def path_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean ms per observation of each path histogram between two ``path_sums``."""
+    out = {}
+    for key, (total, count) in after.items():
+        total0, count0 = before.get(key, (0.0, 0.0))
+        if count > count0:
+            out[key] = round((total - total0) / (count - count0), 3)
+    return out
+
+
 def hf_tokenizer_dir(root: str) -> str:
     """The built-in tokenizer with Llama-3's split pattern (Python's ``re`` has no ``\\p`` classes)."""
     out = os.path.join(root, "hf-tokenizer")
@@ -216,7 +246,8 @@ def run_cell(
         for _ in range(args.workers):
             cluster.start_mocker(mocker)
         cluster.wait_workers_ready(READY_TIMEOUT)
-        url, _metrics = start_router(cluster, spec, bed, args.bin_dir)
+        url, metrics_url = start_router(cluster, spec, bed, args.bin_dir)
+        frontend_metrics = (metrics_url or f"{url}/metrics") if spec.kind == "kvroute" else None
         assert cluster.frontend is not None
         pid = cluster.frontend.proc.pid
         if args.pin:
@@ -235,9 +266,11 @@ def run_cell(
             engine_urls = [w.metrics_url for w in cluster.workers]
             load_before = round(os.getloadavg()[0], 1)
             e0 = engine_ttft(engine_urls)
+            path0 = path_sums(frontend_metrics) if frontend_metrics else {}
             cpu0 = session_cpu_s(pid)
             row = measure(trace, url, label, engine_urls, opts, None)
             cpu = session_cpu_s(pid) - cpu0
+            path = path_means(path0, path_sums(frontend_metrics)) if frontend_metrics else {}
             e1 = engine_ttft(engine_urls)
             engine = 1000.0 * (e1[0] - e0[0]) / max(1.0, e1[1] - e0[1])
             shares = sampler.stop() if sampler is not None else None
@@ -258,6 +291,8 @@ def run_cell(
                     # the client's mean TTFT less the engines': what the router adds before the first token
                     "ttft_added_ms": None if row["ttft_mean_ms"] is None else round(row["ttft_mean_ms"] - engine, 2),
                     "cpu_ms_per_request": round(per_request, 2),
+                    # kvroute: mean ms of its path to the engine, of its tokenize step and of its routing decision
+                    "path_ms": path or None,
                     "phases_ms_per_request": (
                         {k: round(v * per_request, 3) for k, v in shares.items()} if shares else None
                     ),
@@ -274,14 +309,20 @@ def run_cell(
 def table(rows: Sequence[dict[str, Any]]) -> str:
     phases = [name for name, _ in PHASES] + ["other"]
     head = ["router", "tokenizer", "api", "out", "c", "pinned", "TTFT p50 / p90 / p99 ms", "TTFT added ms",
-            "CPU ms / req", *phases]  # fmt: skip
+            "CPU ms / req", "path to engine ms (tokenize / route)", *phases]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         ph = r["phases_ms_per_request"] or {}
         ttft = " / ".join("-" if v is None else f"{v:g}" for v in r["ttft_ms"])
+        path = r.get("path_ms") or {}
+        to_engine = (
+            f"{path['to_engine']:.2f} ({path.get('tokenize', 0.0):.2f} / {path.get('route', 0.0):.2f})"
+            if "to_engine" in path
+            else ""
+        )
         cells = [r["router"], r["tokenizer"], r["api"], str(r["output_tokens"]), str(r["concurrency"]),
                  "yes" if r["pinned"] else "no", ttft, f"{r['ttft_added_ms']}", f"{r['cpu_ms_per_request']:.2f}",
-                 *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
+                 to_engine, *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

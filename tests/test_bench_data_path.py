@@ -20,6 +20,12 @@ def test_a_sample_belongs_to_the_phase_of_its_innermost_known_frame() -> None:
     assert data_path.phase_shares(raw) == {"relay": 0.75, "loop": 0.25}
 
 
+def test_path_means_are_the_histograms_growth_between_two_scrapes() -> None:
+    before = {"to_engine": (10.0, 4.0), "tokenize": (2.0, 4.0)}
+    after = {"to_engine": (16.0, 6.0), "tokenize": (2.0, 4.0), "route": (1.5, 3.0)}
+    assert data_path.path_means(before, after) == {"to_engine": 3.0, "route": 0.5}  # tokenize: no new requests
+
+
 def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     """Two routers, two runs: every cell's row is complete, the routers' order is rotated each run, and the
     report gives kvroute's per-run ratios against the other router."""
@@ -38,6 +44,10 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         assert row["cpu_ms_per_request"] > 0 and row["ttft_added_ms"] is not None
         p50, p90, p99 = row["ttft_ms"]
         assert 0 < p50 <= p90 <= p99
+        # the frontend's own timing of its path to the engine holds its tokenize step and routing decision
+        path = row["path_ms"]
+        assert set(path) == {"to_engine", "tokenize", "route"}
+        assert path["to_engine"] >= path["tokenize"] + path["route"] > 0
     with open(os.path.join(out, "data_path.md"), encoding="utf-8") as f:
         report = f.read()
     assert "2 runs, the routers' order rotated" in report

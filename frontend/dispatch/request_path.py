@@ -338,6 +338,9 @@ class RequestPath:
         if not stream and ctx.receive is not None:
             # a unary request can run for a long time: a client that goes away must free its load now
             watch = _watch_disconnect(ctx.receive)
+        if not ctx.dispatched:
+            ctx.dispatched = True
+            state.metrics.dispatch_path.observe((_perf() - ctx.t_start) * 1e3)
         try:
             upstream = await worker.upstream.request("POST", path, body, headers, stream or as_stream)
         except asyncio.CancelledError:

@@ -215,6 +215,14 @@ class FrontendMetrics:
         self.oh_total = Histogram(
             f"{op}_total_ms", "Whole routing decision time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r
         ).labels(self.router_id)
+        # a proxied request's path to its engine: from the start of its pipeline (body read, parsed,
+        # tokenized, routed, booked) to its body handed to the engine's connection, first attempt only
+        self.dispatch_path = Histogram(
+            "kvroute_dispatch_path_ms",
+            "Time from a request's start to its body written to the engine (first attempt)",
+            buckets=OVERHEAD_MS_BUCKETS,
+            registry=r,
+        )
         # disaggregated serving (frontend/routing/disagg.py): how each request's prefill phase went;
         # outcome = remote (prefilled on a prefill worker) | no_prefill_worker | prefill_failed
         self.disagg_prefill = Counter(
