@@ -392,9 +392,12 @@ def test_an_engine_killed_under_concurrent_streams_frees_its_bookings_and_keeps_
             wait_until(pool.idle, 15, what="every load back to 0")
             # the cut streams' engine did not answer the probe their cut sent it: engine failures, as
             # through the proxy, not clients that left
-            wait_until(
-                lambda: ends(pool)["engine_error"] == before["engine_error"] + per_engine, 15, what="the cuts counted"
-            )
+            errors_before = before["engine_error"]
+            try:
+                wait_until(lambda: ends(pool)["engine_error"] == errors_before + per_engine, 15, what="cuts counted")
+            except TimeoutError:
+                now = ends(pool)  # how the streams ended instead, for the failure's message
+                raise AssertionError({r: now[r] - before[r] for r in now}) from None
             after = ends(pool)
             assert after["client_gone"] == before["client_gone"], (before, after)
             assert after["response_end"] == before["response_end"] + per_engine, (before, after)
@@ -895,3 +898,35 @@ def test_a_buffered_response_body_arrives_whole_and_ends_its_booking(pool: Pool)
     after = ends(pool)
     assert after["response_end"] == before["response_end"] + 2, (before, after)
     assert after["client_gone"] == before["client_gone"], (before, after)
+
+
+def test_a_stream_cut_while_its_engine_stalls_counts_as_an_engine_failure(pool: Pool) -> None:
+    """The engine stops answering (SIGSTOP) under a stream and the client leaves. The probe the cut sends
+    it gets no answer within the health timeout: the request ends as an engine failure, not as a client
+    that left, though one silent probe leaves the engine in the pool (two make it unhealthy). The engine
+    is resumed at the end, and the next health check finds it answering again."""
+    import signal
+
+    victim = min(pool.cluster.workers, key=lambda w: w.worker_id)
+    body = chat("an engine stalls under this stream", "count slowly", max_tokens=4000, ignore_eos=True)
+    body["stream"] = True
+    steer = {"test-epp-endpoint-selection": pool.endpoint(victim.worker_id)}
+    before, internal = ends(pool), errors(pool, "internal")
+    cancelled = counter(pool, "dynamo_frontend_model_cancellation_total")
+    try:
+        with envoy_gateway(pool.epp_port) as url, httpx.Client(base_url=url, timeout=60) as client:
+            with client.stream("POST", "/v1/chat/completions", json=body, headers=steer) as r:
+                assert r.status_code == 200
+                assert next(r.iter_raw())  # the stream runs on the engine
+                victim.child.proc.send_signal(signal.SIGSTOP)
+            # the client left: the gateway cuts the picker's stream, the picker probes the stopped engine
+            wait_until(lambda: ends(pool)["engine_error"] == before["engine_error"] + 1, 20, what="the cut counted")
+        after = ends(pool)
+        assert after["client_gone"] == before["client_gone"], (before, after)
+        assert errors(pool, "internal") == internal + 1
+        assert counter(pool, "dynamo_frontend_model_cancellation_total") == cancelled
+        workers = pool.fe.get("/admin/workers").json()["workers"]
+        assert next(w for w in workers if w["id"] == victim.worker_id)["healthy"]  # one silent probe only
+    finally:
+        victim.child.proc.send_signal(signal.SIGCONT)
+    wait_until(pool.idle, 15, what="nothing booked")

@@ -538,9 +538,12 @@ class _Stream:
 
     async def _end_cut(self, lease: Lease, probe: asyncio.Task[bool] | None) -> None:
         answered = False  # no probe: the worker is already unhealthy, or gone from the pool
+        worker = lease.decision.worker
         try:
             if probe is not None:
-                answered = await asyncio.shield(probe)
+                # a probe that failed once without a refusal (a stalled or dying engine) leaves the worker
+                # healthy (``failures_to_unhealthy``), but the engine did not answer it
+                answered = await asyncio.shield(probe) and worker.failures == 0
         except asyncio.CancelledError:  # the picker stops: nothing says the engine is gone
             answered = True
             raise
