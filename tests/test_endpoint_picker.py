@@ -913,6 +913,10 @@ def test_a_stream_cut_while_its_engine_stalls_counts_as_an_engine_failure(pool: 
     steer = {"test-epp-endpoint-selection": pool.endpoint(victim.worker_id)}
     before, internal = ends(pool), errors(pool, "internal")
     cancelled = counter(pool, "dynamo_frontend_model_cancellation_total")
+
+    def worker_row() -> dict:
+        return next(w for w in pool.fe.get("/admin/workers").json()["workers"] if w["id"] == victim.worker_id)
+
     try:
         with envoy_gateway(pool.epp_port) as url, httpx.Client(base_url=url, timeout=60) as client:
             with client.stream("POST", "/v1/chat/completions", json=body, headers=steer) as r:
@@ -925,8 +929,9 @@ def test_a_stream_cut_while_its_engine_stalls_counts_as_an_engine_failure(pool: 
         assert after["client_gone"] == before["client_gone"], (before, after)
         assert errors(pool, "internal") == internal + 1
         assert counter(pool, "dynamo_frontend_model_cancellation_total") == cancelled
-        workers = pool.fe.get("/admin/workers").json()["workers"]
-        assert next(w for w in workers if w["id"] == victim.worker_id)["healthy"]  # one silent probe only
+        # one silent probe so far (a health round queued behind it waits the 5 s health timeout more)
+        assert worker_row()["healthy"], worker_row()
     finally:
         victim.child.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: worker_row()["healthy"] and worker_row()["last_error"] is None, 30, what="answering again")
     wait_until(pool.idle, 15, what="nothing booked")
