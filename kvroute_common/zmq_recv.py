@@ -24,7 +24,7 @@ import zmq
 BATCH = 512
 TURN_SECONDS = 0.002
 
-_POLLIN = zmq.POLLIN
+_POLLIN = int(zmq.POLLIN)  # an int: ``int & PollEvent`` builds a PollEvent, half a microsecond a check
 _EVENTS = zmq.EVENTS
 _NOBLOCK = zmq.NOBLOCK
 
