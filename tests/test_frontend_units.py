@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -447,7 +448,8 @@ def test_health_probes_on_the_request_path_client_see_slow_failing_and_gone_work
 
 def test_a_suspected_worker_is_probed_at_once_and_at_most_once_a_gap() -> None:
     """``suspect``: a worker another component saw fail is probed now, not at the next round (none runs
-    here); a burst of suspicions (clients leaving mid-stream look the same) is one probe."""
+    here); a burst of suspicions (clients leaving mid-stream look the same) is one probe; a suspicion
+    within the gap after a probe answered gets the next probe's answer (at the gap's end), not that one's."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -487,15 +489,22 @@ def test_a_suspected_worker_is_probed_at_once_and_at_most_once_a_gap() -> None:
             await until(lambda: len(probes) == before + 1, "the early probe")
             await until(lambda: not pool._tasks, "the early probe's task ended")
             assert len(probes) == before + 1 and worker.healthy  # one probe for the burst; healthy, it stays
+            t, probe = pool._suspected[worker.id]
+            assert probe.result() is True  # the burst's probe: the worker answered
+            pool._suspected[worker.id] = (t - SUSPECT_GAP_S, probe)  # the gap has passed: a probe at once
+            probe = pool.suspect(worker)
+            assert probe is not None and await probe is True and len(probes) == before + 2
         finally:
             server.should_exit = True
             await task
-        t, probe = pool._suspected[worker.id]
-        assert probe.result() is True  # the burst's probe: the worker answered
-        assert pool.suspect(worker) is probe  # within the gap: that probe's answer again
-        pool._suspected[worker.id] = (t - SUSPECT_GAP_S, probe)  # the gap has passed
-        probe = pool.suspect(worker)  # nothing listens now: refused, out at once
-        assert probe is not None and await probe is False
+        # the worker stopped after that answer, within the gap: the answer says nothing about it now; the
+        # next probe starts when the gap ends, and every suspicion until it answers shares it
+        t, _ = pool._suspected[worker.id]
+        later = pool.suspect(worker)
+        assert later is not None and later is not probe and pool.suspect(worker) is later
+        assert pool._suspected[worker.id][0] == t + SUSPECT_GAP_S
+        assert await later is False  # nothing listens now: refused, out at once
+        assert time.monotonic() >= t + SUSPECT_GAP_S
         assert not worker.healthy and worker.unreachable
         assert pool.suspect(worker) is None  # unhealthy: nothing to probe early, nothing to answer
         await pool.stop()

@@ -405,7 +405,7 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()
         self._health_task: asyncio.Task | None = None
         self._probe_locks: dict[int, asyncio.Lock] = {}
-        # worker id -> (monotonic time, task) of its last early probe
+        # worker id -> (monotonic start time, task) of its last early probe (a start in the future: scheduled)
         self._suspected: dict[int, tuple[float, asyncio.Task[bool]]] = {}
 
     # ---- membership -------------------------------------------------------------------------
@@ -622,21 +622,33 @@ class WorkerPool:
     def suspect(self, worker: Worker) -> asyncio.Task[bool] | None:
         """Something another component saw says the worker may be gone (a stream it served was cut, the
         gateway could not reach it): probe it now instead of at the next round, so new requests stop going
-        there within a round trip. At most one early probe a worker per ``SUSPECT_GAP_S``: clients that
-        leave mid-stream look the same and must not turn into a probe each.
+        there within a round trip. At most one early probe starts a worker per ``SUSPECT_GAP_S``: clients
+        that leave mid-stream look the same and must not turn into a probe each.
 
-        Returns that probe's task (this one, or the one the gap still covers), whose result says whether
-        the worker answered; None when the worker is gone or already unhealthy (or no loop runs yet)."""
+        Returns the task of a probe that answers after this suspicion: one not answered yet (running, or
+        scheduled), else a new one, at once or, when the last started less than a gap ago, when the gap ends
+        (an answer from before the suspicion says nothing about what happened since). None when the worker
+        is gone or already unhealthy (or no loop runs yet)."""
         if self.workers.get(worker.id) is not worker or not worker.healthy:
             return None
         now = time.monotonic()
         last = self._suspected.get(worker.id)
-        if last is not None and now - last[0] < SUSPECT_GAP_S:
+        if last is not None and not last[1].done():
             return last[1]
-        task = self._spawn(self.probe(worker))
+        if last is not None and now - last[0] < SUSPECT_GAP_S:
+            start = last[0] + SUSPECT_GAP_S
+            task = self._spawn(self._probe_at(worker, start))
+        else:
+            start = now
+            task = self._spawn(self.probe(worker))
         if task is not None:
-            self._suspected[worker.id] = (now, task)
+            self._suspected[worker.id] = (start, task)
         return task
+
+    async def _probe_at(self, worker: Worker, start: float) -> bool:
+        """``probe(worker)`` once the monotonic clock reaches ``start``."""
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
+        return await self.probe(worker)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in list(self.workers.values())), return_exceptions=True)
