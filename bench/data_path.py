@@ -39,6 +39,7 @@ import argparse
 import collections
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -110,6 +111,20 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# the frontend's CPU below Python: a library -> substrings of perf's shared-object paths, in this order
+NATIVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("interpreter", ("libpython",)),
+    ("kernel", ("[kernel",)),
+    ("libc", ("/libc.so", "/libm.so", "[vdso]")),
+    ("uvloop", ("/uvloop/",)),
+    ("httptools", ("/httptools/",)),
+    ("json", ("/orjson/", "/msgspec/")),
+    ("zmq", ("pyzmq", "/zmq/")),
+    ("tokenizers", ("/tokenizers/",)),
+)
+NATIVE_HZ = 1000
+
+
 def phase_of(stack: str) -> str:
     """The phase of one collapsed stack (frames root-first, ``;``-separated)."""
     for frame in reversed(stack.split(";")):
@@ -128,6 +143,72 @@ def phase_shares(raw: str) -> dict[str, float]:
             counts[phase_of(stack)] += int(n)
     total = sum(counts.values())
     return {k: v / total for k, v in counts.most_common()} if total else {}
+
+
+def native_shares(report: str) -> dict[str, float]:
+    """Share of the samples per library (``NATIVE_GROUPS``, else "other"), from ``perf report --sort dso
+    --stdio -v``, whose rows are ``  57.53%  /path/to/libpython3.11.so.1.0``."""
+    counts: dict[str, float] = {}
+    for line in report.splitlines():
+        percent, sign, dso = line.strip().partition("%")
+        if not sign or line.lstrip().startswith("#"):
+            continue
+        try:
+            value = float(percent)
+        except ValueError:
+            continue
+        dso = dso.strip()
+        group = next((name for name, keys in NATIVE_GROUPS if any(k in dso for k in keys)), "other")
+        counts[group] = counts.get(group, 0.0) + value
+    total = sum(counts.values())
+    return {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])} if total else {}
+
+
+class NativeSampler:
+    """``perf record -e cpu-clock`` of one process (its threads too) from construction until ``stop``: where
+    its CPU goes below Python (the interpreter, the kernel's sockets and wake-ups, the C libraries), which
+    neither py-spy nor cProfile sees. perf starts with its events off and turns them on and off through its
+    control descriptors, each acknowledged, so the window is the one measured and perf is running in it."""
+
+    def __init__(self, pid: int, out: str) -> None:
+        self.out = out
+        ctl_read, self._ctl = os.pipe()
+        self._ack, ack_write = os.pipe()
+        self.proc = subprocess.Popen(
+            ["perf", "record", "-e", "cpu-clock", "-F", str(NATIVE_HZ), "-p", str(pid), "-o", out, "-D", "-1",
+             "--control", f"fd:{ctl_read},{ack_write}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(ctl_read, ack_write),
+        )  # fmt: skip
+        os.close(ctl_read)
+        os.close(ack_write)
+        self._command(b"enable")
+
+    def _command(self, command: bytes) -> None:
+        os.write(self._ctl, command + b"\n")
+        ready, _, _ = select.select([self._ack], [], [], 30.0)
+        if not ready or not os.read(self._ack, 64).startswith(b"ack"):
+            self.proc.kill()
+            raise RuntimeError(f"perf record did not acknowledge {command.decode()!r}")
+
+    def stop(self) -> dict[str, float]:
+        try:
+            self._command(b"disable")
+            self.proc.send_signal(signal.SIGINT)
+            if self.proc.wait(30) not in (0, -signal.SIGINT):  # perf raises the signal again once its data is out
+                raise RuntimeError(f"perf record exited with {self.proc.returncode}")
+        finally:
+            os.close(self._ctl)
+            os.close(self._ack)
+        report = subprocess.run(
+            ["perf", "report", "-i", self.out, "--sort", "dso", "--stdio", "-v"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return native_shares(report.stdout)
 
 
 class Sampler:
@@ -263,6 +344,11 @@ def run_cell(
                 if spec.kind == "kvroute" and args.profile
                 else None
             )
+            native = (
+                NativeSampler(pid, os.path.join(args.out_dir, f"{tag}-{tokenizer}-{api}-{output_tokens}-c{c}.perf"))
+                if spec.kind == "kvroute" and args.native
+                else None
+            )
             engine_urls = [w.metrics_url for w in cluster.workers]
             load_before = round(os.getloadavg()[0], 1)
             e0 = engine_ttft(engine_urls)
@@ -274,6 +360,7 @@ def run_cell(
             e1 = engine_ttft(engine_urls)
             engine = 1000.0 * (e1[0] - e0[0]) / max(1.0, e1[1] - e0[1])
             shares = sampler.stop() if sampler is not None else None
+            libraries = native.stop() if native is not None else None
             per_request = 1000.0 * cpu / max(1, row["completed"])
             rows.append(
                 {
@@ -296,6 +383,10 @@ def run_cell(
                     "phases_ms_per_request": (
                         {k: round(v * per_request, 3) for k, v in shares.items()} if shares else None
                     ),
+                    # --native: the same CPU by library below Python (perf)
+                    "native_ms_per_request": (
+                        {k: round(v * per_request, 3) for k, v in libraries.items()} if libraries else None
+                    ),
                     "loadavg_1m_before": load_before,
                     "loadavg_1m": round(os.getloadavg()[0], 1),
                 }
@@ -309,7 +400,7 @@ def run_cell(
 def table(rows: Sequence[dict[str, Any]]) -> str:
     phases = [name for name, _ in PHASES] + ["other"]
     head = ["router", "tokenizer", "api", "out", "c", "pinned", "TTFT p50 / p90 / p99 ms", "TTFT added ms",
-            "CPU ms / req", "path to engine ms (tokenize / route)", *phases]  # fmt: skip
+            "CPU ms / req", "path to engine ms (tokenize / route)", "below Python ms (perf)", *phases]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         ph = r["phases_ms_per_request"] or {}
@@ -320,9 +411,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             if "to_engine" in path
             else ""
         )
+        native = ", ".join(f"{k} {v:.2f}" for k, v in (r.get("native_ms_per_request") or {}).items())
         cells = [r["router"], r["tokenizer"], r["api"], str(r["output_tokens"]), str(r["concurrency"]),
                  "yes" if r["pinned"] else "no", ttft, f"{r['ttft_added_ms']}", f"{r['cpu_ms_per_request']:.2f}",
-                 to_engine, *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
+                 to_engine, native, *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -373,6 +465,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=0, help="at most this many requests per level (0 = all 288)")
     p.add_argument("--pin", action="store_true", help="the router on core 1, engines and client on core 0")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the py-spy phase profile")
+    p.add_argument("--native", action="store_true",
+                   help="record kvroute's frontend with perf (cpu-clock) over each measured window: its CPU per "
+                   "request by library below Python (interpreter, kernel, libc, uvloop, ...); needs perf and "
+                   "--no-profile")  # fmt: skip
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--speedup-ratio", type=float, default=4.0)
@@ -395,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     if args.runs < 1:
         raise SystemExit("--runs must be >= 1")
+    if args.native and args.profile:
+        raise SystemExit("--native needs --no-profile (py-spy's sampling would be in perf's figures)")
+    if args.native and shutil.which("perf") is None:
+        raise SystemExit("--native needs perf (Debian: apt-get install linux-perf)")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-data-path-") as tmp:

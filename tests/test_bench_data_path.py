@@ -20,6 +20,26 @@ def test_a_sample_belongs_to_the_phase_of_its_innermost_known_frame() -> None:
     assert data_path.phase_shares(raw) == {"relay": 0.75, "loop": 0.25}
 
 
+def test_perfs_shared_objects_are_grouped_by_library() -> None:
+    report = """# Samples: 1K of event 'cpu-clock'
+# Overhead  Shared Object
+#
+    50.00%  /usr/lib/libpython3.11.so.1.0
+    25.00%  [kernel.kallsyms]
+     5.00%  /usr/lib/x86_64-linux-gnu/libc.so.6
+     5.00%  /venv/site-packages/uvloop/loop.cpython-311-x86_64-linux-gnu.so
+     5.00%  /venv/site-packages/httptools/parser/parser.cpython-311-x86_64-linux-gnu.so
+     2.50%  /venv/site-packages/pyzmq.libs/libzmq-2f02442c.so.5.2.5
+     2.50%  /venv/site-packages/orjson/orjson.cpython-311-x86_64-linux-gnu.so
+     5.00%  /venv/site-packages/xxhash/_xxhash.cpython-311-x86_64-linux-gnu.so
+"""
+    assert data_path.native_shares(report) == {
+        "interpreter": 0.5, "kernel": 0.25, "libc": 0.05, "uvloop": 0.05, "httptools": 0.05, "other": 0.05,
+        "zmq": 0.025, "json": 0.025,
+    }  # fmt: skip
+    assert data_path.native_shares("# nothing sampled\n") == {}
+
+
 def test_path_means_are_the_histograms_growth_between_two_scrapes() -> None:
     before = {"to_engine": (10.0, 4.0), "tokenize": (2.0, 4.0)}
     after = {"to_engine": (16.0, 6.0), "tokenize": (2.0, 4.0), "route": (1.5, 3.0)}
@@ -27,12 +47,12 @@ def test_path_means_are_the_histograms_growth_between_two_scrapes() -> None:
 
 
 def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
-    """Two routers, two runs: every cell's row is complete, the routers' order is rotated each run, and the
-    report gives kvroute's per-run ratios against the other router."""
+    """Two routers, two runs: every cell's row is complete (with the CPU by library, ``--native``), the routers'
+    order is rotated each run, and the report gives kvroute's per-run ratios against the other router."""
     out = str(tmp_path)
     argv = ["--routers", "kvroute-latency,round_robin", "--runs", "2", "--tokenizers", "builtin",
             "--apis", "completions", "--concurrency", "2", "--requests", "12", "--workers", "2",
-            "--no-profile", "--out-dir", out]  # fmt: skip
+            "--no-profile", "--native", "--out-dir", out]  # fmt: skip
     assert data_path.main(argv) == 0
     with open(os.path.join(out, "data_path.json"), encoding="utf-8") as f:
         rows = json.load(f)["rows"]
@@ -48,6 +68,10 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         path = row["path_ms"]
         assert set(path) == {"to_engine", "tokenize", "route"}
         assert path["to_engine"] >= path["tokenize"] + path["route"] > 0
+        # --native: the same CPU by library below Python, from perf (the interpreter's share is never nothing)
+        native = row["native_ms_per_request"]
+        assert native["interpreter"] > 0 and min(native.values()) > 0
+        assert abs(sum(native.values()) - row["cpu_ms_per_request"]) <= 0.01 * len(native)
     with open(os.path.join(out, "data_path.md"), encoding="utf-8") as f:
         report = f.read()
     assert "2 runs, the routers' order rotated" in report
