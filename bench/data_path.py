@@ -121,6 +121,7 @@ NATIVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("json", ("/orjson/", "/msgspec/")),
     ("zmq", ("pyzmq", "/zmq/")),
     ("tokenizers", ("/tokenizers/",)),
+    ("rust router", ("_rs.abi3.so",)),  # the peers' own code: smg_rs, vllm_router_rs, sglang_router_rs
 )
 NATIVE_HZ = 1000
 
@@ -346,7 +347,7 @@ def run_cell(
             )
             native = (
                 NativeSampler(pid, os.path.join(args.out_dir, f"{tag}-{tokenizer}-{api}-{output_tokens}-c{c}.perf"))
-                if spec.kind == "kvroute" and args.native
+                if args.native
                 else None
             )
             engine_urls = [w.metrics_url for w in cluster.workers]
@@ -466,7 +467,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", action="store_true", help="the router on core 1, engines and client on core 0")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the py-spy phase profile")
     p.add_argument("--native", action="store_true",
-                   help="record kvroute's frontend with perf (cpu-clock) over each measured window: its CPU per "
+                   help="record each router with perf (cpu-clock) over each measured window: its CPU per "
                    "request by library below Python (interpreter, kernel, libc, uvloop, ...); needs perf and "
                    "--no-profile")  # fmt: skip
     p.add_argument("--workers", type=int, default=4)

@@ -38,6 +38,8 @@ def test_perfs_shared_objects_are_grouped_by_library() -> None:
         "zmq": 0.025, "json": 0.025,
     }  # fmt: skip
     assert data_path.native_shares("# nothing sampled\n") == {}
+    rust = "    60.00%  /venv/site-packages/smg/smg_rs.abi3.so\n    40.00%  [kernel.kallsyms]\n"
+    assert data_path.native_shares(rust) == {"rust router": 0.6, "kernel": 0.4}
 
 
 def test_path_means_are_the_histograms_growth_between_two_scrapes() -> None:
