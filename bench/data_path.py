@@ -27,6 +27,11 @@ vocabulary with Llama-3's split pattern, which Python's ``re`` cannot run, so kv
 with the Hugging Face backend (what a deployment's ``tokenizer.json`` gets); the mockers load it too.
 ``--pin``: the router on core 1 (all its threads), the mockers and this client on core 0, so the
 router's decision latency is seen apart from contention for a core (needs 2 cores).
+``--native`` (with ``--no-profile``): every router recorded with ``perf record -e cpu-clock`` over the same
+window, its CPU per request by library below Python: the interpreter, the kernel (sockets, wake-ups), libc,
+uvloop, httptools, orjson / msgspec, libzmq, tokenizers, a peer's own Rust code ("rust router"). py-spy and
+cProfile see only Python frames (cProfile inflates small calls); the interpreter's share is what compiled
+code could reduce.
 ``--runs N``: every cell N times, the routers' order rotated each run; the report adds, per cell, each
 figure's median and min-max and kvroute ``latency`` against each router as the median of the per-run
 ratios (one run's ratios spread 10-25 % on this machine).
@@ -111,7 +116,7 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-# the frontend's CPU below Python: a library -> substrings of perf's shared-object paths, in this order
+# a router's CPU below Python: a library -> substrings of perf's shared-object paths, in this order
 NATIVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("interpreter", ("libpython",)),
     ("kernel", ("[kernel",)),
@@ -184,7 +189,12 @@ class NativeSampler:
         )  # fmt: skip
         os.close(ctl_read)
         os.close(ack_write)
-        self._command(b"enable")
+        try:
+            self._command(b"enable")
+        except BaseException:
+            os.close(self._ctl)
+            os.close(self._ack)
+            raise
 
     def _command(self, command: bytes) -> None:
         os.write(self._ctl, command + b"\n")
