@@ -72,7 +72,7 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         assert path["to_engine"] >= path["tokenize"] + path["route"] > 0
         # --native: the same CPU by library below Python, from perf (the interpreter's share is never nothing)
         native = row["native_ms_per_request"]
-        assert native["interpreter"] > 0 and min(native.values()) > 0
+        assert native["interpreter"] > 0 and min(native.values()) >= 0  # a group of one sample can round to 0
         assert abs(sum(native.values()) - row["cpu_ms_per_request"]) <= 0.01 * len(native)
     with open(os.path.join(out, "data_path.md"), encoding="utf-8") as f:
         report = f.read()
