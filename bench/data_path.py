@@ -8,8 +8,9 @@
 Each cell is one router alone in front of four fresh mockers (4,096 KV blocks each, ``--speedup-ratio 4``)
 replaying the ``agentic-dense`` sessions (48 x 6 turns on shared system prompts, 2-4k-token prompts;
 each concurrency level replays its own sessions, so no router sees a prompt twice), with at most
-``c`` requests in flight. Per cell: the router's CPU per request (its process tree, from /proc), TTFT
-p50 / p90 / p99, and for kvroute a sampling profile (py-spy, 250 Hz, on its process for the replay
+``c`` requests in flight. Per cell: the router's CPU per request (its process tree, from /proc), its
+threads' context switches per request (each voluntary one a sleep and a wake-up), TTFT p50 / p90 / p99,
+and for kvroute a sampling profile (py-spy, 250 Hz, on its process for the replay
 only) sorted into phases by the innermost frame of each sample that belongs to one:
 
 - ``tokenize``: chat template, encoding (built-in encoder, HF backend, chunk cache, worker thread);
@@ -32,6 +33,8 @@ window, its CPU per request by library below Python: the interpreter, the kernel
 uvloop, httptools, orjson / msgspec, libzmq, tokenizers, a peer's own Rust code ("rust router"). py-spy and
 cProfile see only Python frames (cProfile inflates small calls); the interpreter's share is what compiled
 code could reduce.
+``--python NAME=PATH``: each kvroute row also runs on another interpreter (a venv of it with kvroute
+installed), labelled ``[NAME]``, in the same run.
 ``--runs N``: every cell N times, the routers' order rotated each run; the report adds, per cell, each
 figure's median and min-max and kvroute ``latency`` against each router as the median of the per-run
 ratios (one run's ratios spread 10-25 % on this machine).
@@ -57,11 +60,20 @@ from typing import Any
 
 import httpx
 
-from bench.peers import ROUTERS, RouterSpec, Testbed, peers_bin, router_specs, runs_markdown, start_router
+from bench.peers import (
+    PYTHON_HELP,
+    ROUTERS,
+    RouterSpec,
+    Testbed,
+    peers_bin,
+    router_specs,
+    runs_markdown,
+    start_router,
+)
 from bench.replay import RunOptions, measure, read_counter
 from bench.sessions import WORKLOADS, Workload, session_trace
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
-from kvroute_common.processes import session_cpu_s
+from kvroute_common.processes import session_cpu_s, session_switches
 from kvroute_common.text_chunks import LLAMA3_PATTERN
 from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
 
@@ -364,9 +376,9 @@ def run_cell(
             load_before = round(os.getloadavg()[0], 1)
             e0 = engine_ttft(engine_urls)
             path0 = path_sums(frontend_metrics) if frontend_metrics else {}
-            cpu0 = session_cpu_s(pid)
+            cpu0, switches0 = session_cpu_s(pid), session_switches(pid)
             row = measure(trace, url, label, engine_urls, opts, None)
-            cpu = session_cpu_s(pid) - cpu0
+            cpu, switches = session_cpu_s(pid) - cpu0, session_switches(pid) - switches0
             path = path_means(path0, path_sums(frontend_metrics)) if frontend_metrics else {}
             e1 = engine_ttft(engine_urls)
             engine = 1000.0 * (e1[0] - e0[0]) / max(1.0, e1[1] - e0[1])
@@ -389,6 +401,8 @@ def run_cell(
                     # the client's mean TTFT less the engines': what the router adds before the first token
                     "ttft_added_ms": None if row["ttft_mean_ms"] is None else round(row["ttft_mean_ms"] - engine, 2),
                     "cpu_ms_per_request": round(per_request, 2),
+                    # its threads' context switches: how often it slept and was woken again, per request
+                    "switches_per_request": round(switches / max(1, row["completed"]), 1),
                     # kvroute: mean ms of its path to the engine, of its tokenize step and of its routing decision
                     "path_ms": path or None,
                     "phases_ms_per_request": (
@@ -411,7 +425,8 @@ def run_cell(
 def table(rows: Sequence[dict[str, Any]]) -> str:
     phases = [name for name, _ in PHASES] + ["other"]
     head = ["router", "tokenizer", "api", "out", "c", "pinned", "TTFT p50 / p90 / p99 ms", "TTFT added ms",
-            "CPU ms / req", "path to engine ms (tokenize / route)", "below Python ms (perf)", *phases]  # fmt: skip
+            "CPU ms / req", "switches / req", "path to engine ms (tokenize / route)", "below Python ms (perf)",
+            *phases]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         ph = r["phases_ms_per_request"] or {}
@@ -423,9 +438,11 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             else ""
         )
         native = ", ".join(f"{k} {v:.2f}" for k, v in (r.get("native_ms_per_request") or {}).items())
+        switches = r.get("switches_per_request")
         cells = [r["router"], r["tokenizer"], r["api"], str(r["output_tokens"]), str(r["concurrency"]),
                  "yes" if r["pinned"] else "no", ttft, f"{r['ttft_added_ms']}", f"{r['cpu_ms_per_request']:.2f}",
-                 to_engine, native, *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
+                 "" if switches is None else f"{switches:g}", to_engine, native,
+                 *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -492,12 +509,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--before", default=None,
                    help="another checkout of kvroute (git worktree add DIR REV): each kvroute row also runs with its "
                    "frontend, just before this checkout's, in the same run")  # fmt: skip
+    p.add_argument("--python", default=None, metavar="NAME=PATH", help=PYTHON_HELP)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    specs = router_specs(args.routers, args.before)
+    specs = router_specs(args.routers, args.before, args.python)
     args.bin_dir = peers_bin(args.bin_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     if args.runs < 1:

@@ -47,13 +47,13 @@ from bench.peers import (
     BLOCK_SIZE,
     READY_TIMEOUT,
     RECOMMENDED,
-    ROUTERS,
     RouterSpec,
     Testbed,
     failed,
     missing_reason,
     peer_versions,
     peers_bin,
+    router_specs,
     run_router,
 )
 from bench.replay import RunOptions, fmt, load_avg
@@ -499,11 +499,7 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
         raise SystemExit("--runs must be >= 1 and --slowdown > 0")
     args.bin_dir = peers_bin(args.bin_dir)
     own = ("kvroute", "dynamo-select")  # what runs without the peers' environment
-    labels = [r.strip() for r in (args.routers or ",".join(FLEET_ROUTERS)).split(",") if r.strip()]
-    unknown = [r for r in labels if r not in ROUTERS]
-    if unknown:
-        raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
-    specs = [ROUTERS[r] for r in labels]
+    specs = router_specs(args.routers or ",".join(FLEET_ROUTERS), args.before, args.python)
     if args.bin_dir is None and any(spec.kind not in own for spec in specs):
         raise SystemExit(missing_reason())
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: engines stop

@@ -81,12 +81,14 @@ class RouterSpec:
     policy: str  # kvroute's --router-mode, or the peer's --policy
     gateway: bool = False  # kvroute as the endpoint picker of an Envoy gateway (--epp-port), Envoy in front
     checkout: str | None = None  # kvroute: another checkout's frontend (--before), None = this one
+    python: str | None = None  # kvroute: the interpreter its frontend runs on (--python), None = this one
     extra: tuple[str, ...] = ()  # more kvroute flags (a variant of a mode)
     gateway_options: tuple[tuple[str, Any], ...] = ()  # the gateway's envoy_config options (body modes)
 
     def describe(self) -> str:
         where = f" (checkout {self.checkout})" if self.checkout else ""
-        return self._describe() + where
+        on = f" (on {self.python})" if self.python else ""
+        return self._describe() + where + on
 
     def _describe(self) -> str:
         if self.kind == "kvroute" and self.gateway:
@@ -179,7 +181,9 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
         epp = cluster.port() if spec.gateway else None
         extra = ("--kv-cache-block-size", str(bed.block_size), *spec.extra,
                  *(("--epp-port", str(epp)) if epp else ()))  # fmt: skip
-        url = cluster.start_frontend(spec.policy, extra_args=extra, model_path=bed.model_path, checkout=spec.checkout)
+        url = cluster.start_frontend(
+            spec.policy, extra_args=extra, model_path=bed.model_path, checkout=spec.checkout, python=spec.python
+        )
         cluster.wait_frontend_ready(bed.model, timeout=READY_TIMEOUT)
         if epp is not None:  # requests go through Envoy, which asks the frontend where each one goes
             metrics_url = f"{url}/metrics"
@@ -543,19 +547,20 @@ def runs_markdown(runs: Sequence[dict], label: str = RECOMMENDED) -> str:
             + " ".join(f"| {spread([m['ttft_ms'][p] for m in ms])}" for p in ("p50", "p90", "p99"))
             + f" | {spread([m.get('router_cpu_ms_per_request') for m in ms])} |"
         )
-    if any(label in r for r in rows):
+    # the recommended row, and the same row on another interpreter (--python) when there is one
+    for ours in [lb for lb in labels if lb == label or lb.startswith(label + " [")]:
         lines += [
             "",
-            f"`{label}` against each router, the median of the per-run ratios (min-max); hit rate as the "
+            f"`{ours}` against each router, the median of the per-run ratios (min-max); hit rate as the "
             "median difference in points:",
             "",
             "| against | hit rate points | TTFT p50 | TTFT p90 | TTFT p99 | router CPU |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for lb in labels:
-            if lb == label:
+            if lb == ours:
                 continue
-            pairs = [(r[label], r[lb]) for r in rows if label in r and lb in r]
+            pairs = [(r[ours], r[lb]) for r in rows if ours in r and lb in r]
             diffs = sorted(
                 100.0 * (o["hit_rate"] - t["hit_rate"])
                 for o, t in pairs
@@ -663,7 +668,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--before", default=None,
                    help="another checkout of kvroute (git worktree add DIR REV): each kvroute row also runs with its "
                    "frontend, just before this checkout's, in the same run")  # fmt: skip
+    p.add_argument("--python", default=None, metavar="NAME=PATH", help=PYTHON_HELP)
     return p
+
+
+PYTHON_HELP = (
+    "another interpreter that imports kvroute (a venv's python): each kvroute row also runs on it, labelled "
+    "[NAME], just after this one's, in the same run (kvroute's image runs a PGO + LTO CPython)"
+)
 
 
 def workloads_of(text: str) -> list[Workload]:
@@ -737,22 +749,41 @@ def run_cell(workload: Workload, load: float, specs: Sequence[RouterSpec], args:
     }
 
 
-def router_specs(labels: str, before: str | None = None) -> list[RouterSpec]:
+def router_specs(labels: str, before: str | None = None, python: str | None = None) -> list[RouterSpec]:
     """The rows ``--routers`` names (comma-separated); with ``--before DIR`` each kvroute row also runs
-    with that checkout's frontend, just before this one's."""
+    with that checkout's frontend, just before this one's; with ``--python NAME=PATH`` each kvroute row
+    also runs on that interpreter (labelled ``[NAME]``), just after this one's."""
     names = [r.strip() for r in labels.split(",") if r.strip()]
     unknown = [r for r in names if r not in ROUTERS]
     if unknown:
         raise SystemExit(f"unknown routers {unknown}; choose from {', '.join(ROUTERS)}")
     specs = [ROUTERS[r] for r in names]
-    if not before:
-        return specs
-    checkout = os.path.abspath(before)
-    return [
-        x
-        for s in specs
-        for x in ((replace(s, label=f"{s.label} (before)", checkout=checkout), s) if s.kind == "kvroute" else (s,))
-    ]
+    if before:
+        checkout = os.path.abspath(before)
+        specs = [
+            x
+            for s in specs
+            for x in ((replace(s, label=f"{s.label} (before)", checkout=checkout), s) if s.kind == "kvroute" else (s,))
+        ]
+    if python:
+        name, path = interpreter(python)
+        specs = [
+            x
+            for s in specs
+            for x in ((s, replace(s, label=f"{s.label} [{name}]", python=path)) if s.kind == "kvroute" else (s,))
+        ]
+    return specs
+
+
+def interpreter(option: str) -> tuple[str, str]:
+    """``NAME=PATH`` of ``--python``: a Python that imports kvroute (a venv it is installed in)."""
+    name, sep, path = option.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--python wants NAME=PATH (e.g. pgo=/opt/venv/bin/python), not {option!r}")
+    path = os.path.abspath(path)
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"--python {option}: {path} is not an executable")
+    return name, path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -761,7 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.testbed == "fleet":  # bench/fleet.py builds on this module: handed over by name, as bench/__main__ does
         return int(importlib.import_module("bench.fleet").run_fleet(args, command))
     args.workers = args.workers or 4
-    specs = router_specs(args.routers or ",".join(DEFAULT_ROUTERS), args.before)
+    specs = router_specs(args.routers or ",".join(DEFAULT_ROUTERS), args.before, args.python)
     workloads, loads = workloads_of(args.workload), loads_of(args.loads)
     args.bin_dir = peers_bin(args.bin_dir)
     if args.bin_dir is None and any(s.kind not in ("kvroute", "dynamo-select") for s in specs):

@@ -205,8 +205,10 @@ class Cluster:
         model_path: str | None = None,
         kv_events: bool = True,
         checkout: str | None = None,
+        python: str | None = None,
     ) -> str:
-        """``checkout``: run the frontend of that checkout of kvroute (a before/after comparison)."""
+        """``checkout``: run the frontend of that checkout of kvroute (a before/after comparison);
+        ``python``: on that interpreter (one that imports kvroute) instead of the cluster's."""
         port = port or self.port()
         args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", router_mode]
         for w in self.workers:
@@ -221,7 +223,7 @@ class Cluster:
             args += ["--model-path", model_path]
         args += list(extra_args)
         env = {"PYTHONPATH": checkout} if checkout else None
-        self.frontend = self._spawn("frontend", args, env, cwd=checkout)
+        self.frontend = self._spawn("frontend", args, env, program=python, cwd=checkout)
         self.frontend_url = f"http://127.0.0.1:{port}"
         return self.frontend_url
 

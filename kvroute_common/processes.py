@@ -96,7 +96,36 @@ def session_cpu_s(sid: int) -> float:
     in sessions of their own (``python -m frontend --workers N`` starts each child in a new session),
     and the children they reaped: a service started with ``start_new_session`` is its own session, so
     this is its whole process tree (helpers and worker processes included)."""
-    procs: dict[int, tuple[int, int, int]] = {}  # pid -> (parent, session, ticks)
+    procs = _session_tree(sid)
+    return sum(ticks for _, _, ticks in procs.values()) / os.sysconf("SC_CLK_TCK")
+
+
+def session_switches(sid: int) -> int:
+    """Context switches so far (voluntary and involuntary) of every thread of session ``sid``'s process
+    tree (as ``session_cpu_s`` counts it; threads that ended are not counted): each voluntary one is a
+    thread that went to sleep and was woken again, so their growth over a window is its wake-ups."""
+    total = 0
+    for pid in _session_tree(sid):
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # gone since the listing
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    total += sum(int(line.split()[1]) for line in f if line.startswith(_SWITCHES))
+            except (OSError, ValueError, IndexError):
+                continue
+    return total
+
+
+_SWITCHES = ("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")
+
+
+def _session_tree(sid: int) -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent, session, CPU ticks with reaped children's) of session ``sid``'s processes and their
+    descendants."""
+    procs: dict[int, tuple[int, int, int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -113,7 +142,7 @@ def session_cpu_s(sid: int) -> float:
         if not more:
             break
         counted |= more
-    return sum(procs[pid][2] for pid in counted) / os.sysconf("SC_CLK_TCK")
+    return {pid: procs[pid] for pid in counted}
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from bench import data_path
 
@@ -49,21 +50,31 @@ def test_path_means_are_the_histograms_growth_between_two_scrapes() -> None:
 
 
 def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
-    """Two routers, two runs: every cell's row is complete (with the CPU by library, ``--native``), the routers'
-    order is rotated each run, and the report gives kvroute's per-run ratios against the other router."""
+    """Two routers, two runs, kvroute also on another interpreter (``--python``): every cell's row is complete
+    (with the CPU by library, ``--native``), the routers' order is rotated each run, the ``[NAME]`` row's
+    frontend ran on that interpreter, and the report gives both kvroute rows' per-run ratios."""
     out = str(tmp_path)
+    # the other interpreter: this one behind a script that leaves a mark of what it was asked to run
+    mark = tmp_path / "ran"
+    other = tmp_path / "other-python"
+    other.write_text(f'#!/bin/sh\necho "$@" >> {mark}\nexec {sys.executable} "$@"\n')
+    other.chmod(0o755)
     argv = ["--routers", "kvroute-latency,round_robin", "--runs", "2", "--tokenizers", "builtin",
             "--apis", "completions", "--concurrency", "2", "--requests", "12", "--workers", "2",
-            "--no-profile", "--native", "--out-dir", out]  # fmt: skip
+            "--no-profile", "--native", "--python", f"other={other}", "--out-dir", out]  # fmt: skip
     assert data_path.main(argv) == 0
     with open(os.path.join(out, "data_path.json"), encoding="utf-8") as f:
         rows = json.load(f)["rows"]
+    ours, theirs, rr = "kvroute-latency", "kvroute-latency [other]", "round_robin"  # round robin is kvroute's too
     assert [(r["run"], r["router"]) for r in rows] == [
-        (1, "kvroute-latency"), (1, "round_robin"), (2, "round_robin"), (2, "kvroute-latency"),
+        (1, ours), (1, theirs), (1, rr), (1, f"{rr} [other]"), (2, theirs), (2, rr), (2, f"{rr} [other]"), (2, ours),
     ]  # fmt: skip
+    started = mark.read_text().splitlines()
+    assert len(started) == 4 and all(line.startswith("-m frontend ") for line in started)  # the [other] rows
     for row in rows:
         assert row["completed"] == row["requests"] == 12
         assert row["cpu_ms_per_request"] > 0 and row["ttft_added_ms"] is not None
+        assert row["switches_per_request"] >= 1  # a request wakes the router at least once
         p50, p90, p99 = row["ttft_ms"]
         assert 0 < p50 <= p90 <= p99
         # the frontend's own timing of its path to the engine holds its tokenize step and routing decision
@@ -77,5 +88,33 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     with open(os.path.join(out, "data_path.md"), encoding="utf-8") as f:
         report = f.read()
     assert "2 runs, the routers' order rotated" in report
-    [ratios] = [line for line in report.splitlines() if line.startswith("| round_robin |") and "x (" in line]
-    assert ratios.count("x (") == 4  # TTFT p50, p90, p99 and CPU: median (min-max) of the two runs' ratios
+    assert f"`{ours}` against each router" in report and f"`{theirs}` against each router" in report
+    ratios = [line for line in report.splitlines() if line.startswith("| round_robin |") and "x (" in line]
+    assert len(ratios) == 2  # each kvroute latency row against round robin
+    for line in ratios:
+        assert line.count("x (") == 4  # TTFT p50, p90, p99 and CPU: median (min-max) of the two runs' ratios
+
+
+def test_a_sessions_context_switches_count_every_thread_that_slept() -> None:
+    """``session_switches``: a process in a session of its own whose second thread has slept 200 times (and
+    still runs) counts at least those 200 switches."""
+    import subprocess
+
+    from kvroute_common.processes import session_switches
+
+    code = (
+        "import sys, threading, time\n"
+        "go = threading.Event()\n"
+        "def work():\n"
+        "    for _ in range(200): time.sleep(0.0005)\n"
+        "    print('slept', flush=True); go.wait()\n"
+        "threading.Thread(target=work).start(); sys.stdin.readline(); go.set()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "slept\n"
+        assert session_switches(proc.pid) >= 200
+        assert session_switches(os.getpid() + 10**7) == 0  # no such session: nothing counted
+    finally:
+        proc.communicate("\n", timeout=30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -234,3 +235,18 @@ def test_a_later_pass_of_the_overhead_schedule_misses_kvroutes_tokenizer_caches_
     assert first > 50 and second >= 0.9 * first, (first, second)
     first, second = misses(lambda text: f"{peers_overhead.PASS_MARK} {text}")
     assert second < 0.1 * first, (first, second)
+
+
+def test_another_interpreter_runs_each_kvroute_row_again(tmp_path):
+    """--python NAME=PATH: each kvroute row also runs on that interpreter, labelled [NAME], right after it;
+    the peers' rows are left alone, and a malformed or missing interpreter is refused before anything runs."""
+    specs = peers.router_specs("kvroute-latency,smg-cache_aware", python=f"pgo={sys.executable}")
+    assert [(s.label, s.python) for s in specs] == [
+        ("kvroute-latency", None),
+        ("kvroute-latency [pgo]", os.path.abspath(sys.executable)),
+        ("smg-cache_aware", None),
+    ]
+    assert specs[1].describe().endswith(f"(on {os.path.abspath(sys.executable)})")
+    for bad in (sys.executable, "pgo=", f"pgo={tmp_path / 'missing'}"):
+        with pytest.raises(SystemExit, match="--python"):
+            peers.router_specs("kvroute-latency", python=bad)
