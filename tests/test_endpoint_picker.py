@@ -921,7 +921,10 @@ def test_a_stream_cut_while_its_engine_stalls_counts_as_an_engine_failure(pool: 
         with envoy_gateway(pool.epp_port) as url, httpx.Client(base_url=url, timeout=60) as client:
             with client.stream("POST", "/v1/chat/completions", json=body, headers=steer) as r:
                 assert r.status_code == 200
-                assert next(r.iter_raw())  # the stream runs on the engine
+                # the iterator is kept until the engine is stopped: a dropped one closes the response at once,
+                # and the client would leave before the engine stalls
+                chunks = r.iter_raw()
+                assert next(chunks)  # the stream runs on the engine
                 victim.child.proc.send_signal(signal.SIGSTOP)
             # the client left: the gateway cuts the picker's stream, the picker probes the stopped engine
             wait_until(lambda: ends(pool)["engine_error"] == before["engine_error"] + 1, 20, what="the cut counted")
