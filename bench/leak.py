@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -468,25 +469,62 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def _serving_worker(url: str, body: dict[str, Any], timeout: float) -> int:
-    """The worker whose index holds ``body``'s prompt (a prompt of its own: only its engine has it)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        r = httpx.post(f"{url}/admin/route", json=body, timeout=10)
-        r.raise_for_status()
-        holding = [c["worker_id"] for c in r.json()["candidates"] if c["overlap_blocks"] > 0]
-        if len(holding) == 1:
-            return int(holding[0])
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"no single worker holds the witness prompt after {timeout:g} s: {r.json()}")
-        time.sleep(0.1)
+def _route(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /admin/route``: the decision ``body`` would get now (nothing booked or sent)."""
+    r = httpx.post(f"{url}/admin/route", json=body, timeout=10)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def _in_flight(record: dict[str, Any]) -> dict[int, int]:
+    """The requests the frontend has booked on each worker (its slot tracker's count, summed over the
+    worker's ranks) in an ``/admin/route`` record."""
+    out: dict[int, int] = {}
+    for c in record["candidates"]:
+        out[int(c["worker_id"])] = out.get(int(c["worker_id"]), 0) + int(c["active_requests"])
+    return out
+
+
+class Gate:
+    """Lets the conversations' requests through while open. ``close`` holds back the ones not yet sent
+    and waits until those under way have ended (for the client: abandoned ones may still be on their
+    way out of the frontend); ``open`` lets them go on."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._active = 0
+
+    @contextlib.asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        while not self._open.is_set():  # opened and closed again before this waiter ran: wait again
+            await self._open.wait()
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+
+    async def close(self, timeout: float) -> None:
+        self._open.clear()
+        await asyncio.wait_for(self._idle.wait(), timeout)
+
+    def open(self) -> None:
+        self._open.set()
 
 
 class EngineRestarts:
     """Restart cycles of real engines under load. Each cycle streams a long witness request (a prompt
-    of its own), finds the engine serving it from the frontend's index once a few events arrived,
-    SIGKILLs that engine mid-stream and starts it again on its ports; the witness must still end as
-    one complete stream (migrated). The frontend's RSS is read after every cycle."""
+    of its own) while the conversations hold back their next requests, so the witness is the only
+    request the frontend has in flight: the worker it is booked on serves it. The conversations go on,
+    that engine is SIGKILLed mid-stream and started again on its ports; the witness must still end as
+    one complete stream, on the other worker (migrated). The frontend's RSS is read after every
+    cycle."""
 
     PORT_ATTEMPTS = 3
 
@@ -545,18 +583,19 @@ class EngineRestarts:
         wait_until(back, self.timeout, 0.2, f"worker {worker.worker_id} healthy in the frontend again")
         return time.monotonic() - t0
 
-    async def cycle(self, c: httpx.AsyncClient, n: int) -> dict[str, Any]:
-        """One restart of the engine serving a witness stream. A witness that ends before its engine is
-        found (the index learns its prompt from the engine's KV events, late on a loaded machine), or
-        whose engine had already generated all of it when killed (no request migrated), was not killed
-        mid-stream: a new witness, with a prompt of its own, is started instead (at most 3)."""
+    async def cycle(self, c: httpx.AsyncClient, n: int, gate: Gate) -> dict[str, Any]:
+        """One restart of the engine serving a witness stream (``gate``: the conversations' requests).
+        A witness that ends before its engine is killed (every token generated and received by then:
+        it ends on the killed worker, not migrated) was not killed mid-stream: a new witness, with a
+        prompt of its own, is started instead (at most 3)."""
         for attempt in range(3):
-            row = await self._witness_cycle(c, f"{n}.{attempt}")
+            row = await self._witness_cycle(c, f"{n}.{attempt}", gate)
             if row is not None:
                 return row
-        raise RuntimeError(f"restart cycle {n}: three witnesses ended before their engine was found or killed")
+        raise RuntimeError(f"restart cycle {n}: three witnesses ended before their engine was killed")
 
-    async def _witness_cycle(self, c: httpx.AsyncClient, tag: str) -> dict[str, Any] | None:
+    async def _witness_cycle(self, c: httpx.AsyncClient, tag: str, gate: Gate) -> dict[str, Any] | None:
+        from kvroute_common.processes import wait_until
         from kvroute_common.real_engines.vllm_cpu import SERVED_NAME
 
         system = " ".join(f"Witness {tag}, rule {k}: keep streaming through restarts." for k in range(24))
@@ -567,7 +606,10 @@ class EngineRestarts:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            # the last attempt's worker and routing decision, on the chunk with the finish reason
+            "nvext": {"extra_fields": ["worker_id", "routing"]},
         }
+        route_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "nvext")}
         events: list[dict[str, Any]] = []
         streaming = asyncio.Event()
 
@@ -576,31 +618,66 @@ class EngineRestarts:
             if len(events) >= 3:
                 streaming.set()
 
-        task = asyncio.get_running_loop().create_task(_exchange(c, self.url, body, on_event=on_event))
-        waiter = asyncio.get_running_loop().create_task(streaming.wait())
-        await asyncio.wait([task, waiter], timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if not streaming.is_set():
-            task.cancel()
-            raise RuntimeError(f"witness {tag} did not stream: {task.result() if task.done() else 'timed out'}")
-        route_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        victim = await asyncio.to_thread(_serving_worker, self.url, route_body, 30.0)
-        if task.done():  # over before its engine was found: no mid-stream kill to see
-            return None
+        def frontend_idle() -> bool:
+            return not any(_gauges(httpx.get(f"{self.url}/metrics", timeout=10).text).values()) and not any(
+                _in_flight(_route(self.url, route_body)).values()
+            )
+
+        loop = asyncio.get_running_loop()
+        task: asyncio.Task[tuple[str, str]] | None = None
+        try:
+            await gate.close(self.timeout)
+            await asyncio.to_thread(
+                wait_until, frontend_idle, 60.0, 0.1, "no request in the frontend but the witness's (gate closed)"
+            )
+            task = loop.create_task(_exchange(c, self.url, body, on_event=on_event))
+            waiter = loop.create_task(streaming.wait())
+            await asyncio.wait([task, waiter], timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if not streaming.is_set():
+                task.cancel()
+                raise RuntimeError(f"witness {tag} did not stream: {task.result() if task.done() else 'timed out'}")
+            # the only request in flight: the worker it is booked on serves it (booked before it was sent,
+            # unlike the index, which learns its prompt from the engine's KV events)
+            deadline = loop.time() + 60.0
+            while True:
+                record = await asyncio.to_thread(_route, self.url, route_body)
+                busy = {w: k for w, k in _in_flight(record).items() if k}
+                if len(busy) == 1 and sum(busy.values()) == 1:
+                    victim, isl = next(iter(busy)), int(record["isl"])
+                    break
+                if task.done():  # over before its worker was read: no mid-stream kill to see
+                    return None
+                if loop.time() >= deadline:
+                    raise TimeoutError(f"witness {tag}: not the only request in flight after 60 s: {busy}")
+                await asyncio.sleep(0.05)  # the poll's interval, under the deadline above
+        except BaseException:
+            if task is not None:
+                task.cancel()
+            raise
+        finally:
+            gate.open()
         events_at_kill = len(events)
-        migrations = await asyncio.to_thread(_migrations, self.url)
         down_s = await asyncio.to_thread(self._restart, victim - 1)
         outcome, _ = await asyncio.wait_for(task, self.timeout)
-        if await asyncio.to_thread(_migrations, self.url) == migrations:
+        ends = [e["nvext"] for e in events if isinstance(e.get("nvext"), dict)]
+        finished_on = ends[-1].get("worker_id", {}).get("decode_worker_id") if ends else None
+        if finished_on == victim:
             # nothing was cut: the engine had generated the whole witness (its tail still on its way to a
-            # slow client) and had nothing else running
+            # slow client) when it was killed
             return None
+        # a continuation is routed with the prompt and the text generated so far: a longer input
+        last_isl = ends[-1].get("routing", {}).get("isl") if ends else None
         finishes = [ch.get("finish_reason") for e in events for ch in e.get("choices") or [] if ch.get("finish_reason")]
         usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None) or {}
         return {
             "victim": victim,
+            "finished_on": finished_on,
+            "isl": isl,
+            "last_isl": last_isl,
             "killed_after_events": events_at_kill,
-            "mid_stream": True,
+            # it began on the victim (the only request booked anywhere) and was continued on another worker
+            "mid_stream": finished_on is not None and finished_on != victim and (last_isl or 0) > isl,
             "down_s": round(down_s, 1),
             "witness": outcome,
             "witness_complete": outcome == "ok"
@@ -620,6 +697,7 @@ async def _converse(
     seed: int,
     scripts: int = 16,
     think: float = 0.2,
+    gate: Gate | None = None,
 ) -> tuple[Counter, list[dict[str, Any]]]:
     """Multi-turn conversations on ``concurrency`` clients until ``stop``: each picks one of ``scripts``
     scripted conversations (4 shared system prompts, 2-5 user turns, each turn the whole conversation
@@ -627,9 +705,11 @@ async def _converse(
     pace of a user, so the engines restarting are not starved of CPU). A bounded set of scripts keeps
     the engines' caches, and so the index, at a steady size once each has run: the frontend's memory
     is then comparable from cycle to cycle. A conversation ends early when its client abandons a
-    request. Returns outcome counts and the completed requests (the last of each script's turns)."""
+    request. Each request is sent through ``gate`` (held back while it is closed). Returns outcome
+    counts and the completed requests (the last of each script's turns)."""
     from kvroute_common.real_engines.vllm_cpu import SERVED_NAME
 
+    gate = gate or Gate()
     systems, words = _prompt_pool(seed)
     rng = random.Random(seed)
     script_rng = random.Random(seed + 1)
@@ -654,13 +734,14 @@ async def _converse(
             }
             r = rng.random()
             cut_chunks = rng.randint(1, 4) if r < cancel / 2 else None
-            try:
-                if cancel / 2 <= r < cancel:
-                    outcome, text = await _abandoned(url, body, rng.uniform(0.0, 0.05))
-                else:
-                    outcome, text = await _exchange(c, url, body, cut_chunks)
-            except httpx.HTTPError as exc:
-                outcome, text = f"client_error_{type(exc).__name__}", ""
+            async with gate.request():
+                try:
+                    if cancel / 2 <= r < cancel:
+                        outcome, text = await _abandoned(url, body, rng.uniform(0.0, 0.05))
+                    else:
+                        outcome, text = await _exchange(c, url, body, cut_chunks)
+                except httpx.HTTPError as exc:
+                    outcome, text = f"client_error_{type(exc).__name__}", ""
             out[outcome] += 1
             if outcome != "ok":
                 return
@@ -727,12 +808,15 @@ async def _vllm_load(
 ) -> tuple[Counter, list[dict[str, Any]], list[dict[str, Any]], float]:
     """The conversations run while ``cycles`` restart cycles happen one after the other."""
     stop = asyncio.Event()
+    gate = Gate()
     limits = httpx.Limits(max_connections=concurrency * 2 + 2, max_keepalive_connections=concurrency + 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as c:
-        load = asyncio.get_running_loop().create_task(_converse(c, restarts.url, stop, concurrency, cancel, seed))
+        load = asyncio.get_running_loop().create_task(
+            _converse(c, restarts.url, stop, concurrency, cancel, seed, gate=gate)
+        )
         try:
             baseline = rss_mb(restarts.cluster.frontend.proc.pid)
-            done = [await restarts.cycle(c, n) for n in range(cycles)]
+            done = [await restarts.cycle(c, n, gate) for n in range(cycles)]
         except BaseException:
             load.cancel()
             raise

@@ -7,11 +7,12 @@ equals the mockers' caches exactly (``bench.leak.check``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 
-from bench.leak import index_blocks
+from bench.leak import Gate, index_blocks
 from tests.support import REPO_ROOT
 
 
@@ -41,6 +42,37 @@ def test_index_blocks_reads_device_stored_events_per_worker_rank():
         }
     }
     assert index_blocks(dump) == {(3, 1): {(10, 11), (12, 13)}}
+
+
+def test_gate_waits_for_the_requests_under_way_and_holds_back_the_next_until_opened():
+    """``EngineRestarts`` closes the conversations' gate so that its witness is the only request in flight."""
+
+    async def main() -> list[str]:
+        gate = Gate()
+        started, release = asyncio.Event(), asyncio.Event()
+        entered: list[str] = []
+
+        async def request(name: str, hold: bool = False) -> None:
+            async with gate.request():
+                entered.append(name)
+                if hold:
+                    started.set()
+                    await release.wait()
+
+        first = asyncio.create_task(request("first", hold=True))
+        await started.wait()
+        closing = asyncio.create_task(gate.close(10.0))
+        second = asyncio.create_task(request("second"))
+        done, _ = await asyncio.wait({closing, second}, return_when=asyncio.FIRST_COMPLETED, timeout=0)
+        assert not done and entered == ["first"]  # nothing ends while "first" is under way
+        release.set()
+        await asyncio.wait_for(closing, 10.0)  # closed once "first" ended
+        assert entered == ["first"] and not second.done()  # "second" held back
+        gate.open()
+        await asyncio.wait_for(asyncio.gather(first, second), 10.0)
+        return entered
+
+    assert asyncio.run(main()) == ["first", "second"]
 
 
 def test_leak_short(tmp_path):
