@@ -45,6 +45,7 @@ import numpy as np
 
 from bench.peers import (
     BLOCK_SIZE,
+    OWN_KINDS,
     READY_TIMEOUT,
     RECOMMENDED,
     RouterSpec,
@@ -498,9 +499,8 @@ def run_fleet(args: argparse.Namespace, command: str) -> int:
     if args.runs < 1 or args.slowdown <= 0:
         raise SystemExit("--runs must be >= 1 and --slowdown > 0")
     args.bin_dir = peers_bin(args.bin_dir)
-    own = ("kvroute", "dynamo-select")  # what runs without the peers' environment
     specs = router_specs(args.routers or ",".join(FLEET_ROUTERS), args.before, args.python)
-    if args.bin_dir is None and any(spec.kind not in own for spec in specs):
+    if args.bin_dir is None and any(spec.kind not in OWN_KINDS for spec in specs):
         raise SystemExit(missing_reason())
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: engines stop
     names = list(WORKLOADS_FLEET) if args.workload == "all" else [w.strip() for w in args.workload.split(",")]

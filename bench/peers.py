@@ -68,8 +68,11 @@ TOKENIZER_TIME = {"kvroute": ("dynamo_frontend_tokenizer_latency_ms_sum", 1.0),
 ROUTER_COUNTERS = {"vllm-router": ("vllm_router_kv_", "vllm_router_prefix_routing", "vllm_router_load_balancing"),
                    "smg": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection"),
                    "smg-1.13": ("smg_router_cache", "smg_router_load_balanc", "smg_worker_selection")}  # fmt: skip
-# kvroute, a peer's executable, or Dynamo's selector behind the harness's thin gateway (bench/dynamo_gateway.py)
-Kind = Literal["kvroute", "smg", "smg-1.13", "vllm-router", "dynamo-select"]
+# kvroute, a peer's executable, Dynamo's selector behind the harness's thin gateway (bench/dynamo_gateway.py),
+# or the floor: the cheapest relay Python can be (bench/relay_floor.py)
+Kind = Literal["kvroute", "smg", "smg-1.13", "vllm-router", "dynamo-select", "relay-floor"]
+# the kinds that run without the peers' environment
+OWN_KINDS = ("kvroute", "dynamo-select", "relay-floor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,8 @@ class RouterSpec:
             return f"Envoy (ext_proc, bodies full duplex) + python -m frontend --router-mode {self.policy} --epp-port P"
         if self.kind == "kvroute":
             return " ".join(("python -m frontend --router-mode", self.policy, *self.extra))
+        if self.kind == "relay-floor":
+            return "python -m bench.relay_floor (round robin, bytes passed through, nothing parsed or counted)"
         if self.kind == "dynamo-select":
             return "python -m bench.dynamo_gateway (python -m dynamo.select_service 1.6.1, temperature 0)"
         return f"{self.kind}{' launch' if self.kind.startswith('smg') else ''} --policy {self.policy}"
@@ -112,6 +117,8 @@ ROUTERS: dict[str, RouterSpec] = {
         RouterSpec("vllm-kv_aware", "vllm-router", "kv_aware"),
         RouterSpec("vllm-cache_aware", "vllm-router", "cache_aware"),
         RouterSpec("dynamo-select", "dynamo-select", "kv"),
+        # not a router: the floor of any router's data path on kvroute's stack (asked for by name)
+        RouterSpec("relay-floor", "relay-floor", "round_robin"),
         RouterSpec("round_robin", "kvroute", "round_robin"),
         RouterSpec("kvroute-latency-gateway", "kvroute", "latency", gateway=True),
         # latency mode without its cache terms (what they bring, measured)
@@ -128,7 +135,9 @@ ROUTERS: dict[str, RouterSpec] = {
 }
 # the rows of a plain run: the gateway and the variant rows are asked for by name
 DEFAULT_ROUTERS = [
-    label for label, spec in ROUTERS.items() if not spec.gateway and not spec.extra and spec.kind != "dynamo-select"
+    label
+    for label, spec in ROUTERS.items()
+    if not spec.gateway and not spec.extra and spec.kind not in ("dynamo-select", "relay-floor")
 ]
 
 
@@ -188,6 +197,13 @@ def start_router(cluster: Cluster, spec: RouterSpec, bed: Testbed, bin_dir: str 
         if epp is not None:  # requests go through Envoy, which asks the frontend where each one goes
             metrics_url = f"{url}/metrics"
             url = cluster.start_gateway(epp, READY_TIMEOUT, **dict(spec.gateway_options))
+    elif spec.kind == "relay-floor":
+        port = cluster.port()
+        url = f"http://127.0.0.1:{port}"
+        args = ["-m", "bench.relay_floor", "--port", str(port)]
+        for w in cluster.workers:
+            args += ["--worker", w.url]
+        cluster.start_router(spec.label, sys.executable, args, url)
     elif spec.kind == "dynamo-select":
         port = cluster.port()
         url = f"http://127.0.0.1:{port}"
@@ -795,7 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = router_specs(args.routers or ",".join(DEFAULT_ROUTERS), args.before, args.python)
     workloads, loads = workloads_of(args.workload), loads_of(args.loads)
     args.bin_dir = peers_bin(args.bin_dir)
-    if args.bin_dir is None and any(s.kind not in ("kvroute", "dynamo-select") for s in specs):
+    if args.bin_dir is None and any(s.kind not in OWN_KINDS for s in specs):
         raise SystemExit(missing_reason())
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: engines stop
     os.makedirs(args.out_dir, exist_ok=True)
