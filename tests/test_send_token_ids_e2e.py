@@ -8,10 +8,11 @@ that reads the text keeps it."""
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 
 from bench.data_path import hf_tokenizer_dir
-from frontend.routing.prompt import Prompt, engine_token_ids
+from frontend.routing.prompt import Prompt, engine_token_ids, with_prompt_ids
 from kvroute_common.hashing import token_array
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
 from kvroute_common.tokenizer import load_tokenizer
@@ -68,6 +69,13 @@ def test_the_engine_computes_the_routers_ids_and_text_fields_keep_the_text(tmp_p
         assert engine_prompt_tokens(url, {**pinned, "stream": True, "stream_options": {"include_usage": True}}) == ours
         assert engine_prompt_tokens(url, {**pinned, "stream": False}) == ours  # sent streamed, answered whole
         assert engine_prompt_tokens(url, {**pinned, "echo": False}) == theirs  # echo reads the text: it goes as text
+        # a conversation's turns long enough for the turn memo (their ids kept as a u32 array): sent as ids too
+        turn = " ".join([TEXT] * 40)
+        for _ in range(2):
+            assert engine_prompt_tokens(url, {**pinned, "prompt": turn}) == len(load_tokenizer(None)(turn)["input_ids"])
+            turn += " And then: " + TEXT
+        hits = [ln for ln in httpx.get(f"{url}/metrics", timeout=5).text.splitlines() if 'result="hit"' in ln]
+        assert len(hits) == 1 and float(hits[0].split()[-1]) >= 1, hits  # the second turn continued the first
 
 
 def test_an_engine_restarted_with_another_tokenizer_gets_text_again(tmp_path) -> None:
@@ -94,13 +102,19 @@ def test_an_engine_restarted_with_another_tokenizer_gets_text_again(tmp_path) ->
         assert engine_prompt_tokens(url, body) == theirs  # text: the new engine tokenizes it its own way
 
 
+def on_thread(prompt: Prompt) -> Prompt:
+    prompt.on_thread = True
+    return prompt
+
+
 @pytest.mark.parametrize(
     ("body", "prompt", "sent"),
     [
         ({"prompt": "a b"}, Prompt([1, 2]), [1, 2]),
         ({"prompt": ["a b"]}, Prompt([1, 2]), [1, 2]),
+        ({"prompt": "a b"}, Prompt(token_array([1, 2])), [1, 2]),  # a remembered conversation's: a u32 array
         ({"prompt": [1, 2]}, Prompt([1, 2]), None),  # already ids
-        ({"prompt": "a b"}, Prompt(token_array([1, 2])), None),  # tokenized on a worker thread
+        ({"prompt": "a b"}, on_thread(Prompt(token_array([1, 2]))), None),  # tokenized on a worker thread
         ({"prompt": "a b", "echo": True}, Prompt([1, 2]), None),
         ({"prompt": "a b", "suffix": "c"}, Prompt([1, 2]), None),
         ({"prompt": "a b", "add_special_tokens": False}, Prompt([1, 2]), None),
@@ -108,4 +122,13 @@ def test_an_engine_restarted_with_another_tokenizer_gets_text_again(tmp_path) ->
     ],
 )
 def test_which_prompts_go_as_ids(body: dict, prompt: Prompt, sent: list[int] | None) -> None:
-    assert engine_token_ids(body, prompt, None) == sent
+    ids = engine_token_ids(body, prompt, None)
+    assert (None if ids is None else list(ids)) == sent
+
+
+def test_a_u32_array_of_ids_is_written_as_the_same_json_as_their_list() -> None:
+    body = orjson.dumps({"model": "m", "prompt": "text", "max_tokens": 3, "stream": True})
+    ids = [0, 1, 255, 256, 128_000, 4_294_967_295]
+    out = with_prompt_ids(body, token_array(ids))
+    assert out == with_prompt_ids(body, ids)
+    assert orjson.loads(out) == {"model": "m", "prompt": ids, "max_tokens": 3, "stream": True}

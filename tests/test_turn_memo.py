@@ -11,6 +11,7 @@ of mockers report the engines' prompt lengths back as the router counted them.
 from __future__ import annotations
 
 import random
+from array import array
 
 import httpx
 
@@ -24,10 +25,11 @@ from tests.test_text_chunks import SPECIALS, builtin, hf, random_text  # noqa: F
 BLOCK = 16
 
 
-def full(tok, text: str, lora: str | None = None, salt: str | None = None) -> tuple[list[int], list[int], list[int]]:
+def full(tok, text: str, lora: str | None = None, salt: str | None = None) -> tuple[array, list[int], list[int]]:
+    """The tokenizer's own encode (as the memo keeps ids: a u32 array) and the block hashes of its ids."""
     ids = tok.backend_tokenizer.encode(text, add_special_tokens=True).ids
     local = local_block_hashes(ids, BLOCK, lora, salt)
-    return ids, local, sequence_hashes(local)
+    return array("I", ids), local, sequence_hashes(local)
 
 
 def test_each_turn_gets_the_full_encode_and_hashes_and_reuses_the_one_before(builtin, hf) -> None:  # noqa: F811

@@ -98,7 +98,7 @@ class RequestContext:
         self.rate: KeyState | None = None  # per-key rate limits: the key's buckets (charged at the end)
         self.trace: RequestTrace | None = None  # --otlp-traces-endpoint: the request's spans
         self.dispatched = False  # its first attempt's body went to an engine (kvroute_dispatch_path_ms)
-        self.engine_ids: list[int] | None = None  # a completions prompt as ids, for workers that take them
+        self.engine_ids: Sequence[int] | None = None  # a completions prompt as ids, for workers that take them
         self.ids_body: bytes | None = None  # out_body with engine_ids as its prompt, built on first use
         self.entry: ModelEntry
         self.mm: ModelMetrics

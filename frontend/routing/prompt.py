@@ -9,6 +9,7 @@ its ids are even built).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +37,11 @@ class Prompt:
     """Token ids and (for routing) their local block hashes and chained sequence hashes. A long
     prompt's ids are a compact ``array('I')`` (built and its list freed on the tokenizer thread: a
     list of 128 k ints takes ~1 ms to free, wherever the last reference goes), and its local hashes
-    are also kept as a u64 array (``local_array``, built there too: what a remote index is sent)."""
+    are also kept as a u64 array (``local_array``, built there too: what a remote index is sent). So
+    are a remembered conversation's (``frontend.routing.turn_memo``). ``on_thread``: tokenized on a
+    tokenizer thread (a prompt too long to be written out again on the loop)."""
 
-    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt", "local_array")
+    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt", "local_array", "on_thread")
 
     def __init__(
         self,
@@ -52,6 +55,7 @@ class Prompt:
         self.seq_hashes = seq_hashes
         self.salt = salt  # the cache salt the hashes were computed with
         self.local_array: np.ndarray | None = None
+        self.on_thread = False
 
     @property
     def hashes(self) -> tuple[list[int], list[int]] | None:
@@ -73,17 +77,17 @@ def hashed(entry: ModelEntry, tokens: Sequence[int], salt: str | None, images: S
 _TEXT_FIELDS = ("echo", "prompt_logprobs", "suffix", "add_special_tokens", "prompt_embeds")
 
 
-def engine_token_ids(body: dict, prompt: Prompt, hints: RequestHints | None) -> list[int] | None:
+def engine_token_ids(body: dict, prompt: Prompt, hints: RequestHints | None) -> Sequence[int] | None:
     """What a completions request sends the engine as its prompt instead of its text
     (``--send-token-ids``): the ids the router computed for routing, the engine's own tokens, so the
     engine skips tokenizing them again. None keeps the text: a prompt that was already ids, one
-    tokenized on a worker thread (its ids are a compact array, and a list of them would be built on
-    the loop), a request whose fields read the text, or one whose next turn is prefilled
-    speculatively (that builds on the text)."""
+    tokenized on a worker thread (long: its ids are not written out again on the loop), a request
+    whose fields read the text, or one whose next turn is prefilled speculatively (that builds on
+    the text)."""
     text = body.get("prompt")
     if isinstance(text, list) and len(text) == 1:
         text = text[0]
-    if not isinstance(text, str) or type(prompt.tokens) is not list:
+    if not isinstance(text, str) or prompt.on_thread:
         return None
     if any(k in body for k in _TEXT_FIELDS):
         return None
@@ -99,9 +103,13 @@ def takes_prompt_ids(mode: str, worker: Any) -> bool:
     return mode == "always" or (mode == "auto" and worker.prompt_ids_proven)
 
 
-def with_prompt_ids(body: bytes, ids: list[int]) -> bytes:
-    """A completions request as it goes out (``body``), with ``ids`` as its prompt."""
+def with_prompt_ids(body: bytes, ids: Sequence[int]) -> bytes:
+    """A completions request as it goes out (``body``), with ``ids`` as its prompt. A u32 array is
+    written from its memory (a numpy view of it), never through an int object per id."""
     doc = orjson.loads(body)
+    if isinstance(ids, array):
+        doc["prompt"] = np.frombuffer(ids, dtype=np.uint32)
+        return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     doc["prompt"] = ids
     return orjson.dumps(doc)
 
@@ -270,6 +278,7 @@ def _tokens_and_hashes(
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
         prompt = hashed(entry, token_array(tokens), salt, placeholders)
         prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
+        prompt.on_thread = True
         return prompt
     return hashed(entry, tokens, salt, placeholders)
 
