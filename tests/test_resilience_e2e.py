@@ -169,7 +169,12 @@ def test_killed_worker_mid_stream_migrates_to_another_and_the_client_sees_one_st
             assert (
                 fe.metric("dynamo_frontend_model_migration_total", model=MODEL, migration_type="ongoing_request") == 1
             )
+            # the request is counted when the frontend ends it, which may be just after the client read the end
+            wait_until(
+                lambda: fe.metric("dynamo_frontend_requests_total", model=MODEL) >= 1, 30, what="the request counted"
+            )
             assert fe.metric("dynamo_frontend_requests_total", model=MODEL, status="success") == 1
+            assert fe.metric("dynamo_frontend_requests_total", model=MODEL) == 1
             fe.assert_idle()
             assert fe.loads().get(1, (0, 0)) == (0, 0)
 
