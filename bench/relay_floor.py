@@ -26,6 +26,14 @@ import httptools
 BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\n\r\n"
 
 
+def _no_delay(transport: asyncio.BaseTransport) -> asyncio.Transport:
+    """A stream connection's transport, with small writes sent at once (no Nagle)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return transport  # type: ignore[return-value]
+
+
 class _Upstream(asyncio.Protocol):
     """One kept-alive connection to a worker: response bytes go to ``client`` as they arrive; the
     parser only finds where the response ends, so the connection can serve the next request."""
@@ -38,10 +46,7 @@ class _Upstream(asyncio.Protocol):
         self.done = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = _no_delay(transport)
 
     def data_received(self, data: bytes) -> None:
         client = self.client
@@ -71,10 +76,7 @@ class _Client(asyncio.Protocol):
         self.raw: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = _no_delay(transport)
 
     def data_received(self, data: bytes) -> None:
         self.raw.append(data)
