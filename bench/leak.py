@@ -583,6 +583,14 @@ class EngineRestarts:
         wait_until(back, self.timeout, 0.2, f"worker {worker.worker_id} healthy in the frontend again")
         return time.monotonic() - t0
 
+    @staticmethod
+    def _unkilled(tag: str, task: asyncio.Task[tuple[str, str]]) -> None:
+        """A witness that ended before its engine was killed: None (try another), or an error if it failed."""
+        outcome = task.result()[0]
+        if outcome != "ok":
+            raise RuntimeError(f"witness {tag} failed before its engine was killed: {outcome}")
+        return None
+
     async def cycle(self, c: httpx.AsyncClient, n: int, gate: Gate) -> dict[str, Any]:
         """One restart of the engine serving a witness stream (``gate``: the conversations' requests).
         A witness that ends before its engine is killed (every token generated and received by then:
@@ -611,17 +619,26 @@ class EngineRestarts:
         }
         route_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "nvext")}
         events: list[dict[str, Any]] = []
-        streaming = asyncio.Event()
+        first = asyncio.Event()
 
         def on_event(event: dict[str, Any]) -> None:
             events.append(event)
-            if len(events) >= 3:
-                streaming.set()
+            if any((ch.get("delta") or {}).get("content") for ch in event.get("choices") or []):
+                first.set()  # a generated token (a role-only event carries none)
 
         def frontend_idle() -> bool:
             return not any(_gauges(httpx.get(f"{self.url}/metrics", timeout=10).text).values()) and not any(
                 _in_flight(_route(self.url, route_body)).values()
             )
+
+        def booked_alone() -> tuple[int, int] | None:
+            """The witness's worker and its prompt length once the frontend has booked it (before it
+            sends it to the engine; the index learns the prompt only from the engine's KV events)."""
+            record = _route(self.url, route_body)
+            busy = {w: k for w, k in _in_flight(record).items() if k}
+            if len(busy) == 1 and sum(busy.values()) == 1:
+                return next(iter(busy)), int(record["isl"])
+            return None
 
         loop = asyncio.get_running_loop()
         task: asyncio.Task[tuple[str, str]] | None = None
@@ -631,26 +648,27 @@ class EngineRestarts:
                 wait_until, frontend_idle, 60.0, 0.1, "no request in the frontend but the witness's (gate closed)"
             )
             task = loop.create_task(_exchange(c, self.url, body, on_event=on_event))
-            waiter = loop.create_task(streaming.wait())
-            await asyncio.wait([task, waiter], timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            if not streaming.is_set():
-                task.cancel()
-                raise RuntimeError(f"witness {tag} did not stream: {task.result() if task.done() else 'timed out'}")
-            # the only request in flight: the worker it is booked on serves it (booked before it was sent,
-            # unlike the index, which learns its prompt from the engine's KV events)
-            deadline = loop.time() + 60.0
-            while True:
-                record = await asyncio.to_thread(_route, self.url, route_body)
-                busy = {w: k for w, k in _in_flight(record).items() if k}
-                if len(busy) == 1 and sum(busy.values()) == 1:
-                    victim, isl = next(iter(busy)), int(record["isl"])
+            deadline = loop.time() + self.timeout
+            while True:  # the only request in flight: the worker it is booked on serves it
+                found = await asyncio.to_thread(booked_alone)
+                if found is not None:
+                    victim, isl = found
                     break
                 if task.done():  # over before its worker was read: no mid-stream kill to see
-                    return None
+                    return self._unkilled(tag, task)
                 if loop.time() >= deadline:
-                    raise TimeoutError(f"witness {tag}: not the only request in flight after 60 s: {busy}")
-                await asyncio.sleep(0.05)  # the poll's interval, under the deadline above
+                    raise TimeoutError(f"witness {tag}: not booked alone after {self.timeout:g} s")
+                await asyncio.sleep(0.01)  # the poll's interval, under the deadline above
+            # killed at its first token, here on the loop: a tiny model generates the whole witness in
+            # well under a second, and a client reading the stream can lag the engine by much of it
+            first_token = loop.create_task(first.wait())
+            await asyncio.wait([task, first_token], timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            first_token.cancel()
+            if not first.is_set():
+                if task.done():
+                    return self._unkilled(tag, task)
+                raise TimeoutError(f"witness {tag}: no first token after {self.timeout:g} s")
+            self.engines[victim - 1].kill()
         except BaseException:
             if task is not None:
                 task.cancel()
