@@ -2,54 +2,16 @@
 
 from __future__ import annotations
 
-import random
-
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.observability.metrics import observe_many
+from frontend.dispatch.lifecycle import TOKEN_BATCH
+from kvroute_common.local_cluster import DEFAULT_MODEL, MockerOptions, start_cluster
+from kvroute_common.processes import wait_until
 
-
-def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in family.samples:
-            if not s.name.endswith("_created"):
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def test_observe_many_matches_one_observe_per_value() -> None:
-    rng = random.Random(5)
-    buckets = [0.001, 0.005, 0.01, 0.1, 1.0]
-    # values on the bounds themselves (le is inclusive), between them, below the first and above the last
-    values = [rng.choice([0.0, 0.001, 0.003, 0.005, 0.01, 0.05, 1.0, 7.5]) for _ in range(1000)]
-    one, many = CollectorRegistry(), CollectorRegistry()
-    h1 = Histogram("itl_seconds", "x", ["model"], buckets=buckets, registry=one).labels("m")
-    h2 = Histogram("itl_seconds", "x", ["model"], buckets=buckets, registry=many).labels("m")
-    for v in values:
-        h1.observe(v)
-    for start in range(0, len(values), 64):
-        observe_many(h2, values[start : start + 64])
-    observe_many(h2, [])
-    a, b = _samples(one), _samples(many)
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        if key[0].endswith("_sum"):
-            assert abs(value - b[key]) < 1e-9
-        else:
-            assert value == b[key], key
-    assert a[("itl_seconds_count", (("model", "m"),))] == len(values)
-
-
-# ---- through a real frontend: every streamed token counted once, batched or not ----------------------
-
-import httpx  # noqa: E402
-import pytest  # noqa: E402
-
-from frontend.dispatch.lifecycle import TOKEN_BATCH  # noqa: E402
-from kvroute_common.local_cluster import DEFAULT_MODEL, MockerOptions, start_cluster  # noqa: E402
-from kvroute_common.processes import wait_until  # noqa: E402
+# through a real frontend: every streamed token counted once, batched or not (``LoopHistogram.observe_many``
+# against one ``observe`` per value: tests/test_loop_metrics.py)
 
 
 def _metric(text: str, name: str) -> float:

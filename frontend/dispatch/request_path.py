@@ -140,7 +140,7 @@ class RequestPath:
                 prompt = await hash_tokens(state.tokenize, entry, hints.token_data, salt)
             else:
                 prompt = await tokenize_request(state.tokenize, entry, body, kind, salt, state.image_cache)
-            state.metrics.tokenizer_ms.labels("tokenize").observe((_perf() - t_tok) * 1e3)
+            state.metrics.tokenize_ms.observe((_perf() - t_tok) * 1e3)
             if trace is not None:
                 trace.tokenized(t_tok, model, len(prompt.tokens), stream)
             ctx.prompt = prompt

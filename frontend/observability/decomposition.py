@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+
+from frontend.observability.loop_metrics import LoopCounter
 
 
 class HitRateDecomposition:
@@ -22,22 +24,22 @@ class HitRateDecomposition:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         m = ("model",)
-        self.prompt = Counter(
+        self.prompt = LoopCounter(
             "kvroute_router_prompt_tokens",
             "Prompt tokens of requests with engine-reported cached tokens",
             m,
             registry=registry,
         )
-        self.available = Counter(
+        self.available = LoopCounter(
             "kvroute_router_available_cached_tokens", "Best eligible predicted overlap (tokens)", m, registry=registry
         )
-        self.captured = Counter(
+        self.captured = LoopCounter(
             "kvroute_router_captured_cached_tokens", "Chosen worker's predicted overlap (tokens)", m, registry=registry
         )
-        self.delivered = Counter(
+        self.delivered = LoopCounter(
             "kvroute_router_delivered_cached_tokens", "Engine-reported cached prompt tokens", m, registry=registry
         )
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "kvroute_router_decomposed_requests", "Requests counted in the hit-rate decomposition", m, registry=registry
         )
         self._children: dict[str, tuple[Any, ...]] = {}

@@ -8,16 +8,17 @@ of being updated on every lifecycle event: that keeps the request path cheap and
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from frontend.observability.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
 
 try:  # the reference has no *_created series
     from prometheus_client import disable_created_metrics
@@ -62,109 +63,93 @@ WORKER_TYPE = "decode"
 PREFILL_WORKER_TYPE = "prefill"  # disaggregated serving: the prefill pool's worker_type label
 
 
-def observe_many(histogram: Histogram, values: list[float]) -> None:
-    """``histogram.observe(v)`` for every value, in one update per bucket hit and one of the sum: the
-    streamed tokens' inter-token latencies of a request arrive in batches, not one call per chunk.
-    Uses the client's bucket and sum values (prometheus_client 0.20-0.26 keep them as ``_buckets``,
-    ``_upper_bounds`` and ``_sum``; tests/test_metrics_batching.py checks it against ``observe``)."""
-    if not values:
-        return
-    bounds = histogram._upper_bounds
-    hits: dict[int, int] = {}
-    for v in values:
-        i = bisect.bisect_left(bounds, v)
-        hits[i] = hits.get(i, 0) + 1
-    buckets = histogram._buckets
-    for i, n in hits.items():
-        buckets[i].inc(n)
-    histogram._sum.inc(math.fsum(values))
-
-
 class FrontendMetrics:
-    """All metric families of one frontend; methods are the hot-path update points."""
+    """All metric families of one frontend; methods are the hot-path update points. Every value is updated
+    on the event loop (``loop_metrics``: no lock per update)."""
 
     def __init__(self, prefix: str | None = None, router_id: str | None = None) -> None:
         p = prefix or os.environ.get("DYN_METRICS_PREFIX", "dynamo_frontend")
         self.registry = r = CollectorRegistry(auto_describe=False)
         self.router_id = router_id or uuid.uuid4().hex[:16]
         m = ("model",)
-        self.requests_total = Counter(
+        self.requests_total = LoopCounter(
             f"{p}_requests",
             "Requests handled",
             ("model", "endpoint", "request_type", "status", "error_type"),
             registry=r,
         )
-        self.requests_started = Counter(
+        self.requests_started = LoopCounter(
             f"{p}_requests_started", "Requests started", ("model", "endpoint", "request_type"), registry=r
         )
-        self.inflight = Gauge(
+        self.inflight = LoopGauge(
             f"{p}_inflight_requests", "Requests in flight (deprecated name of active_requests)", m, registry=r
         )
-        self.active = Gauge(f"{p}_active_requests", "Requests in flight", m, registry=r)
-        self.queued = Gauge(f"{p}_queued_requests", "Requests waiting for their first token", m, registry=r)
-        self.disconnected = Gauge(
+        self.active = LoopGauge(f"{p}_active_requests", "Requests in flight", m, registry=r)
+        self.queued = LoopGauge(f"{p}_queued_requests", "Requests waiting for their first token", m, registry=r)
+        self.disconnected = LoopGauge(
             f"{p}_disconnected_clients", "Clients that went away before the end of their response", registry=r
         )
-        self.duration = Histogram(
+        self.duration = LoopHistogram(
             f"{p}_request_duration_seconds", "Request duration", m, buckets=REQUEST_DURATION_BUCKETS, registry=r
         )
-        self.isl = Histogram(f"{p}_input_sequence_tokens", "Prompt tokens", m, buckets=ISL_BUCKETS, registry=r)
-        self.osl = Histogram(f"{p}_output_sequence_tokens", "Generated tokens", m, buckets=OSL_BUCKETS, registry=r)
-        self.cached = Histogram(
+        self.isl = LoopHistogram(f"{p}_input_sequence_tokens", "Prompt tokens", m, buckets=ISL_BUCKETS, registry=r)
+        self.osl = LoopHistogram(f"{p}_output_sequence_tokens", "Generated tokens", m, buckets=OSL_BUCKETS, registry=r)
+        self.cached = LoopHistogram(
             f"{p}_cached_tokens",
             "Prompt tokens predicted cached on the chosen worker",
             m,
             buckets=ISL_BUCKETS,
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             f"{p}_time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS, registry=r
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             f"{p}_inter_token_latency_seconds", "Inter-token latency", m, buckets=ITL_BUCKETS, registry=r
         )
-        self.output_tokens = Counter(f"{p}_output_tokens", "Generated tokens", m, registry=r)
-        self.tokenizer_ms = Histogram(
+        self.output_tokens = LoopCounter(f"{p}_output_tokens", "Generated tokens", m, registry=r)
+        self.tokenizer_ms = LoopHistogram(
             f"{p}_tokenizer_latency_ms", "Tokenizer latency", ("operation",), buckets=TOKENIZER_MS_BUCKETS, registry=r
         )
-        self.rejections = Counter(
+        self.tokenize_ms = self.tokenizer_ms.labels("tokenize")  # every request's
+        self.rejections = LoopCounter(
             f"{p}_model_rejection",
             "Requests rejected because every eligible worker was busy",
             ("model", "endpoint"),
             registry=r,
         )
-        self.migrations = Counter(
+        self.migrations = LoopCounter(
             f"{p}_model_migration",
             "Requests re-dispatched to another worker after a worker failure",
             ("model", "migration_type"),
             registry=r,
         )
-        self.queue_backpressure = Counter(
+        self.queue_backpressure = LoopCounter(
             f"{p}_router_queue_backpressure",
             "Requests refused by the router queue (529 + Retry-After)",
             ("model", "worker_type", "policy_class", "reason"),
             registry=r,
         )
-        self.cancellations = Counter(
+        self.cancellations = LoopCounter(
             f"{p}_model_cancellation",
             "Requests cancelled by the client",
             ("model", "endpoint", "request_type"),
             registry=r,
         )
         # worker gauges always carry the dynamo_frontend_ prefix in the reference
-        self.worker_last_ttft = Gauge(
+        self.worker_last_ttft = LoopGauge(
             "dynamo_frontend_worker_last_time_to_first_token_seconds",
             "Last TTFT per worker",
             ("worker_id", "dp_rank", "worker_type"),
             registry=r,
         )
-        self.worker_last_isl = Gauge(
+        self.worker_last_isl = LoopGauge(
             "dynamo_frontend_worker_last_input_sequence_tokens",
             "Last ISL per worker",
             ("worker_id", "dp_rank", "worker_type"),
             registry=r,
         )
-        self.worker_last_itl = Gauge(
+        self.worker_last_itl = LoopGauge(
             "dynamo_frontend_worker_last_inter_token_latency_seconds",
             "Last ITL per worker",
             ("worker_id", "dp_rank", "worker_type"),
@@ -174,23 +159,25 @@ class FrontendMetrics:
         hier = ("dynamo_namespace", "dynamo_component", "dynamo_endpoint", "router_id")
         self._hier = ("kvroute", "router", "generate", self.router_id)
         rp = "dynamo_component_router"
-        self.router_started = Counter(f"{rp}_requests_started", "Requests routed", hier, registry=r).labels(*self._hier)
-        self.router_requests = Counter(f"{rp}_requests", "Routed requests completed", hier, registry=r).labels(
+        self.router_started = LoopCounter(f"{rp}_requests_started", "Requests routed", hier, registry=r).labels(
             *self._hier
         )
-        self.router_ttft = Histogram(
+        self.router_requests = LoopCounter(f"{rp}_requests", "Routed requests completed", hier, registry=r).labels(
+            *self._hier
+        )
+        self.router_ttft = LoopHistogram(
             f"{rp}_time_to_first_token_seconds", "TTFT seen by the router", hier, buckets=TTFT_BUCKETS, registry=r
         ).labels(*self._hier)
-        self.router_itl = Histogram(
+        self.router_itl = LoopHistogram(
             f"{rp}_inter_token_latency_seconds", "ITL seen by the router", hier, buckets=ITL_BUCKETS, registry=r
         ).labels(*self._hier)
-        self.router_isl = Histogram(
+        self.router_isl = LoopHistogram(
             f"{rp}_input_sequence_tokens", "Prompt tokens routed", hier, buckets=ISL_BUCKETS, registry=r
         ).labels(*self._hier)
-        self.router_osl = Histogram(
+        self.router_osl = LoopHistogram(
             f"{rp}_output_sequence_tokens", "Output tokens routed", hier, buckets=OSL_BUCKETS, registry=r
         ).labels(*self._hier)
-        self.router_kv_hit_rate = Histogram(
+        self.router_kv_hit_rate = LoopHistogram(
             f"{rp}_kv_hit_rate",
             "Predicted cached fraction of the prompt on the chosen worker",
             hier,
@@ -200,24 +187,24 @@ class FrontendMetrics:
 
         rid = ("router_id",)
         op = "dynamo_router_overhead"
-        self.oh_block_hashing = Histogram(
+        self.oh_block_hashing = LoopHistogram(
             f"{op}_block_hashing_ms", "Block hashing time", rid, buckets=HASHING_MS_BUCKETS, registry=r
         ).labels(self.router_id)
-        self.oh_seq_hashing = Histogram(
+        self.oh_seq_hashing = LoopHistogram(
             f"{op}_seq_hashing_ms", "Sequence hashing time", rid, buckets=HASHING_MS_BUCKETS, registry=r
         ).labels(self.router_id)
-        self.oh_find_matches = Histogram(
+        self.oh_find_matches = LoopHistogram(
             f"{op}_indexer_find_matches_ms", "Indexer lookup time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r
         ).labels(self.router_id)
-        self.oh_scheduling = Histogram(
+        self.oh_scheduling = LoopHistogram(
             f"{op}_scheduling_ms", "Load lookup, cost and choice time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r
         ).labels(self.router_id)
-        self.oh_total = Histogram(
+        self.oh_total = LoopHistogram(
             f"{op}_total_ms", "Whole routing decision time", rid, buckets=OVERHEAD_MS_BUCKETS, registry=r
         ).labels(self.router_id)
         # a proxied request's path to its engine: from the start of its pipeline (body read, parsed,
         # tokenized, routed, booked) to its body handed to the engine's connection, first attempt only
-        self.dispatch_path = Histogram(
+        self.dispatch_path = LoopHistogram(
             "kvroute_dispatch_path_ms",
             "Time from a request's start to its body written to the engine (first attempt)",
             buckets=OVERHEAD_MS_BUCKETS,
@@ -225,7 +212,7 @@ class FrontendMetrics:
         )
         # disaggregated serving (frontend/routing/disagg.py): how each request's prefill phase went;
         # outcome = remote (prefilled on a prefill worker) | no_prefill_worker | prefill_failed
-        self.disagg_prefill = Counter(
+        self.disagg_prefill = LoopCounter(
             "kvroute_disagg_prefill_requests",
             "Requests of models with a prefill pool, by prefill outcome",
             ("model", "outcome"),
@@ -233,20 +220,20 @@ class FrontendMetrics:
         )
         # the endpoint picker (--epp-port): how each ext_proc stream ended, the messages it exchanged
         # (a streamed response body is one message per chunk), bookings moved to the engine that served
-        self.epp_streams = Counter(
+        self.epp_streams = LoopCounter(
             "kvroute_epp_streams", "Endpoint-picker ext_proc streams, by how they ended", ("end",), registry=r
         )
-        self.epp_messages = Counter(
+        self.epp_messages = LoopCounter(
             "kvroute_epp_messages", "Endpoint-picker ext_proc messages received, by kind", ("kind",), registry=r
         )
-        self.epp_moved = Counter(
+        self.epp_moved = LoopCounter(
             "kvroute_epp_bookings_moved",
             "Picked requests the gateway served on another endpoint of the list (booking moved there)",
             registry=r,
         )
         from frontend.observability.loop_lag import LAG_BUCKETS
 
-        self.loop_lag = Histogram(
+        self.loop_lag = LoopHistogram(
             "kvroute_event_loop_lag_seconds",
             "How late the event loop ran a timer that was due (every request on the process waited as long)",
             buckets=LAG_BUCKETS,

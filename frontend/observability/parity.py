@@ -37,9 +37,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from frontend.observability.decomposition import HitRateDecomposition
+from frontend.observability.loop_metrics import LoopCounter, LoopGauge
 
 if TYPE_CHECKING:
     from frontend.dispatch.lifecycle import Lease
@@ -249,10 +250,12 @@ class WorkerParity:
         "gauge",
         "render",
         "render_cause",
+        "checks",
     )
 
     def __init__(self, worker_id: int, window: int, gauge: Any) -> None:
         self.worker_id = worker_id
+        self.checks: dict[tuple[str, str], Any] = {}  # (source, result) -> its checks_total child
         self.window: deque[bool] = deque(maxlen=window)
         self.alarm = False
         self.pending = 0  # event re-checks scheduled
@@ -348,13 +351,13 @@ class ParityMonitor:
         self.grace = grace
         self.max_pending = max_pending
         self.decomposition = HitRateDecomposition(registry)
-        self.alarm_gauge = Gauge(
+        self.alarm_gauge = LoopGauge(
             "kvroute_hash_parity_mismatch",
             "1 while the worker's cached blocks never match the router's hashes",
             ("worker",),
             registry=registry,
         )
-        self.checks = Counter(
+        self.checks = LoopCounter(
             "kvroute_hash_parity_checks",
             "Hash-parity evidence per worker",
             ("worker", "source", "result"),
@@ -462,7 +465,10 @@ class ParityMonitor:
     def _evidence(self, wp: WorkerParity, source: str, result: bool, block_size: int) -> None:
         key = "match" if result else "mismatch"
         wp.totals[key] += 1
-        self.checks.labels(str(wp.worker_id), source, key).inc()
+        counter = wp.checks.get((source, key))
+        if counter is None:
+            counter = wp.checks[(source, key)] = self.checks.labels(str(wp.worker_id), source, key)
+        counter.inc()
         wp.window.append(result)
         self._update_alarm(wp, block_size)
 

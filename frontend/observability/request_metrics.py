@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from frontend.observability.metrics import WORKER_TYPE, FrontendMetrics, observe_many
+from frontend.observability.metrics import WORKER_TYPE, FrontendMetrics
 
 if TYPE_CHECKING:
     from frontend.dispatch.lifecycle import Lease
@@ -53,8 +53,8 @@ class RequestMetrics:
 
     def tokens(self, lease: Lease, n: int, gaps: list[float]) -> None:
         if gaps:
-            observe_many(lease.mm.itl, gaps)
-            observe_many(self.metrics.router_itl, gaps)
+            lease.mm.itl.observe_many(gaps)
+            self.metrics.router_itl.observe_many(gaps)
         lease.mm.output_tokens.inc(n)
 
     def cancelled(self, lease: Lease) -> None:
