@@ -23,6 +23,10 @@ only) sorted into phases by the innermost frame of each sample that belongs to o
 The profile's shares are of the time the loop thread was busy (running, or runnable and waiting for a
 core: py-spy skips idle samples), turned into ms per request with the measured CPU per request.
 
+Before its first request each router is measured idle for ``--idle-seconds`` (its timers, health probes and
+metrics refreshes, from the scheduler's nanosecond account): that rate is in every CPU-per-request figure
+whatever the traffic, so each row also gives the CPU per request above it over the measured window.
+
 ``--tokenizers``: ``builtin`` (kvroute's own tokenizer, the mockers' too) and ``hf``: the same
 vocabulary with Llama-3's split pattern, which Python's ``re`` cannot run, so kvroute encodes new text
 with the Hugging Face backend (what a deployment's ``tokenizer.json`` gets); the mockers load it too.
@@ -50,6 +54,7 @@ import os
 import select
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,11 +78,12 @@ from bench.peers import (
 from bench.replay import RunOptions, measure, read_counter
 from bench.sessions import WORKLOADS, Workload, session_trace
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
-from kvroute_common.processes import session_cpu_s, session_switches
+from kvroute_common.processes import session_cpu_s, session_runtime_s, session_switches
 from kvroute_common.text_chunks import LLAMA3_PATTERN
 from kvroute_common.tokenizer import BUILTIN_TOKENIZER_DIR
 
 BLOCK_SIZE = 32
+IDLE_SETTLE_S = 2.0  # after a router is ready, before its idle CPU is measured
 READY_TIMEOUT = 120.0
 SAMPLE_HZ = 250
 
@@ -315,6 +321,16 @@ def pin(pids: Sequence[int], core: int) -> None:
         subprocess.run(["taskset", "-a", "-cp", str(core), str(pid)], check=False, capture_output=True)
 
 
+def idle_cpu_ms_per_s(pid: int, seconds: float) -> float:
+    """The router's CPU per second with no request in flight (its timers, health probes, metrics
+    refreshes): part of every CPU-per-request figure, whatever the traffic. The window is the
+    measurement itself (no condition to wait on); its first ``IDLE_SETTLE_S`` let start-up work end."""
+    time.sleep(IDLE_SETTLE_S)
+    r0, t0 = session_runtime_s(pid), time.monotonic()
+    time.sleep(seconds)
+    return 1000.0 * (session_runtime_s(pid) - r0) / (time.monotonic() - t0)
+
+
 def engine_ttft(metrics_urls: Sequence[str]) -> tuple[float, float]:
     """The engines' own time-to-first-token histograms summed: (seconds, requests)."""
     total = count = 0.0
@@ -357,6 +373,7 @@ def run_cell(
         if args.pin:
             pin([c for c in cluster.pids() if c != pid] + [os.getpid()], 0)
             pin([pid], 1)
+        idle = round(idle_cpu_ms_per_s(pid, args.idle_seconds), 2) if args.idle_seconds > 0 else None
         for i, c in enumerate(concurrency):
             trace = session_trace(workload(api, output_tokens), seed=args.seed + 100 * i + 1, tokenizer_path=model_path)
             if args.requests:
@@ -376,9 +393,10 @@ def run_cell(
             load_before = round(os.getloadavg()[0], 1)
             e0 = engine_ttft(engine_urls)
             path0 = path_sums(frontend_metrics) if frontend_metrics else {}
-            cpu0, switches0 = session_cpu_s(pid), session_switches(pid)
+            cpu0, switches0, t0 = session_cpu_s(pid), session_switches(pid), time.monotonic()
             row = measure(trace, url, label, engine_urls, opts, None)
             cpu, switches = session_cpu_s(pid) - cpu0, session_switches(pid) - switches0
+            window_s = time.monotonic() - t0
             path = path_means(path0, path_sums(frontend_metrics)) if frontend_metrics else {}
             e1 = engine_ttft(engine_urls)
             engine = 1000.0 * (e1[0] - e0[0]) / max(1.0, e1[1] - e0[1])
@@ -401,6 +419,11 @@ def run_cell(
                     # the client's mean TTFT less the engines': what the router adds before the first token
                     "ttft_added_ms": None if row["ttft_mean_ms"] is None else round(row["ttft_mean_ms"] - engine, 2),
                     "cpu_ms_per_request": round(per_request, 2),
+                    # its CPU per second before any request, and the CPU per request above that rate over the window
+                    "idle_cpu_ms_per_s": idle,
+                    "cpu_above_idle_ms_per_request": (
+                        None if idle is None else round(per_request - idle * window_s / max(1, row["completed"]), 2)
+                    ),
                     # its threads' context switches: how often it slept and was woken again, per request
                     "switches_per_request": round(switches / max(1, row["completed"]), 1),
                     # kvroute: mean ms of its path to the engine, of its tokenize step and of its routing decision
@@ -425,7 +448,8 @@ def run_cell(
 def table(rows: Sequence[dict[str, Any]]) -> str:
     phases = [name for name, _ in PHASES] + ["other"]
     head = ["router", "tokenizer", "api", "out", "c", "pinned", "TTFT p50 / p90 / p99 ms", "TTFT added ms",
-            "CPU ms / req", "switches / req", "path to engine ms (tokenize / route)", "below Python ms (perf)",
+            "CPU ms / req", "idle CPU ms / s", "CPU above idle ms / req", "switches / req",
+            "path to engine ms (tokenize / route)", "below Python ms (perf)",
             *phases]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -441,10 +465,15 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         switches = r.get("switches_per_request")
         cells = [r["router"], r["tokenizer"], r["api"], str(r["output_tokens"]), str(r["concurrency"]),
                  "yes" if r["pinned"] else "no", ttft, f"{r['ttft_added_ms']}", f"{r['cpu_ms_per_request']:.2f}",
+                 _fmt(r.get("idle_cpu_ms_per_s")), _fmt(r.get("cpu_above_idle_ms_per_request")),
                  "" if switches is None else f"{switches:g}", to_engine, native,
                  *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
 
 
 def runs_report(rows: Sequence[dict[str, Any]], command: str, engines: int) -> str:
@@ -479,7 +508,36 @@ def runs_report(rows: Sequence[dict[str, Any]], command: str, engines: int) -> s
             for _, ms in sorted(by_run.items())
         ]
         parts.append(runs_markdown(runs))
+        parts.append(_idle_table([r for rs in by_run.values() for r in rs]))
     return "\n".join(parts)
+
+
+def _idle_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per router, the median (min-max) over the runs of its idle CPU and of its CPU per request above it."""
+    by_router: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("idle_cpu_ms_per_s") is not None:
+            by_router.setdefault(r["router"], []).append(r)
+    if not by_router:
+        return ""
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+    lines = [
+        "",
+        "Idle CPU (before the first request) and CPU per request above it, median (min-max) over the runs:",
+        "",
+        "| router | idle CPU ms / s | CPU ms / request | CPU above idle ms / request |",
+        "| --- | --- | --- | --- |",
+    ]
+    for router, rs in by_router.items():
+        lines.append(
+            f"| {router} | {spread([r['idle_cpu_ms_per_s'] for r in rs])} | "
+            f"{spread([r['cpu_ms_per_request'] for r in rs])} | "
+            f"{spread([r['cpu_above_idle_ms_per_request'] for r in rs])} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -502,6 +560,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speedup-ratio", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--bin-dir", default=None, help="the peers' bin directory (default: $KVROUTE_PEERS_BIN)")
+    p.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=10.0,
+        help="seconds each router's idle CPU is measured for, before its first request (0: not measured)",
+    )
     p.add_argument("--runs", type=int, default=1,
                    help="runs of every cell, the routers' order rotated each run, with medians and "
                    "per-run ratios")  # fmt: skip

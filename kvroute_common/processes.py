@@ -100,6 +100,25 @@ def session_cpu_s(sid: int) -> float:
     return sum(ticks for _, _, ticks in procs.values()) / os.sysconf("SC_CLK_TCK")
 
 
+def session_runtime_s(sid: int) -> float:
+    """Seconds on a CPU so far of every live thread of session ``sid``'s process tree (as ``session_cpu_s``
+    counts it; threads that ended are not counted), from the scheduler's own nanosecond account
+    (``/proc/PID/task/TID/schedstat``): a window of a few ms of CPU, below ``session_cpu_s``'s 10 ms tick."""
+    total = 0
+    for pid in _session_tree(sid):
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # gone since the listing
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+    return total / 1e9
+
+
 def session_switches(sid: int) -> int:
     """Context switches so far (voluntary and involuntary) of every thread of session ``sid``'s process
     tree (as ``session_cpu_s`` counts it; threads that ended are not counted): each voluntary one is a

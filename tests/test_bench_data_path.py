@@ -61,7 +61,8 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     other.chmod(0o755)
     argv = ["--routers", "kvroute-latency,round_robin", "--runs", "2", "--tokenizers", "builtin",
             "--apis", "completions", "--concurrency", "2", "--requests", "12", "--workers", "2",
-            "--no-profile", "--native", "--python", f"other={other}", "--out-dir", out]  # fmt: skip
+            "--no-profile", "--native", "--python", f"other={other}", "--idle-seconds", "0.5",
+            "--out-dir", out]  # fmt: skip
     assert data_path.main(argv) == 0
     with open(os.path.join(out, "data_path.json"), encoding="utf-8") as f:
         rows = json.load(f)["rows"]
@@ -74,6 +75,9 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     for row in rows:
         assert row["completed"] == row["requests"] == 12
         assert row["cpu_ms_per_request"] > 0 and row["ttft_added_ms"] is not None
+        # idle: a router in front of two idle mockers (its probes and timers) uses under a tenth of a core
+        assert 0 <= row["idle_cpu_ms_per_s"] < 100
+        assert row["cpu_above_idle_ms_per_request"] <= row["cpu_ms_per_request"]
         assert row["switches_per_request"] >= 1  # a request wakes the router at least once
         p50, p90, p99 = row["ttft_ms"]
         assert 0 < p50 <= p90 <= p99
@@ -88,6 +92,7 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     with open(os.path.join(out, "data_path.md"), encoding="utf-8") as f:
         report = f.read()
     assert "2 runs, the routers' order rotated" in report
+    assert "| router | idle CPU ms / s | CPU ms / request | CPU above idle ms / request |" in report
     assert f"`{ours}` against each router" in report and f"`{theirs}` against each router" in report
     ratios = [line for line in report.splitlines() if line.startswith("| round_robin |") and "x (" in line]
     assert len(ratios) == 2  # each kvroute latency row against round robin
@@ -116,5 +121,33 @@ def test_a_sessions_context_switches_count_every_thread_that_slept() -> None:
         assert proc.stdout is not None and proc.stdout.readline() == "slept\n"
         assert session_switches(proc.pid) >= 200
         assert session_switches(os.getpid() + 10**7) == 0  # no such session: nothing counted
+    finally:
+        proc.communicate("\n", timeout=30)
+
+
+def test_a_sessions_runtime_counts_a_threads_cpu_to_the_microsecond() -> None:
+    """``session_runtime_s`` (schedstat): a process whose second thread spun for 0.2 s of CPU (and still lives)
+    is counted at least that, and at most what the whole process spent (``session_cpu_s``, 10 ms ticks) plus
+    a tick."""
+    import subprocess
+
+    from kvroute_common.processes import session_cpu_s, session_runtime_s
+
+    code = (
+        "import sys, threading, time\n"
+        "go = threading.Event()\n"
+        "def spin():\n"
+        "    t = time.thread_time()\n"
+        "    while time.thread_time() - t < 0.2: pass\n"
+        "    print('spun', flush=True); go.wait()\n"
+        "threading.Thread(target=spin).start(); sys.stdin.readline(); go.set()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "spun\n"
+        runtime = session_runtime_s(proc.pid)
+        assert 0.2 <= runtime <= session_cpu_s(proc.pid) + 0.02
+        assert session_runtime_s(os.getpid() + 10**7) == 0  # no such session: nothing counted
     finally:
         proc.communicate("\n", timeout=30)
