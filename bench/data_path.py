@@ -19,6 +19,10 @@ only) sorted into phases by the innermost frame of each sample that belongs to o
   listener; ``relay``: the upstream client, the stream pipeline, the lease;
 - ``request``: parse, hints, validation, the request path; ``http``: uvicorn, Starlette, middleware;
 - ``loop``: the event loop's own work (uvloop's C code: socket reads and writes, timers, callbacks).
+  py-spy reads the stacks of the running process (``--nonblocking``: its pauses would be in the CPU figures),
+  and a stack that changed while it was read keeps only its outermost frame and lands here too: at 32 in flight
+  ``loop`` held ~70 % of the samples where a run sampling the stopped process put 46 % there (docs/benchmarks.md,
+  "Idle CPU, what a request's Python time is made of"). Read the other phases as lower bounds.
 
 The profile's shares are of the time the loop thread was busy (running, or runnable and waiting for a
 core: py-spy skips idle samples), turned into ms per request with the measured CPU per request.
