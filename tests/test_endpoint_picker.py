@@ -195,7 +195,7 @@ def test_prefixes_through_envoy_go_to_the_engine_that_holds_them_as_predicted(po
                     stream_options={"include_usage": True},
                 ),
             )
-            ext = next(e["nvext"] for e in events if "nvext" in e)
+            ext = [e["nvext"] for e in events if "nvext" in e][-1]  # the finishing chunk's: worker_id is on each
             usage = next(e["usage"] for e in events if e.get("usage"))
             assert ext["worker_id"]["decode_worker_id"] == worker
             overlap = ext["routing"]["overlap_blocks"]

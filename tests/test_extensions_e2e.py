@@ -322,7 +322,7 @@ def test_response_nvext_timing_and_worker_id(ext):
     t = ext_obj["timing"]
     assert t["ttft_ms"] >= 0 and t["total_time_ms"] >= t["ttft_ms"] and t["request_received_ms"] > 1.6e12
     assert 0.0 <= t["kv_hit_rate"] <= 1.0
-    # streaming: the nvext object rides on the final chunk
+    # streaming: worker_id rides on every chunk, timing on the final one
     chunks = []
     with httpx.stream(
         "POST",
@@ -340,6 +340,7 @@ def test_response_nvext_timing_and_worker_id(ext):
     # timing only on the piece that finishes the response, never on the ones before
     finish_at = max(i for i, c in enumerate(chunks) if any(ch.get("finish_reason") for ch in c.get("choices", [])))
     assert all("timing" not in c.get("nvext", {}) for c in chunks[:finish_at])
+    assert all(c["nvext"]["worker_id"]["decode_worker_id"] == 1 for c in chunks if c.get("choices"))
 
 
 def test_nvext_is_not_forwarded_to_the_worker(ext, mockers):

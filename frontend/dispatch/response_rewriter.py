@@ -20,7 +20,8 @@ _perf = time.perf_counter
 
 class ResponseRewriter:
     """Only for requests that asked for response metadata or speculative prefill: adds ``nvext`` to
-    the final chunk / body and collects the assistant's text."""
+    the body, or to a stream's chunks (``worker_id`` to each, the rest to the final one), and collects
+    the assistant's text."""
 
     def __init__(self, state: FrontendState, ctx: RequestContext, lease: Lease) -> None:
         self.state = state
@@ -114,20 +115,40 @@ class ResponseRewriter:
                 if ext is not None and isinstance(obj, dict):
                     obj["nvext"] = ext
                     ev = head + b"\ndata: " + orjson.dumps(obj)
-            elif ev.startswith(b"data: {") and b'"finish_reason":null' not in ev.replace(b" ", b""):
-                try:
-                    obj = orjson.loads(ev[6:])
-                except orjson.JSONDecodeError:
-                    obj = None
-                if isinstance(obj, dict) and any(
-                    isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or []
-                ):
-                    ext = self._nvext(_stop_reason(obj))
-                    if ext is not None:
-                        obj["nvext"] = ext
-                        ev = b"data: " + orjson.dumps(obj)
+            elif ev.startswith(b"data: {"):
+                finishing = b'"finish_reason":null' not in ev.replace(b" ", b"")
+                if finishing or self.hints.want_worker_id:
+                    ev = self._annotated(ev, finishing)
             out.append(ev + b"\n\n")
         return b"".join(out)
+
+    def _annotated(self, ev: bytes, finishing: bool) -> bytes:
+        """An OpenAI stream event with its ``nvext``: everything asked for on the event that finishes a
+        choice; ``worker_id`` alone on every other event with choices, as the reference adds it to each
+        piece of a stream once the request is routed (``timing`` only with the finish). ``finishing``:
+        the event may finish a choice (its text has no ``"finish_reason":null``)."""
+        try:
+            obj = orjson.loads(ev[6:])
+        except orjson.JSONDecodeError:
+            return ev
+        if not isinstance(obj, dict):
+            return ev
+        choices = obj.get("choices") or []
+        if finishing and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+            ext = self._nvext(_stop_reason(obj))
+        elif choices and self.hints.want_worker_id:
+            from frontend.request.hints import response_nvext
+
+            d, p = self.lease.decision, self.ctx.prefill
+            ext = response_nvext(
+                self.hints, d.worker.id, d.dp_rank, None, None if p is None else (p.worker_id, p.dp_rank)
+            )
+        else:
+            return ev
+        if ext is None:
+            return ev
+        obj["nvext"] = ext
+        return b"data: " + orjson.dumps(obj)
 
     def flush(self) -> bytes:
         buf, self._buf = self._buf, b""
