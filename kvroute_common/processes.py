@@ -104,26 +104,23 @@ def session_runtime_s(sid: int) -> float:
     """Seconds on a CPU so far of every live thread of session ``sid``'s process tree (as ``session_cpu_s``
     counts it; threads that ended are not counted), from the scheduler's own nanosecond account
     (``/proc/PID/task/TID/schedstat``): a window of a few ms of CPU, below ``session_cpu_s``'s 10 ms tick."""
-    total = 0
-    for pid in _session_tree(sid):
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:  # gone since the listing
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue
-    return total / 1e9
+    return sum(_task_figures(sid, "schedstat", lambda text: int(text.split()[0]))) / 1e9
 
 
 def session_switches(sid: int) -> int:
     """Context switches so far (voluntary and involuntary) of every thread of session ``sid``'s process
     tree (as ``session_cpu_s`` counts it; threads that ended are not counted): each voluntary one is a
     thread that went to sleep and was woken again, so their growth over a window is its wake-ups."""
-    total = 0
+
+    def switches(text: str) -> int:
+        return sum(int(line.split()[1]) for line in text.splitlines() if line.startswith(_SWITCHES))
+
+    return sum(_task_figures(sid, "status", switches))
+
+
+def _task_figures(sid: int, name: str, read: Callable[[str], int]) -> Iterator[int]:
+    """``read`` of ``/proc/PID/task/TID/<name>`` for every live thread of session ``sid``'s process tree;
+    threads gone since the listing, or whose file does not parse, are left out."""
     for pid in _session_tree(sid):
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
@@ -131,11 +128,10 @@ def session_switches(sid: int) -> int:
             continue
         for tid in tasks:
             try:
-                with open(f"/proc/{pid}/task/{tid}/status") as f:
-                    total += sum(int(line.split()[1]) for line in f if line.startswith(_SWITCHES))
+                with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                    yield read(f.read())
             except (OSError, ValueError, IndexError):
                 continue
-    return total
 
 
 _SWITCHES = ("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")

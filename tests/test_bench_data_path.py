@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 from bench import data_path
 
@@ -100,54 +102,46 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         assert line.count("x (") == 4  # TTFT p50, p90, p99 and CPU: median (min-max) of the two runs' ratios
 
 
-def test_a_sessions_context_switches_count_every_thread_that_slept() -> None:
-    """``session_switches``: a process in a session of its own whose second thread has slept 200 times (and
-    still runs) counts at least those 200 switches."""
+@contextlib.contextmanager
+def _thread_that_worked(work: str, done: str) -> Iterator[int]:
+    """A process in a session of its own whose second thread ran ``work`` (Python lines), printed ``done``
+    and still lives (its threads' figures are read while it does); yields its pid, ends it after."""
     import subprocess
 
-    from kvroute_common.processes import session_switches
-
+    body = "".join(f"    {line}\n" for line in work.splitlines())
     code = (
         "import sys, threading, time\n"
         "go = threading.Event()\n"
-        "def work():\n"
-        "    for _ in range(200): time.sleep(0.0005)\n"
-        "    print('slept', flush=True); go.wait()\n"
+        f"def work():\n{body}"
+        f"    print({done!r}, flush=True); go.wait()\n"
         "threading.Thread(target=work).start(); sys.stdin.readline(); go.set()\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             start_new_session=True, text=True)  # fmt: skip
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "slept\n"
-        assert session_switches(proc.pid) >= 200
-        assert session_switches(os.getpid() + 10**7) == 0  # no such session: nothing counted
+        assert proc.stdout is not None and proc.stdout.readline() == done + "\n"
+        yield proc.pid
     finally:
         proc.communicate("\n", timeout=30)
+
+
+def test_a_sessions_context_switches_count_every_thread_that_slept() -> None:
+    """``session_switches``: a process in a session of its own whose second thread has slept 200 times (and
+    still runs) counts at least those 200 switches."""
+    from kvroute_common.processes import session_switches
+
+    with _thread_that_worked("for _ in range(200): time.sleep(0.0005)", "slept") as pid:
+        assert session_switches(pid) >= 200
+        assert session_switches(os.getpid() + 10**7) == 0  # no such session: nothing counted
 
 
 def test_a_sessions_runtime_counts_a_threads_cpu_to_the_microsecond() -> None:
     """``session_runtime_s`` (schedstat): a process whose second thread spun for 0.2 s of CPU (and still lives)
     is counted at least that, and at most what the whole process spent (``session_cpu_s``, 10 ms ticks) plus
     a tick."""
-    import subprocess
-
     from kvroute_common.processes import session_cpu_s, session_runtime_s
 
-    code = (
-        "import sys, threading, time\n"
-        "go = threading.Event()\n"
-        "def spin():\n"
-        "    t = time.thread_time()\n"
-        "    while time.thread_time() - t < 0.2: pass\n"
-        "    print('spun', flush=True); go.wait()\n"
-        "threading.Thread(target=spin).start(); sys.stdin.readline(); go.set()\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True, text=True)  # fmt: skip
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "spun\n"
-        runtime = session_runtime_s(proc.pid)
-        assert 0.2 <= runtime <= session_cpu_s(proc.pid) + 0.02
+    spin = "t = time.thread_time()\nwhile time.thread_time() - t < 0.2: pass"
+    with _thread_that_worked(spin, "spun") as pid:
+        assert 0.2 <= session_runtime_s(pid) <= session_cpu_s(pid) + 0.02
         assert session_runtime_s(os.getpid() + 10**7) == 0  # no such session: nothing counted
-    finally:
-        proc.communicate("\n", timeout=30)
