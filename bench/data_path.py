@@ -30,6 +30,9 @@ core: py-spy skips idle samples), turned into ms per request with the measured C
 Before its first request each router is measured idle for ``--idle-seconds`` (its timers, health probes and
 metrics refreshes, from the scheduler's nanosecond account): that rate is in every CPU-per-request figure
 whatever the traffic, so each row also gives the CPU per request above it over the measured window.
+Each row also splits the client's mean TTFT into the engines' own (their TTFT histograms) and what the
+router added, beside the CPU the engines and this client spent per request: a TTFT gap between routers is
+either the router's own path or the queues its decisions built on the engines.
 
 ``--tokenizers``: ``builtin`` (kvroute's own tokenizer, the mockers' too) and ``hf``: the same
 vocabulary with Llama-3's split pattern, which Python's ``re`` cannot run, so kvroute encodes new text
@@ -397,9 +400,13 @@ def run_cell(
             load_before = round(os.getloadavg()[0], 1)
             e0 = engine_ttft(engine_urls)
             path0 = path_sums(frontend_metrics) if frontend_metrics else {}
+            engine_pids = [c for c in cluster.pids() if c != pid]
             cpu0, switches0, t0 = session_cpu_s(pid), session_switches(pid), time.monotonic()
+            engines0, client0 = sum(map(session_cpu_s, engine_pids)), time.process_time()
             row = measure(trace, url, label, engine_urls, opts, None)
             cpu, switches = session_cpu_s(pid) - cpu0, session_switches(pid) - switches0
+            engines_cpu = sum(map(session_cpu_s, engine_pids)) - engines0
+            client_cpu = time.process_time() - client0
             window_s = time.monotonic() - t0
             path = path_means(path0, path_sums(frontend_metrics)) if frontend_metrics else {}
             e1 = engine_ttft(engine_urls)
@@ -422,6 +429,11 @@ def run_cell(
                     "ttft_mean_ms": row["ttft_mean_ms"],
                     # the client's mean TTFT less the engines': what the router adds before the first token
                     "ttft_added_ms": None if row["ttft_mean_ms"] is None else round(row["ttft_mean_ms"] - engine, 2),
+                    # the engines' own mean TTFT, and the CPU the engines and the client spent per request: what
+                    # a router's requests and responses cost the other side (the other core under --pin)
+                    "engine_ttft_ms": round(engine, 2),
+                    "engines_cpu_ms_per_request": round(1000.0 * engines_cpu / max(1, row["completed"]), 2),
+                    "client_cpu_ms_per_request": round(1000.0 * client_cpu / max(1, row["completed"]), 2),
                     "cpu_ms_per_request": round(per_request, 2),
                     # its CPU per second before any request, and the CPU per request above that rate over the window
                     "idle_cpu_ms_per_s": idle,
@@ -512,8 +524,14 @@ def runs_report(rows: Sequence[dict[str, Any]], command: str, engines: int) -> s
             for _, ms in sorted(by_run.items())
         ]
         parts.append(runs_markdown(runs))
-        parts.append(_idle_table([r for rs in by_run.values() for r in rs]))
+        cell_rows = [r for rs in by_run.values() for r in rs]
+        parts.append(_idle_table(cell_rows))
+        parts.append(_ttft_split_table(cell_rows))
     return "\n".join(parts)
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _idle_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -524,10 +542,6 @@ def _idle_table(rows: Sequence[dict[str, Any]]) -> str:
             by_router.setdefault(r["router"], []).append(r)
     if not by_router:
         return ""
-
-    def spread(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-
     lines = [
         "",
         "Idle CPU (before the first request) and CPU per request above it, median (min-max) over the runs:",
@@ -537,9 +551,37 @@ def _idle_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for router, rs in by_router.items():
         lines.append(
-            f"| {router} | {spread([r['idle_cpu_ms_per_s'] for r in rs])} | "
-            f"{spread([r['cpu_ms_per_request'] for r in rs])} | "
-            f"{spread([r['cpu_above_idle_ms_per_request'] for r in rs])} |"
+            f"| {router} | {_spread([r['idle_cpu_ms_per_s'] for r in rs])} | "
+            f"{_spread([r['cpu_ms_per_request'] for r in rs])} | "
+            f"{_spread([r['cpu_above_idle_ms_per_request'] for r in rs])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _ttft_split_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per router, the median (min-max) over the runs of its mean TTFT split into the engines' own TTFT
+    and what the router added, beside the CPU the engines and the client spent per request: a TTFT
+    gap between routers is either the router's path or the engines' queues its decisions built."""
+    by_router: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("engine_ttft_ms") is not None and r.get("ttft_added_ms") is not None:
+            by_router.setdefault(r["router"], []).append(r)
+    if not by_router:
+        return ""
+    lines = [
+        "",
+        "The mean TTFT split into the engines' own and the router's addition, and the CPU the engines and the "
+        "client spent per request, median (min-max) over the runs:",
+        "",
+        "| router | TTFT mean ms | engines' TTFT ms | added by the router ms | engines' CPU ms / request "
+        "| client CPU ms / request |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for router, rs in by_router.items():
+        lines.append(
+            f"| {router} | {_spread([r['ttft_mean_ms'] for r in rs])} | {_spread([r['engine_ttft_ms'] for r in rs])} "
+            f"| {_spread([r['ttft_added_ms'] for r in rs])} | {_spread([r['engines_cpu_ms_per_request'] for r in rs])} "
+            f"| {_spread([r['client_cpu_ms_per_request'] for r in rs])} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -77,6 +77,10 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     for row in rows:
         assert row["completed"] == row["requests"] == 12
         assert row["cpu_ms_per_request"] > 0 and row["ttft_added_ms"] is not None
+        # the mean TTFT is the engines' own plus what the router added; the engines and the client worked
+        assert 0 < row["engine_ttft_ms"] < row["ttft_mean_ms"]
+        assert abs(row["engine_ttft_ms"] + row["ttft_added_ms"] - row["ttft_mean_ms"]) <= 0.02
+        assert row["engines_cpu_ms_per_request"] > 0 and row["client_cpu_ms_per_request"] > 0
         # idle: a router in front of two idle mockers (its probes and timers) uses under a tenth of a core
         assert 0 <= row["idle_cpu_ms_per_s"] < 100
         assert row["cpu_above_idle_ms_per_request"] <= row["cpu_ms_per_request"]
@@ -95,6 +99,9 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         report = f.read()
     assert "2 runs, the routers' order rotated" in report
     assert "| router | idle CPU ms / s | CPU ms / request | CPU above idle ms / request |" in report
+    split = report.split("| router | TTFT mean ms | engines' TTFT ms | added by the router ms |")[1].split("\n\n")[0]
+    ours_split = [line for line in split.splitlines() if line.startswith(f"| {ours} | ")]
+    assert len(ours_split) == 1 and ours_split[0].count(" (") == 5  # five medians, each with its range
     assert f"`{ours}` against each router" in report and f"`{theirs}` against each router" in report
     ratios = [line for line in report.splitlines() if line.startswith("| round_robin |") and "x (" in line]
     assert len(ratios) == 2  # each kvroute latency row against round robin
