@@ -338,14 +338,18 @@ def idle_cpu_ms_per_s(pid: int, seconds: float) -> float:
     return 1000.0 * (session_runtime_s(pid) - r0) / (time.monotonic() - t0)
 
 
-def engine_ttft(metrics_urls: Sequence[str]) -> tuple[float, float]:
-    """The engines' own time-to-first-token histograms summed: (seconds, requests)."""
-    total = count = 0.0
+def engine_ttft(metrics_urls: Sequence[str]) -> list[tuple[float, float]]:
+    """Each engine's own time-to-first-token histogram: (seconds, requests)."""
+    out = []
     for url in metrics_urls:
         text = httpx.get(url, timeout=5.0).text
-        total += read_counter(text, "vllm:time_to_first_token_seconds_sum") or 0.0
-        count += read_counter(text, "vllm:time_to_first_token_seconds_count") or 0.0
-    return total, count
+        out.append(
+            (
+                read_counter(text, "vllm:time_to_first_token_seconds_sum") or 0.0,
+                read_counter(text, "vllm:time_to_first_token_seconds_count") or 0.0,
+            )
+        )
+    return out
 
 
 def workload(api: str, output_tokens: int) -> Workload:
@@ -409,8 +413,8 @@ def run_cell(
             client_cpu = time.process_time() - client0
             window_s = time.monotonic() - t0
             path = path_means(path0, path_sums(frontend_metrics)) if frontend_metrics else {}
-            e1 = engine_ttft(engine_urls)
-            engine = 1000.0 * (e1[0] - e0[0]) / max(1.0, e1[1] - e0[1])
+            each = [(s1 - s0, n1 - n0) for (s0, n0), (s1, n1) in zip(e0, engine_ttft(engine_urls), strict=True)]
+            engine = 1000.0 * sum(s for s, _ in each) / max(1.0, sum(n for _, n in each))
             shares = sampler.stop() if sampler is not None else None
             libraries = native.stop() if native is not None else None
             per_request = 1000.0 * cpu / max(1, row["completed"])
@@ -432,6 +436,10 @@ def run_cell(
                     # the engines' own mean TTFT, and the CPU the engines and the client spent per request: what
                     # a router's requests and responses cost the other side (the other core under --pin)
                     "engine_ttft_ms": round(engine, 2),
+                    # per engine, the requests it took and its own mean TTFT: how evenly the decisions spread
+                    "engines": [
+                        {"requests": int(n), "ttft_ms": round(1000.0 * s / n, 2) if n else None} for s, n in each
+                    ],
                     "engines_cpu_ms_per_request": round(1000.0 * engines_cpu / max(1, row["completed"]), 2),
                     "client_cpu_ms_per_request": round(1000.0 * client_cpu / max(1, row["completed"]), 2),
                     "cpu_ms_per_request": round(per_request, 2),

@@ -81,6 +81,7 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         assert 0 < row["engine_ttft_ms"] < row["ttft_mean_ms"]
         assert abs(row["engine_ttft_ms"] + row["ttft_added_ms"] - row["ttft_mean_ms"]) <= 0.02
         assert row["engines_cpu_ms_per_request"] > 0 and row["client_cpu_ms_per_request"] > 0
+        assert len(row["engines"]) == 2 and sum(e["requests"] for e in row["engines"]) == 12
         # idle: a router in front of two idle mockers (its probes and timers) uses under a tenth of a core
         assert 0 <= row["idle_cpu_ms_per_s"] < 100
         assert row["cpu_above_idle_ms_per_request"] <= row["cpu_ms_per_request"]
