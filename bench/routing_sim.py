@@ -117,6 +117,7 @@ def simulate(
     for r in trace.requests:
         heapq.heappush(events, (r.arrival_s, 1, r.index, r.index))
     rr = 0
+    routed: list[set[int]] = [set() for _ in range(workers)]  # "tree": the blocks routed to each rank
 
     def kick(w: int) -> None:
         nonlocal order
@@ -157,6 +158,17 @@ def simulate(
             w = min(cands, key=lambda k: (tracker.active_prefill_tokens(k, 0), rng.random()))
             overlap = ov[w]
             work, dec = isl - overlap * block_size, 0
+        elif policy == "tree":  # SGLang's cache_aware at its defaults while balanced: the best match when it
+            # covers more than 30 % of the prompt, else the rank the fewest blocks were routed to
+            ov = [len(ranks[k].kv.longest_prefix(seq_h, len(seq_h))) for k in range(workers)]
+            best = max(ov)
+            if best * block_size > 0.3 * isl:
+                w = ov.index(best)
+            else:
+                w = min(range(workers), key=lambda k: (len(routed[k]), rng.random()))
+            routed[w].update(seq_h)
+            overlap = ov[w]
+            work, dec = isl - overlap * block_size, 0
         elif policy == "round_robin":
             w = rr % workers
             rr += 1
@@ -178,6 +190,7 @@ def simulate(
                     overflow=overflow,
                     pressure=pressure,
                     room_weight=kw.get("l", ROOM_WEIGHT),
+                    live={k: footprint.live_blocks(k, t) for k in overlaps} if footprint else None,
                 )
             else:
                 costs = score_candidates(loads, overlaps, isl, block_size, 4.0 if policy == "kv-w4" else 1.0)
@@ -213,6 +226,7 @@ def simulate(
         "ttft_ms": {f"p{p}": round(1e3 * (percentile(vals, p) or 0.0), 1) for p in (50, 90, 99)} if vals else None,
         "latency_models": models.snapshot() if policy == "latency" else None,
         "most_in_flight": most_in_flight,
+        "requests_per_worker": [sum(1 for w, _, _ in decisions.values() if w == k) for k in range(workers)],
     }
 
 
@@ -246,7 +260,8 @@ def main(argv: Seq[str] | None = None) -> int:
     p.add_argument(
         "--policies",
         default=",".join(POLICIES),
-        help=f"comma-separated, from {', '.join(POLICIES)}, prefix; latency:r=R,l=W,f=H sets its weights",
+        help=f"comma-separated, from {', '.join(POLICIES)}, prefix, tree (SGLang's cache_aware while balanced); "
+        "latency:r=R,l=W,f=H sets its weights",
     )
     p.add_argument(
         "--max-concurrency", type=int, default=0, help="requests in flight at most, as the replay's client (0: none)"
@@ -289,7 +304,7 @@ def main(argv: Seq[str] | None = None) -> int:
                     f"  speedup {speed:g} {r['policy']:>12}: hit {r['hit_rate']:.1%} ({r['hit_rate'] / orc:.0%} of "
                     "oracle), "
                     f"TTFT p50/p90/p99 {r['ttft_ms']['p50']}/{r['ttft_ms']['p90']}/{r['ttft_ms']['p99']} ms {ratio} "
-                    f"[{r['cpu_s']} s]"
+                    f"per worker {r['requests_per_worker']} [{r['cpu_s']} s]"
                 )
     return 0
 

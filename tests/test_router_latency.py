@@ -7,6 +7,8 @@ import pytest
 
 from router.config import RouterConfig, add_router_args
 from router.latency import (
+    NEW_PREFIX_SHARE,
+    NEW_PREFIX_WEIGHT,
     SAME_SPEED_RATIO,
     LatencyModels,
     LatencyPrior,
@@ -149,6 +151,30 @@ def test_speeds_within_the_band_are_scored_alike() -> None:
     assert scored[1] is models.get((2, 0)) and scored[0] is scored[2]
     loads = [CandidateLoad(1, 0, 3000, 0, 1), CandidateLoad(2, 0, 0, 0, 0), CandidateLoad(3, 0, 3000, 0, 1)]
     assert choose(score_latency(loads, {}, 1024, 16, models)).worker_id == 2  # idle, slow but not 3x: 1024 x 3 < 4024
+
+
+def test_a_new_prefix_spreads_by_live_footprint() -> None:
+    """A prompt no rank holds much of starts footprint that its later requests follow: it goes to the rank
+    with fewer live blocks though another's queue is a little shorter now. A prompt a rank holds more of
+    follows its cache, whatever the footprints."""
+    models = LatencyModels(LatencyPrior(tokens_per_s=20000, base_s=0.01), block_size=16)
+    loads = [CandidateLoad(1, 0, 0, 0, 0), CandidateLoad(2, 0, 256, 0, 1)]  # rank 2: 256 tokens queued
+    live = {(1, 0): 300, (2, 0): 0}  # rank 1 already serves 300 live blocks (its sessions' next turns)
+    assert choose(score_latency(loads, {}, 2048, 16, models)).worker_id == 1  # the queue alone decides
+    costs = score_latency(loads, {}, 2048, 16, models, live=live)
+    assert choose(costs).worker_id == 2
+    plain = score_latency(loads, {}, 2048, 16, models)
+    charge_ms = NEW_PREFIX_WEIGHT * 300 * 16 / 20000 * 1e3  # blocks' prefill at the prior's speed
+    assert costs[0].cost - plain[0].cost == pytest.approx(charge_ms) and costs[1].cost == plain[1].cost
+    # a prompt rank 1 holds more than the new-prefix share of: no footprint charge, its cache wins
+    held = int(NEW_PREFIX_SHARE * 2048 / 16) + 1
+    assert score_latency(loads, {(1, 0): held}, 2048, 16, models, live=live) == score_latency(
+        loads, {(1, 0): held}, 2048, 16, models
+    )
+    assert choose(score_latency(loads, {(1, 0): held}, 2048, 16, models, live=live)).worker_id == 1
+    # at the share exactly it is still a new prefix
+    at = int(NEW_PREFIX_SHARE * 2048 / 16)
+    assert choose(score_latency(loads, {(1, 0): at}, 2048, 16, models, live=live)).worker_id == 2
 
 
 def test_latency_mode_and_flags_parse() -> None:

@@ -169,6 +169,7 @@ class RequestRouter:
                 fp, now = self.footprint(entry), time.monotonic()
                 overflow: dict[tuple[int, int], int] = {}
                 pressure: dict[tuple[int, int], float] = {}
+                live_blocks: dict[tuple[int, int], int] = {}
                 scored = overlaps
                 predict = self._live_horizon and use_overlap and cfg.router_latency_predict_routed
                 for cand, r in candidates:
@@ -178,6 +179,7 @@ class RequestRouter:
                     if capacity:
                         overflow[key] = fp.overflow_blocks(key, seq, capacity, now, live)
                         pressure[key] = fp.pressure_blocks(key, capacity, now, seq, live)
+                        live_blocks[key] = fp.live_blocks(key, now)
                     if predict:  # blocks just routed there are cached there before their KV events arrive
                         if live > scored.get(key, 0):
                             if scored is overlaps:
@@ -193,6 +195,7 @@ class RequestRouter:
                     recompute_weight=cfg.router_latency_recompute_weight,
                     overflow=overflow,
                     pressure=pressure,
+                    live=live_blocks,
                 )
             else:
                 lmodels = None
