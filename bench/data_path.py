@@ -297,6 +297,15 @@ def path_sums(metrics_url: str) -> dict[str, tuple[float, float]]:
     return out
 
 
+EVENT_COUNTERS = {"event_batches": "kvroute_kv_event_batches_applied", "events": "kvroute_kv_events_received"}
+
+
+def event_counts(metrics_url: str) -> dict[str, float]:
+    """The KV-event batches applied and events received so far by a kvroute frontend's embedded indexer."""
+    text = httpx.get(metrics_url, timeout=10.0).text
+    return {key: read_counter(text, name) or 0.0 for key, name in EVENT_COUNTERS.items()}
+
+
 def path_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
     """Mean ms per observation of each path histogram between two ``path_sums``."""
     out = {}
@@ -404,6 +413,7 @@ def run_cell(
             load_before = round(os.getloadavg()[0], 1)
             e0 = engine_ttft(engine_urls)
             path0 = path_sums(frontend_metrics) if frontend_metrics else {}
+            events0 = event_counts(frontend_metrics) if frontend_metrics else {}
             engine_pids = [c for c in cluster.pids() if c != pid]
             cpu0, switches0, t0 = session_cpu_s(pid), session_switches(pid), time.monotonic()
             engines0, client0 = sum(map(session_cpu_s, engine_pids)), time.process_time()
@@ -413,6 +423,14 @@ def run_cell(
             client_cpu = time.process_time() - client0
             window_s = time.monotonic() - t0
             path = path_means(path0, path_sums(frontend_metrics)) if frontend_metrics else {}
+            events = (
+                {
+                    k: round((v - events0[k]) / max(1, row["completed"]), 2)
+                    for k, v in event_counts(frontend_metrics).items()
+                }
+                if frontend_metrics
+                else None
+            )
             each = [(s1 - s0, n1 - n0) for (s0, n0), (s1, n1) in zip(e0, engine_ttft(engine_urls), strict=True)]
             engine = 1000.0 * sum(s for s, _ in each) / max(1.0, sum(n for _, n in each))
             shares = sampler.stop() if sampler is not None else None
@@ -452,6 +470,9 @@ def run_cell(
                     "switches_per_request": round(switches / max(1, row["completed"]), 1),
                     # kvroute: mean ms of its path to the engine, of its tokenize step and of its routing decision
                     "path_ms": path or None,
+                    # kvroute: the KV-event batches it applied and the events in them, per request (each
+                    # engine step that stores blocks publishes a batch: more engines stepping, more batches)
+                    "kv_events_per_request": events,
                     "phases_ms_per_request": (
                         {k: round(v * per_request, 3) for k, v in shares.items()} if shares else None
                     ),

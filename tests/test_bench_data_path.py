@@ -92,6 +92,13 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         path = row["path_ms"]
         assert set(path) == {"to_engine", "tokenize", "route"}
         assert path["to_engine"] >= path["tokenize"] + path["route"] > 0
+        # latency mode's embedded indexer applied the engines' KV-event batches (prefills store blocks);
+        # round robin subscribes to none
+        events = row["kv_events_per_request"]
+        if row["router"].startswith(rr):
+            assert events == {"event_batches": 0.0, "events": 0.0}
+        else:
+            assert events["events"] >= events["event_batches"] > 0
         # --native: the same CPU by library below Python, from perf (the interpreter's share is never nothing)
         native = row["native_ms_per_request"]
         assert native["interpreter"] > 0 and min(native.values()) >= 0  # a group of one sample can round to 0
