@@ -24,13 +24,13 @@ from collections.abc import Sequence as Seq
 from bench.replay import build_trace, gpu_blocks_for, parse_loads, percentile
 from bench.replay import parser as replay_parser
 from bench.sessions import WORKLOADS, session_trace
-from bench.traces import Trace, oracle
+from bench.traces import Trace, distinct_blocks, oracle
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from mocker.engine import RankScheduler, Sequence, Step
 from mocker.kv_cache import KvCache
 from mocker.perf_model import PerfModel
 from router.footprint import DEFAULT_HORIZON_S, LiveFootprint
-from router.latency import ROOM_WEIGHT, LatencyModels, LatencyPrior, score_latency
+from router.latency import NEW_PREFIX_WEIGHT, ROOM_WEIGHT, LatencyModels, LatencyPrior, score_latency
 from router.selection import CandidateLoad, choose, score_candidates
 from slot_tracker.core import SlotTracker
 
@@ -73,7 +73,8 @@ def simulate(
     kw = {k: float(v) for k, v in (o.split("=") for o in opt.split(",") if o)}
     prior = LatencyPrior(**({"decode_tokens_per_block": kw["k"]} if "k" in kw else {}))
     models = LatencyModels(prior, block_size)
-    # latency:f=0 turns the cache terms off, f=H sets the live horizon (s), l=W the room weight
+    # latency:f=0 turns the cache terms off, f=H sets the live horizon (s), l=W the room weight, n=W the
+    # new-prefix weight (0: off)
     footprint = LiveFootprint(kw.get("f", DEFAULT_HORIZON_S)) if kw.get("f", 1.0) > 0 else None
     policy = name
     decisions: dict[str, tuple[int, int, float]] = {}
@@ -191,6 +192,7 @@ def simulate(
                     pressure=pressure,
                     room_weight=kw.get("l", ROOM_WEIGHT),
                     live={k: footprint.live_blocks(k, t) for k in overlaps} if footprint else None,
+                    new_prefix_weight=kw.get("n", NEW_PREFIX_WEIGHT),
                 )
             else:
                 costs = score_candidates(loads, overlaps, isl, block_size, 4.0 if policy == "kv-w4" else 1.0)
@@ -249,6 +251,89 @@ def ttft_floor_ms(trace: Trace, block_size: int, speedup: float, p: float = 50) 
     return round(percentile(out, p) or 0.0, 1)
 
 
+SWEEP_SPEEDS = (1.0, 0.5)
+SWEEP_CACHES = (0.5, 0.75, 1.0, 1.5, 4096)  # shares of the distinct blocks per rank, or blocks (an int)
+SWEEP_FAST = (4.0, 4096, (12, 32))  # agentic-dense on fast engines with the peers testbed's client caps
+
+
+def sweep_cells(seeds: Seq[int]) -> list[tuple[str, float, float | int, int, int]]:
+    """(workload, speedup, cache, max in flight, seed) of ``--sweep``: every bench.sessions workload at
+    ``SWEEP_SPEEDS`` with caches of ``SWEEP_CACHES``, and agentic-dense on the peers testbed's fast engines."""
+    cells = [
+        (w, speed, cache, 0, seed)
+        for w in WORKLOADS
+        for speed in SWEEP_SPEEDS
+        for cache in SWEEP_CACHES
+        for seed in seeds
+    ]
+    speed, blocks, caps = SWEEP_FAST
+    return cells + [("agentic-dense", speed, blocks, cap, seed) for cap in caps for seed in seeds]
+
+
+def sweep_cell(cell: tuple[str, float, float | int, int, int], policies: Seq[str], workers: int) -> dict:
+    """One ``--sweep`` cell under every policy: oracle share of the hit rate, TTFT p50 / p90 / p99 ms."""
+    name, speed, cache, cap, seed = cell
+    trace = session_trace(WORKLOADS[name], seed)
+    prompts = [r.tokens for r in trace.requests]
+    orc = oracle(prompts, 16).token_share
+    blocks = cache if isinstance(cache, int) else max(256, int(cache * -(-distinct_blocks(prompts, 16) // workers)))
+    out = {}
+    for pol in policies:
+        r = simulate(trace, pol, workers, blocks, speed, seed=seed, max_concurrency=cap)
+        out[pol] = [r["hit_rate"] / orc, r["ttft_ms"]["p50"], r["ttft_ms"]["p90"], r["ttft_ms"]["p99"]]
+    return out
+
+
+def sweep(
+    policies: Seq[str],
+    seeds: Seq[int],
+    workers: int = 4,
+    jobs: int = 2,
+    cells: Seq[tuple[str, float, float | int, int, int]] | None = None,
+) -> str:
+    """Every ``sweep_cells`` cell under each policy (the first is the reference): per cell the means over
+    the seeds, then per policy the mean oracle share and the geometric means of the TTFT percentiles over
+    the cells, and the cells where a policy's mean p90 is more than 3 % above the reference's."""
+    import math
+    import statistics
+    from concurrent.futures import ProcessPoolExecutor
+    from functools import partial
+
+    cells = sweep_cells(seeds) if cells is None else cells
+    with ProcessPoolExecutor(jobs) as ex:
+        results = list(ex.map(partial(sweep_cell, policies=policies, workers=workers), cells, chunksize=4))
+    by_cell: dict[tuple, list[dict]] = {}
+    for cell, res in zip(cells, results, strict=True):
+        by_cell.setdefault(cell[:4], []).append(res)
+    lines = [
+        "| workload | speed | cache | in flight | "
+        + " | ".join(f"{p}: % of oracle, TTFT p50 / p90 / p99 ms" for p in policies)
+        + " |",
+        "|" + " --- |" * (4 + len(policies)),
+    ]
+    means: dict[str, list[list[float]]] = {p: [] for p in policies}
+    for (name, speed, cache, cap), runs in by_cell.items():
+        cells_out = []
+        for p in policies:
+            m = [statistics.mean(r[p][i] for r in runs) for i in range(4)]
+            means[p].append(m)
+            cells_out.append(f"{100 * m[0]:.1f} %, {m[1]:.1f} / {m[2]:.1f} / {m[3]:.1f}")
+        lines.append(f"| {name} | {speed:g} | {cache:g} | {cap or '-'} | " + " | ".join(cells_out) + " |")
+    lines += [
+        "",
+        "| policy | mean % of oracle | TTFT p50 / p90 / p99 ms (geometric means) | cells with p90 > 1.03x the first |",
+        "| --- | --- | --- | --- |",
+    ]
+    ref = means[policies[0]]
+    for p in policies:
+        ms = means[p]
+        geo = [math.exp(statistics.mean(math.log(max(m[i], 1e-9)) for m in ms)) for i in (1, 2, 3)]
+        worse = sum(1 for m, r in zip(ms, ref, strict=True) if m[2] > 1.03 * r[2])
+        share = 100 * statistics.mean(m[0] for m in ms)
+        lines.append(f"| {p} | {share:.2f} % | {geo[0]:.1f} / {geo[1]:.1f} / {geo[2]:.1f} | {worse} of {len(ms)} |")
+    return "\n".join(lines)
+
+
 def main(argv: Seq[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench routing_sim",
@@ -261,12 +346,21 @@ def main(argv: Seq[str] | None = None) -> int:
         "--policies",
         default=",".join(POLICIES),
         help=f"comma-separated, from {', '.join(POLICIES)}, prefix, tree (SGLang's cache_aware while balanced); "
-        "latency:r=R,l=W,f=H sets its weights",
+        "latency:r=R,l=W,f=H,n=W sets its weights",
     )
     p.add_argument(
         "--max-concurrency", type=int, default=0, help="requests in flight at most, as the replay's client (0: none)"
     )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead of --trace: every session workload at two speeds and five cache sizes, and agentic-dense on "
+        "fast engines at 12 and 32 in flight, seeds 1-6, the --policies side by side (the first is the reference)",
+    )
     args = p.parse_args(argv)
+    if args.sweep:
+        print(sweep([x.strip() for x in args.policies.split(",") if x.strip()], range(1, 7), args.workers))
+        return 0
     for name in [t.strip() for t in args.trace.split(",") if t.strip()]:
         # a bench.sessions workload by name (e.g. agentic-dense, the peers testbed's), else a trace
         trace = session_trace(WORKLOADS[name], args.seed) if name in WORKLOADS else build_trace(name, args)

@@ -268,6 +268,7 @@ def score_latency(
     pressure: Mapping[WorkerRank, float] | None = None,
     room_weight: float = ROOM_WEIGHT,
     live: Mapping[WorkerRank, int] | None = None,
+    new_prefix_weight: float = NEW_PREFIX_WEIGHT,
 ) -> list[WorkerCost]:
     """Estimated TTFT of every candidate as its cost, in milliseconds (lower is better).
 
@@ -277,14 +278,14 @@ def score_latency(
     ``pressure``: each rank's live blocks weighted by how full they make its cache
     (``LiveFootprint.pressure_blocks``), each charged ``room_weight`` of a block's prefill.
     ``live``: each rank's live blocks (``LiveFootprint.live_blocks``); for a prompt that starts a new prefix
-    (no rank holds more than ``NEW_PREFIX_SHARE`` of it) each is charged ``NEW_PREFIX_WEIGHT`` blocks' prefill.
+    (no rank holds more than ``NEW_PREFIX_SHARE`` of it) each is charged ``new_prefix_weight`` blocks' prefill.
     """
     out: list[WorkerCost] = []
     loads = list(loads)
     scoring = scoring_models(models, [(load.worker_id, load.dp_rank) for load in loads], max(isl_tokens, block_size))
     top = max(overlaps.values(), default=0)
     best = top if recompute_weight else 0
-    spread = live if live and top * block_size <= NEW_PREFIX_SHARE * isl_tokens else None
+    spread = live if live and new_prefix_weight and top * block_size <= NEW_PREFIX_SHARE * isl_tokens else None
     for load, model in zip(loads, scoring, strict=True):
         key = (load.worker_id, load.dp_rank)
         overlap = overlaps.get(key, 0)
@@ -304,7 +305,7 @@ def score_latency(
         if pressure:  # the fuller the rank's live set, the sooner what this request leaves there goes
             est_ms += room_weight * pressure.get(key, 0.0) * block_size * model.s_per_token * 1e3
         if spread:  # a new prefix: the requests that will follow it add to what the rank already serves
-            est_ms += NEW_PREFIX_WEIGHT * spread.get(key, 0) * block_size * model.s_per_token * 1e3
+            est_ms += new_prefix_weight * spread.get(key, 0) * block_size * model.s_per_token * 1e3
         out.append(
             WorkerCost(
                 load.worker_id,

@@ -353,3 +353,27 @@ def test_offline_routing_simulation_compares_cost_models():
     assert rows["latency"]["most_in_flight"] > 2
     capped = simulate(t, "latency", 3, 2048, 0.5, max_concurrency=2)
     assert capped["most_in_flight"] == 2 and capped["completed"] == len(t.requests)
+
+
+def test_the_sweep_compares_policies_cell_by_cell():
+    """``routing_sim --sweep``: per cell each policy's oracle share and TTFT percentiles, then a summary with
+    the cells where a policy's p90 is above the first's. On the peers testbed's fast engines (seed 4, 12 in
+    flight) a new system prompt's sessions no longer pile onto the engine that drained its queue first: with
+    the new-prefix charge every engine gets one prompt's sessions, as SGLang's smallest-tree rule places them."""
+    from bench.routing_sim import simulate, sweep, sweep_cells
+    from bench.sessions import WORKLOADS, session_trace
+
+    cells = sweep_cells([1, 2])
+    assert len(cells) == len(WORKLOADS) * 2 * 5 * 2 + 2 * 2 and ("agentic-dense", 4.0, 4096, 32, 2) in cells
+    table = sweep(["latency", "latency:n=0"], [8], jobs=1, cells=[("agentic-dense", 4.0, 4096, 12, 8)])
+    rows = [line for line in table.splitlines() if line.startswith("| agentic-dense | 4 | 4096 | 12 |")]
+    assert len(rows) == 1 and rows[0].count(" %, ") == 2
+    summary = [line for line in table.splitlines() if line.startswith("| latency")]
+    assert len(summary) == 2 and summary[0].endswith("| 0 of 1 |")  # the reference is never above itself
+    trace = session_trace(WORKLOADS["agentic-dense"], 4)
+    new = simulate(trace, "latency", 4, 4096, 4.0, seed=4, max_concurrency=12)
+    old = simulate(trace, "latency:n=0", 4, 4096, 4.0, seed=4, max_concurrency=12)
+    tree = simulate(trace, "tree", 4, 4096, 4.0, seed=4, max_concurrency=12)
+    assert sorted(new["requests_per_worker"]) == sorted(tree["requests_per_worker"])  # one prompt per engine
+    assert max(old["requests_per_worker"]) > max(new["requests_per_worker"])  # two prompts shared one before
+    assert new["hit_rate"] >= old["hit_rate"] and new["ttft_ms"]["p90"] < old["ttft_ms"]["p90"]
