@@ -38,12 +38,12 @@ otherwise placed by is gone by then. Fast engines made that visible: two system 
 one engine while another stayed all but idle, since a queue drains before the next new prefix comes.
 So such a prompt is also charged ``NEW_PREFIX_WEIGHT`` (2) blocks' prefill per block live on the rank:
 new prefixes spread by live footprint, as SGLang's ``cache_aware`` places a prompt it matches poorly
-on the worker with the smallest tree. Offline (``python -m bench routing_sim``, the six session
-workloads at speed 1 and 0.5 with caches of 0.5-1.5x the distinct blocks and 4,096 blocks, 6 seeds):
-98 % of the oracle against 96 % on the mean of the cells, TTFT p90 11 % lower (geometric mean); on
-``agentic-dense`` with fast engines p90 12 % lower and the SGLang-like placement. Where it costs: private
-long contexts on slow engines with caches holding 3/4 of the blocks (p90 1.2x); weights 1.2-1.5 missed
-the fast-engine placement, 4 matched 2.
+on the worker with the smallest tree. Offline (``python -m bench routing_sim --sweep``: the six session
+workloads at speed 1 and 0.5 with caches of 0.5-1.5x the distinct blocks and 4,096 blocks, and the
+fast-engine testbed, 6 seeds): 97.9 % of the oracle against 96.3 % on the mean of the cells, TTFT p90 11 %
+lower (geometric mean); on ``agentic-dense`` with fast engines p90 12 % lower and the SGLang-like
+placement. Where it costs: private long contexts on slow engines with caches holding 3/4 of the blocks (p90
+1.2x); weights 1.2-1.5 missed the fast-engine placement, 4 matched 2.
 
 ``decode_blocks`` is the decode pressure: the KV blocks the rank would hold with this request
 (in-flight prompt blocks + this request's blocks not already in flight there, as in ``kv`` mode);
