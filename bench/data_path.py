@@ -563,56 +563,56 @@ def _spread(values: Sequence[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def _idle_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Per router, the median (min-max) over the runs of its idle CPU and of its CPU per request above it."""
+def _median_table(rows: Sequence[dict[str, Any]], title: str, columns: Sequence[tuple[str, str]]) -> str:
+    """Per router, the median (min-max) over the runs of each ``(header, row key)`` column; the rows without
+    every key (another router kind, an option not used) are left out, and no table when none has them."""
     by_router: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        if r.get("idle_cpu_ms_per_s") is not None:
+        if all(r.get(key) is not None for _, key in columns):
             by_router.setdefault(r["router"], []).append(r)
     if not by_router:
         return ""
     lines = [
         "",
-        "Idle CPU (before the first request) and CPU per request above it, median (min-max) over the runs:",
+        title,
         "",
-        "| router | idle CPU ms / s | CPU ms / request | CPU above idle ms / request |",
-        "| --- | --- | --- | --- |",
+        "| router | " + " | ".join(h for h, _ in columns) + " |",
+        "|" + " --- |" * (1 + len(columns)),
     ]
     for router, rs in by_router.items():
-        lines.append(
-            f"| {router} | {_spread([r['idle_cpu_ms_per_s'] for r in rs])} | "
-            f"{_spread([r['cpu_ms_per_request'] for r in rs])} | "
-            f"{_spread([r['cpu_above_idle_ms_per_request'] for r in rs])} |"
-        )
+        lines.append(f"| {router} | " + " | ".join(_spread([r[key] for r in rs]) for _, key in columns) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _idle_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Each router's idle CPU and its CPU per request above it."""
+    return _median_table(
+        rows,
+        "Idle CPU (before the first request) and CPU per request above it, median (min-max) over the runs:",
+        [
+            ("idle CPU ms / s", "idle_cpu_ms_per_s"),
+            ("CPU ms / request", "cpu_ms_per_request"),
+            ("CPU above idle ms / request", "cpu_above_idle_ms_per_request"),
+        ],
+    )
 
 
 def _ttft_split_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Per router, the median (min-max) over the runs of its mean TTFT split into the engines' own TTFT
-    and what the router added, beside the CPU the engines and the client spent per request: a TTFT
-    gap between routers is either the router's path or the engines' queues its decisions built."""
-    by_router: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("engine_ttft_ms") is not None and r.get("ttft_added_ms") is not None:
-            by_router.setdefault(r["router"], []).append(r)
-    if not by_router:
-        return ""
-    lines = [
-        "",
+    """Each router's mean TTFT split into the engines' own TTFT and what the router added, beside the CPU
+    the engines and the client spent per request: a TTFT gap between routers is either the router's path
+    or the engines' queues its decisions built."""
+    return _median_table(
+        rows,
         "The mean TTFT split into the engines' own and the router's addition, and the CPU the engines and the "
         "client spent per request, median (min-max) over the runs:",
-        "",
-        "| router | TTFT mean ms | engines' TTFT ms | added by the router ms | engines' CPU ms / request "
-        "| client CPU ms / request |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for router, rs in by_router.items():
-        lines.append(
-            f"| {router} | {_spread([r['ttft_mean_ms'] for r in rs])} | {_spread([r['engine_ttft_ms'] for r in rs])} "
-            f"| {_spread([r['ttft_added_ms'] for r in rs])} | {_spread([r['engines_cpu_ms_per_request'] for r in rs])} "
-            f"| {_spread([r['client_cpu_ms_per_request'] for r in rs])} |"
-        )
-    return "\n".join(lines) + "\n"
+        [
+            ("TTFT mean ms", "ttft_mean_ms"),
+            ("engines' TTFT ms", "engine_ttft_ms"),
+            ("added by the router ms", "ttft_added_ms"),
+            ("engines' CPU ms / request", "engines_cpu_ms_per_request"),
+            ("client CPU ms / request", "client_cpu_ms_per_request"),
+        ],
+    )
 
 
 def parser() -> argparse.ArgumentParser:
