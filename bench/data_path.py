@@ -546,6 +546,7 @@ def runs_report(rows: Sequence[dict[str, Any]], command: str, engines: int) -> s
                         "hit_rate": m["hit_rate"],
                         "ttft_ms": dict(zip(("p50", "p90", "p99"), m["ttft_ms"], strict=True)),
                         "router_cpu_ms_per_request": m["cpu_ms_per_request"],
+                        "router_cpu_above_idle_ms_per_request": m.get("cpu_above_idle_ms_per_request"),
                     }
                     for m in ms
                 ],

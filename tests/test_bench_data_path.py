@@ -114,7 +114,8 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     ratios = [line for line in report.splitlines() if line.startswith("| round_robin |") and "x (" in line]
     assert len(ratios) == 2  # each kvroute latency row against round robin
     for line in ratios:
-        assert line.count("x (") == 4  # TTFT p50, p90, p99 and CPU: median (min-max) of the two runs' ratios
+        # TTFT p50, p90, p99, CPU and CPU above idle: median (min-max) of the two runs' ratios
+        assert line.count("x (") == 5
 
 
 @contextlib.contextmanager

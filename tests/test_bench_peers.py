@@ -158,6 +158,15 @@ def test_several_runs_report_each_figures_median_and_the_per_run_ratios():
     # per-run p50 ratios 1.1, 2.0, 1.0 -> median 1.10 (the ratio of the medians would be 12 / 10 = 1.2)
     assert "| smg-cache_aware | +1.0 (+1.0 to +1.0) | 1.10x (1.00-2.00) | 1.10x (1.00-2.00) |" in text
     assert text.rstrip().endswith("| 1.50x (1.00-2.00) |")  # CPU: 1.5, 1.0, 2.0
+    assert "above idle" not in text  # bench peers measures no idle CPU
+
+    # bench data_path's rows carry the CPU above each router's idle CPU: a ratio column of its own
+    for r, (mine, theirs) in zip(runs, ((2.0, 1.0), (3.0, 2.0), (2.0, 2.0)), strict=True):
+        r["routers"][0]["router_cpu_above_idle_ms_per_request"] = mine
+        r["routers"][1]["router_cpu_above_idle_ms_per_request"] = theirs
+    text = peers.runs_markdown(runs)
+    assert "| TTFT p99 | router CPU | router CPU above idle |" in text
+    assert text.rstrip().endswith("| 1.50x (1.00-2.00) | 1.50x (1.00-2.00) |")  # above idle: 2.0, 1.5, 1.0
 
 
 def test_every_router_runs_in_front_of_canned_engines(peers_bin: str):
