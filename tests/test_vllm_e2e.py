@@ -429,7 +429,7 @@ def test_engine_killed_mid_stream_migrates_and_its_restart_drops_and_relearns_bl
         victim: VllmEngine | None = None
         chunks: list[dict[str, Any]] = []
         for attempt in range(3):
-            if victim is not None:
+            if victim is not None and victim.proc is None:  # killed by the attempt before
                 restarted = engines.index(victim) + 1
                 victim.start().wait_ready()
                 wait_until(lambda w=restarted: fe.workers()[w]["healthy"], WAIT, what=f"worker {restarted} healthy")
@@ -439,7 +439,9 @@ def test_engine_killed_mid_stream_migrates_and_its_restart_drops_and_relearns_bl
                 assert out["nvext"]["routing"]["worker_id"] == wid
                 wait_indexed(fe, held, wid, out["usage"]["prompt_tokens"])
                 held_blocks = out["usage"]["prompt_tokens"] // BLOCK_SIZE
-            victim, chunks = _stream_killing_its_engine(fe, engines, f"migrate-{attempt}")
+            killed, chunks = _stream_killing_its_engine(fe, engines, f"migrate-{attempt}")
+            if killed is not None:
+                victim = killed
             if fe.metric("dynamo_frontend_model_migration_total") >= 1:
                 break
         assert fe.metric("dynamo_frontend_model_migration_total") >= 1, "the engine finished first, three times"
@@ -474,9 +476,10 @@ def test_engine_killed_mid_stream_migrates_and_its_restart_drops_and_relearns_bl
 
 def _stream_killing_its_engine(
     fe: Kvroute, engines: list[VllmEngine], tag: str
-) -> tuple[VllmEngine, list[dict[str, Any]]]:
+) -> tuple[VllmEngine | None, list[dict[str, Any]]]:
     """Stream 1,500 tokens (routed freely), SIGKILL the engine serving them at the first token, read
-    the stream to its end; the killed engine and every chunk the client got."""
+    the stream to its end; the killed engine (None if the stream had ended before the client saw its
+    headers) and every chunk the client got."""
     body = {
         "model": MODEL,
         "messages": [
@@ -492,16 +495,15 @@ def _stream_killing_its_engine(
     victim: VllmEngine | None = None
     with fe.http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
+        serving = {w for w, _, _, d in fe.loads() if d}  # booked before dispatch: the worker holding its blocks
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunks.append(json.loads(line[6:]))
             first_token = chunks[-1]["choices"] and chunks[-1]["choices"][0]["delta"].get("content")
-            if victim is None and first_token:
-                (serving,) = {w for w, _, _, d in fe.loads() if d}  # the worker holding its blocks
-                victim = engines[serving - 1]
+            if victim is None and first_token and len(serving) == 1:
+                victim = engines[serving.pop() - 1]
                 victim.kill()
-    assert victim is not None
     return victim, chunks
 
 
