@@ -1,5 +1,8 @@
 """One asyncio ZMQ SUB listener per registered (instance_id, dp_rank), with gap replay.
 
+A tcp:// or ipc:// publisher is read on the event loop (``kvroute_common.zmtp_sub``); others (inproc://)
+through a libzmq SUB socket.
+
 Live messages are ``[topic, seq (8 bytes BE), payload]``. The listener keeps a watermark (last
 applied seq) and follows the reference's sequence rules: a first batch with seq > 0, or any later
 jump, is a gap; the missing batches are requested over a DEALER from the engine's replay ROUTER
@@ -25,7 +28,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -34,6 +37,7 @@ import zmq.asyncio
 from indexer.lag import LagHistogram
 from indexer.normalize import EventApplier
 from indexer.wire import WireError, decode_batch, seq_frame
+from kvroute_common import zmtp_sub
 from kvroute_common.zmq_recv import drain_forever
 
 log = logging.getLogger("indexer.listener")
@@ -231,6 +235,14 @@ class Listener:
         return sock
 
     async def _run(self) -> None:
+        in_order, on_message = self._in_order, self._on_message
+
+        def handle(frames: list[bytes]) -> Awaitable[None] | None:
+            return None if in_order(frames) else on_message(frames)  # the common case without a coroutine
+
+        if zmtp_sub.supported(self.endpoint):
+            await self._run_on_loop(handle)
+            return
         try:
             self._sub = self._make_sub()
         except zmq.ZMQError as exc:
@@ -239,19 +251,34 @@ class Listener:
         if self.ready is not None:
             await self.ready.wait()  # the start-up gate: recovery first, then drain live events
         self._set_status(ACTIVE)
-        sub = self._sub
-        assert sub is not None
-        in_order, on_message = self._in_order, self._on_message
         try:
-            # the common case is handled without a coroutine
-            await drain_forever(
-                sub, lambda frames: None if in_order(frames) else on_message(frames), on_burst=self._on_burst
-            )
+            await drain_forever(self._sub, handle, on_burst=self._on_burst)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # pragma: no cover - unexpected socket failure
             log.exception("listener %s failed", self.endpoint)
             self._set_status(FAILED, f"recv loop: {type(exc).__name__}: {exc}")
+
+    async def _run_on_loop(self, handle: Callable[[list[bytes]], Awaitable[None] | None]) -> None:
+        """tcp:// and ipc:// publishers are read by the loop itself (kvroute_common/zmtp_sub.py): connected at
+        once, their batches held until the start-up gate opens, as the libzmq socket's pipe held them."""
+        sub = zmtp_sub.ZmtpSubscriber(self.endpoint, handle, on_burst=self._on_burst, held=self.ready is not None)
+        runner = asyncio.ensure_future(sub.run())
+        try:
+            if self.ready is not None:
+                await self.ready.wait()
+                sub.release()
+            self._set_status(ACTIVE)
+            await runner
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("listener %s failed", self.endpoint)
+            self._set_status(FAILED, f"recv loop: {type(exc).__name__}: {exc}")
+        finally:
+            if not runner.done():
+                runner.cancel()
+                await asyncio.wait([runner])  # its connection closed before the listener is done
 
     def _on_burst(self, n: int) -> None:
         self.batches_waiting = n - 1

@@ -1,5 +1,5 @@
-"""Draining a non-blocking ZMQ socket from asyncio, shared by the indexer's KV-event listener and
-replica sync.
+"""Draining a non-blocking ZMQ socket from asyncio: replica sync, and the KV-event listener of an
+endpoint the loop cannot read itself (inproc://; tcp:// and ipc:// go through ``kvroute_common.zmtp_sub``).
 
 A plain ``zmq.Socket`` read through its file descriptor costs far less per message than
 ``zmq.asyncio``. ZMQ's descriptor is edge-triggered: after the reader fires, every queued message

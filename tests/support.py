@@ -7,9 +7,11 @@ the benchmarks use them too; they are re-exported here for the tests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -28,8 +30,18 @@ __all__ = [
     "reference_installed",
     "service",
     "stop_process",
+    "until",
     "wait_until",
 ]
+
+
+async def until(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``pred`` on the event loop until true or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 def reference_installed() -> bool:

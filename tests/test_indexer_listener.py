@@ -21,7 +21,7 @@ from indexer.normalize import EventApplier
 from indexer.registry import IndexerRegistry
 from indexer.wire import REPLAY_END_SEQ, AllBlocksCleared, BlockStored, decode_batch, encode_batch, seq_frame
 from kvroute_common.hashing import local_block_hashes
-from support import free_ports
+from support import free_ports, until
 
 BS = 4
 MODEL = "m"
@@ -153,15 +153,6 @@ def test_endpoint_validation_messages() -> None:
 
 
 # ----------------------------------------------------------------------------- ZMQ listener
-
-
-async def until(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll ``pred`` on the event loop until true or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 class Engine:
