@@ -561,6 +561,26 @@ class PromptEncoder:
         if self._encode_fast(sample) != backend.encode(sample, add_special_tokens=False).ids:
             self.piece_re = None
 
+    def _pieces_one_pass(self, pieces: list[str]) -> list[int]:
+        """The ids of ``pieces`` with one cache lookup each, an unseen piece through the BPE model where it
+        first occurs (no set of the pieces and no second lookup: a new turn's ~200 pieces are mostly
+        cached)."""
+        cache = self._pieces
+        get = cache.get
+        out: list[int] = []
+        added = 0
+        for p in pieces:
+            ids = get(p)
+            if ids is None:
+                ids = cache[p] = self._piece_ids(p)  # one dict store: atomic under the GIL
+                added += 1
+            out += ids
+        if added and len(cache) > self.PIECE_CACHE_MAX:
+            with self._lock:
+                if len(cache) > self.PIECE_CACHE_MAX:
+                    cache.clear()
+        return out
+
     def _piece_ids(self, piece: str) -> list[int]:
         """The ids of one pre-tokenized piece with no added token in it: the BPE model's own merges on its
         byte-level characters (a third of a whole ``encode`` call's cost, which also builds offsets and
@@ -781,22 +801,25 @@ class PromptEncoder:
         assert self.piece_re is not None  # this path runs only with the fast path set up
         pieces = self.piece_re.findall(segment)
         cache = self._pieces
-        missing = [p for p in set(pieces) if p not in cache]
-        if missing:
-            if self._bpe is not None or len(missing) <= self.GIL_HELD_PIECES:
-                found = [self._piece_ids(p) for p in missing]
-            else:
-                found = [e.ids for e in self._batch_fast(missing, add_special_tokens=False)]
-            with self._lock:
-                if len(cache) + len(missing) > self.PIECE_CACHE_MAX:
-                    cache.clear()
-                for p, new in zip(missing, found, strict=True):
-                    cache[p] = new
-        out: list[int] = []
-        get = cache.get
-        for p in pieces:
-            ids = get(p)
-            out += ids if ids is not None else self._piece_ids(p)  # None: evicted by a concurrent clear
+        if self._bpe is not None:
+            out = self._pieces_one_pass(pieces)
+        else:
+            missing = [p for p in set(pieces) if p not in cache]
+            if missing:
+                if len(missing) <= self.GIL_HELD_PIECES:
+                    found = [self._piece_ids(p) for p in missing]
+                else:
+                    found = [e.ids for e in self._batch_fast(missing, add_special_tokens=False)]
+                with self._lock:
+                    if len(cache) + len(missing) > self.PIECE_CACHE_MAX:
+                        cache.clear()
+                    for p, new in zip(missing, found, strict=True):
+                        cache[p] = new
+            out = []
+            get = cache.get
+            for p in pieces:
+                ids = get(p)
+                out += ids if ids is not None else self._piece_ids(p)  # None: evicted by a concurrent clear
         if cacheable:
             with self._lock:
                 self._segments[segment] = out
