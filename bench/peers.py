@@ -131,6 +131,8 @@ ROUTERS: dict[str, RouterSpec] = {
         # latency mode sending every prompt as its text (by default a completions prompt goes to an engine as the
         # router's ids where the engine proved it tokenizes as the router does: --send-token-ids auto)
         RouterSpec("kvroute-latency-text", "kvroute", "latency", extra=("--send-token-ids", "never")),
+        # latency mode without KV events (its own record of what it routed only): what the event ingest costs
+        RouterSpec("kvroute-latency-noevents", "kvroute", "latency", extra=("--no-router-kv-events",)),
     )
 }
 # the rows of a plain run: the gateway and the variant rows are asked for by name
