@@ -130,6 +130,22 @@ def test_publisher_heartbeats_are_answered_and_the_connection_stays() -> None:
     asyncio.run(main())
 
 
+def test_a_quiet_publisher_answers_our_pings_and_the_connection_stays() -> None:
+    """Our PING is well formed: libzmq answers it with PONG (a malformed command would drop us), and the
+    PONGs keep a publisher with nothing to send from looking dead."""
+
+    async def main() -> None:
+        async with pair(heartbeat_ivl=0.05, heartbeat_timeout=0.3) as p:
+            await p.subscribed()
+            deadline = time.monotonic() + 1.5  # five of our heartbeat timeouts without a message
+            await until(lambda: time.monotonic() > deadline, what="the quiet window")
+            assert p.sub.connections == 1
+            p.pub.send_multipart([b"awake"])
+            await until(lambda: p.got == [[b"awake"]], what="a message after the quiet window")
+
+    asyncio.run(main())
+
+
 def test_held_messages_wait_for_release_and_none_is_lost() -> None:
     async def main() -> None:
         async with pair(held=True) as p:
