@@ -275,8 +275,9 @@ class ZmtpSubscriber:
         self.queue: deque[list[bytes]] = deque()  # whole messages not yet handed on
         self._conn: _Connection | None = None
         self._scheduled = False  # a call_soon(_deliver) is pending
-        self._waiting = False  # an awaitable from handle is running
+        self._waiting: asyncio.Future[None] | None = None  # the task of an awaitable from handle, while it runs
         self._failed: asyncio.Future[BaseException] | None = None  # set when handle fails: run raises it
+        self._closed = False  # run has ended: nothing more is handed on (the owner may be clearing its state)
 
     def release(self) -> None:
         """Stop holding messages: what waited is handed on."""
@@ -285,18 +286,18 @@ class ZmtpSubscriber:
 
     def kick(self) -> None:
         """New messages are queued: hand them on now, unless delivery waits."""
-        if not self._scheduled and not self._waiting and not self.held:
+        if not self._scheduled and self._waiting is None and not self.held and not self._closed:
             self._deliver()
 
     def _schedule(self) -> None:
-        if self.queue and not self._scheduled and not self._waiting and not self.held:
+        if self.queue and not self._scheduled and self._waiting is None and not self.held and not self._closed:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._deliver)
 
     def _deliver(self) -> None:
         """Hand queued messages on, within the loop's turn."""
         self._scheduled = False
-        if self._waiting or self.held or (self._failed is not None and self._failed.done()):
+        if self._waiting is not None or self.held or self._closed or (self._failed is not None and self._failed.done()):
             return
         queue, handle = self.queue, self.handle
         n = 0
@@ -317,11 +318,13 @@ class ZmtpSubscriber:
             self.on_burst(n)
 
     def _wait(self, pending: Awaitable[None]) -> None:
-        self._waiting = True
-        task = asyncio.ensure_future(pending)
+        task = self._waiting = asyncio.ensure_future(pending)
 
         def done(t: asyncio.Future[None]) -> None:
-            self._waiting = False
+            if self._waiting is t:
+                self._waiting = None
+            if self._closed:
+                return
             if t.cancelled():
                 self._fail(asyncio.CancelledError())
             elif t.exception() is not None:
@@ -352,26 +355,35 @@ class ZmtpSubscriber:
 
     async def run(self) -> None:
         """Connect, and connect again whenever the connection ends, until cancelled; raises what ``handle``
-        (or an awaitable it returned) raised."""
+        (or an awaitable it returned) raised. Once it returns, nothing more is handed on: an awaitable still
+        running is cancelled (and waited for) and queued messages are dropped."""
         failed = self._failed = asyncio.get_running_loop().create_future()
         wait = self.reconnect_ivl
-        while True:
-            try:
-                conn = await self._connect()
-            except OSError as exc:
-                log.debug("KV events from %s: %s", self.endpoint, exc)
-                conn = None
-            if conn is not None:
-                self.connections += 1
-                self._conn = conn
+        try:
+            while True:
                 try:
-                    await asyncio.wait([conn.closed, failed], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    self._conn = None
-                    conn.abort()
-                if conn.ready:
-                    wait = self.reconnect_ivl  # it worked: start again from the shortest interval
-            if failed.done():
-                raise failed.result()
-            await asyncio.sleep(wait)
-            wait = min(wait * 2, self.reconnect_ivl_max)
+                    conn = await self._connect()
+                except OSError as exc:
+                    log.debug("KV events from %s: %s", self.endpoint, exc)
+                    conn = None
+                if conn is not None:
+                    self.connections += 1
+                    self._conn = conn
+                    try:
+                        await asyncio.wait([conn.closed, failed], return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        self._conn = None
+                        conn.abort()
+                    if conn.ready:
+                        wait = self.reconnect_ivl  # it worked: start again from the shortest interval
+                if failed.done():
+                    raise failed.result()
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, self.reconnect_ivl_max)
+        finally:
+            self._closed = True
+            self.queue.clear()
+            task, self._waiting = self._waiting, None
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait([task])

@@ -34,6 +34,7 @@ class Pair:
     pub: zmq.Socket
     sub: ZmtpSubscriber
     got: list[Any] = field(default_factory=list)
+    runner: asyncio.Future[None] | None = None  # the subscriber's run()
 
     async def subscribed(self) -> None:
         """Publish a marker until one arrives (a PUB drops what it sends before the subscription)."""
@@ -59,8 +60,8 @@ async def pair(
     endpoint = endpoint or f"tcp://127.0.0.1:{free_ports(1)[0]}"
     got: list[Any] = []
     sub = ZmtpSubscriber(endpoint, handle or got.append, **sub_kw)
-    p = Pair(ctx, endpoint, _pub(ctx, endpoint, **(pub_opts or {})), sub, got)
-    runner = asyncio.ensure_future(p.sub.run())
+    runner = asyncio.ensure_future(sub.run())
+    p = Pair(ctx, endpoint, _pub(ctx, endpoint, **(pub_opts or {})), sub, got, runner)
     try:
         yield p
     finally:
@@ -206,6 +207,44 @@ def test_an_awaitable_from_the_handler_holds_later_messages_and_the_loop_gets_tu
             await until(lambda: len(got) == 10, what="the rest")
             assert got == [[b"slow"]] + [[b"m%d" % i] for i in range(9)]
             assert max(bursts) <= 3  # at most `batch` messages a turn
+
+    asyncio.run(main())
+
+
+def test_once_run_is_cancelled_nothing_more_is_handed_on_and_a_running_awaitable_is_cancelled() -> None:
+    """The listener's owner clears the worker's blocks after stopping it: a replay still running, or a
+    batch still queued, must not reach the index afterwards."""
+
+    async def main() -> None:
+        got: list[list[bytes]] = []
+        stopped: list[str] = []
+
+        async def replay() -> None:
+            try:
+                await asyncio.Event().wait()  # a replay that has not answered yet
+            finally:
+                stopped.append("replay")
+
+        def handle(frames: list[bytes]) -> Awaitable[None] | None:
+            got.append(frames)
+            return replay() if frames == [b"gap"] else None
+
+        async with pair(handle) as p:
+            p.got = got
+            await p.subscribed()
+            p.pub.send_multipart([b"gap"])
+            p.pub.send_multipart([b"after"])
+            await until(lambda: len(p.sub.queue) == 1, what="a batch queued behind the replay")
+            assert p.runner is not None
+            p.runner.cancel()
+            await asyncio.wait([p.runner])
+            assert stopped == ["replay"]  # cancelled, and finished before run returned
+            assert got == [[b"gap"]] and not p.sub.queue
+            p.sub.queue.append([b"late"])
+            p.sub.kick()
+            p.sub.release()
+            await asyncio.sleep(0)  # one loop turn: a delivery scheduled by release() would run in it
+            assert got == [[b"gap"]]
 
     asyncio.run(main())
 
