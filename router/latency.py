@@ -57,7 +57,7 @@ each routed, streamed request is one observation ``(work_tokens, decode_blocks) 
 by ridge regression towards a prior with exponential forgetting (recent observations count most, so
 a rank that slows down is seen within about ``window`` requests), with outliers down-weighted
 (Huber) and both coefficients bounded. A rank observed fewer than ``MIN_OBSERVATIONS`` times is scored
-with its observed peers' model (the prior only when no rank is observed yet): scored with the prior,
+with its observed peers' model (every rank with the prior until one is observed that often): scored with the prior,
 an engine that never got a request looked 9x slower than its learned peers on the mockers and never
 got its first one. A rank is re-observed only when it is chosen (a rank learned slow is tried
 again once the others have queued more work than its estimate). The decode weight is fixed, not
@@ -197,12 +197,14 @@ class RankLatency:
 class LatencyModels:
     """The per-rank models of one frontend, created from the prior on first use."""
 
-    __slots__ = ("prior", "block_size", "_ranks")
+    __slots__ = ("prior", "block_size", "_ranks", "unobserved")
 
     def __init__(self, prior: LatencyPrior | None = None, block_size: int = 16) -> None:
         self.prior = prior or LatencyPrior()
         self.block_size = block_size
         self._ranks: dict[WorkerRank, RankLatency] = {}
+        # the prior as a model, never fed: what every rank is scored with until one is observed enough
+        self.unobserved = RankLatency(self.prior, block_size)
 
     def get(self, key: WorkerRank) -> RankLatency:
         m = self._ranks.get(key)
@@ -237,14 +239,17 @@ def scoring_models(models: LatencyModels, keys: list[WorkerRank], ref_tokens: fl
     GPU, a throttled or overloaded engine) is trusted; within the band every rank is scored alike,
     and ranks scored alike are ranked by their work and reuse alone. The median is the observed ranks'
     (at least ``MIN_OBSERVATIONS``), and a rank not yet observed is scored with it: a serving pool is
-    alike until shown otherwise, and the prior is no measurement of these engines.
+    alike until shown otherwise, and the prior is no measurement of these engines. Until some rank has
+    been observed that often, every rank is scored with the prior: a fit from one to three observations
+    beside the prior made a rank that had had no request look 2.7x slower than one that had, and a new
+    system prompt went to the busy rank rather than the empty one (which then got no request at all).
     """
     own = [models.get(k) for k in keys]
     if len(own) < 2:
         return own
     observed = [i for i, m in enumerate(own) if m.observations >= MIN_OBSERVATIONS]
     if not observed:
-        return own
+        return [models.unobserved] * len(own)
     est = [m.predict(ref_tokens, 0.0) for m in own]
     median = sorted(observed, key=est.__getitem__)[(len(observed) - 1) // 2]
     mid, mid_est = own[median], est[median]

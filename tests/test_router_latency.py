@@ -7,6 +7,7 @@ import pytest
 
 from router.config import RouterConfig, add_router_args
 from router.latency import (
+    MIN_OBSERVATIONS,
     NEW_PREFIX_SHARE,
     NEW_PREFIX_WEIGHT,
     SAME_SPEED_RATIO,
@@ -218,7 +219,34 @@ def test_a_rank_never_chosen_is_scored_like_its_observed_peers() -> None:
     assert est[3] < (2304 + 2048) / 20000 * 1e3 / 4
     # no rank observed yet: the prior decides for all
     fresh = LatencyModels(LatencyPrior(), block_size=32)
-    assert scoring_models(fresh, [(1, 0), (2, 0)], 2048) == [fresh.get((1, 0)), fresh.get((2, 0))]
+    assert scoring_models(fresh, [(1, 0), (2, 0)], 2048) == [fresh.unobserved] * 2
+
+
+def test_ranks_are_scored_alike_until_one_is_observed_enough() -> None:
+    """Right after start-up two ranks have seen two fast first tokens each and two have seen none. A
+    fit from two observations beside the prior made the ranks without one look over twice as slow, and
+    a fourth system prompt went to a rank serving another's sessions, charged for its footprint, rather
+    than to the empty rank, which then got no request for the whole run (the mockers' idle engine)."""
+    models = LatencyModels(LatencyPrior(), block_size=32)
+    for key in ((1, 0), (3, 0)):
+        assert models.observe(key, 2688, 0, 0.007) and models.observe(key, 1949, 0, 0.0065)
+    busy = models.get((3, 0))
+    prior = RankLatency(LatencyPrior(), block_size=32)
+    assert busy.observations == 2 < MIN_OBSERVATIONS
+    assert busy.predict(2784, 0) < prior.predict(2784, 0) / 2  # what its own model would claim
+    # a new prefix of 2,784 tokens: ranks 1 and 3 serve a system prompt's sessions each (84 live blocks and
+    # their decode), ranks 2 and 4 are empty
+    loads = [CandidateLoad(w, 0, 0, 87 + (84 if w in (1, 3) else 0), 1 if w in (1, 3) else 0) for w in (1, 2, 3, 4)]
+    live = {(1, 0): 84, (2, 0): 0, (3, 0): 84, (4, 0): 0}
+    costs = score_latency(loads, {}, 2784, 32, models, live=live)
+    assert {c.worker_id for c in costs if c.cost == min(x.cost for x in costs)} == {2, 4}
+    keys = [(1, 0), (2, 0), (3, 0), (4, 0)]
+    assert scoring_models(models, keys, 2784) == [models.unobserved] * 4
+    # once a rank is observed enough, the unobserved ones are scored with the observed median's model
+    for w, t in ((2688, 0.007), (1949, 0.0065)):
+        models.observe((3, 0), w, 0, t)
+    assert scoring_models(models, keys, 2784) == [busy] * 4
+    assert choose(score_latency(loads, {}, 2784, 32, models, live=live)).worker_id in (2, 4)
 
 
 def test_evicting_live_blocks_is_charged_as_their_recompute() -> None:

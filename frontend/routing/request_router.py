@@ -19,7 +19,7 @@ from frontend.routing.decision import Decision
 from frontend.routing.eligibility import candidates as eligible_candidates
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from router.footprint import LiveFootprint
-from router.latency import LatencyModels, LatencyPrior, score_latency
+from router.latency import LatencyModels, LatencyPrior, score_latency, scoring_models
 from router.latency import formula as latency_formula
 from router.selection import CandidateLoad, WorkerCost, choose, formula, score_candidates
 
@@ -205,8 +205,10 @@ class RequestRouter:
             cost = choose(costs, cfg.router_temperature, self.rng)
             if log.isEnabledFor(logging.DEBUG):
                 w = cfg.router_kv_overlap_score_weight
-                for c in costs:
-                    log.debug(formula(c, w) if lmodels is None else latency_formula(c, lmodels.get(c.key)))
+                # the latency terms at the model each candidate was scored with (see scoring_models)
+                scored_by = None if lmodels is None else scoring_models(lmodels, [c.key for c in costs], max(isl, bs))
+                for i, c in enumerate(costs):
+                    log.debug(formula(c, w) if scored_by is None else latency_formula(c, scored_by[i]))
                 log.debug(
                     "Selected worker_%s dp_rank %s (cost %.1f) for %d tokens of model %s",
                     cost.worker_id,
