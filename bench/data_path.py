@@ -433,6 +433,7 @@ def run_cell(
             )
             each = [(s1 - s0, n1 - n0) for (s0, n0), (s1, n1) in zip(e0, engine_ttft(engine_urls), strict=True)]
             engine = 1000.0 * sum(s for s, _ in each) / max(1.0, sum(n for _, n in each))
+            took = [n for _, n in each]
             shares = sampler.stop() if sampler is not None else None
             libraries = native.stop() if native is not None else None
             per_request = 1000.0 * cpu / max(1, row["completed"])
@@ -458,6 +459,10 @@ def run_cell(
                     "engines": [
                         {"requests": int(n), "ttft_ms": round(1000.0 * s / n, 2) if n else None} for s, n in each
                     ],
+                    # the busiest engine's share of the requests and the engines that got none (a system
+                    # prompt's sessions doubled up on one engine while another idled)
+                    "busiest_engine_share": round(max(took, default=0) / max(1, sum(took)), 3),
+                    "idle_engines": took.count(0),
                     "engines_cpu_ms_per_request": round(1000.0 * engines_cpu / max(1, row["completed"]), 2),
                     "client_cpu_ms_per_request": round(1000.0 * client_cpu / max(1, row["completed"]), 2),
                     "cpu_ms_per_request": round(per_request, 2),
@@ -601,17 +606,19 @@ def _idle_table(rows: Sequence[dict[str, Any]]) -> str:
 def _ttft_split_table(rows: Sequence[dict[str, Any]]) -> str:
     """Each router's mean TTFT split into the engines' own TTFT and what the router added, beside the CPU
     the engines and the client spent per request: a TTFT gap between routers is either the router's path
-    or the engines' queues its decisions built."""
+    or the engines' queues its decisions built (how evenly: the busiest engine's share, engines left idle)."""
     return _median_table(
         rows,
-        "The mean TTFT split into the engines' own and the router's addition, and the CPU the engines and the "
-        "client spent per request, median (min-max) over the runs:",
+        "The mean TTFT split into the engines' own and the router's addition, the CPU the engines and the "
+        "client spent per request, and how the requests spread over the engines, median (min-max) over the runs:",
         [
             ("TTFT mean ms", "ttft_mean_ms"),
             ("engines' TTFT ms", "engine_ttft_ms"),
             ("added by the router ms", "ttft_added_ms"),
             ("engines' CPU ms / request", "engines_cpu_ms_per_request"),
             ("client CPU ms / request", "client_cpu_ms_per_request"),
+            ("busiest engine's share of requests", "busiest_engine_share"),
+            ("engines without a request", "idle_engines"),
         ],
     )
 

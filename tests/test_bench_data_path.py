@@ -82,6 +82,9 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         assert abs(row["engine_ttft_ms"] + row["ttft_added_ms"] - row["ttft_mean_ms"]) <= 0.02
         assert row["engines_cpu_ms_per_request"] > 0 and row["client_cpu_ms_per_request"] > 0
         assert len(row["engines"]) == 2 and sum(e["requests"] for e in row["engines"]) == 12
+        took = [e["requests"] for e in row["engines"]]
+        assert row["busiest_engine_share"] == round(max(took) / 12, 3) >= 0.5
+        assert row["idle_engines"] == took.count(0)
         # idle: a router in front of two idle mockers (its probes and timers) uses under a tenth of a core
         assert 0 <= row["idle_cpu_ms_per_s"] < 100
         assert row["cpu_above_idle_ms_per_request"] <= row["cpu_ms_per_request"]
@@ -109,7 +112,7 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     assert "| router | idle CPU ms / s | CPU ms / request | CPU above idle ms / request |" in report
     split = report.split("| router | TTFT mean ms | engines' TTFT ms | added by the router ms |")[1].split("\n\n")[0]
     ours_split = [line for line in split.splitlines() if line.startswith(f"| {ours} | ")]
-    assert len(ours_split) == 1 and ours_split[0].count(" (") == 5  # five medians, each with its range
+    assert len(ours_split) == 1 and ours_split[0].count(" (") == 7  # seven medians, each with its range
     assert f"`{ours}` against each router" in report and f"`{theirs}` against each router" in report
     ratios = [line for line in report.splitlines() if line.startswith("| round_robin |") and "x (" in line]
     assert len(ratios) == 2  # each kvroute latency row against round robin
