@@ -43,7 +43,12 @@ workloads at speed 1 and 0.5 with caches of 0.5-1.5x the distinct blocks and 4,0
 fast-engine testbed, 6 seeds): 97.9 % of the oracle against 96.3 % on the mean of the cells, TTFT p90 11 %
 lower (geometric mean); on ``agentic-dense`` with fast engines p90 12 % lower and the SGLang-like
 placement. Where it costs: private long contexts on slow engines with caches holding 3/4 of the blocks (p90
-1.2x); weights 1.2-1.5 missed the fast-engine placement, 4 matched 2.
+1.2x); weights 1.2-1.5 missed the fast-engine placement, 4 matched 2. Those figures were taken while ranks
+with one to three observations were scored against the prior (see ``scoring_models``), which is what put two
+prompts on one engine; with that fixed, the charge changes placements only where caches are small (the same
+sweep: 97.99 % against 97.80 % without it, the same TTFT but in the long-context cells with caches of half
+the distinct blocks: 82.4 % against 75.2 % of the oracle and p90 383 against 526 ms at speed 0.5, 79.9 %
+against 75.1 % and p90 158 against 136 ms at speed 1).
 
 ``decode_blocks`` is the decode pressure: the KV blocks the rank would hold with this request
 (in-flight prompt blocks + this request's blocks not already in flight there, as in ``kv`` mode);

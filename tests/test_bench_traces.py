@@ -358,8 +358,9 @@ def test_offline_routing_simulation_compares_cost_models():
 def test_the_sweep_compares_policies_cell_by_cell():
     """``routing_sim --sweep``: per cell each policy's oracle share and TTFT percentiles, then a summary with
     the cells where a policy's p90 is above the first's. On the peers testbed's fast engines (seed 4, 12 in
-    flight) a new system prompt's sessions no longer pile onto the engine that drained its queue first: with
-    the new-prefix charge every engine gets one prompt's sessions, as SGLang's smallest-tree rule places them."""
+    flight) every engine gets one system prompt's sessions, as SGLang's smallest-tree rule places them, with
+    or without the new-prefix charge: two prompts piled onto one engine while ranks with a few observations
+    were scored against the prior (``router.latency.scoring_models``), not for want of the charge."""
     from bench.routing_sim import simulate, sweep, sweep_cells
     from bench.sessions import WORKLOADS, session_trace
 
@@ -375,5 +376,5 @@ def test_the_sweep_compares_policies_cell_by_cell():
     old = simulate(trace, "latency:n=0", 4, 4096, 4.0, seed=4, max_concurrency=12)
     tree = simulate(trace, "tree", 4, 4096, 4.0, seed=4, max_concurrency=12)
     assert sorted(new["requests_per_worker"]) == sorted(tree["requests_per_worker"])  # one prompt per engine
-    assert max(old["requests_per_worker"]) > max(new["requests_per_worker"])  # two prompts shared one before
-    assert new["hit_rate"] >= old["hit_rate"] and new["ttft_ms"]["p90"] < old["ttft_ms"]["p90"]
+    assert sorted(old["requests_per_worker"]) == sorted(new["requests_per_worker"])
+    assert (old["hit_rate"], old["ttft_ms"]) == (new["hit_rate"], new["ttft_ms"])  # the same decisions here

@@ -639,15 +639,18 @@ def test_lora_adapters_are_routed_by_their_own_blocks_and_only_to_engines_servin
     r = fe.http.post("/v1/chat/completions", json={**base, "model": "a3"})
     assert r.status_code == 404 and r.json()["error"]["message"]
 
-    # an adapter request in flight loads the engine's (base model's) tracker on the worker serving it
-    stream = {**a1, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # an adapter request in flight loads the engine's (base model's) tracker on the worker serving it. Read
+    # while its chunks arrive: a stream the client reads late can be over (and its load freed) already
+    stream = {**a1, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    busy: list[tuple[int, int]] = []
     with fe.http.stream("POST", "/v1/chat/completions", json=stream, headers={"x-dynamo-worker-instance-id": "2"}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
                 busy = [(w, d) for w, _, _, d in fe.loads() if d]
-                assert busy and all(w == 2 for w, _ in busy), busy
-                break
+                if busy:
+                    break
+    assert busy and all(w == 2 for w, _ in busy), busy
     wait_until(fe.idle, WAIT, what="loads back at 0")
     assert fe.metric("kvroute_hash_parity_mismatch") == 0
 
