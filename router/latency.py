@@ -46,7 +46,7 @@ placement. Where it costs: private long contexts on slow engines with caches hol
 1.2x); weights 1.2-1.5 missed the fast-engine placement, 4 matched 2. Those figures were taken while ranks
 with one to three observations were scored against the prior (see ``scoring_models``), which is what put two
 prompts on one engine; with that fixed, the charge changes placements only where caches are small (the same
-sweep: 97.99 % against 97.80 % without it, the same TTFT but in the long-context cells with caches of half
+sweep: 97.99 % against 97.80 % without it, the same TTFT except in the long-context cells with caches of half
 the distinct blocks: 82.4 % against 75.2 % of the oracle and p90 383 against 526 ms at speed 0.5, 79.9 %
 against 75.1 % and p90 158 against 136 ms at speed 1).
 
