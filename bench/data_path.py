@@ -44,6 +44,9 @@ window, its CPU per request by library below Python: the interpreter, the kernel
 uvloop, httptools, orjson / msgspec, libzmq, tokenizers, a peer's own Rust code ("rust router"). py-spy and
 cProfile see only Python frames (cProfile inflates small calls); the interpreter's share is what compiled
 code could reduce.
+``--syscalls``: every router traced with ``perf trace -s`` over the same window, its system calls per request
+by name (all of them first): each is a kernel entry and exit, which a paravirtualized guest pays dearly
+for. perf's own cost lands in the CPU figures of such a run: read them from a run without it.
 ``--python NAME=PATH``: each kvroute row also runs on another interpreter (a venv of it with kvroute
 installed), labelled ``[NAME]``, in the same run.
 ``--runs N``: every cell N times, the routers' order rotated each run; the report adds, per cell, each
@@ -58,6 +61,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -247,6 +251,47 @@ class NativeSampler:
         return native_shares(report.stdout)
 
 
+class SyscallCounter:
+    """``perf trace -s`` of one process (its threads too) from construction until ``stop``: its system calls by
+    name. Each costs a kernel entry and exit, which in a paravirtualized guest is a trip through the
+    hypervisor: a router's calls per request are part of its CPU figure that no Python profile shows.
+    perf adds its own cost to each call, so a run counting them is not one to read CPU figures from."""
+
+    def __init__(self, pid: int, out: str) -> None:
+        self.out = out
+        self.proc = subprocess.Popen(
+            ["perf", "trace", "-s", "-p", str(pid), "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 30.0
+        while not self._tracing():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("perf trace did not start (perf_event_paranoid, or no tracepoints?)")
+            time.sleep(0.05)
+
+    def _tracing(self) -> bool:
+        """perf has opened its events (it does so once it has attached to every thread)."""
+        fd_dir = f"/proc/{self.proc.pid}/fd"
+        try:
+            return any("perf_event" in os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir))
+        except OSError:
+            return False
+
+    def stop(self) -> dict[str, int]:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(60)
+        with open(self.out, encoding="utf-8", errors="replace") as f:
+            return syscall_counts(f.read())
+
+
+def syscall_counts(summary: str) -> dict[str, int]:
+    """Calls by system call name, summed over the threads of a ``perf trace -s`` summary."""
+    counts: collections.Counter[str] = collections.Counter()
+    for m in re.finditer(r"^\s+([a-z_0-9]+)\s+(\d+)\s+\d+\s+[\d.]+\s", summary, re.MULTILINE):
+        counts[m.group(1)] += int(m.group(2))
+    return dict(counts.most_common())
+
+
 class Sampler:
     """py-spy recording one process (and its threads) until stopped; ``None`` shares without py-spy."""
 
@@ -409,6 +454,11 @@ def run_cell(
                 if args.native
                 else None
             )
+            syscalls = (
+                SyscallCounter(pid, os.path.join(args.out_dir, f"{tag}-{tokenizer}-{api}-{output_tokens}-c{c}.trace"))
+                if args.syscalls
+                else None
+            )
             engine_urls = [w.metrics_url for w in cluster.workers]
             load_before = round(os.getloadavg()[0], 1)
             e0 = engine_ttft(engine_urls)
@@ -436,6 +486,7 @@ def run_cell(
             took = [n for _, n in each]
             shares = sampler.stop() if sampler is not None else None
             libraries = native.stop() if native is not None else None
+            calls = syscalls.stop() if syscalls is not None else None
             per_request = 1000.0 * cpu / max(1, row["completed"])
             rows.append(
                 {
@@ -485,6 +536,15 @@ def run_cell(
                     "native_ms_per_request": (
                         {k: round(v * per_request, 3) for k, v in libraries.items()} if libraries else None
                     ),
+                    # --syscalls: its system calls per request, all and by name (perf trace)
+                    "syscalls_per_request": (
+                        {
+                            name: round(n / max(1, row["completed"]), 2)
+                            for name, n in {"all": sum(calls.values()), **calls}.items()
+                        }
+                        if calls is not None
+                        else None
+                    ),
                     "loadavg_1m_before": load_before,
                     "loadavg_1m": round(os.getloadavg()[0], 1),
                 }
@@ -499,7 +559,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     phases = [name for name, _ in PHASES] + ["other"]
     head = ["router", "tokenizer", "api", "out", "c", "pinned", "TTFT p50 / p90 / p99 ms", "TTFT added ms",
             "CPU ms / req", "idle CPU ms / s", "CPU above idle ms / req", "switches / req",
-            "path to engine ms (tokenize / route)", "below Python ms (perf)",
+            "path to engine ms (tokenize / route)", "below Python ms (perf)", "system calls / req (perf trace)",
             *phases]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -512,11 +572,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             else ""
         )
         native = ", ".join(f"{k} {v:.2f}" for k, v in (r.get("native_ms_per_request") or {}).items())
+        calls = ", ".join(f"{k} {v:g}" for k, v in list((r.get("syscalls_per_request") or {}).items())[:6])
         switches = r.get("switches_per_request")
         cells = [r["router"], r["tokenizer"], r["api"], str(r["output_tokens"]), str(r["concurrency"]),
                  "yes" if r["pinned"] else "no", ttft, f"{r['ttft_added_ms']}", f"{r['cpu_ms_per_request']:.2f}",
                  _fmt(r.get("idle_cpu_ms_per_s")), _fmt(r.get("cpu_above_idle_ms_per_request")),
-                 "" if switches is None else f"{switches:g}", to_engine, native,
+                 "" if switches is None else f"{switches:g}", to_engine, native, calls,
                  *(f"{ph[p]:.2f}" if p in ph else "" for p in phases)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -638,6 +699,9 @@ def parser() -> argparse.ArgumentParser:
                    help="record each router with perf (cpu-clock) over each measured window: its CPU per "
                    "request by library below Python (interpreter, kernel, libc, uvloop, ...); needs perf and "
                    "--no-profile")  # fmt: skip
+    p.add_argument("--syscalls", action="store_true",
+                   help="trace each router with perf trace over each measured window: its system calls per "
+                   "request, by name (perf's own cost is then in the CPU figures); needs perf")  # fmt: skip
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--speedup-ratio", type=float, default=4.0)
@@ -669,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--runs must be >= 1")
     if args.native and args.profile:
         raise SystemExit("--native needs --no-profile (py-spy's sampling would be in perf's figures)")
-    if args.native and shutil.which("perf") is None:
+    if (args.native or args.syscalls) and shutil.which("perf") is None:
         raise SystemExit("--native needs perf (Debian: apt-get install linux-perf)")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []

@@ -45,6 +45,31 @@ def test_perfs_shared_objects_are_grouped_by_library() -> None:
     assert data_path.native_shares(rust) == {"rust router": 0.6, "kernel": 0.4}
 
 
+def test_perf_traces_summary_is_counted_by_system_call_over_all_threads() -> None:
+    summary = """
+ Summary of events:
+
+ python (4593), 42138 events, 100.0%
+
+   syscall            calls  errors  total       min       avg       max       stddev
+                                     (msec)    (msec)    (msec)    (msec)        (%)
+   --------------- --------  ------ -------- --------- --------- ---------     ------
+   epoll_pwait         6832      0 12845.095     0.000     1.880   435.546      7.02%
+   write               6087      0    88.839     0.003     0.015     0.115      0.77%
+   connect               12     12     0.819     0.059     0.068     0.088      3.36%
+
+
+ smg::router (4648), 80 events, 0.1%
+
+   syscall            calls  errors  total       min       avg       max       stddev
+                                     (msec)    (msec)    (msec)    (msec)        (%)
+   --------------- --------  ------ -------- --------- --------- ---------     ------
+   write                 40      0     0.539     0.003     0.013     0.089      0.73%
+"""
+    assert data_path.syscall_counts(summary) == {"epoll_pwait": 6832, "write": 6127, "connect": 12}
+    assert data_path.syscall_counts(" Summary of events:\n") == {}
+
+
 def test_path_means_are_the_histograms_growth_between_two_scrapes() -> None:
     before = {"to_engine": (10.0, 4.0), "tokenize": (2.0, 4.0)}
     after = {"to_engine": (16.0, 6.0), "tokenize": (2.0, 4.0), "route": (1.5, 3.0)}
@@ -63,7 +88,7 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     other.chmod(0o755)
     argv = ["--routers", "kvroute-latency,round_robin", "--runs", "2", "--tokenizers", "builtin",
             "--apis", "completions", "--concurrency", "2", "--requests", "12", "--workers", "2",
-            "--no-profile", "--native", "--python", f"other={other}", "--idle-seconds", "0.5",
+            "--no-profile", "--native", "--syscalls", "--python", f"other={other}", "--idle-seconds", "0.5",
             "--out-dir", out]  # fmt: skip
     assert data_path.main(argv) == 0
     with open(os.path.join(out, "data_path.json"), encoding="utf-8") as f:
@@ -106,6 +131,9 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
         native = row["native_ms_per_request"]
         assert native["interpreter"] > 0 and min(native.values()) >= 0  # a group of one sample can round to 0
         assert abs(sum(native.values()) - row["cpu_ms_per_request"]) <= 0.01 * len(native)
+        # --syscalls: each request was read from the client and its answer written back, at least
+        calls = row["syscalls_per_request"]
+        assert calls["all"] >= calls["read"] + calls["write"] and calls["read"] >= 1 and calls["write"] >= 1
     with open(os.path.join(out, "data_path.md"), encoding="utf-8") as f:
         report = f.read()
     assert "2 runs, the routers' order rotated" in report
