@@ -68,6 +68,7 @@ class RequestContext:
         "rate",
         "trace",
         "dispatched",
+        "routed_notes",
     )
     # set by the route before the request is routed
     t_start: float
@@ -100,8 +101,19 @@ class RequestContext:
         self.dispatched = False  # its first attempt's body went to an engine (kvroute_dispatch_path_ms)
         self.engine_ids: Sequence[int] | None = None  # a completions prompt as ids, for workers that take them
         self.ids_body: bytes | None = None  # out_body with engine_ids as its prompt, built on first use
+        # the current attempt's booking still to record once its request is sent (RequestPath._dispatch)
+        self.routed_notes: Callable[[], None] | None = None
         self.entry: ModelEntry
         self.mm: ModelMetrics
+
+    def sent(self) -> None:
+        """The current attempt's request is written to its worker (or handed over, or failed before):
+        record the rest of its booking, once. A ``Send`` calls this as soon as the bytes are out, before
+        it waits for anything, so the next decision sees this one."""
+        notes = self.routed_notes
+        if notes is not None:
+            self.routed_notes = None
+            notes()
 
     def body_for(self, takes_ids: bool) -> bytes:
         """The body a worker gets: ``out_body``, with the prompt as the router's ids where it takes them."""
@@ -198,5 +210,6 @@ class HttpSource:
         return None
 
 
-# the proxy's dispatch (RequestPath.send), or the endpoint picker's hand-over to its gateway
+# the proxy's dispatch (RequestPath.send), or the endpoint picker's hand-over to its gateway; either calls
+# ``ctx.sent()`` once the request is on its way
 Send = Callable[[RequestContext, Lease], Awaitable[Any]]

@@ -38,7 +38,11 @@ class ChunkPipeline:
     """What every chunk of a worker's streamed response does to its request, whoever relays it (the
     proxy here, or Envoy through the endpoint picker): the first token marks prefill complete, tokens
     are counted, and the migration tracker, the usage tap and the response rewriter see the chunk in
-    that order (each may hold or change bytes). ``feed`` returns what the client gets now."""
+    that order (each may hold or change bytes). ``feed`` returns what the client gets now.
+
+    A relay that writes to the client itself calls ``transform``, writes, then ``account``: the first
+    token's bookkeeping (metrics, the latency model, the tracker's prefill completion, admission
+    wake-ups) then runs after the client has the token, not before."""
 
     __slots__ = ("lease", "dialect", "rewriter", "tap", "tracker", "first")
 
@@ -53,15 +57,28 @@ class ChunkPipeline:
     def feed(self, chunk: bytes) -> bytes:
         if not chunk:
             return b""
-        rw = self.rewriter
+        self.account(chunk)
+        return self.transform(chunk)
+
+    def account(self, chunk: bytes) -> None:
+        """The request's bookkeeping for a chunk as the worker sent it: its first token, its token count."""
         if self.first and self.dialect.has_token(chunk):  # first token (vLLM-style role chunks carry none)
             self.first = False
             self.lease.first_token()
-            if rw is not None:
-                rw.first_token()
+            if self.rewriter is not None:
+                self.rewriter.first_token()
         n = self.dialect.tokens(chunk)
         if n:
             self.lease.tokens(n)
+
+    @property
+    def accounts_after_write(self) -> bool:
+        """Whether a relay may write a chunk before ``account``: not when the rewriter adds the first
+        token's time to what the client gets."""
+        return self.rewriter is None
+
+    def transform(self, chunk: bytes) -> bytes:
+        """What the client gets of a chunk now (the tracker, the tap and the rewriter may hold or change it)."""
         if self.tracker is not None:
             chunk = self.tracker.feed(chunk)
             if not chunk:
@@ -70,8 +87,8 @@ class ChunkPipeline:
             chunk = self.tap.feed(chunk)
             if not chunk:
                 return b""
-        if rw is not None:
-            chunk = rw.chunk(chunk)
+        if self.rewriter is not None:
+            chunk = self.rewriter.chunk(chunk)
         return chunk
 
     def flush(self) -> bytes:
@@ -232,8 +249,17 @@ class _DirectSink:
         self.writer = writer
 
     def __call__(self, chunk: bytes) -> bool:
-        out = self.chunks.feed(chunk)
-        return self.writer.write(out) if out else True
+        chunks = self.chunks
+        if not chunks.accounts_after_write:
+            out = chunks.feed(chunk)
+            return self.writer.write(out) if out else True
+        if not chunk:
+            return True
+        out = chunks.transform(chunk)
+        try:
+            return self.writer.write(out) if out else True
+        finally:
+            chunks.account(chunk)  # the client has the bytes: the bookkeeping no longer delays them
 
 
 class _ClientGone:

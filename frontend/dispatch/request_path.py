@@ -265,10 +265,9 @@ class RequestPath:
             decision.overlap_source = source
             request_id = state.next_request_id()
             try:
-                router.book(entry, request_id, decision)
+                router.reserve(entry, request_id, decision)
             except Exception as exc:
                 raise OpenAIError(503, f"could not book worker {decision.worker.id}: {exc}") from None
-            state.metrics.router_started.inc()
             ctx.attempt = lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
             if previous is not None:
                 lease.inherit(previous)
@@ -276,23 +275,17 @@ class RequestPath:
                 lease.hooks.append(ctx.rate)
             if ctx.trace is not None:
                 ctx.trace.routed(lease, t_route, router.label)
-            # embeddings leave no KV cache behind: no hash-parity evidence to collect
-            ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
-            if state.config.router_track_output_blocks:
-                lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
-            _record_routed(state, ctx.mm, decision)
-            if ctx.timing is not None and ctx.prefill is None:
-                from frontend.request.hints import kv_hit_rate
-
-                ctx.timing.dispatched = time.monotonic()
-                ctx.timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, entry.block_size)
+            # the rest of the booking waits until the request is on its way (``send`` calls ctx.sent())
+            ctx.routed_notes = _RoutedNotes(self, router, ctx, lease)
             try:
                 response = await send(ctx, lease)
             except BaseException:
+                ctx.sent()
                 lease.status, lease.error_type = "error", "cancelled"
                 lease.release()
                 ctx.counting = False  # the lease recorded the request's end
                 raise
+            ctx.sent()  # a send that ended before writing anything: the attempt is still counted
             if response is _MIGRATE:  # the worker failed before answering: the same request goes elsewhere
                 lease.release(final=False)
                 previous = lease
@@ -342,7 +335,7 @@ class RequestPath:
             ctx.dispatched = True
             state.metrics.dispatch_path.observe((_perf() - ctx.t_start) * 1e3)
         try:
-            upstream = await worker.upstream.request("POST", path, body, headers, stream or as_stream)
+            upstream = await worker.upstream.request("POST", path, body, headers, stream or as_stream, ctx.sent)
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
                 raise
@@ -667,6 +660,38 @@ class RequestPath:
         except OpenAIError as exc:
             ctx.finish_unrouted(_error_type(exc.status))
             raise
+
+
+class _RoutedNotes:
+    """The part of an attempt's booking its engine does not wait for, run once its request is written
+    (``RequestContext.sent``): what the router learns from the decision (``RequestRouter.note_routed``),
+    the routing metrics, the parity probe, output-block tracking and the nvext timing. The tracker's
+    reservation is made before the request is sent."""
+
+    __slots__ = ("path", "router", "ctx", "lease")
+
+    def __init__(self, path: RequestPath, router: Any, ctx: RequestContext, lease: Lease) -> None:
+        self.path = path
+        self.router = router
+        self.ctx = ctx
+        self.lease = lease
+
+    def __call__(self) -> None:
+        state = self.path.state
+        ctx, lease = self.ctx, self.lease
+        entry, decision = lease.entry, lease.decision
+        self.router.note_routed(entry, lease.request_id, decision)
+        state.metrics.router_started.inc()
+        # embeddings leave no KV cache behind: no hash-parity evidence to collect
+        ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
+        if state.config.router_track_output_blocks:
+            lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
+        _record_routed(state, ctx.mm, decision)
+        if ctx.timing is not None and ctx.prefill is None:
+            from frontend.request.hints import kv_hit_rate
+
+            ctx.timing.dispatched = time.monotonic()
+            ctx.timing.kv_hit_rate = kv_hit_rate(decision.overlap_blocks, decision.isl, entry.block_size)
 
 
 class _SessionHook:

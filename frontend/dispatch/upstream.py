@@ -14,6 +14,7 @@ httpx is still used for the rare control-plane calls (health checks, discovery).
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -21,6 +22,8 @@ from typing import cast, overload
 from urllib.parse import urlsplit
 
 import httptools
+
+log = logging.getLogger("frontend.dispatch.upstream")
 
 
 class UpstreamError(Exception):
@@ -200,6 +203,13 @@ class UpstreamResponse:
         self._wake()
 
 
+def _run(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:
+        log.exception("after-send step failed")
+
+
 def _idle_expired(fut: asyncio.Future, seconds: float) -> None:
     if not fut.done():
         fut.set_exception(UpstreamTimeout(f"worker sent nothing for {seconds:g} s mid-stream"))
@@ -371,18 +381,34 @@ class UpstreamPool:
         return b"".join(head)
 
     async def request(
-        self, method: str, path: str, body: bytes, headers: Iterable[tuple[str, str]] = (), stream: bool = False
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[str, str]] = (),
+        stream: bool = False,
+        on_sent: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
-        """Send a request; returns after the headers (``stream=True``) or the whole response."""
+        """Send a request; returns after the headers (``stream=True``) or the whole response.
+
+        ``on_sent`` runs once, as soon as the request is written (before waiting for anything), or before
+        a new connection is awaited: work the caller owes before another request can run, which the
+        worker need not wait for. What it raises is logged, not raised: the request is out."""
         data = self.encode(method, path, body, headers)
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             conn = self._acquire()
             reused = conn is not None
             if conn is None:
+                if on_sent is not None:
+                    _run(on_sent)
+                    on_sent = None
                 conn = await self._connect()
             resp = UpstreamResponse(conn, loop, stream)
             conn.send(data, resp)
+            if on_sent is not None:
+                _run(on_sent)
+                on_sent = None
             fut = resp._headers_fut if stream else resp._done_fut
             assert fut is not None  # UpstreamResponse creates the one this mode waits on
             try:

@@ -176,6 +176,7 @@ class Picked:
 
 async def _hand_over(ctx: RequestContext, lease: Lease) -> Picked:
     """The picker's ``send``: the gateway dispatches, so the decision is the result."""
+    ctx.sent()
     return Picked(ctx, lease)
 
 

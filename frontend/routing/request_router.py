@@ -266,11 +266,21 @@ class RequestRouter:
 
     # ------------------------------------------------------------------------------------------
     def book(self, entry: ModelEntry, request_id: str, decision: Decision) -> None:
-        """Record the request on its (worker, rank) before dispatch; approximate mode predicts its blocks."""
-        tracker = entry.tracker
+        """``reserve`` and ``note_routed`` at once, for a caller that books before it sends."""
+        self.reserve(entry, request_id, decision)
+        self.note_routed(entry, request_id, decision)
+
+    def reserve(self, entry: ModelEntry, request_id: str, decision: Decision) -> None:
+        """Record the request on its (worker, rank) in the tracker: the load the next decision sees.
+        Raises the tracker's error when it cannot (the rank is gone)."""
         booked = decision.new_isl_tokens if decision.booked_new_tokens is None else decision.booked_new_tokens
         new_isl = booked if self.config.router_track_prefill_tokens else 0
-        tracker.add(request_id, decision.worker.id, decision.dp_rank, decision.tracked_hashes, new_isl)
+        entry.tracker.add(request_id, decision.worker.id, decision.dp_rank, decision.tracked_hashes, new_isl)
+
+    def note_routed(self, entry: ModelEntry, request_id: str, decision: Decision) -> None:
+        """What the router learns from a decision it booked: the decision log, latency mode's footprint of
+        blocks just routed, the approximate index's predicted blocks. Needed by the next decision, not
+        by this request's engine: the proxy runs it once the request is written to its worker."""
         if self.decisions is not None:
             self.decisions.record(self.label, self.config, entry, request_id, decision)
         if self.config.router_mode == "latency" and self._live_horizon and decision.seq_hashes:
