@@ -195,3 +195,21 @@ def test_a_rewriter_hears_of_the_first_token_before_the_chunk_is_written() -> No
     assert log == ["first_token", "chunk"]
     assert listener.events[0] == ("first_token", 0)  # before the write, as the rewriter needs it
     assert writer.parts == [TOKEN]
+
+
+def test_a_failing_routed_record_is_logged_once_and_never_raised(caplog: pytest.LogCaptureFixture) -> None:
+    from frontend.dispatch.context import RequestContext
+
+    ctx = RequestContext()
+    calls: list[int] = []
+
+    def notes() -> None:
+        calls.append(1)
+        raise RuntimeError("bookkeeping bug")
+
+    ctx.routed_notes = notes
+    with caplog.at_level(logging.ERROR, logger="frontend"):
+        ctx.sent()
+        ctx.sent()  # once only
+    assert calls == [1] and ctx.routed_notes is None
+    assert [r.message for r in caplog.records] == ["recording a routed decision failed"]

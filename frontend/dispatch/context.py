@@ -113,7 +113,10 @@ class RequestContext:
         notes = self.routed_notes
         if notes is not None:
             self.routed_notes = None
-            notes()
+            try:
+                notes()
+            except Exception:  # a bug here must not fail a request already sent, nor skip its release
+                log.exception("recording a routed decision failed")
 
     def body_for(self, takes_ids: bool) -> bytes:
         """The body a worker gets: ``out_body``, with the prompt as the router's ids where it takes them."""
