@@ -502,22 +502,50 @@ class KvIndex:
                         min_pos, min_hash = cp, c
                     found += 1
                     i += 1
-            current = node.cutoff(w)
-            if min_pos >= current:
-                stale = [min_hash]
-            else:
-                # only the positions it still covered: a run evicted tail first costs one step per block
-                stale = [node.ext_of(w, p) for p in range(min_pos, current)]
-                if min_pos == 0:
-                    node.drop(w)
-                else:
-                    node.full.discard(w)
-                    node.cutoffs[w] = min_pos
-            self._after_loss(node)
-            for s in stale:
-                lookup.pop(s, None)
+            for s in self._cut(w, lookup, node, min_pos, min_hash):
                 eagerly_removed.add(s)
         return found
+
+    def apply_removed_each(self, worker_id: int, dp_rank: int, ext_hashes: list[int]) -> int:
+        """``apply_removed`` of one device-tier block per hash, in order, as that many single-block events
+        (what vLLM publishes for every evicted block); returns how many were found. One call for the run
+        instead of one per event: an engine evicting a long prompt sends hundreds per batch."""
+        w = (worker_id, dp_rank)
+        lookup = self._lookup.get(w)
+        if lookup is None:
+            lookup = self._lookup[w] = {}
+        found = 0
+        cut = self._cut
+        for h in ext_hashes:
+            node = lookup.pop(h, None)
+            if node is None:
+                continue
+            pos = node.index.get(h)
+            if pos is None:
+                lookup[h] = node
+                continue
+            found += 1
+            cut(w, lookup, node, pos, h)
+        return found
+
+    def _cut(self, w: Worker, lookup: dict[int, _Run], node: _Run, pos: int, ext: int) -> list[int]:
+        """``w`` loses ``node`` from ``pos`` (the block ``ext``) on: the external hashes it no longer holds
+        there, gone from its lookup."""
+        current = node.cutoff(w)
+        if pos >= current:
+            stale = [ext]
+        else:
+            # only the positions it still covered: a run evicted tail first costs one step per block
+            stale = [node.ext_of(w, p) for p in range(pos, current)]
+            if pos == 0:
+                node.drop(w)
+            else:
+                node.full.discard(w)
+                node.cutoffs[w] = pos
+        self._after_loss(node)
+        for s in stale:
+            lookup.pop(s, None)
+        return stale
 
     @staticmethod
     def _after_loss(node: _Run) -> None:

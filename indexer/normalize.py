@@ -94,6 +94,28 @@ def _plain_hashes(tokens: list[int], block_size: int) -> list[int]:
     return [_xxh3(view[i : i + step], seed) for i in range(0, n * step, step)]
 
 
+def _single_block_run_end(events: list[Stored | Removed | Cleared], start: int) -> int:
+    """The end of the run of removals from ``start`` that each name one block, with the same medium,
+    group and locality as the first."""
+    first = events[start]
+    if len(first.block_hashes) != 1:  # type: ignore[union-attr]
+        return start + 1
+    medium, group, locality = first.medium, first.group_idx, first.locality  # type: ignore[union-attr]
+    end, n = start + 1, len(events)
+    while end < n:
+        ev = events[end]
+        if (
+            type(ev) is not Removed
+            or len(ev.block_hashes) != 1
+            or ev.medium != medium
+            or ev.group_idx != group
+            or ev.locality != locality
+        ):
+            break
+        end += 1
+    return end
+
+
 class EventApplier:
     """Applies decoded batches of one listener to a KvIndex, filtering like the reference."""
 
@@ -118,16 +140,25 @@ class EventApplier:
 
     def apply_batch(self, batch: DecodedBatch) -> None:
         dp = self.dp_rank if batch.dp_rank is None else batch.dp_rank & 0xFFFFFFFF
-        for ev in batch.events:
+        events = batch.events
+        i, n = 0, len(events)
+        while i < n:
+            ev = events[i]
             t = type(ev)
             if t is Stored:
                 self._stored(ev, dp)  # type: ignore[arg-type]
             elif t is Removed:
+                end = _single_block_run_end(events, i)
+                if end - i > 1:
+                    self._removed_run(events[i:end], dp)  # type: ignore[arg-type]
+                    i = end
+                    continue
                 self._removed(ev, dp)  # type: ignore[arg-type]
             elif t is Cleared:
                 self.index.apply_cleared(self.instance_id, dp)
                 self._forget_rank(dp)
                 self._count("cleared", "ok")
+            i += 1
 
     def reset_rank(self) -> None:
         """The engine behind this listener restarted: its rank's blocks are gone, in every tier."""
@@ -229,6 +260,29 @@ class EventApplier:
             for ext in ev.block_hashes:
                 self._namespaces.pop((dp, ext), None)
         self._count("removed", "ok" if found == len(ev.block_hashes) else "block_not_found")
+
+    def _removed_run(self, run: list[Removed], dp: int) -> None:
+        """Consecutive single-block removals with the same medium, group and locality (vLLM publishes one
+        event per evicted block): applied and counted as ``_removed`` would one by one, in one index call."""
+        first = run[0]
+        tier = tier_for_medium(first.medium)
+        if tier != DEVICE or self._namespaces:  # lower tiers and remembered namespaces: the general path
+            for ev in run:
+                self._removed(ev, dp)
+            return
+        if (first.locality is not None and first.locality != "LOCAL") or not self._group_kept(
+            dp, first.group_idx, None, learn=False
+        ):
+            self._count_n("removed", "filtered", len(run))
+            return
+        found = self.index.apply_removed_each(self.instance_id, dp, [ev.block_hashes[0] for ev in run])
+        self._count_n("removed", "ok", found)
+        self._count_n("removed", "block_not_found", len(run) - found)
+
+    def _count_n(self, event_type: str, status: str, n: int) -> None:
+        if n:
+            key = (event_type, status)
+            self.counters[key] = self.counters.get(key, 0) + n
 
     # -- namespace memory
 
