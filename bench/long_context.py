@@ -16,6 +16,8 @@ then does the request path alone.
   fresh random text (the tokenizer's caches do not help). Reported: the tiny requests' p50 / p99 /
   worst over the window, the long requests' statuses, and per second of the window how long the
   frontend's loop thread ran and how long it was runnable but waited for a CPU (schedstat).
+  ``--split``: the tiny completions also ask for the frontend's timing (``nvext``), and their time is
+  split into before the frontend's handler had the request, in it, and after it.
 * **The chat shape** (``--shapes chat``): the same with chat requests on both sides, as an agent sends
   them: a ~128 k-token user message in ``/v1/chat/completions`` at 2/s, and three 3 MB chat prompts at
   once, while tiny chat requests are sent every 10 ms (each rendered through the chat template).
@@ -116,15 +118,17 @@ async def _long_sender(
 
 
 async def _scenario(
-    url: str, pid: int, bodies: list[bytes], rate: float, at_once: bool, chat: bool = False
+    url: str, pid: int, bodies: list[bytes], rate: float, at_once: bool, chat: bool = False, split: bool = False
 ) -> dict[str, Any]:
     """Tiny requests open loop while ``bodies`` arrive at ``rate`` (or all ``at_once``, as chat
     requests); ``chat``: the tiny and the long requests are chat requests. Also reported, per second
     of the window: how long the frontend's loop thread ran, and how long it was runnable but waited
-    for a CPU (other threads and processes on the cores: every request waits as long)."""
+    for a CPU (other threads and processes on the cores: every request waits as long); ``split``: where the
+    tiny requests' time went (``_split``)."""
     import httpx
 
     samples: list[tuple[float, float]] = []
+    parts: list[tuple[float, float, float, float]] | None = [] if split else None
     stop = asyncio.Event()
     statuses: list[int] = []
     tokens: list[int] = []
@@ -136,7 +140,7 @@ async def _scenario(
         for i in range(20):  # warm the connections
             path, body = _tiny_request(chat, f"warm {i}")
             await tiny.post(path, json=body)
-        sender = asyncio.create_task(_tiny_open_loop(tiny, 0.01, samples, stop, chat))
+        sender = asyncio.create_task(_tiny_open_loop(tiny, 0.01, samples, stop, chat, parts))
         t0 = time.perf_counter()
         sched0 = _loop_sched(pid)
         if not bodies:  # the idle baseline: tiny requests alone
@@ -156,7 +160,7 @@ async def _scenario(
         await sender
     window = [ms for t, ms in samples if t0 <= t < t1]
     secs = t1 - t0
-    return {
+    out: dict[str, Any] = {
         "tiny_ms": _summary(window),
         "loop_run_ms_per_s": round((sched1[0] - sched0[0]) / 1e6 / secs, 1),
         "loop_cpu_wait_ms_per_s": round((sched1[1] - sched0[1]) / 1e6 / secs, 1),
@@ -164,35 +168,63 @@ async def _scenario(
         "long_prompt_tokens": round(sum(tokens) / len(tokens)) if tokens else None,
         "seconds": round(t1 - t0, 1),
     }
+    if parts is not None:
+        out["tiny_split_ms"] = _split([p[1:] for p in parts if t0 <= p[0] < t1])
+    return out
 
 
-def _tiny_request(chat: bool, text: str) -> tuple[str, dict[str, Any]]:
-    """A tiny request's path and JSON body: chat (rendered through the chat template) or completion."""
+def _tiny_request(chat: bool, text: str, timing: bool = False) -> tuple[str, dict[str, Any]]:
+    """A tiny request's path and JSON body: chat (rendered through the chat template) or completion;
+    ``timing``: it asks for the frontend's own timestamps (``nvext.extra_fields``)."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 1}
     if chat:
-        return "/v1/chat/completions", {
-            "model": MODEL,
-            "max_tokens": 1,
-            "messages": [{"role": "user", "content": text}],
-        }
-    return "/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    if timing:
+        body["nvext"] = {"extra_fields": ["timing"]}
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+def _split(parts: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """Where the tiny requests' time went, from (sent, finished, the frontend's timing) per request: before
+    the frontend's handler had the request (the client, the connection, the frontend's loop reaching it, the
+    body read and parsed; the frontend stamps its arrival to the millisecond), in the handler (routing, the
+    engine, the response out), and after it (the client reading the response)."""
+    return {
+        "before_handler": _summary([p[0] for p in parts]),
+        "in_handler": _summary([p[1] for p in parts]),
+        "after_handler": _summary([p[2] for p in parts]),
+    }
 
 
 async def _tiny_open_loop(
-    client: Any, interval: float, out: list[tuple[float, float]], stop: asyncio.Event, chat: bool
+    client: Any,
+    interval: float,
+    out: list[tuple[float, float]],
+    stop: asyncio.Event,
+    chat: bool,
+    split: list[tuple[float, float, float, float]] | None = None,
 ) -> None:
-    """Like tokenize_stall's open loop, with completions (no chat template on the tiny path) or chat."""
+    """Like tokenize_stall's open loop, with completions (no chat template on the tiny path) or chat;
+    ``split``: each request's (sent, before / in / after the frontend's handler, ms) is added there."""
     loop = asyncio.get_running_loop()
     tasks = []
     next_t = loop.time()
     i = 0
 
     async def one(k: int) -> None:
-        t = time.perf_counter()
-        path, body = _tiny_request(chat, f"hi {k}")
+        t, wall = time.perf_counter(), time.time()
+        path, body = _tiny_request(chat, f"hi {k}", split is not None)
         r = await client.post(path, json=body)
         if r.status_code != 200:
             raise RuntimeError(f"tiny request failed: {r.status_code} {r.text[:200]}")
-        out.append((t, (time.perf_counter() - t) * 1e3))
+        ms = (time.perf_counter() - t) * 1e3
+        out.append((t, ms))
+        if split is not None:
+            timing = r.json()["nvext"]["timing"]
+            before = timing["request_received_ms"] - wall * 1e3
+            split.append((t, before, timing["total_time_ms"], ms - before - timing["total_time_ms"]))
 
     while not stop.is_set():
         i += 1
@@ -287,11 +319,11 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
                 for name, tokens, rate, secs in SCENARIOS:
                     n = max(1, int(rate * secs))
                     bodies = [_completion(tokens, k, cpt) for k in range(n)]
-                    out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, rate, False))
+                    out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, rate, False, split=args.split))
                     print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
                 bodies = [_chat(3_000_000, 500 + k) for k in range(3)]
                 name = "three 3 MB chat prompts at once"
-                out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, 1.0, True))
+                out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, 1.0, True, split=args.split))
                 print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
             if "chat" in shapes:
                 if args.idle:
@@ -334,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         "--shapes", default=",".join(SHAPES), help="comma-separated latency shapes: completions, chat [both]"
     )
     ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle baseline")
+    ap.add_argument(
+        "--split",
+        action="store_true",
+        help="the tiny completions ask for the frontend's timing: report where their time went (before, in and "
+        "after the frontend's handler)",
+    )
     ap.add_argument(
         "--index", choices=["embedded", "remote"], default="embedded", help="where KV events are ingested [embedded]"
     )

@@ -217,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_env_int("DYN_TOKENIZER_OFFLOAD_CHARS"),
         metavar="N",
-        help="prompts longer than N characters are tokenized on a worker thread, never blocking the event loop; "
-        "0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 16384]",
+        help="a completions prompt with more than N characters of text the tokenizer's caches do not hold, and a "
+        "chat-shaped request over 4N characters, are tokenized on a worker thread, never blocking the event loop; "
+        "0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 4096]",
     )
     g.add_argument(
         "--send-token-ids",
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         "engine does not tokenize it again: auto = to each worker whose engine turned a probe text into the router's "
         "ids when it joined (its render route or /tokenize; until then, and where it did not, the text goes); "
         "always (the flag alone) = to every worker (their engines must use the frontend's tokenizer); never. Prompts "
-        "the router tokenized on a worker thread, requests with echo, prompt_logprobs, suffix, add_special_tokens or "
+        "over 32768 tokens, requests with echo, prompt_logprobs, suffix, add_special_tokens or "
         "a speculative prefill, and disaggregated requests keep their text "
         "[env KVROUTE_SEND_TOKEN_IDS: auto, always (or 1), never (or 0); default auto]",
     )

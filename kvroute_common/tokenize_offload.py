@@ -25,8 +25,11 @@ Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``
   runs, and started on the loop by the first long prompts, the second one held the loop 39 ms on the
   loaded machine (``--log-loop-stalls``, three 3 MB chat prompts at once).
 
-Prompts above ``threshold_chars`` characters of text are offloaded (default 16384: where an inline
-encode of fresh text starts to cost ~10 ms of loop time). ``threshold_chars=0`` never offloads.
+Prompts with more than ``threshold_chars`` characters of text to encode are offloaded (the caller counts
+what the tokenizer's caches do not already hold: ``PromptEncoder.new_chars``). Default 4096: text the
+caches do not hold costs an inline encode ~1.5 us a character on a slow 2-vCPU guest (a 5,000-token prompt:
+12-14 ms of loop time inline, 3.7 ms offloaded, the same CPU in all), so 4096 bounds it near 6 ms there;
+a prompt repeating cached text stays inline whatever its length. ``threshold_chars=0`` never offloads.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
 
-DEFAULT_OFFLOAD_CHARS = 16384
+DEFAULT_OFFLOAD_CHARS = 4096
 LOOP_SWITCH_INTERVAL_MS = 0.5
 """The frontend's GIL switch interval (``sys.setswitchinterval``; CPython's default is 5 ms)."""
 # two threads: one huge prompt does not hold up the next one; more would only fight over 2 cores
@@ -68,41 +71,43 @@ def bound_encoder_threads(environ: MutableMapping[str, str] | None = None, cores
 def prompt_chars(body: Mapping[str, Any]) -> int:
     """Characters of prompt text in an OpenAI body (chat messages, completion prompt, responses
     input), counted without copying; token-id prompts count 0."""
-    n = 0
+    return sum(len(t) for t in prompt_texts(body))
+
+
+def prompt_texts(body: Mapping[str, Any]) -> Iterator[str]:
+    """The prompt's texts in an OpenAI body: message contents (and their text parts), a completion
+    prompt, a responses input and instructions; token-id prompts have none."""
     messages = body.get("messages")
     if isinstance(messages, list):
         for m in messages:
             if isinstance(m, Mapping):
-                n += _content_chars(m.get("content"))
+                yield from _content_texts(m.get("content"))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        n += len(prompt)
+        yield prompt
     elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        n += len(prompt[0])
+        yield prompt[0]
     inp = body.get("input")
     if isinstance(inp, str):
-        n += len(inp)
+        yield inp
     elif isinstance(inp, list):
         for item in inp:
             if isinstance(item, str):
-                n += len(item)
+                yield item
             elif isinstance(item, Mapping):
-                n += _content_chars(item.get("content"))
+                yield from _content_texts(item.get("content"))
     instructions = body.get("instructions")
     if isinstance(instructions, str):
-        n += len(instructions)
-    return n
+        yield instructions
 
 
-def _content_chars(content: Any) -> int:
+def _content_texts(content: Any) -> Iterator[str]:
     if isinstance(content, str):
-        return len(content)
-    n = 0
-    if isinstance(content, list):
+        yield content
+    elif isinstance(content, list):
         for part in content:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                n += len(part["text"])
-    return n
+                yield part["text"]
 
 
 class TokenizeOffload:

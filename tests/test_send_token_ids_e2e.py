@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from bench.data_path import hf_tokenizer_dir
-from frontend.routing.prompt import Prompt, engine_token_ids, with_prompt_ids
+from frontend.routing.prompt import ENGINE_IDS_MAX, Prompt, engine_token_ids, with_prompt_ids
 from kvroute_common.hashing import token_array
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
 from kvroute_common.tokenizer import load_tokenizer
@@ -102,11 +102,6 @@ def test_an_engine_restarted_with_another_tokenizer_gets_text_again(tmp_path) ->
         assert engine_prompt_tokens(url, body) == theirs  # text: the new engine tokenizes it its own way
 
 
-def on_thread(prompt: Prompt) -> Prompt:
-    prompt.on_thread = True
-    return prompt
-
-
 @pytest.mark.parametrize(
     ("body", "prompt", "sent"),
     [
@@ -114,7 +109,8 @@ def on_thread(prompt: Prompt) -> Prompt:
         ({"prompt": ["a b"]}, Prompt([1, 2]), [1, 2]),
         ({"prompt": "a b"}, Prompt(token_array([1, 2])), [1, 2]),  # a remembered conversation's: a u32 array
         ({"prompt": [1, 2]}, Prompt([1, 2]), None),  # already ids
-        ({"prompt": "a b"}, on_thread(Prompt(token_array([1, 2]))), None),  # tokenized on a worker thread
+        ({"prompt": "a b"}, Prompt(token_array(range(ENGINE_IDS_MAX))), list(range(ENGINE_IDS_MAX))),
+        ({"prompt": "a b"}, Prompt(token_array(range(ENGINE_IDS_MAX + 1))), None),  # too long to write out again
         ({"prompt": "a b", "echo": True}, Prompt([1, 2]), None),
         ({"prompt": "a b", "suffix": "c"}, Prompt([1, 2]), None),
         ({"prompt": "a b", "add_special_tokens": False}, Prompt([1, 2]), None),

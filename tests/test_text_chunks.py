@@ -260,3 +260,53 @@ def test_a_completion_repeating_its_cached_history_is_tokenized_inline(builtin) 
         off.close()
     assert off.offloaded == 1  # the new 20k characters; not the turn that repeats them
     assert first == builtin(history)["input_ids"] and second == builtin(turn)["input_ids"]
+
+
+def test_text_the_caches_lack_goes_to_the_thread_and_uncounted_chat_text_at_four_times_the_threshold(builtin) -> None:
+    """At the default threshold a completion with a few thousand characters of new text is encoded on the
+    thread and the same text again inline (its chunks are cached); a chat request, whose cached share is not
+    counted, goes to the thread only past four times the threshold. Every path gives the full encode's ids."""
+    import asyncio
+
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.prompt import UNCOUNTED_TEXT_DISCOUNT, tokenize_request, tokenize_request_sync
+    from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS, TokenizeOffload
+    from slot_tracker.core import SlotRegistry
+
+    rng = random.Random(12)
+    entry = ModelEntry("m", 16, builtin, SlotRegistry(), None, None, BusyThresholds())
+    off = TokenizeOffload()
+    assert off.threshold_chars == DEFAULT_OFFLOAD_CHARS
+    fresh = random_text(rng, [], DEFAULT_OFFLOAD_CHARS + 2000)
+    short_chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": random_text(rng, [], DEFAULT_OFFLOAD_CHARS * 2)}],
+    }
+    long_chat = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": random_text(rng, [], DEFAULT_OFFLOAD_CHARS * UNCOUNTED_TEXT_DISCOUNT + 100)}
+        ],
+    }
+    offloaded: list[int] = []
+
+    async def main() -> list[list[int]]:
+        out = []
+        for body, kind in (
+            ({"model": "m", "prompt": fresh}, "completions"),
+            ({"model": "m", "prompt": fresh}, "completions"),
+            (short_chat, "chat"),
+            (long_chat, "chat"),
+        ):
+            out.append(list((await tokenize_request(off, entry, body, kind)).tokens))
+            offloaded.append(off.offloaded)
+        return out
+
+    try:
+        first, again, short, long = asyncio.run(main())
+    finally:
+        off.close()
+    assert offloaded == [1, 1, 1, 2]  # new text; cached text inline; chat under 4x inline; chat over it
+    assert first == again == builtin(fresh)["input_ids"]
+    assert short == tokenize_request_sync(entry, short_chat, "chat")
+    assert long == tokenize_request_sync(entry, long_chat, "chat")
