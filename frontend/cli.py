@@ -231,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
         "engine does not tokenize it again: auto = to each worker whose engine turned a probe text into the router's "
         "ids when it joined (its render route or /tokenize; until then, and where it did not, the text goes); "
         "always (the flag alone) = to every worker (their engines must use the frontend's tokenizer); never. Prompts "
-        "over 32768 tokens, requests with echo, prompt_logprobs, suffix, add_special_tokens or "
-        "a speculative prefill, and disaggregated requests keep their text "
+        "of over 32768 tokens tokenized on a worker thread, requests with echo, prompt_logprobs, suffix, "
+        "add_special_tokens or a speculative prefill, and disaggregated requests keep their text "
         "[env KVROUTE_SEND_TOKEN_IDS: auto, always (or 1), never (or 0); default auto]",
     )
     g.add_argument(

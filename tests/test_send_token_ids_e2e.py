@@ -102,6 +102,11 @@ def test_an_engine_restarted_with_another_tokenizer_gets_text_again(tmp_path) ->
         assert engine_prompt_tokens(url, body) == theirs  # text: the new engine tokenizes it its own way
 
 
+def on_thread(prompt: Prompt) -> Prompt:
+    prompt.on_thread = True
+    return prompt
+
+
 @pytest.mark.parametrize(
     ("body", "prompt", "sent"),
     [
@@ -109,8 +114,9 @@ def test_an_engine_restarted_with_another_tokenizer_gets_text_again(tmp_path) ->
         ({"prompt": ["a b"]}, Prompt([1, 2]), [1, 2]),
         ({"prompt": "a b"}, Prompt(token_array([1, 2])), [1, 2]),  # a remembered conversation's: a u32 array
         ({"prompt": [1, 2]}, Prompt([1, 2]), None),  # already ids
-        ({"prompt": "a b"}, Prompt(token_array(range(ENGINE_IDS_MAX))), list(range(ENGINE_IDS_MAX))),
-        ({"prompt": "a b"}, Prompt(token_array(range(ENGINE_IDS_MAX + 1))), None),  # too long to write out again
+        ({"prompt": "a b"}, on_thread(Prompt(token_array(range(ENGINE_IDS_MAX)))), list(range(ENGINE_IDS_MAX))),
+        ({"prompt": "a b"}, on_thread(Prompt(token_array(range(ENGINE_IDS_MAX + 1)))), None),  # long, from a thread
+        ({"prompt": "a b"}, Prompt(token_array(range(ENGINE_IDS_MAX + 1))), list(range(ENGINE_IDS_MAX + 1))),  # memo
         ({"prompt": "a b", "echo": True}, Prompt([1, 2]), None),
         ({"prompt": "a b", "suffix": "c"}, Prompt([1, 2]), None),
         ({"prompt": "a b", "add_special_tokens": False}, Prompt([1, 2]), None),

@@ -25,8 +25,9 @@ from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes
 # longer prompts go to the worker thread without looking for cached chunks first (the look costs ~1 us
 # per 100 characters on the loop, and a prompt this long is most likely new text)
 NEW_CHARS_SCAN_MAX = 256 * 1024
-# a completions prompt longer than this goes to the engine as its text: writing its ids into the engine's
-# body costs the loop ~11 ns a token (0.35 ms here), a 128 k-token prompt's 1.4 ms
+# a completions prompt tokenized on the worker thread and longer than this goes to the engine as its text:
+# writing its ids into the engine's body costs the loop ~11 ns a token (0.35 ms here, a 128 k-token prompt's
+# 1.4 ms); one the turn memo encoded on the loop goes as ids at any length (its turn's text was new)
 ENGINE_IDS_MAX = 32768
 UNCOUNTED_TEXT_DISCOUNT = 4
 """A request whose text is not counted against the tokenizer's caches (chat, responses, Messages,
@@ -45,9 +46,10 @@ class Prompt:
     prompt's ids are a compact ``array('I')`` (built and its list freed on the tokenizer thread: a
     list of 128 k ints takes ~1 ms to free, wherever the last reference goes), and its local hashes
     are also kept as a u64 array (``local_array``, built there too: what a remote index is sent). So
-    are a remembered conversation's (``frontend.routing.turn_memo``)."""
+    are a remembered conversation's (``frontend.routing.turn_memo``). ``on_thread``: tokenized on a
+    tokenizer thread."""
 
-    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt", "local_array")
+    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt", "local_array", "on_thread")
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class Prompt:
         self.seq_hashes = seq_hashes
         self.salt = salt  # the cache salt the hashes were computed with
         self.local_array: np.ndarray | None = None
+        self.on_thread = False
 
     @property
     def hashes(self) -> tuple[list[int], list[int]] | None:
@@ -85,14 +88,15 @@ _TEXT_FIELDS = ("echo", "prompt_logprobs", "suffix", "add_special_tokens", "prom
 def engine_token_ids(body: dict, prompt: Prompt, hints: RequestHints | None) -> Sequence[int] | None:
     """What a completions request sends the engine as its prompt instead of its text
     (``--send-token-ids``): the ids the router computed for routing, the engine's own tokens, so the
-    engine skips tokenizing them again. None keeps the text: a prompt that was already ids, one of
-    more than ``ENGINE_IDS_MAX`` tokens (its ids are not written out again on the loop), a request
+    engine skips tokenizing them again. None keeps the text: a prompt that was already ids, one
+    tokenized on a worker thread with more than ``ENGINE_IDS_MAX`` tokens (its ids are not written out
+    again on the loop), a request
     whose fields read the text, or one whose next turn is prefilled speculatively (that builds on
     the text)."""
     text = body.get("prompt")
     if isinstance(text, list) and len(text) == 1:
         text = text[0]
-    if not isinstance(text, str) or len(prompt.tokens) > ENGINE_IDS_MAX:
+    if not isinstance(text, str) or (prompt.on_thread and len(prompt.tokens) > ENGINE_IDS_MAX):
         return None
     if any(k in body for k in _TEXT_FIELDS):
         return None
@@ -286,6 +290,7 @@ def _tokens_and_hashes(
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
         prompt = hashed(entry, token_array(tokens), salt, placeholders)
         prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
+        prompt.on_thread = True
         return prompt
     return hashed(entry, tokens, salt, placeholders)
 
