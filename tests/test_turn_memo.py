@@ -123,7 +123,7 @@ def test_a_session_through_the_frontend_hashes_as_the_engine_does(tmp_path) -> N
     saw matches and no mismatch), and the memo's counters on /metrics show each later turn continued the
     one before."""
     rng = random.Random(12)
-    history = random_text(rng, [], 3000)
+    history = random_text(rng, [], 1500)  # the first turn under the offload threshold: encoded here, remembered
     with Cluster(log_dir=str(tmp_path / "logs")) as cluster:
         cluster.start_mocker(MockerOptions(speedup_ratio=50))
         cluster.wait_workers_ready(60)
