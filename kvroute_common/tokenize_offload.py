@@ -25,8 +25,9 @@ Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``
   runs, and started on the loop by the first long prompts, the second one held the loop 39 ms on the
   loaded machine (``--log-loop-stalls``, three 3 MB chat prompts at once).
 
-Prompts with more than ``threshold_chars`` characters of text to encode are offloaded (the caller counts
-what the tokenizer's caches do not already hold: ``PromptEncoder.new_chars``). Default 4096: text the
+Prompts with more than ``threshold_chars`` characters of text to encode are offloaded (the caller decides
+what counts: a completion its text the caches do not hold, ``PromptEncoder.new_chars``; a chat-shaped
+request a quarter of its text, ``frontend.routing.prompt.UNCOUNTED_TEXT_DISCOUNT``). Default 4096: text the
 caches do not hold costs an inline encode ~1.5 us a character on a slow 2-vCPU guest (a 5,000-token prompt:
 12-14 ms of loop time inline, 3.7 ms offloaded, the same CPU in all), so 4096 bounds it near 6 ms there;
 a prompt repeating cached text stays inline whatever its length. ``threshold_chars=0`` never offloads.
@@ -38,7 +39,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 DEFAULT_OFFLOAD_CHARS = 4096
@@ -71,43 +72,41 @@ def bound_encoder_threads(environ: MutableMapping[str, str] | None = None, cores
 def prompt_chars(body: Mapping[str, Any]) -> int:
     """Characters of prompt text in an OpenAI body (chat messages, completion prompt, responses
     input), counted without copying; token-id prompts count 0."""
-    return sum(len(t) for t in prompt_texts(body))
-
-
-def prompt_texts(body: Mapping[str, Any]) -> Iterator[str]:
-    """The prompt's texts in an OpenAI body: message contents (and their text parts), a completion
-    prompt, a responses input and instructions; token-id prompts have none."""
+    n = 0
     messages = body.get("messages")
     if isinstance(messages, list):
         for m in messages:
             if isinstance(m, Mapping):
-                yield from _content_texts(m.get("content"))
+                n += _content_chars(m.get("content"))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        yield prompt
+        n += len(prompt)
     elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        yield prompt[0]
+        n += len(prompt[0])
     inp = body.get("input")
     if isinstance(inp, str):
-        yield inp
+        n += len(inp)
     elif isinstance(inp, list):
         for item in inp:
             if isinstance(item, str):
-                yield item
+                n += len(item)
             elif isinstance(item, Mapping):
-                yield from _content_texts(item.get("content"))
+                n += _content_chars(item.get("content"))
     instructions = body.get("instructions")
     if isinstance(instructions, str):
-        yield instructions
+        n += len(instructions)
+    return n
 
 
-def _content_texts(content: Any) -> Iterator[str]:
+def _content_chars(content: Any) -> int:
     if isinstance(content, str):
-        yield content
-    elif isinstance(content, list):
+        return len(content)
+    n = 0
+    if isinstance(content, list):
         for part in content:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                yield part["text"]
+                n += len(part["text"])
+    return n
 
 
 class TokenizeOffload:
