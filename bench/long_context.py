@@ -25,7 +25,7 @@ then does the request path alone.
   sent one at a time; the frontend's event-loop thread's run time (``/proc/PID/task/PID/schedstat``,
   nanoseconds) and the whole process's CPU time are read before and after: what one request of that
   length costs the loop (everything else waits for it) and in all (the tokenizer threads included);
-  with the chat shape, also 128 k-token user messages in chat requests.
+  with the chat shape, also chat requests whose user message has each length up to 128 k tokens.
 
 ``--before DIR`` measures another checkout first, in the same run (``git worktree add /tmp/before
 <commit>``): its ``python -m frontend`` and ``python -m mocker`` are started from that directory.
@@ -344,9 +344,10 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
                 n = 4 if length >= 400_000 else 10
                 out["lengths"][str(length)] = r = _per_request(url, pid, length, n, cpt)
                 print(f"[{tokenizer}] {length} tokens: {json.dumps(r)}", flush=True)
-            if "chat" in shapes:  # a 128k-token user message: the loop's share of the chat path
-                out["lengths"]["chat 128000"] = r = _per_request(url, pid, 128_000, 10, cpt, chat=True)
-                print(f"[{tokenizer}] chat 128000 tokens: {json.dumps(r)}", flush=True)
+            if "chat" in shapes:  # a user message of each length up to 128k tokens: the loop's share of the chat path
+                for length in [n for n in lengths if n <= 128_000]:
+                    out["lengths"][f"chat {length}"] = r = _per_request(url, pid, length, 10, cpt, chat=True)
+                    print(f"[{tokenizer}] chat {length} tokens: {json.dumps(r)}", flush=True)
     finally:
         cluster.stop()
         if indexer is not None:
@@ -380,9 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--before", default=None, help="another checkout to measure first (the 'before' figures)")
     ap.add_argument(
+        "--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths (tokens) of the loop part [%(default)s]"
+    )
+    ap.add_argument(
         "--before-lengths",
-        default=",".join(map(str, LENGTHS)),
-        help="prompt lengths of the loop part for --before (a slow checkout may not finish the longest)",
+        default=None,
+        help="prompt lengths of the loop part for --before (a slow checkout may not finish the longest) [--lengths]",
     )
     ap.add_argument(
         "--rounds",
@@ -400,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for label, directory in checkouts:
                 os.chdir(directory)  # the children are `python -m frontend` / `mocker` from here
-                lengths = [int(x) for x in args.before_lengths.split(",")] if label == "before" else LENGTHS
+                spec = args.before_lengths if label == "before" and args.before_lengths else args.lengths
+                lengths = [int(x) for x in spec.split(",")]
                 for t in [t.strip() for t in args.tokenizers.split(",") if t.strip()]:
                     run = _run(t, args, lengths)
                     run["checkout"] = f"{label} ({directory})"

@@ -217,9 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_env_int("DYN_TOKENIZER_OFFLOAD_CHARS"),
         metavar="N",
-        help="a completions prompt with more than N characters of text the tokenizer's caches do not hold, and a "
-        "chat-shaped request over 4N characters, are tokenized on a worker thread, never blocking the event loop; "
-        "0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 4096]",
+        help="a prompt with more than N characters of text the tokenizer's caches do not hold (a chat-shaped "
+        "request's rendered prompt; past 4N characters its whole text) is tokenized on a worker thread, never "
+        "blocking the event loop; 0 = always inline [env DYN_TOKENIZER_OFFLOAD_CHARS; default 4096]",
     )
     g.add_argument(
         "--send-token-ids",

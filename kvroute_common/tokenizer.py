@@ -269,6 +269,14 @@ def chat_prompt_token_ids(
     return chat_prompt(tokenizer, messages, None, nogil=nogil, limit=limit, **template_kwargs)[0]
 
 
+class RenderedChat(NamedTuple):
+    """A chat request rendered by its template: the text, and its images in the order their
+    placeholders appear in it."""
+
+    text: str
+    images: list[ImageRef]
+
+
 def chat_prompt(
     tokenizer,
     messages: Sequence[Mapping[str, Any]],
@@ -276,13 +284,14 @@ def chat_prompt(
     *,
     nogil: bool = False,
     limit: int | None = None,
+    rendered: RenderedChat | None = None,
     **template_kwargs: Any,
 ) -> tuple[list[int], list[Placeholder]]:
     """Token ids of a chat request as the engine runs them, with each image's placeholder expanded
     to its token run (``images``: the model's layout and id; None routes image parts as text), and
-    where each image's run lies."""
+    where each image's run lies. ``rendered``: the messages already rendered with ``images``' placeholder."""
     placeholder = images.layout.placeholder_text if images is not None else None
-    text, refs = render_chat(tokenizer, messages, placeholder, **template_kwargs)
+    text, refs = rendered if rendered is not None else render_chat(tokenizer, messages, placeholder, **template_kwargs)
     encoder = prompt_encoder(tokenizer)
     tokens = encoder.encode(text, add_special_tokens=False, nogil=nogil, limit=limit)
     if not refs or images is None:
@@ -387,12 +396,28 @@ def chat_request_token_ids(
 
 
 def chat_request_prompt(
-    tokenizer, body: Mapping[str, Any], images: ImageContext | None, nogil: bool = False, limit: int | None = None
+    tokenizer,
+    body: Mapping[str, Any],
+    images: ImageContext | None,
+    nogil: bool = False,
+    limit: int | None = None,
+    rendered: RenderedChat | None = None,
 ) -> tuple[list[int], list[Placeholder]]:
-    """Token ids of an OpenAI chat request body with its images expanded, and where the images lie."""
+    """Token ids of an OpenAI chat request body with its images expanded, and where the images lie
+    (``rendered``: the body's :func:`render_chat_request`, when the caller has it)."""
     if "messages" not in body:
         raise PromptError("messages is required")
-    return chat_prompt(tokenizer, body["messages"], images, nogil=nogil, limit=limit, **chat_template_kwargs(body))
+    kwargs = chat_template_kwargs(body)  # also with ``rendered``: an image that cannot be keyed renders the text again
+    return chat_prompt(tokenizer, body["messages"], images, nogil=nogil, limit=limit, rendered=rendered, **kwargs)
+
+
+def render_chat_request(tokenizer, body: Mapping[str, Any], images: ImageContext | None) -> RenderedChat:
+    """An OpenAI chat request body rendered by its template with vLLM's arguments, image parts as the
+    placeholder of ``images``' layout (None: text alone), as :func:`chat_request_prompt` renders it."""
+    if "messages" not in body:
+        raise PromptError("messages is required")
+    placeholder = images.layout.placeholder_text if images is not None else None
+    return RenderedChat(*render_chat(tokenizer, body["messages"], placeholder, **chat_template_kwargs(body)))
 
 
 def completion_prompt_token_ids(tokenizer, prompt: Any, nogil: bool = False, limit: int | None = None) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -262,51 +263,71 @@ def test_a_completion_repeating_its_cached_history_is_tokenized_inline(builtin) 
     assert first == builtin(history)["input_ids"] and second == builtin(turn)["input_ids"]
 
 
-def test_text_the_caches_lack_goes_to_the_thread_and_uncounted_chat_text_at_four_times_the_threshold(builtin) -> None:
-    """At the default threshold a completion with a few thousand characters of new text is encoded on the
-    thread and the same text again inline (its chunks are cached); a chat request, whose cached share is not
-    counted, goes to the thread only past four times the threshold. Every path gives the full encode's ids."""
+def test_text_the_caches_lack_goes_to_the_thread_whatever_the_request_shape(builtin) -> None:
+    """At the default threshold a completion, a chat request (its rendered prompt counted, rendered once),
+    a Messages request and an embeddings input with a few thousand characters of new text are encoded on the
+    thread, and the same text again inline (its chunks are cached); a chat request past four times the
+    threshold goes to the thread uncounted. Every path gives the full encode's ids."""
     import asyncio
+    import copy
 
     from frontend.routing.models import BusyThresholds, ModelEntry
-    from frontend.routing.prompt import UNCOUNTED_TEXT_DISCOUNT, tokenize_request, tokenize_request_sync
+    from frontend.routing.prompt import CHAT_COUNT_MAX, embedding_tokens, tokenize_request, tokenize_request_sync
     from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS, TokenizeOffload
     from slot_tracker.core import SlotRegistry
 
     rng = random.Random(12)
-    entry = ModelEntry("m", 16, builtin, SlotRegistry(), None, None, BusyThresholds())
+    tok = copy.copy(builtin)  # the real tokenizer and template; its renders are counted
+    renders: list[int] = []
+    render = tok.apply_chat_template
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        renders.append(1)
+        return render(*args, **kwargs)
+
+    tok.apply_chat_template = counted
+    entry = ModelEntry("m", 16, tok, SlotRegistry(), None, None, BusyThresholds())
     off = TokenizeOffload()
     assert off.threshold_chars == DEFAULT_OFFLOAD_CHARS
     fresh = random_text(rng, [], DEFAULT_OFFLOAD_CHARS + 2000)
-    short_chat = {
-        "model": "m",
-        "messages": [{"role": "user", "content": random_text(rng, [], DEFAULT_OFFLOAD_CHARS * 2)}],
-    }
-    long_chat = {
-        "model": "m",
-        "messages": [
-            {"role": "user", "content": random_text(rng, [], DEFAULT_OFFLOAD_CHARS * UNCOUNTED_TEXT_DISCOUNT + 100)}
-        ],
-    }
+
+    def chat(n: int) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": random_text(rng, [], n)}]}
+
+    mid_chat = chat(DEFAULT_OFFLOAD_CHARS * 2)
+    messages = {"model": "m", "max_tokens": 4, "messages": chat(DEFAULT_OFFLOAD_CHARS * 2)["messages"]}
+    long_chat = chat(DEFAULT_OFFLOAD_CHARS * CHAT_COUNT_MAX + 100)
+    embed = {"model": "m", "input": ["short", random_text(rng, [], DEFAULT_OFFLOAD_CHARS + 500)]}
     offloaded: list[int] = []
+    rendered: list[int] = []
 
     async def main() -> list[list[int]]:
         out = []
         for body, kind in (
             ({"model": "m", "prompt": fresh}, "completions"),
             ({"model": "m", "prompt": fresh}, "completions"),
-            (short_chat, "chat"),
+            (mid_chat, "chat"),
+            (mid_chat, "chat"),
+            (messages, "messages"),
+            (messages, "messages"),
             (long_chat, "chat"),
+            (embed, "embeddings"),
+            (embed, "embeddings"),
         ):
             out.append(list((await tokenize_request(off, entry, body, kind)).tokens))
             offloaded.append(off.offloaded)
+            rendered.append(len(renders))
         return out
 
     try:
-        first, again, short, long = asyncio.run(main())
+        first, again, mid, mid_again, msg, msg_again, long, emb, emb_again = asyncio.run(main())
     finally:
         off.close()
-    assert offloaded == [1, 1, 1, 2]  # new text; cached text inline; chat under 4x inline; chat over it
+    # new text; cached text inline; fresh chat, then inline; Messages the same; long chat; embeddings the same
+    assert offloaded == [1, 1, 2, 2, 3, 3, 4, 5, 5]
+    assert rendered == [0, 0, 1, 2, 3, 4, 5, 5, 5]  # one render a request, on the thread or on the loop
     assert first == again == builtin(fresh)["input_ids"]
-    assert short == tokenize_request_sync(entry, short_chat, "chat")
+    assert mid == mid_again == tokenize_request_sync(entry, mid_chat, "chat")
+    assert msg == msg_again == tokenize_request_sync(entry, messages, "messages")
     assert long == tokenize_request_sync(entry, long_chat, "chat")
+    assert emb == emb_again == embedding_tokens(entry, embed)

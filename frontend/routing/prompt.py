@@ -29,16 +29,19 @@ NEW_CHARS_SCAN_MAX = 256 * 1024
 # writing its ids into the engine's body costs the loop ~11 ns a token (0.35 ms here, a 128 k-token prompt's
 # 1.4 ms); one the turn memo encoded on the loop goes as ids at any length (its turn's text was new)
 ENGINE_IDS_MAX = 32768
-UNCOUNTED_TEXT_DISCOUNT = 4
-"""A request whose text is not counted against the tokenizer's caches (chat, responses, Messages,
-embeddings) goes to the worker thread at this many times the offload threshold: a conversation
-repeating its cached history encodes only its new turn inline, and most of it is cached."""
+CHAT_COUNT_MAX = 4
+"""A chat-shaped request (chat, responses, Messages) with more text than the offload threshold and at most
+this many times it is rendered on the loop (~0.1 ms) and counted as a completion is: the rendered text's
+chunks the cache lacks (chunk cuts depend on the text before them, so the messages' own chunks are not the
+prompt's). Past it, it goes to the worker thread uncounted: a long conversation's whole-prompt hashes
+(~50 ns a token) would grow on the loop with it."""
 
 if TYPE_CHECKING:
     from frontend.request.hints import RequestHints
     from frontend.routing.images import ImageCache
     from frontend.routing.models import ModelEntry
     from kvroute_common.tokenize_offload import TokenizeOffload
+    from kvroute_common.tokenizer import PromptEncoder, RenderedChat
 
 
 class Prompt:
@@ -137,10 +140,12 @@ def body_prompt(
     images: ImageContext | None,
     nogil: bool = False,
     limit: PromptLimit | None = None,
+    rendered: RenderedChat | None = None,
 ) -> tuple[list[int], list[Placeholder]]:
     """The engine's prompt tokens, each image expanded to its token run (``images``: how this model
     keys them; None routes image parts as text), and where the images lie, checked against what the
     most capable worker takes (``limit``: its context length, as vLLM checks it, and its KV capacity).
+    ``rendered``: a chat body already rendered with ``images`` (:func:`_rendered_chat`).
 
     ``nogil``: running on a worker thread (kvroute_common.tokenize_offload); there the over-long
     prompt is refused before its ids are built and a long id list is freed on the thread, never on
@@ -151,12 +156,10 @@ def body_prompt(
     placeholders: list[Placeholder] = []
     try:
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
+            _check_messages(body)
             # every template argument the engine honours (chat_template_kwargs, add_generation_prompt,
             # continue_final_message, tools, documents): the router must hash the engine's tokens
-            tokens, placeholders = chat_request_prompt(entry.tokenizer, body, images, nogil=nogil, limit=stop_at)
+            tokens, placeholders = chat_request_prompt(entry.tokenizer, body, images, nogil, stop_at, rendered)
         else:
             if "prompt" not in body:
                 raise OpenAIError(400, "'prompt' is required", "prompt")
@@ -216,12 +219,13 @@ async def tokenize_request(
     if isinstance(kind, bool):
         kind = "chat" if kind else "completions"
     chars = prompt_chars(body)
+    long = offload.offloads(chars)  # long enough to matter: count only what the tokenizer's caches lack
     if kind == "completions":
-        if offload.offloads(chars):  # long enough to matter: count only what the tokenizer's caches lack
+        if long:
             chars = _new_chars(entry, body.get("prompt"), chars, salt)
-    else:  # what a chat-shaped request's caches hold is not counted: all its text, at a quarter of the weight
-        chars //= UNCOUNTED_TEXT_DISCOUNT
-    if kind == "embeddings":
+    elif kind == "embeddings":
+        if long:
+            chars = _new_input_chars(entry, body.get("input"), chars)
         tokens = await offload.run(chars, embedding_tokens, entry, body, limit=entry.prompt_limit())
         return Prompt(tokens)
     if kind == "responses":
@@ -229,6 +233,7 @@ async def tokenize_request(
     elif kind == "messages":
         body = messages_to_chat(entry, body)
     images = entry.image_context() if kind != "completions" else None
+    image_bytes = 0
     if images is not None and image_cache is not None:
         n_images = sum(1 for _ in image_parts(body))
         if n_images:
@@ -236,17 +241,51 @@ async def tokenize_request(
             urls = remote_image_urls(body)
             if urls:
                 images.fetched = await image_cache.fetch_all(urls, entry.image_options, n_images)
-                chars += sum(len(data) for data in images.fetched.values())  # decoded and hashed with the prompt
+                image_bytes = sum(len(data) for data in images.fetched.values())  # decoded and hashed with the prompt
+    rendered = None
+    if kind != "completions" and long and chars <= CHAT_COUNT_MAX * offload.threshold_chars:
+        rendered = _rendered_chat(entry, body, images)
+        chars = _encoder(entry).new_chars(rendered.text)
     return await offload.run(
-        chars, _tokens_and_hashes, entry, body, kind != "completions", salt, images, limit=entry.prompt_limit()
+        chars + image_bytes,
+        _tokens_and_hashes,
+        entry,
+        body,
+        kind != "completions",
+        salt,
+        images,
+        rendered,
+        limit=entry.prompt_limit(),
     )
+
+
+def _encoder(entry: ModelEntry) -> PromptEncoder:
+    from kvroute_common.tokenizer import prompt_encoder
+
+    return prompt_encoder(entry.tokenizer)
+
+
+def _check_messages(body: dict) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(400, "'messages' must be a non-empty list", "messages")
+
+
+def _rendered_chat(entry: ModelEntry, body: dict, images: ImageContext | None) -> RenderedChat:
+    """A chat body rendered as :func:`body_prompt` renders it, here on the loop: what is counted is the text
+    the encode sees."""
+    from kvroute_common.tokenizer import PromptError, render_chat_request
+
+    _check_messages(body)
+    try:
+        return render_chat_request(entry.tokenizer, body, images)
+    except PromptError as exc:
+        raise OpenAIError(400, str(exc)) from None
 
 
 def _new_chars(entry: ModelEntry, prompt: object, chars: int, salt: str | None) -> int:
     """A completion prompt's text still to tokenize (what decides the worker thread), or ``chars``: what
     follows the remembered prompt it continues, else its chunks the cache does not hold."""
-    from kvroute_common.tokenizer import prompt_encoder
-
     text = _text_prompt(prompt)
     if text is None or len(text) > NEW_CHARS_SCAN_MAX:
         return chars
@@ -254,7 +293,17 @@ def _new_chars(entry: ModelEntry, prompt: object, chars: int, salt: str | None) 
         new = entry.turns.new_chars(text, salt)
         if new is not None:
             return new
-    return prompt_encoder(entry.tokenizer).new_chars(text)
+    return _encoder(entry).new_chars(text)
+
+
+def _new_input_chars(entry: ModelEntry, inp: object, chars: int) -> int:
+    """An embeddings request's text inputs' chunks the cache does not hold (each input is encoded alone), or
+    ``chars`` when they are too long to scan."""
+    if chars > NEW_CHARS_SCAN_MAX:
+        return chars
+    texts = [inp] if isinstance(inp, str) else inp if isinstance(inp, list) else []
+    encoder = _encoder(entry)
+    return sum(encoder.new_chars(t) for t in texts if isinstance(t, str))
 
 
 def _text_prompt(prompt: object) -> str | None:
@@ -279,6 +328,7 @@ def _tokens_and_hashes(
     chat: bool,
     salt: str | None,
     images: ImageContext | None,
+    rendered: RenderedChat | None = None,
     nogil: bool = False,
     limit: PromptLimit | None = None,
 ) -> Prompt:
@@ -286,7 +336,7 @@ def _tokens_and_hashes(
         text = _text_prompt(body.get("prompt"))
         if text is not None and entry.turns.usable(text, NEW_CHARS_SCAN_MAX):
             return _continued_turn(entry, body, text, salt, limit)
-    tokens, placeholders = body_prompt(entry, body, chat, images, nogil, limit)
+    tokens, placeholders = body_prompt(entry, body, chat, images, nogil, limit, rendered)
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
         prompt = hashed(entry, token_array(tokens), salt, placeholders)
         prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
