@@ -260,6 +260,11 @@ def _per_request(url: str, pid: int, length: int, n: int, cpt: float, chat: bool
     }
 
 
+def _chosen(name: str, scenarios: str | None) -> bool:
+    """Whether the latency scenario ``name`` is among ``--scenarios`` (comma-separated prefixes; None: all)."""
+    return scenarios is None or any(name.startswith(p.strip()) for p in scenarios.split(",") if p.strip())
+
+
 def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[str, Any]:
     from kvroute_common.local_cluster import MockerOptions, start_cluster
     from kvroute_common.ports import free_port
@@ -274,13 +279,14 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
     cpt = _calibrate(model_path)
     opts = MockerOptions(
         speedup_ratio=0.0,
-        num_gpu_blocks=120_000,
+        num_gpu_blocks=args.num_gpu_blocks,
         max_num_batched_tokens=8192,
         model_path=model_path,
         extra_args=["--max-model-len", "450000"],
     )
     out: dict[str, Any] = {
         "tokenizer": tokenizer,
+        "num_gpu_blocks": args.num_gpu_blocks,
         "index": args.index,
         "router_mode": args.router_mode,
         "chars_per_token": round(cpt, 3),
@@ -317,14 +323,17 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
                 if args.idle:
                     out["scenarios"]["none (idle, 3 s)"] = asyncio.run(_scenario(url, pid, [], 1.0, False))
                 for name, tokens, rate, secs in SCENARIOS:
+                    if not _chosen(name, args.scenarios):
+                        continue
                     n = max(1, int(rate * secs))
                     bodies = [_completion(tokens, k, cpt) for k in range(n)]
                     out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, rate, False, split=args.split))
                     print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
-                bodies = [_chat(3_000_000, 500 + k) for k in range(3)]
                 name = "three 3 MB chat prompts at once"
-                out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, 1.0, True, split=args.split))
-                print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
+                if _chosen(name, args.scenarios):
+                    bodies = [_chat(3_000_000, 500 + k) for k in range(3)]
+                    out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, 1.0, True, split=args.split))
+                    print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
             if "chat" in shapes:
                 if args.idle:
                     out["scenarios"]["chat: none (idle, 3 s)"] = asyncio.run(
@@ -367,6 +376,18 @@ def main(argv: list[str] | None = None) -> int:
         "--shapes", default=",".join(SHAPES), help="comma-separated latency shapes: completions, chat [both]"
     )
     ap.add_argument("--no-idle", dest="idle", action="store_false", help="skip the idle baseline")
+    ap.add_argument(
+        "--scenarios",
+        default=None,
+        help="comma-separated name prefixes of the completions latency scenarios to run (e.g. '128k,three') [all]",
+    )
+    ap.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=120_000,
+        help="each engine's KV blocks: the default never evicts in these scenarios; ~20000 keeps caches full, "
+        "as a fleet's are, so each long prompt evicts (a 400k-token prompt then no longer fits: refused) [%(default)s]",
+    )
     ap.add_argument(
         "--split",
         action="store_true",

@@ -509,22 +509,38 @@ class KvIndex:
     def apply_removed_each(self, worker_id: int, dp_rank: int, ext_hashes: list[int]) -> int:
         """``apply_removed`` of one device-tier block per hash, in order, as that many single-block events
         (what vLLM publishes for every evicted block); returns how many were found. One call for the run
-        instead of one per event: an engine evicting a long prompt sends hundreds per batch."""
+        instead of one per event: an engine evicting a long prompt sends hundreds per batch.
+
+        vLLM frees a request's blocks last first, so its evictions name a run's blocks at falling
+        positions: each such event cuts the run where the one before cut it, and the whole stretch is
+        one cut at its lowest position (the same blocks lost, each event found)."""
         w = (worker_id, dp_rank)
         lookup = self._lookup.get(w)
         if lookup is None:
             lookup = self._lookup[w] = {}
         found = 0
         cut = self._cut
-        for h in ext_hashes:
+        i, n = 0, len(ext_hashes)
+        while i < n:
+            h = ext_hashes[i]
+            i += 1
             node = lookup.pop(h, None)
             if node is None:
                 continue
-            pos = node.index.get(h)
+            index = node.index
+            pos = index.get(h)
             if pos is None:
                 lookup[h] = node
                 continue
             found += 1
+            while i < n:
+                c = ext_hashes[i]
+                cp = index.get(c)
+                if cp is None or cp >= pos or lookup.get(c) is not node:
+                    break
+                pos, h = cp, c
+                found += 1
+                i += 1
             cut(w, lookup, node, pos, h)
         return found
 
