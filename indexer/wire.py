@@ -136,7 +136,10 @@ class Stored(msgspec.Struct, gc=False):
     eagle: bool = False
 
 
-class Removed(msgspec.Struct, gc=False):
+class Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
+    """A BlockRemoved with hashes as u64. Map-form events decode straight into it (unknown keys ignored):
+    an engine evicting a long prompt sends one per block, hundreds a batch."""
+
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int | None = None
@@ -195,13 +198,6 @@ class _StoredMapTyped(_StoredMap, tag="BlockStored", tag_field="type", gc=False)
     token_ids: list[Token]  # type: ignore[assignment]
 
 
-class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
-    block_hashes: list[Hash]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
 class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
     pass
 
@@ -212,10 +208,10 @@ class _IgnoredMap(msgspec.Struct, tag="Ignored", tag_field="type", gc=False):
 
 _batch3 = msgspec.msgpack.Decoder(tuple[float, list[msgspec.Raw], int | None])
 _batch_typed = msgspec.msgpack.Decoder(
-    tuple[float, list[_StoredMapTyped | _RemovedMap | _ClearedMap | _IgnoredMap], int | None]
+    tuple[float, list[_StoredMapTyped | Removed | _ClearedMap | _IgnoredMap], int | None]
 )
 _batch2 = msgspec.msgpack.Decoder(tuple[float, list[msgspec.Raw]])
-_map_event = msgspec.msgpack.Decoder(_StoredMap | _RemovedMap | _ClearedMap | _IgnoredMap)
+_map_event = msgspec.msgpack.Decoder(_StoredMap | Removed | _ClearedMap | _IgnoredMap)
 _any = msgspec.msgpack.Decoder()
 _tokens = msgspec.msgpack.Decoder(list[Token])
 _token_pairs = msgspec.msgpack.Decoder(list[tuple[Token, Token]])
@@ -270,11 +266,11 @@ def _normalised(ev: Any, tokens: list[int], eagle: bool) -> Stored | Removed | C
             ev.locality,
             eagle,
         )
-    if t is _RemovedMap:
+    if t is Removed:
         hashes = ev.block_hashes
         if hashes and min(hashes) < 0:
-            hashes = _u64s(hashes)
-        return Removed(hashes, ev.medium, ev.group_idx, ev.locality)
+            ev.block_hashes = _u64s(hashes)
+        return ev
     if t is _ClearedMap:
         return Cleared()
     return None  # "Ignored"
@@ -379,6 +375,12 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     else:
         normalised: list[Stored | Removed | Cleared] = []
         for item in typed:
+            if type(item) is Removed:
+                hashes = item.block_hashes
+                if hashes and min(hashes) < 0:
+                    item.block_hashes = _u64s(hashes)
+                normalised.append(item)
+                continue
             out = _normalised(item, item.token_ids if type(item) is _StoredMapTyped else [], False)
             if out is not None:
                 normalised.append(out)
