@@ -24,7 +24,8 @@ then does the request path alone.
 * **Loop and CPU time per request against prompt length.** Long prompts of 1 k to 400 k tokens are
   sent one at a time; the frontend's event-loop thread's run time (``/proc/PID/task/PID/schedstat``,
   nanoseconds) and the whole process's CPU time are read before and after: what one request of that
-  length costs the loop (everything else waits for it) and in all (the tokenizer threads included);
+  length costs the loop (everything else waits for it) and in all (the tokenizer threads included), and the
+  request's own median time (one output token: the engine's tokenizing and prefill included);
   with the chat shape, also chat requests whose user message has each length up to 128 k tokens.
 
 ``--before DIR`` measures another checkout first, in the same run (``git worktree add /tmp/before
@@ -246,8 +247,11 @@ def _per_request(url: str, pid: int, length: int, n: int, cpt: float, chat: bool
         c.post(warm_path, json=warm)
         loop0, cpu0 = _loop_ns(pid), _cpu_s(pid)
         tokens = []
+        walls = []
         for body in bodies:
+            t = time.perf_counter()
             r = c.post(path, content=body, headers={"content-type": "application/json"})
+            walls.append((time.perf_counter() - t) * 1e3)
             if r.status_code != 200:
                 raise RuntimeError(f"{length}-token request failed: {r.status_code} {r.text[:300]}")
             tokens.append(r.json()["usage"]["prompt_tokens"])
@@ -257,6 +261,7 @@ def _per_request(url: str, pid: int, length: int, n: int, cpt: float, chat: bool
         "requests": n,
         "loop_ms_per_request": round((loop1 - loop0) / 1e6 / n, 2),
         "cpu_ms_per_request": round((cpu1 - cpu0) * 1e3 / n, 1),
+        "request_ms_p50": round(sorted(walls)[n // 2], 1),  # the whole request (one output token): engine included
     }
 
 

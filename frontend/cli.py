@@ -230,9 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="send a /v1/completions text prompt to the engine as the token ids the router computed for it, so the "
         "engine does not tokenize it again: auto = to each worker whose engine turned a probe text into the router's "
         "ids when it joined (its render route or /tokenize; until then, and where it did not, the text goes); "
-        "always (the flag alone) = to every worker (their engines must use the frontend's tokenizer); never. Prompts "
-        "of over 32768 tokens tokenized on a worker thread, requests with echo, prompt_logprobs, suffix, "
-        "add_special_tokens or a speculative prefill, and disaggregated requests keep their text "
+        "always (the flag alone) = to every worker (their engines must use the frontend's tokenizer); never. Requests "
+        "with echo, prompt_logprobs, suffix, add_special_tokens or a speculative prefill, and disaggregated requests "
+        "keep their text "
         "[env KVROUTE_SEND_TOKEN_IDS: auto, always (or 1), never (or 0); default auto]",
     )
     g.add_argument(

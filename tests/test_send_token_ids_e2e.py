@@ -12,7 +12,14 @@ import orjson
 import pytest
 
 from bench.data_path import hf_tokenizer_dir
-from frontend.routing.prompt import ENGINE_IDS_MAX, Prompt, engine_token_ids, with_prompt_ids
+from frontend.routing.prompt import (
+    IDS_BODY_INLINE_MAX,
+    IDS_SLICE,
+    Prompt,
+    engine_token_ids,
+    ids_body_off_loop,
+    with_prompt_ids,
+)
 from kvroute_common.hashing import token_array
 from kvroute_common.local_cluster import DEFAULT_MODEL, Cluster, MockerOptions
 from kvroute_common.tokenizer import load_tokenizer
@@ -52,7 +59,8 @@ def test_the_engine_computes_the_routers_ids_and_text_fields_keep_the_text(tmp_p
     assert ours != theirs  # the two tokenizers disagree on this text
     base = {"model": DEFAULT_MODEL, "prompt": TEXT, "max_tokens": 2}
     with Cluster(log_dir=str(tmp_path / "logs")) as cluster:
-        worker = cluster.start_mocker(MockerOptions(speedup_ratio=10, model_path=engines))
+        long_context = ["--max-model-len", "65536"]
+        worker = cluster.start_mocker(MockerOptions(speedup_ratio=10, model_path=engines, extra_args=long_context))
         cluster.start_mocker(MockerOptions(speedup_ratio=10))  # the router's own tokenizer
         cluster.wait_workers_ready(60)
         url = cluster.start_frontend()  # auto
@@ -76,6 +84,11 @@ def test_the_engine_computes_the_routers_ids_and_text_fields_keep_the_text(tmp_p
             turn += " And then: " + TEXT
         hits = [ln for ln in httpx.get(f"{url}/metrics", timeout=5).text.splitlines() if 'result="hit"' in ln]
         assert len(hits) == 1 and float(hits[0].split()[-1]) >= 1, hits  # the second turn continued the first
+        # a prompt of more ids than the loop writes (its body written on the tokenizer thread): ids too
+        long_text = " ".join(f"{k} {TEXT}" for k in range(1200))
+        n_ours = len(load_tokenizer(None)(long_text)["input_ids"])
+        assert n_ours > IDS_BODY_INLINE_MAX
+        assert engine_prompt_tokens(url, {**pinned, "prompt": long_text}) == n_ours
 
 
 def test_an_engine_restarted_with_another_tokenizer_gets_text_again(tmp_path) -> None:
@@ -102,11 +115,6 @@ def test_an_engine_restarted_with_another_tokenizer_gets_text_again(tmp_path) ->
         assert engine_prompt_tokens(url, body) == theirs  # text: the new engine tokenizes it its own way
 
 
-def on_thread(prompt: Prompt) -> Prompt:
-    prompt.on_thread = True
-    return prompt
-
-
 @pytest.mark.parametrize(
     ("body", "prompt", "sent"),
     [
@@ -114,9 +122,7 @@ def on_thread(prompt: Prompt) -> Prompt:
         ({"prompt": ["a b"]}, Prompt([1, 2]), [1, 2]),
         ({"prompt": "a b"}, Prompt(token_array([1, 2])), [1, 2]),  # a remembered conversation's: a u32 array
         ({"prompt": [1, 2]}, Prompt([1, 2]), None),  # already ids
-        ({"prompt": "a b"}, on_thread(Prompt(token_array(range(ENGINE_IDS_MAX)))), list(range(ENGINE_IDS_MAX))),
-        ({"prompt": "a b"}, on_thread(Prompt(token_array(range(ENGINE_IDS_MAX + 1)))), None),  # long, from a thread
-        ({"prompt": "a b"}, Prompt(token_array(range(ENGINE_IDS_MAX + 1))), list(range(ENGINE_IDS_MAX + 1))),  # memo
+        ({"prompt": "a b"}, Prompt(token_array(range(IDS_BODY_INLINE_MAX + 1))), list(range(IDS_BODY_INLINE_MAX + 1))),
         ({"prompt": "a b", "echo": True}, Prompt([1, 2]), None),
         ({"prompt": "a b", "suffix": "c"}, Prompt([1, 2]), None),
         ({"prompt": "a b", "add_special_tokens": False}, Prompt([1, 2]), None),
@@ -134,3 +140,38 @@ def test_a_u32_array_of_ids_is_written_as_the_same_json_as_their_list() -> None:
     out = with_prompt_ids(body, token_array(ids))
     assert out == with_prompt_ids(body, ids)
     assert orjson.loads(out) == {"model": "m", "prompt": ids, "max_tokens": 3, "stream": True}
+    for n in (IDS_SLICE - 1, IDS_SLICE, IDS_SLICE + 1, 3 * IDS_SLICE + 5):  # written in slices past one
+        many = [(i * 2_654_435_761) % 4_294_967_296 for i in range(n)]
+        assert with_prompt_ids(body, token_array(many)) == with_prompt_ids(body, many)
+
+
+def test_a_long_prompts_ids_body_is_written_on_the_tokenizer_thread() -> None:
+    import asyncio
+    import threading
+
+    from frontend.routing import prompt as prompt_module
+    from kvroute_common.tokenize_offload import TokenizeOffload
+
+    body = orjson.dumps({"model": "m", "prompt": "text", "max_tokens": 3, "nvext": {"prompt": "kept"}})
+    written_on: list[str] = []
+    write = prompt_module.with_prompt_ids
+
+    def recorded(b: bytes, ids: object) -> bytes:
+        written_on.append(threading.current_thread().name)
+        return write(b, ids)  # type: ignore[arg-type]
+
+    offload = TokenizeOffload()
+    short, long = token_array(range(IDS_BODY_INLINE_MAX)), list(range(IDS_BODY_INLINE_MAX + 1))
+
+    async def main() -> tuple[bytes | None, bytes | None]:
+        return await ids_body_off_loop(offload, body, short), await ids_body_off_loop(offload, body, long)
+
+    prompt_module.with_prompt_ids = recorded  # type: ignore[assignment]
+    try:
+        none, out = asyncio.run(main())
+    finally:
+        prompt_module.with_prompt_ids = write  # type: ignore[assignment]
+        offload.close()
+    assert none is None  # short: written on the loop when a worker takes ids
+    assert len(written_on) == 1 and written_on[0].startswith("tokenize")
+    assert out is not None and orjson.loads(out) == {**orjson.loads(body), "prompt": long}

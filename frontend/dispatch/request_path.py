@@ -32,7 +32,14 @@ from frontend.routing import disagg as _disagg
 from frontend.routing.admission import ClientDisconnected, QueueRejected
 from frontend.routing.engine_polarity import for_worker as _priority_for_worker
 from frontend.routing.models import ModelEntry
-from frontend.routing.prompt import Prompt, engine_token_ids, hash_tokens, takes_prompt_ids, tokenize_request
+from frontend.routing.prompt import (
+    Prompt,
+    engine_token_ids,
+    hash_tokens,
+    ids_body_off_loop,
+    takes_prompt_ids,
+    tokenize_request,
+)
 from frontend.routing.routing_record import wants_routing
 from frontend.state import FrontendState
 from kvroute_common import anthropic_api
@@ -157,6 +164,8 @@ class RequestPath:
                 elif ctx.strip_usage:
                     modified = True
             ctx.out_body = orjson.dumps(body) if modified else raw  # the text (migration and prefill use it)
+            if ctx.engine_ids is not None:  # a long prompt's body with its ids: written on the tokenizer thread
+                ctx.ids_body = await ids_body_off_loop(state.tokenize, ctx.out_body, ctx.engine_ids)
 
             pinned_worker = hints.pinned_worker_id if hints is not None else None
             pinned_rank = hints.pinned_dp_rank if hints is not None else None

@@ -25,10 +25,10 @@ from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes
 # longer prompts go to the worker thread without looking for cached chunks first (the look costs ~1 us
 # per 100 characters on the loop, and a prompt this long is most likely new text)
 NEW_CHARS_SCAN_MAX = 256 * 1024
-# a completions prompt tokenized on the worker thread and longer than this goes to the engine as its text:
-# writing its ids into the engine's body costs the loop ~11 ns a token (0.35 ms here, a 128 k-token prompt's
-# 1.4 ms); one the turn memo encoded on the loop goes as ids at any length (its turn's text was new)
-ENGINE_IDS_MAX = 32768
+IDS_BODY_INLINE_MAX = 32768
+"""A prompt sent to its engine as more ids than this has that body written on the tokenizer thread
+(``engine_body``), in slices: writing ids costs ~11 ns each, a 128 k-token prompt's 1.4 ms of loop in one call."""
+IDS_SLICE = 8192  # ids written per call on the thread: the loop can take the GIL between two (~0.1 ms each)
 CHAT_COUNT_MAX = 4
 """A chat-shaped request (chat, responses, Messages) with more text than the offload threshold and at most
 this many times it is rendered on the loop (~0.1 ms) and counted as a completion is: the rendered text's
@@ -49,10 +49,9 @@ class Prompt:
     prompt's ids are a compact ``array('I')`` (built and its list freed on the tokenizer thread: a
     list of 128 k ints takes ~1 ms to free, wherever the last reference goes), and its local hashes
     are also kept as a u64 array (``local_array``, built there too: what a remote index is sent). So
-    are a remembered conversation's (``frontend.routing.turn_memo``). ``on_thread``: tokenized on a
-    tokenizer thread."""
+    are a remembered conversation's (``frontend.routing.turn_memo``)."""
 
-    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt", "local_array", "on_thread")
+    __slots__ = ("tokens", "local_hashes", "seq_hashes", "salt", "local_array")
 
     def __init__(
         self,
@@ -66,7 +65,6 @@ class Prompt:
         self.seq_hashes = seq_hashes
         self.salt = salt  # the cache salt the hashes were computed with
         self.local_array: np.ndarray | None = None
-        self.on_thread = False
 
     @property
     def hashes(self) -> tuple[list[int], list[int]] | None:
@@ -91,15 +89,13 @@ _TEXT_FIELDS = ("echo", "prompt_logprobs", "suffix", "add_special_tokens", "prom
 def engine_token_ids(body: dict, prompt: Prompt, hints: RequestHints | None) -> Sequence[int] | None:
     """What a completions request sends the engine as its prompt instead of its text
     (``--send-token-ids``): the ids the router computed for routing, the engine's own tokens, so the
-    engine skips tokenizing them again. None keeps the text: a prompt that was already ids, one
-    tokenized on a worker thread with more than ``ENGINE_IDS_MAX`` tokens (its ids are not written out
-    again on the loop), a request
-    whose fields read the text, or one whose next turn is prefilled speculatively (that builds on
-    the text)."""
+    engine skips tokenizing them again (a long prompt's body is written on the thread: ``engine_body``).
+    None keeps the text: a prompt that was already ids, a request whose fields read the text, or one whose
+    next turn is prefilled speculatively (that builds on the text)."""
     text = body.get("prompt")
     if isinstance(text, list) and len(text) == 1:
         text = text[0]
-    if not isinstance(text, str) or (prompt.on_thread and len(prompt.tokens) > ENGINE_IDS_MAX):
+    if not isinstance(text, str):
         return None
     if any(k in body for k in _TEXT_FIELDS):
         return None
@@ -117,13 +113,34 @@ def takes_prompt_ids(mode: str, worker: Any) -> bool:
 
 def with_prompt_ids(body: bytes, ids: Sequence[int]) -> bytes:
     """A completions request as it goes out (``body``), with ``ids`` as its prompt. A u32 array is
-    written from its memory (a numpy view of it), never through an int object per id."""
+    written from its memory (a numpy view of it), never through an int object per id; one longer than
+    ``IDS_SLICE`` in slices, each its own call (the GIL can change hands between two)."""
     doc = orjson.loads(body)
-    if isinstance(ids, array):
-        doc["prompt"] = np.frombuffer(ids, dtype=np.uint32)
+    if not isinstance(ids, array):
+        doc["prompt"] = ids
+        return orjson.dumps(doc)
+    view = np.frombuffer(ids, dtype=np.uint32)
+    if len(view) <= IDS_SLICE:
+        doc["prompt"] = view
         return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    doc["prompt"] = ids
+    numpy = orjson.OPT_SERIALIZE_NUMPY
+    slices = [orjson.dumps(view[i : i + IDS_SLICE], option=numpy)[1:-1] for i in range(0, len(view), IDS_SLICE)]
+    doc["prompt"] = orjson.Fragment(b"[" + b",".join(slices) + b"]")  # written as it is
     return orjson.dumps(doc)
+
+
+def engine_body(body: bytes, ids: Sequence[int], nogil: bool = False) -> bytes:
+    """``with_prompt_ids`` for ``TokenizeOffload.run`` (which passes ``nogil``): a long prompt's body, written
+    on the tokenizer thread."""
+    return with_prompt_ids(body, ids if isinstance(ids, array) else token_array(ids))
+
+
+async def ids_body_off_loop(offload: TokenizeOffload, body: bytes, ids: Sequence[int]) -> bytes | None:
+    """The body with ``ids`` as its prompt, written on the tokenizer thread, when there are more than
+    ``IDS_BODY_INLINE_MAX`` (else None: ``with_prompt_ids`` on the loop when a worker takes them)."""
+    if len(ids) <= IDS_BODY_INLINE_MAX:
+        return None
+    return await offload.run(len(ids) * 4, engine_body, body, ids)
 
 
 def body_tokens(
@@ -340,7 +357,6 @@ def _tokens_and_hashes(
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
         prompt = hashed(entry, token_array(tokens), salt, placeholders)
         prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
-        prompt.on_thread = True
         return prompt
     return hashed(entry, tokens, salt, placeholders)
 
