@@ -117,6 +117,51 @@ def test_the_memo_holds_at_most_its_bytes_and_forgets_the_oldest(builtin) -> Non
     assert not short.usable("x" * 5000, 4000)  # beyond the loop's bound
 
 
+def test_a_chat_conversation_continues_its_rendered_prompt_apart_from_completions(builtin, tmp_path) -> None:  # noqa: F811
+    """A chat request's rendered prompt goes through the memo without special tokens: each turn gets the full
+    chat encode and its block hashes, every later turn continues the one before; a completion of the same
+    text (the tokenizer adds its BOS) is remembered apart. The built-in tokenizer and an HF one without the
+    fast path (Llama-3's split pattern)."""
+    import asyncio
+
+    from bench.data_path import hf_tokenizer_dir
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.prompt import tokenize_request, tokenize_request_sync
+    from kvroute_common.tokenize_offload import TokenizeOffload
+    from kvroute_common.tokenizer import load_tokenizer, render_chat_prompt
+    from slot_tracker.core import SlotRegistry
+
+    rng = random.Random(33)
+    for tok in (builtin, load_tokenizer(hf_tokenizer_dir(str(tmp_path)))):
+        entry = ModelEntry("m", BLOCK, tok, SlotRegistry(), None, None, BusyThresholds())
+        off = TokenizeOffload()
+        messages = [{"role": "system", "content": random_text(rng, [], 1200)}]  # under the offload threshold
+
+        async def main(entry=entry, off=off, messages=messages, tok=tok) -> None:
+            for turn in range(4):
+                messages.append({"role": "user", "content": random_text(rng, [], rng.randint(50, 900))})
+                body = {"model": "m", "messages": list(messages)}
+                hits = entry.turns.hits
+                got = await tokenize_request(off, entry, body, "chat")
+                assert list(got.tokens) == tokenize_request_sync(entry, body, "chat"), turn
+                local = local_block_hashes(list(got.tokens), BLOCK)
+                assert (got.local_hashes, got.seq_hashes) == (local, sequence_hashes(local))
+                assert entry.turns.hits == hits + (turn > 0)  # every later turn continues the one before
+                messages.append({"role": "assistant", "content": random_text(rng, [], rng.randint(20, 300))})
+            text = render_chat_prompt(tok, messages[:-1])  # the last chat turn's prompt, as a completion
+            completion = {"model": "m", "prompt": text}
+            hits = entry.turns.hits
+            got = await tokenize_request(off, entry, completion, "completions")
+            assert list(got.tokens) == tokenize_request_sync(entry, completion, "completions")
+            assert entry.turns.hits == hits
+
+        try:
+            asyncio.run(main())
+        finally:
+            off.close()
+        assert off.offloaded == 0  # each turn's new text is short: the memo's inline path
+
+
 def test_a_session_through_the_frontend_hashes_as_the_engine_does(tmp_path) -> None:
     """Every turn of a conversation (one of them repeated) routed by a real frontend: the engine's own
     prompt length and its KV events agree with the router's ids and hashes (the hash-parity monitor

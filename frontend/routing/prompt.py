@@ -262,7 +262,7 @@ async def tokenize_request(
     rendered = None
     if kind != "completions" and long and chars <= CHAT_COUNT_MAX * offload.threshold_chars:
         rendered = _rendered_chat(entry, body, images)
-        chars = _encoder(entry).new_chars(rendered.text)
+        chars = _new_text_chars(entry, rendered.text, salt, False)
     return await offload.run(
         chars + image_bytes,
         _tokens_and_hashes,
@@ -306,8 +306,14 @@ def _new_chars(entry: ModelEntry, prompt: object, chars: int, salt: str | None) 
     text = _text_prompt(prompt)
     if text is None or len(text) > NEW_CHARS_SCAN_MAX:
         return chars
+    return _new_text_chars(entry, text, salt, True)
+
+
+def _new_text_chars(entry: ModelEntry, text: str, salt: str | None, specials: bool) -> int:
+    """What follows the remembered prompt ``text`` continues (``specials``: a completion's, else a rendered
+    chat's), else its chunks the cache does not hold."""
     if entry.turns.usable(text, NEW_CHARS_SCAN_MAX):
-        new = entry.turns.new_chars(text, salt)
+        new = entry.turns.new_chars(text, salt, specials)
         if new is not None:
             return new
     return _encoder(entry).new_chars(text)
@@ -349,10 +355,14 @@ def _tokens_and_hashes(
     nogil: bool = False,
     limit: PromptLimit | None = None,
 ) -> Prompt:
-    if not chat and not nogil:
+    if not nogil and not chat:
         text = _text_prompt(body.get("prompt"))
         if text is not None and entry.turns.usable(text, NEW_CHARS_SCAN_MAX):
-            return _continued_turn(entry, body, text, salt, limit)
+            return _continued_turn(entry, body, text, salt, limit, False)
+    elif not nogil:  # a conversation's rendered prompt, images aside, through the memo too
+        rendered = rendered or _rendered_chat(entry, body, images)
+        if not rendered.images and entry.turns.usable(rendered.text, NEW_CHARS_SCAN_MAX):
+            return _continued_turn(entry, body, rendered.text, salt, limit, True)
     tokens, placeholders = body_prompt(entry, body, chat, images, nogil, limit, rendered)
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
         prompt = hashed(entry, token_array(tokens), salt, placeholders)
@@ -361,16 +371,19 @@ def _tokens_and_hashes(
     return hashed(entry, tokens, salt, placeholders)
 
 
-def _continued_turn(entry: ModelEntry, body: dict, text: str, salt: str | None, limit: PromptLimit | None) -> Prompt:
-    """A completions text prompt through the model's turn memo (``frontend/routing/turn_memo.py``):
-    what a remembered earlier prompt already holds is not tokenized or hashed again."""
+def _continued_turn(
+    entry: ModelEntry, body: dict, text: str, salt: str | None, limit: PromptLimit | None, chat: bool
+) -> Prompt:
+    """A completions text prompt or a rendered chat prompt (``chat``: no special tokens added) through the
+    model's turn memo (``frontend/routing/turn_memo.py``): what a remembered earlier prompt already holds
+    is not tokenized or hashed again."""
     from kvroute_common.tokenizer import PromptError
 
     try:
-        turn = entry.turns.prompt(text, salt)
+        turn = entry.turns.prompt(text, salt, specials=not chat)
     except PromptError as exc:
         raise OpenAIError(400, str(exc)) from None
-    check_prompt_fits(len(turn.ids), body, limit, False)
+    check_prompt_fits(len(turn.ids), body, limit, chat)
     return Prompt(turn.ids, turn.local_hashes, turn.seq_hashes, salt)
 
 

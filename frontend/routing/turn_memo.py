@@ -12,7 +12,9 @@ is encoded again (a third of what a turn of ``agentic-dense`` encoded before).
 
 A remembered prompt is found by its first ``FINGERPRINT_CHARS`` characters and then compared whole
 (C-speed); the turn it continues is forgotten, its conversation having moved on. Only the loop's
-inline path uses this (one thread, no lock); prompts of at most ``max_chars`` characters.
+inline path uses this (one thread, no lock); prompts of at most ``max_chars`` characters. A chat
+conversation's rendered prompt extends its previous turn's the same way (the assistant's answer and the
+new messages follow the previous generation prompt) wherever the template renders earlier turns alike.
 
 A prompt's ids are a compact u32 ``array``, not a list: taking the earlier turn's ids is then a copy of
 contiguous memory, and freeing a forgotten turn one free. A list of a few thousand token ids points at
@@ -90,26 +92,28 @@ class TurnMemo:
         enc = self.encoder
         return enc.cuts is not None and enc.CHUNK_MIN_CHARS <= len(text) <= max_chars
 
-    def new_chars(self, text: str, salt: str | None) -> int | None:
+    def new_chars(self, text: str, salt: str | None, specials: bool = True) -> int | None:
         """Characters of ``text`` left to encode after the remembered prompt it continues (None: none)."""
-        turn = self._find(text, salt)
+        turn = self._find(text, salt, specials)
         if turn is None:
             return None
         return len(text) - (turn.resume_char if turn.cut is None else turn.cut[0])
 
-    def prompt(self, text: str, salt: str | None) -> TurnPrompt:
-        """``text``'s ids with the tokenizer's special tokens (a completions prompt's, as vLLM encodes
-        it) and its block hashes; remembered for the next turn. Raises PromptError."""
+    def prompt(self, text: str, salt: str | None, specials: bool = True) -> TurnPrompt:
+        """``text``'s ids and its block hashes; remembered for the next turn. ``specials``: with the
+        tokenizer's special tokens, as vLLM encodes a completions prompt; without, as it encodes a rendered
+        chat prompt (the two kinds are remembered apart). Raises PromptError."""
         enc = self.encoder
         bs = self.block_size
-        turn = self._find(text, salt)
+        prefix, suffix = (enc.prefix, enc.suffix) if specials else ((), ())
+        turn = self._find(text, salt, specials)
         if turn is None:
             self.misses += 1
             chunked = enc.encode_from(text, 0)
-            head = len(enc.prefix)
-            ids = token_array(enc.prefix)
+            head = len(prefix)
+            ids = token_array(prefix)
             ids.extend(chunked.ids)
-            ids.extend(enc.suffix)
+            ids.extend(suffix)
             local = local_block_hashes(ids, bs, self.lora_name, salt)
             prompt = TurnPrompt(ids, local, sequence_hashes(local))
         else:
@@ -122,7 +126,7 @@ class TurnMemo:
             chunked = enc.encode_from(text, turn.resume_char, known)
             ids = before.ids[:head]
             ids.extend(chunked.ids)
-            ids.extend(enc.suffix)
+            ids.extend(suffix)
             kept = head // bs  # full blocks inside the reused ids
             local = before.local_hashes[:kept]
             local += local_block_hashes(ids[kept * bs :], bs, self.lora_name, salt)
@@ -132,12 +136,13 @@ class TurnMemo:
         resume_ids = head + chunked.ids_before_last
         last = enc.last_cut(text, chunked.last_start, len(chunked.ids) - chunked.ids_before_last)
         cut = (last[0], resume_ids + last[1]) if last is not None else None
-        self._remember(_Turn(text, (salt, text[: self.FINGERPRINT_CHARS]), chunked.last_start, resume_ids, cut, prompt))
+        key = (salt, specials, text[: self.FINGERPRINT_CHARS])
+        self._remember(_Turn(text, key, chunked.last_start, resume_ids, cut, prompt))
         return prompt
 
-    def _find(self, text: str, salt: str | None) -> _Turn | None:
-        """The longest remembered prompt ``text`` starts with."""
-        candidates = self._by_start.get((salt, text[: self.FINGERPRINT_CHARS]))
+    def _find(self, text: str, salt: str | None, specials: bool) -> _Turn | None:
+        """The longest remembered prompt of the same kind ``text`` starts with."""
+        candidates = self._by_start.get((salt, specials, text[: self.FINGERPRINT_CHARS]))
         if not candidates:
             return None
         best: _Turn | None = None
