@@ -33,6 +33,7 @@ from frontend.routing.admission import ClientDisconnected, QueueRejected
 from frontend.routing.engine_polarity import for_worker as _priority_for_worker
 from frontend.routing.models import ModelEntry
 from frontend.routing.prompt import (
+    IDS_BODY_INLINE_MAX,
     Prompt,
     engine_token_ids,
     hash_tokens,
@@ -164,7 +165,7 @@ class RequestPath:
                 elif ctx.strip_usage:
                     modified = True
             ctx.out_body = orjson.dumps(body) if modified else raw  # the text (migration and prefill use it)
-            if ctx.engine_ids is not None:  # a long prompt's body with its ids: written on the tokenizer thread
+            if ctx.engine_ids is not None and len(ctx.engine_ids) > IDS_BODY_INLINE_MAX:  # on the tokenizer thread
                 ctx.ids_body = await ids_body_off_loop(state.tokenize, ctx.out_body, ctx.engine_ids)
 
             pinned_worker = hints.pinned_worker_id if hints is not None else None
