@@ -21,6 +21,8 @@ then does the request path alone.
 * **The chat shape** (``--shapes chat``): the same with chat requests on both sides, as an agent sends
   them: a ~128 k-token user message in ``/v1/chat/completions`` at 2/s, and three 3 MB chat prompts at
   once, while tiny chat requests are sent every 10 ms (each rendered through the chat template).
+* **A short next turn after a long new one** (up to 128 k tokens): the loop's time for a ~100-token turn
+  that repeats the long text before it, which the tokenizer thread encoded.
 * **Loop and CPU time per request against prompt length.** Long prompts of 1 k to 400 k tokens are
   sent one at a time; the frontend's event-loop thread's run time (``/proc/PID/task/PID/schedstat``,
   nanoseconds) and the whole process's CPU time are read before and after: what one request of that
@@ -265,6 +267,42 @@ def _per_request(url: str, pid: int, length: int, n: int, cpt: float, chat: bool
     }
 
 
+def _next_turn(url: str, pid: int, length: int, n: int, cpt: float) -> dict[str, Any]:
+    """A conversation's short next turn (~100 tokens) after a long new one of ``length`` tokens (on the
+    tokenizer thread): the loop's time for the short turn alone, which repeats the whole long text."""
+    import httpx
+
+    loops = []
+    with httpx.Client(base_url=url, timeout=600.0) as c:
+        for k in range(n):
+            text = big_text(int(length * cpt * 0.97), 5000 + k)
+            for prompt, measured in ((text, False), (text + " " + big_text(160, 7000 + k), True)):
+                body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+                loop0 = _loop_ns(pid)
+                r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                if r.status_code != 200:
+                    raise RuntimeError(f"{length}-token turn failed: {r.status_code} {r.text[:300]}")
+                if measured:
+                    loops.append((_loop_ns(pid) - loop0) / 1e6)
+                else:
+                    _wait_quiet(pid)  # the long turn's KV events applied: not counted to the next turn
+    loops.sort()
+    return {"requests": n, "loop_ms_p50": round(loops[n // 2], 2), "loop_ms_max": round(loops[-1], 2)}
+
+
+def _wait_quiet(pid: int, deadline_s: float = 5.0) -> None:
+    """Until the frontend's loop ran under 0.2 ms in 50 ms (what a finished request left it is done), or the
+    deadline."""
+    end = time.monotonic() + deadline_s
+    before = _loop_ns(pid)
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        now = _loop_ns(pid)
+        if now - before < 200_000:
+            return
+        before = now
+
+
 def _chosen(name: str, scenarios: str | None) -> bool:
     """Whether the latency scenario ``name`` is among ``--scenarios`` (comma-separated prefixes; None: all)."""
     return scenarios is None or any(name.startswith(p.strip()) for p in scenarios.split(",") if p.strip())
@@ -358,6 +396,9 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
                 n = 4 if length >= 400_000 else 10
                 out["lengths"][str(length)] = r = _per_request(url, pid, length, n, cpt)
                 print(f"[{tokenizer}] {length} tokens: {json.dumps(r)}", flush=True)
+            for length in [n for n in lengths if n <= 128_000]:  # within the turn memo's reach
+                out["lengths"][f"next turn after {length}"] = r = _next_turn(url, pid, length, 6, cpt)
+                print(f"[{tokenizer}] next turn after {length} tokens: {json.dumps(r)}", flush=True)
             if "chat" in shapes:  # a user message of each length up to 128k tokens: the loop's share of the chat path
                 for length in [n for n in lengths if n <= 128_000]:
                     out["lengths"][f"chat {length}"] = r = _per_request(url, pid, length, 10, cpt, chat=True)

@@ -677,16 +677,19 @@ class PromptEncoder:
             self._repeats[text] = ids
         return list(ids)
 
-    def encode_from(self, text: str, start: int, known: tuple[int, list[int]] | None = None) -> ChunkedIds:
+    def encode_from(
+        self, text: str, start: int, known: tuple[int, list[int]] | None = None, nogil: bool = False
+    ) -> ChunkedIds:
         """The ids of ``text[start:]`` (no special tokens added), where ``start`` is where a chunk of
         ``text`` starts: the last chunk start of an earlier prompt that ``text`` extends (``ChunkedIds.
         last_start``) is one, since a cut depends only on the text before it and one character after.
         A conversation's next turn so encodes only what follows its previous prompt's last chunk.
         ``known``: a safe cut inside that chunk and the ids of ``text[start:cut]`` (``last_cut``): only
         what follows the cut is encoded, and the chunk is cached whole as before.
-        Holds the GIL (the loop's inline path); needs the chunk cuts (``cuts`` not None)."""
+        ``nogil`` (a worker thread): new chunks through the backend call that releases the GIL, whole.
+        Needs the chunk cuts (``cuts`` not None)."""
         try:
-            return self._encode_chunked(text, False, None, start, known)
+            return self._encode_chunked(text, nogil, None, start, known)
         except Exception as exc:  # e.g. lone surrogates, which the tokenizer cannot encode
             raise PromptError(f"the prompt cannot be tokenized: {exc}") from None
 

@@ -162,6 +162,68 @@ def test_a_chat_conversation_continues_its_rendered_prompt_apart_from_completion
         assert off.offloaded == 0  # each turn's new text is short: the memo's inline path
 
 
+def test_a_turn_encoded_on_the_thread_is_kept_and_the_next_turn_continues_it_on_the_loop(builtin) -> None:  # noqa: F811
+    """A turn with more new text than the offload threshold is encoded on a tokenizer thread (from the turn it
+    continues, if any) and remembered, so the next short turn is a memo hit on the loop (encoding what it adds,
+    not joining and hashing the whole history again); a long chat turn alike. Every prompt's ids and hashes are
+    the full encode's."""
+    import asyncio
+    import threading
+
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.prompt import tokenize_request, tokenize_request_sync
+    from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS, TokenizeOffload
+    from slot_tracker.core import SlotRegistry
+
+    rng = random.Random(41)
+    entry = ModelEntry("m", BLOCK, builtin, SlotRegistry(), None, None, BusyThresholds())
+    off = TokenizeOffload()
+    memo = entry.turns
+    encoders: list[str] = []
+    encode = memo.encode
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        encoders.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    memo.encode = recording  # type: ignore[method-assign]
+    big = DEFAULT_OFFLOAD_CHARS + 3000
+    text = random_text(rng, [], big)  # new: the thread
+    turns = [text, text + " a short question"]  # a hit on the loop
+    turns.append(turns[-1] + " " + random_text(rng, [], big))  # a long tool output: the thread, continuing it
+    turns.append(turns[-1] + " and a last question")  # a hit on the loop again
+    chat = [{"role": "user", "content": random_text(rng, [], 2 * DEFAULT_OFFLOAD_CHARS)}]
+
+    async def main() -> list[tuple[int, int, int]]:
+        seen = []
+        for prompt in turns:
+            body = {"model": "m", "prompt": prompt}
+            got = await tokenize_request(off, entry, body, "completions")
+            assert list(got.tokens) == builtin(prompt)["input_ids"]
+            local = local_block_hashes(list(got.tokens), BLOCK)
+            assert (got.local_hashes, got.seq_hashes) == (local, sequence_hashes(local))
+            if got.local_array is not None:
+                assert got.local_array.tolist() == local
+            seen.append((off.offloaded, memo.hits, memo.misses))
+        for _ in range(2):  # a fresh chat turn on the thread, then the same conversation with a reply and a question
+            body = {"model": "m", "messages": list(chat)}
+            got = await tokenize_request(off, entry, body, "chat")
+            assert list(got.tokens) == tokenize_request_sync(entry, body, "chat")
+            seen.append((off.offloaded, memo.hits, memo.misses))
+            chat.extend([{"role": "assistant", "content": "sure"}, {"role": "user", "content": "and then?"}])
+        return seen
+
+    try:
+        seen = asyncio.run(main())
+    finally:
+        off.close()
+    # (offloaded, hits, misses) after each request
+    assert seen == [(1, 0, 1), (1, 1, 1), (2, 2, 1), (2, 3, 1), (3, 3, 2), (3, 4, 2)]
+    main_thread = threading.main_thread().name
+    assert [name == main_thread for name in encoders] == [False, True, False, True, False, True]
+    assert all(name.startswith("tokenize") for name in encoders if name != main_thread)
+
+
 def test_a_session_through_the_frontend_hashes_as_the_engine_does(tmp_path) -> None:
     """Every turn of a conversation (one of them repeated) routed by a real frontend: the engine's own
     prompt length and its KV events agree with the router's ids and hashes (the hash-parity monitor

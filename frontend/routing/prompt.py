@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from frontend.request.hints import RequestHints
     from frontend.routing.images import ImageCache
     from frontend.routing.models import ModelEntry
+    from frontend.routing.turn_memo import Turn, TurnMemo
     from kvroute_common.tokenize_offload import TokenizeOffload
     from kvroute_common.tokenizer import PromptEncoder, RenderedChat
 
@@ -237,9 +238,13 @@ async def tokenize_request(
         kind = "chat" if kind else "completions"
     chars = prompt_chars(body)
     long = offload.offloads(chars)  # long enough to matter: count only what the tokenizer's caches lack
+    turn_text = None  # a text prompt the turn memo takes, with the remembered turn it continues
+    before: Turn | None = None
     if kind == "completions":
-        if long:
-            chars = _new_chars(entry, body.get("prompt"), chars, salt)
+        text = _text_prompt(body.get("prompt")) if long else None
+        if text is not None and len(text) <= NEW_CHARS_SCAN_MAX:
+            chars, before = _new_text_chars(entry, text, salt, True)
+            turn_text = text if entry.turns.usable(text, NEW_CHARS_SCAN_MAX) else None
     elif kind == "embeddings":
         if long:
             chars = _new_input_chars(entry, body.get("input"), chars)
@@ -262,7 +267,17 @@ async def tokenize_request(
     rendered = None
     if kind != "completions" and long and chars <= CHAT_COUNT_MAX * offload.threshold_chars:
         rendered = _rendered_chat(entry, body, images)
-        chars = _new_text_chars(entry, rendered.text, salt, False)
+        chars, before = _new_text_chars(entry, rendered.text, salt, False)
+        if not rendered.images and entry.turns.usable(rendered.text, NEW_CHARS_SCAN_MAX):
+            turn_text = rendered.text
+    if turn_text is not None:  # through the memo from the turn found here (new text past the threshold: on the thread)
+        memo = entry.turns
+        chat = kind != "completions"
+        turn, prompt = await offload.run(
+            chars, _encode_turn, memo, body, turn_text, salt, before, chat, limit=entry.prompt_limit()
+        )
+        memo.keep(turn, before)
+        return prompt
     return await offload.run(
         chars + image_bytes,
         _tokens_and_hashes,
@@ -300,23 +315,15 @@ def _rendered_chat(entry: ModelEntry, body: dict, images: ImageContext | None) -
         raise OpenAIError(400, str(exc)) from None
 
 
-def _new_chars(entry: ModelEntry, prompt: object, chars: int, salt: str | None) -> int:
-    """A completion prompt's text still to tokenize (what decides the worker thread), or ``chars``: what
-    follows the remembered prompt it continues, else its chunks the cache does not hold."""
-    text = _text_prompt(prompt)
-    if text is None or len(text) > NEW_CHARS_SCAN_MAX:
-        return chars
-    return _new_text_chars(entry, text, salt, True)
-
-
-def _new_text_chars(entry: ModelEntry, text: str, salt: str | None, specials: bool) -> int:
+def _new_text_chars(entry: ModelEntry, text: str, salt: str | None, specials: bool) -> tuple[int, Turn | None]:
     """What follows the remembered prompt ``text`` continues (``specials``: a completion's, else a rendered
-    chat's), else its chunks the cache does not hold."""
-    if entry.turns.usable(text, NEW_CHARS_SCAN_MAX):
-        new = entry.turns.new_chars(text, salt, specials)
-        if new is not None:
-            return new
-    return _encoder(entry).new_chars(text)
+    chat's) and that prompt, else the chunks of ``text`` the cache does not hold and None."""
+    memo = entry.turns
+    if memo.usable(text, NEW_CHARS_SCAN_MAX):
+        before = memo.find(text, salt, specials)
+        if before is not None:
+            return memo.chars_after(before, text), before
+    return _encoder(entry).new_chars(text), None
 
 
 def _new_input_chars(entry: ModelEntry, inp: object, chars: int) -> int:
@@ -369,6 +376,32 @@ def _tokens_and_hashes(
         prompt.local_array = np.asarray(prompt.local_hashes, dtype=np.uint64)
         return prompt
     return hashed(entry, tokens, salt, placeholders)
+
+
+def _encode_turn(
+    memo: TurnMemo,
+    body: dict,
+    text: str,
+    salt: str | None,
+    before: Turn | None,
+    chat: bool,
+    nogil: bool = False,
+    limit: PromptLimit | None = None,
+) -> tuple[Turn, Prompt]:
+    """``_continued_turn`` from the turn ``before`` it (found on the loop), for ``TokenizeOffload.run``: the turn
+    is built here and kept by the loop (``TurnMemo.keep``); on a thread its local hashes as a u64 array too."""
+    from kvroute_common.tokenizer import PromptError
+
+    try:
+        turn = memo.encode(text, salt, not chat, before, nogil)
+    except PromptError as exc:
+        raise OpenAIError(400, str(exc)) from None
+    ids, local, seq = turn.prompt
+    check_prompt_fits(len(ids), body, limit, chat)
+    prompt = Prompt(ids, local, seq, salt)
+    if nogil:
+        prompt.local_array = np.asarray(local, dtype=np.uint64)
+    return turn, prompt
 
 
 def _continued_turn(

@@ -11,8 +11,11 @@ chunk up to its last safe cut (``PromptEncoder.last_cut``) are reused too: only 
 is encoded again (a third of what a turn of ``agentic-dense`` encoded before).
 
 A remembered prompt is found by its first ``FINGERPRINT_CHARS`` characters and then compared whole
-(C-speed); the turn it continues is forgotten, its conversation having moved on. Only the loop's
-inline path uses this (one thread, no lock); prompts of at most ``max_chars`` characters. A chat
+(C-speed); the turn it continues is forgotten, its conversation having moved on. The memo's own state is
+read and changed on the event loop only (no lock): a turn with more new text than the loop encodes is
+encoded on a tokenizer thread from the turn found on the loop (``encode``, which reads neither) and kept
+when it comes back, so the conversation's next turn continues it on the loop. Prompts of at most
+``max_chars`` characters. A chat
 conversation's rendered prompt extends its previous turn's the same way (the assistant's answer and the
 new messages follow the previous generation prompt) wherever the template renders earlier turns alike.
 
@@ -44,7 +47,10 @@ class TurnPrompt(NamedTuple):
     seq_hashes: list[int]
 
 
-class _Turn:
+class Turn:
+    """A remembered prompt and where its next turn's encode resumes. Not changed once built: a tokenizer
+    thread may read one the loop has since forgotten."""
+
     __slots__ = ("text", "key", "resume_char", "resume_ids", "cut", "prompt", "size")
 
     def __init__(
@@ -78,8 +84,8 @@ class TurnMemo:
         self.lora_name = lora_name
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._turns: OrderedDict[int, _Turn] = OrderedDict()  # id(turn) -> turn, least recently used first
-        self._by_start: dict[tuple, list[_Turn]] = {}
+        self._turns: OrderedDict[int, Turn] = OrderedDict()  # id(turn) -> turn, least recently used first
+        self._by_start: dict[tuple, list[Turn]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -94,22 +100,32 @@ class TurnMemo:
 
     def new_chars(self, text: str, salt: str | None, specials: bool = True) -> int | None:
         """Characters of ``text`` left to encode after the remembered prompt it continues (None: none)."""
-        turn = self._find(text, salt, specials)
-        if turn is None:
-            return None
+        turn = self.find(text, salt, specials)
+        return None if turn is None else self.chars_after(turn, text)
+
+    @staticmethod
+    def chars_after(turn: Turn, text: str) -> int:
+        """Characters of ``text`` (which continues ``turn``) its encode from ``turn`` tokenizes."""
         return len(text) - (turn.resume_char if turn.cut is None else turn.cut[0])
 
     def prompt(self, text: str, salt: str | None, specials: bool = True) -> TurnPrompt:
         """``text``'s ids and its block hashes; remembered for the next turn. ``specials``: with the
         tokenizer's special tokens, as vLLM encodes a completions prompt; without, as it encodes a rendered
         chat prompt (the two kinds are remembered apart). Raises PromptError."""
+        before = self.find(text, salt, specials)
+        turn = self.encode(text, salt, specials, before)
+        self.keep(turn, before)
+        return turn.prompt
+
+    def encode(self, text: str, salt: str | None, specials: bool, before: Turn | None, nogil: bool = False) -> Turn:
+        """``text`` as a turn to remember, continuing ``before`` (``find``; None: from its start). Reads and
+        changes none of the memo's state, so it runs on a tokenizer thread too (``nogil``: new chunks through
+        the backend call that releases the GIL). Raises PromptError."""
         enc = self.encoder
         bs = self.block_size
         prefix, suffix = (enc.prefix, enc.suffix) if specials else ((), ())
-        turn = self._find(text, salt, specials)
-        if turn is None:
-            self.misses += 1
-            chunked = enc.encode_from(text, 0)
+        if before is None:
+            chunked = enc.encode_from(text, 0, nogil=nogil)
             head = len(prefix)
             ids = token_array(prefix)
             ids.extend(chunked.ids)
@@ -117,35 +133,42 @@ class TurnMemo:
             local = local_block_hashes(ids, bs, self.lora_name, salt)
             prompt = TurnPrompt(ids, local, sequence_hashes(local))
         else:
-            self.hits += 1
-            self._forget(turn)  # the conversation moved on
-            head = turn.resume_ids
-            before = turn.prompt
-            cut = turn.cut
-            known = (cut[0], before.ids[head : cut[1]].tolist()) if cut is not None else None
-            chunked = enc.encode_from(text, turn.resume_char, known)
-            ids = before.ids[:head]
+            head = before.resume_ids
+            earlier = before.prompt
+            cut = before.cut
+            known = (cut[0], earlier.ids[head : cut[1]].tolist()) if cut is not None else None
+            chunked = enc.encode_from(text, before.resume_char, known, nogil)
+            ids = earlier.ids[:head]
             ids.extend(chunked.ids)
             ids.extend(suffix)
             kept = head // bs  # full blocks inside the reused ids
-            local = before.local_hashes[:kept]
+            local = earlier.local_hashes[:kept]
             local += local_block_hashes(ids[kept * bs :], bs, self.lora_name, salt)
-            seq = before.seq_hashes[:kept]
+            seq = earlier.seq_hashes[:kept]
             seq += sequence_hashes(local[kept:], seq[-1] if kept else None)
             prompt = TurnPrompt(ids, local, seq)
         resume_ids = head + chunked.ids_before_last
         last = enc.last_cut(text, chunked.last_start, len(chunked.ids) - chunked.ids_before_last)
         cut = (last[0], resume_ids + last[1]) if last is not None else None
         key = (salt, specials, text[: self.FINGERPRINT_CHARS])
-        self._remember(_Turn(text, key, chunked.last_start, resume_ids, cut, prompt))
-        return prompt
+        return Turn(text, key, chunked.last_start, resume_ids, cut, prompt)
 
-    def _find(self, text: str, salt: str | None, specials: bool) -> _Turn | None:
+    def keep(self, turn: Turn, before: Turn | None) -> None:
+        """Remember ``turn`` (``encode``), forgetting ``before``, the turn it continued: its conversation moved
+        on (a no-op when it is already gone)."""
+        if before is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._forget(before)
+        self._remember(turn)
+
+    def find(self, text: str, salt: str | None, specials: bool = True) -> Turn | None:
         """The longest remembered prompt of the same kind ``text`` starts with."""
         candidates = self._by_start.get((salt, specials, text[: self.FINGERPRINT_CHARS]))
         if not candidates:
             return None
-        best: _Turn | None = None
+        best: Turn | None = None
         size = len(text)
         tail = self.TAIL_CHARS
         for turn in candidates:
@@ -160,7 +183,7 @@ class TurnMemo:
                 best = turn
         return best
 
-    def _remember(self, turn: _Turn) -> None:
+    def _remember(self, turn: Turn) -> None:
         if turn.size > self.max_bytes:
             return
         same = self._by_start.setdefault(turn.key, [])
@@ -172,7 +195,7 @@ class TurnMemo:
         while self.bytes > self.max_bytes:
             self._forget(next(iter(self._turns.values())))
 
-    def _forget(self, turn: _Turn) -> None:
+    def _forget(self, turn: Turn) -> None:
         if self._turns.pop(id(turn), None) is None:
             return
         self.bytes -= turn.size
