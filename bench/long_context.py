@@ -22,7 +22,8 @@ then does the request path alone.
   them: a ~128 k-token user message in ``/v1/chat/completions`` at 2/s, and three 3 MB chat prompts at
   once, while tiny chat requests are sent every 10 ms (each rendered through the chat template).
 * **A short next turn after a long new one** (up to 128 k tokens): the loop's time for a ~100-token turn
-  that repeats the long text before it, which the tokenizer thread encoded.
+  that repeats the long text before it, which the tokenizer thread encoded; and for a second short question
+  on a long document (which repeats the document, not the first question's prompt).
 * **Loop and CPU time per request against prompt length.** Long prompts of 1 k to 400 k tokens are
   sent one at a time; the frontend's event-loop thread's run time (``/proc/PID/task/PID/schedstat``,
   nanoseconds) and the whole process's CPU time are read before and after: what one request of that
@@ -267,16 +268,20 @@ def _per_request(url: str, pid: int, length: int, n: int, cpt: float, chat: bool
     }
 
 
-def _next_turn(url: str, pid: int, length: int, n: int, cpt: float) -> dict[str, Any]:
+def _next_turn(url: str, pid: int, length: int, n: int, cpt: float, question: bool = False) -> dict[str, Any]:
     """A conversation's short next turn (~100 tokens) after a long new one of ``length`` tokens (on the
-    tokenizer thread): the loop's time for the short turn alone, which repeats the whole long text."""
+    tokenizer thread): the loop's time for the short turn alone, which repeats the whole long text.
+    ``question``: a long document asked one short question and then another (the second repeats the
+    document, not the first question's prompt)."""
     import httpx
 
     loops = []
     with httpx.Client(base_url=url, timeout=600.0) as c:
         for k in range(n):
-            text = big_text(int(length * cpt * 0.97), 5000 + k)
-            for prompt, measured in ((text, False), (text + " " + big_text(160, 7000 + k), True)):
+            text = big_text(int(length * cpt * 0.97), (6000 if question else 5000) + k)
+            follow = text + " " + big_text(160, 7000 + k)
+            first = text + " " + big_text(160, 9000 + k) if question else text
+            for prompt, measured in ((first, False), (follow, True)):
                 body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
                 loop0 = _loop_ns(pid)
                 r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -399,6 +404,8 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
             for length in [n for n in lengths if n <= 128_000]:  # within the turn memo's reach
                 out["lengths"][f"next turn after {length}"] = r = _next_turn(url, pid, length, 6, cpt)
                 print(f"[{tokenizer}] next turn after {length} tokens: {json.dumps(r)}", flush=True)
+                out["lengths"][f"second question on {length}"] = r = _next_turn(url, pid, length, 6, cpt, True)
+                print(f"[{tokenizer}] second question on {length} tokens: {json.dumps(r)}", flush=True)
             if "chat" in shapes:  # a user message of each length up to 128k tokens: the loop's share of the chat path
                 for length in [n for n in lengths if n <= 128_000]:
                     out["lengths"][f"chat {length}"] = r = _per_request(url, pid, length, 10, cpt, chat=True)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from bench.sessions import WORKLOADS, session_trace
-from frontend.routing.prompt import NEW_CHARS_SCAN_MAX
+from frontend.routing.prompt import MEMO_MAX_CHARS
 from frontend.routing.turn_memo import TurnMemo
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS
@@ -60,7 +60,7 @@ def run(
         t0 = time.thread_time()
         nogil = 0 < offload_chars < len(text)
         ids: Sequence[int]
-        if memo is not None and not nogil and memo.usable(text, NEW_CHARS_SCAN_MAX):
+        if memo is not None and not nogil and memo.usable(text, MEMO_MAX_CHARS):
             ids = memo.prompt(text, None).ids
         else:
             ids = encoder.encode(text, add_special_tokens=True, nogil=nogil)

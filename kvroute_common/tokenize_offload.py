@@ -26,12 +26,12 @@ Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``
   loaded machine (``--log-loop-stalls``, three 3 MB chat prompts at once).
 
 Prompts with more than ``threshold_chars`` characters of text to encode are offloaded (the caller decides
-what counts: the text the caches do not hold, ``PromptEncoder.new_chars``, of a completion, of each
-embeddings input, of a chat-shaped request's rendered prompt up to ``frontend.routing.prompt.CHAT_COUNT_MAX``
-times the threshold; past it a chat-shaped request's whole text). Default 4096: text the caches do not hold
-costs an inline encode ~1.5 us a character on a slow 2-vCPU guest (a 5,000-token prompt: 12-14 ms of loop
-time inline, 3.7 ms offloaded, the same CPU in all), so 4096 bounds it near 6 ms there; a prompt repeating
-cached text stays inline. ``threshold_chars=0`` never offloads.
+what counts: what follows the remembered turn a prompt continues; else the text the caches do not hold,
+``PromptEncoder.new_chars``, of a completion or a chat-shaped request's rendered prompt up to
+``frontend.routing.prompt.COUNTED_MAX`` times the threshold, and past it the whole text; of each embeddings
+input). Default 4096: text the caches do not hold costs an inline encode ~1.5 us a character on a slow
+2-vCPU guest (a 5,000-token prompt: 12-14 ms of loop time inline, 3.7 ms offloaded, the same CPU in all), so
+4096 bounds it near 6 ms there; a prompt repeating cached text stays inline. ``threshold_chars=0`` never offloads.
 """
 
 from __future__ import annotations

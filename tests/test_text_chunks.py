@@ -263,6 +263,43 @@ def test_a_completion_repeating_its_cached_history_is_tokenized_inline(builtin) 
     assert first == builtin(history)["input_ids"] and second == builtin(turn)["input_ids"]
 
 
+def test_a_long_prompt_continuing_no_remembered_turn_goes_to_the_thread_though_its_chunks_are_cached(
+    builtin,
+) -> None:
+    """A document asked a second question (the first question's prompt is remembered, but the second does not
+    continue it): its chunks are cached, yet its whole ids and hashes would be built on the loop, so past
+    ``COUNTED_MAX`` times the threshold it goes to the thread; a shorter one is counted and stays inline."""
+    import asyncio
+
+    from frontend.routing.models import BusyThresholds, ModelEntry
+    from frontend.routing.prompt import COUNTED_MAX, tokenize_request
+    from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS, TokenizeOffload
+    from slot_tracker.core import SlotRegistry
+
+    rng = random.Random(14)
+    entry = ModelEntry("m", 16, builtin, SlotRegistry(), None, None, BusyThresholds())
+    off = TokenizeOffload()
+    long_doc = random_text(rng, [], COUNTED_MAX * DEFAULT_OFFLOAD_CHARS + 500)
+    short_doc = random_text(rng, [], 2 * DEFAULT_OFFLOAD_CHARS)
+    prompts = [doc + question for doc in (long_doc, short_doc) for question in ("\nWho wrote it?", "\nWhen?")]
+    offloaded: list[int] = []
+
+    async def main() -> list[list[int]]:
+        out = []
+        for prompt in prompts:
+            got = await tokenize_request(off, entry, {"model": "m", "prompt": prompt}, "completions")
+            out.append(list(got.tokens))
+            offloaded.append(off.offloaded)
+        return out
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        off.close()
+    assert offloaded == [1, 2, 3, 3]  # the long document's second question too; the short one's inline
+    assert got == [builtin(p)["input_ids"] for p in prompts]
+
+
 def test_text_the_caches_lack_goes_to_the_thread_whatever_the_request_shape(builtin) -> None:
     """At the default threshold a completion, a chat request (its rendered prompt counted, rendered once),
     a Messages request and an embeddings input with a few thousand characters of new text are encoded on the
@@ -272,7 +309,7 @@ def test_text_the_caches_lack_goes_to_the_thread_whatever_the_request_shape(buil
     import copy
 
     from frontend.routing.models import BusyThresholds, ModelEntry
-    from frontend.routing.prompt import CHAT_COUNT_MAX, embedding_tokens, tokenize_request, tokenize_request_sync
+    from frontend.routing.prompt import COUNTED_MAX, embedding_tokens, tokenize_request, tokenize_request_sync
     from kvroute_common.tokenize_offload import DEFAULT_OFFLOAD_CHARS, TokenizeOffload
     from slot_tracker.core import SlotRegistry
 
@@ -296,7 +333,7 @@ def test_text_the_caches_lack_goes_to_the_thread_whatever_the_request_shape(buil
 
     mid_chat = chat(DEFAULT_OFFLOAD_CHARS * 2)
     messages = {"model": "m", "max_tokens": 4, "messages": chat(DEFAULT_OFFLOAD_CHARS * 2)["messages"]}
-    long_chat = chat(DEFAULT_OFFLOAD_CHARS * CHAT_COUNT_MAX + 100)
+    long_chat = chat(DEFAULT_OFFLOAD_CHARS * COUNTED_MAX + 100)
     embed = {"model": "m", "input": ["short", random_text(rng, [], DEFAULT_OFFLOAD_CHARS + 500)]}
     offloaded: list[int] = []
     rendered: list[int] = []

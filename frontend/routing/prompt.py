@@ -22,19 +22,20 @@ from kvroute_common import anthropic_api
 from kvroute_common.hashing import local_block_hashes, sequence_hashes, token_array
 from kvroute_common.multimodal import ImageContext, Placeholder, block_mm_hashes, image_parts, remote_image_urls
 
-# longer prompts go to the worker thread without looking for cached chunks first (the look costs ~1 us
-# per 100 characters on the loop, and a prompt this long is most likely new text)
-NEW_CHARS_SCAN_MAX = 256 * 1024
+MEMO_MAX_CHARS = 256 * 1024
+"""Text prompts of at most this many characters go through the turn memo (``frontend/routing/turn_memo.py``)."""
 IDS_BODY_INLINE_MAX = 32768
 """A prompt sent to its engine as more ids than this has that body written on the tokenizer thread
 (``engine_body``), in slices: writing ids costs ~11 ns each, a 128 k-token prompt's 1.4 ms of loop in one call."""
 IDS_SLICE = 8192  # ids written per call on the thread: the loop can take the GIL between two (~0.1 ms each)
-CHAT_COUNT_MAX = 4
-"""A chat-shaped request (chat, responses, Messages) with more text than the offload threshold and at most
-this many times it is rendered on the loop (~0.1 ms) and counted as a completion is: the rendered text's
-chunks the cache lacks (chunk cuts depend on the text before them, so the messages' own chunks are not the
-prompt's). Past it, it goes to the worker thread uncounted: a long conversation's whole-prompt hashes
-(~50 ns a token) would grow on the loop with it."""
+COUNTED_MAX = 4
+"""A prompt with more text than the offload threshold and no remembered turn it continues is counted by its
+chunks the cache lacks (and encoded on the loop if they are few) only up to this many times the threshold;
+past it, it goes to the worker thread uncounted: its whole-prompt ids and hashes (~50 ns a token) and the
+count itself (~1 us a 100 characters) would grow on the loop with it. A turn that continues a remembered one
+is counted at any length (what follows it). A chat-shaped request (chat, responses, Messages) up to this
+bound is rendered on the loop (~0.1 ms) to be counted so (chunk cuts depend on the text before them, so the
+messages' own chunks are not the prompt's)."""
 
 if TYPE_CHECKING:
     from frontend.request.hints import RequestHints
@@ -242,9 +243,9 @@ async def tokenize_request(
     before: Turn | None = None
     if kind == "completions":
         text = _text_prompt(body.get("prompt")) if long else None
-        if text is not None and len(text) <= NEW_CHARS_SCAN_MAX:
-            chars, before = _new_text_chars(entry, text, salt, True)
-            turn_text = text if entry.turns.usable(text, NEW_CHARS_SCAN_MAX) else None
+        if text is not None and len(text) <= MEMO_MAX_CHARS:
+            chars, before = _new_text_chars(entry, text, salt, True, COUNTED_MAX * offload.threshold_chars)
+            turn_text = text if entry.turns.usable(text, MEMO_MAX_CHARS) else None
     elif kind == "embeddings":
         if long:
             chars = _new_input_chars(entry, body.get("input"), chars)
@@ -265,10 +266,11 @@ async def tokenize_request(
                 images.fetched = await image_cache.fetch_all(urls, entry.image_options, n_images)
                 image_bytes = sum(len(data) for data in images.fetched.values())  # decoded and hashed with the prompt
     rendered = None
-    if kind != "completions" and long and chars <= CHAT_COUNT_MAX * offload.threshold_chars:
+    counted_max = COUNTED_MAX * offload.threshold_chars
+    if kind != "completions" and long and chars <= counted_max:
         rendered = _rendered_chat(entry, body, images)
-        chars, before = _new_text_chars(entry, rendered.text, salt, False)
-        if not rendered.images and entry.turns.usable(rendered.text, NEW_CHARS_SCAN_MAX):
+        chars, before = _new_text_chars(entry, rendered.text, salt, False, counted_max)
+        if not rendered.images and entry.turns.usable(rendered.text, MEMO_MAX_CHARS):
             turn_text = rendered.text
     if turn_text is not None:  # through the memo from the turn found here (new text past the threshold: on the thread)
         memo = entry.turns
@@ -315,21 +317,26 @@ def _rendered_chat(entry: ModelEntry, body: dict, images: ImageContext | None) -
         raise OpenAIError(400, str(exc)) from None
 
 
-def _new_text_chars(entry: ModelEntry, text: str, salt: str | None, specials: bool) -> tuple[int, Turn | None]:
+def _new_text_chars(
+    entry: ModelEntry, text: str, salt: str | None, specials: bool, counted_max: int
+) -> tuple[int, Turn | None]:
     """What follows the remembered prompt ``text`` continues (``specials``: a completion's, else a rendered
-    chat's) and that prompt, else the chunks of ``text`` the cache does not hold and None."""
+    chat's) and that prompt; else the chunks of ``text`` the cache does not hold (all of it past
+    ``counted_max`` characters: ``COUNTED_MAX``) and None."""
     memo = entry.turns
-    if memo.usable(text, NEW_CHARS_SCAN_MAX):
+    if memo.usable(text, MEMO_MAX_CHARS):
         before = memo.find(text, salt, specials)
         if before is not None:
             return memo.chars_after(before, text), before
+    if len(text) > counted_max:
+        return len(text), None
     return _encoder(entry).new_chars(text), None
 
 
 def _new_input_chars(entry: ModelEntry, inp: object, chars: int) -> int:
     """An embeddings request's text inputs' chunks the cache does not hold (each input is encoded alone), or
     ``chars`` when they are too long to scan."""
-    if chars > NEW_CHARS_SCAN_MAX:
+    if chars > MEMO_MAX_CHARS:
         return chars
     texts = [inp] if isinstance(inp, str) else inp if isinstance(inp, list) else []
     encoder = _encoder(entry)
@@ -364,11 +371,11 @@ def _tokens_and_hashes(
 ) -> Prompt:
     if not nogil and not chat:
         text = _text_prompt(body.get("prompt"))
-        if text is not None and entry.turns.usable(text, NEW_CHARS_SCAN_MAX):
+        if text is not None and entry.turns.usable(text, MEMO_MAX_CHARS):
             return _continued_turn(entry, body, text, salt, limit, False)
     elif not nogil:  # a conversation's rendered prompt, images aside, through the memo too
         rendered = rendered or _rendered_chat(entry, body, images)
-        if not rendered.images and entry.turns.usable(rendered.text, NEW_CHARS_SCAN_MAX):
+        if not rendered.images and entry.turns.usable(rendered.text, MEMO_MAX_CHARS):
             return _continued_turn(entry, body, rendered.text, salt, limit, True)
     tokens, placeholders = body_prompt(entry, body, chat, images, nogil, limit, rendered)
     if nogil:  # on the tokenizer thread: compact ids, the list freed here
