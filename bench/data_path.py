@@ -362,7 +362,8 @@ def path_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[fl
 
 
 def hf_tokenizer_dir(root: str) -> str:
-    """The built-in tokenizer with Llama-3's split pattern (Python's ``re`` has no ``\\p`` classes)."""
+    """The built-in tokenizer with Llama-3's split pattern (``\\p`` classes: the encoder's fast path takes ASCII
+    text only, through the ``regex`` module)."""
     out = os.path.join(root, "hf-tokenizer")
     shutil.copytree(BUILTIN_TOKENIZER_DIR, out)
     path = os.path.join(out, "tokenizer.json")

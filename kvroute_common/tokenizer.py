@@ -11,11 +11,15 @@
 
 Speed: HF ``tokenizers`` needs ~6-8 ms for 32 KB of text on this machine, far above the frontend's
 2 ms routing budget. ``PromptEncoder`` gives the same ids faster for tokenizers whose pre-tokeniser is
-one regex split + byte-level mapping (the built-in one): it splits off special tokens and
-pre-tokenises with Python's ``re`` (identical semantics for that pattern), then maps each piece
-through a cache of piece -> ids; an unseen piece gets the tokenizer's own BPE model's merges on its
-byte-level characters. Whole segments between special tokens (e.g. a long system prompt) are cached
-too. Any other tokenizer goes straight to its backend encode.
+one regex split + byte-level mapping (the built-in one, GPT-2's, Llama-3's, Qwen2's): it splits off
+special tokens and pre-tokenises with Python's ``re`` where the pattern means the same there as in the
+tokenizers' Oniguruma (the built-in one), then maps each piece through a cache of piece -> ids; an unseen
+piece gets the tokenizer's own BPE model's merges on its byte-level characters. A pattern with Unicode
+classes (``\\p{L}``, ``\\s``: Llama-3's, Qwen2's) is compiled with the ``regex`` module and used only on
+ASCII text (``ascii_only``), where its classes and Oniguruma's agree (tests/test_tokenizer.py checks every
+ASCII character against the tokenizer's own pre-tokenizer); other text goes to the backend, whose Unicode
+tables may be of another version. Whole segments between special tokens (e.g. a long system prompt) are
+cached too. Any other tokenizer goes straight to its backend encode.
 
 Both paths reuse earlier prompts: a long text is cut where the pre-tokenizer is sure to split and each
 chunk's ids are cached (``kvroute_common/text_chunks.py``), so each turn of a multi-turn session encodes
@@ -460,6 +464,12 @@ def _byte_level_table() -> dict[int, str]:
 
 
 _BYTE_LEVEL = _byte_level_table()
+# every ASCII character, and the runs where split patterns differ (contractions in any case, digit runs,
+# punctuation before newlines, whitespace before a word)
+_ASCII_SAMPLE = (
+    "".join(map(chr, range(128)))
+    + " It'S they'LL 'd 1234567 x!\n\n\ty  \n z\r\n\r\n  w \x1c\x1f a\x0b\x0cb ((x)) -- 'quoted' "
+)
 
 
 class ChunkedIds(NamedTuple):
@@ -502,7 +512,8 @@ class PromptEncoder:
         self._pieces: dict[str, list[int]] = {}
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
         self._repeats: dict[str, list[int]] = {}  # short texts that recur whole (image placeholder runs)
-        self.piece_re: re.Pattern[str] | None = None
+        self.piece_re: Any = None  # a compiled ``re`` (or ``regex``) pattern: its ``findall`` splits pieces
+        self.ascii_only = False  # the split pattern is trusted on ASCII text only (other text: the backend)
         self._bpe: Callable[[str], list[Any]] | None = None  # the BPE model's tokenize (see _piece_ids)
         self.special_re: re.Pattern[str] | None = None
         self.special_ids: dict[str, int] = {}
@@ -559,17 +570,26 @@ class PromptEncoder:
         ):
             return
         pattern = split["pattern"]["Regex"]
-        # only patterns whose semantics are the same in Python's re and Oniguruma
-        if re.search(r"\\[pPsSwWdDbBhHRXK]|\(\?[<>!=]*[a-zA-Z]", pattern.replace("(?!", "")):
-            return
         added = spec.get("added_tokens") or []
         for t in added:
             if t.get("normalized") or t.get("lstrip") or t.get("rstrip") or t.get("single_word"):
                 return
-        try:
-            piece_re = re.compile(pattern)
-        except re.error:
-            return
+        piece_re: Any
+        # Python's re where the pattern means the same there as in Oniguruma; else the regex module (Unicode
+        # classes, scoped flags), trusted on ASCII text only
+        if not re.search(r"\\[pPsSwWdDbBhHRXK]|\(\?[<>!=]*[a-zA-Z]", pattern.replace("(?!", "")):
+            try:
+                piece_re = re.compile(pattern)
+            except re.error:
+                return
+        else:
+            try:
+                import regex
+
+                piece_re = regex.compile(pattern)
+            except Exception:  # a pattern the regex module does not take: the backend encodes
+                return
+            self.ascii_only = True
         self.special_ids = {t["content"]: t["id"] for t in added}
         if self.special_ids:
             alts = sorted(self.special_ids, key=len, reverse=True)  # leftmost-longest, like HF
@@ -578,13 +598,16 @@ class PromptEncoder:
         tokenize = getattr(getattr(self.backend, "model", None), "tokenize", None)
         if callable(tokenize) and not model.get("byte_fallback"):
             self._bpe = tokenize
-        # self-check on a mixed sample; any disagreement disables the model's own BPE, then the fast path
-        sample = "Hello  world!\n\n  x=42;\t<|im_start|>ünï ☃ code()  \r\n end "
+        # self-check on a mixed sample and every ASCII character; any disagreement disables the model's own
+        # BPE, then the fast path
+        samples = ("Hello  world!\n\n  x=42;\t<|im_start|>ünï ☃ code()  \r\n end ", _ASCII_SAMPLE)
         backend = self.backend
-        if any(self._piece_ids(p) != backend.encode(p, add_special_tokens=False).ids for p in piece_re.findall(sample)):
+        pieces = [p for sample in samples for p in piece_re.findall(sample)]
+        if any(self._piece_ids(p) != backend.encode(p, add_special_tokens=False).ids for p in pieces):
             self._bpe = None
-        if self._encode_fast(sample) != backend.encode(sample, add_special_tokens=False).ids:
+        if any(self._encode_fast(t) != backend.encode(t, add_special_tokens=False).ids for t in samples):
             self.piece_re = None
+            self.ascii_only = False
 
     def _pieces_one_pass(self, pieces: list[str]) -> list[int]:
         """The ids of ``pieces`` with one cache lookup each, an unseen piece through the BPE model where it
@@ -818,6 +841,8 @@ class PromptEncoder:
         return out
 
     def _encode_segment(self, segment: str, cache_segments: bool = True) -> list[int]:
+        if self.ascii_only and not segment.isascii():
+            return self.backend.encode(segment, add_special_tokens=False).ids
         cacheable = cache_segments and len(segment) >= self.SEGMENT_CACHE_MIN_CHARS
         if cacheable:
             hit = self._segments.get(segment)

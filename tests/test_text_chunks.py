@@ -109,6 +109,61 @@ def test_the_builtin_tokenizer_and_every_known_family_get_a_cut_rule(builtin, hf
     assert PromptEncoder(builtin).fast  # the built-in one keeps its re-based fast path for new chunks
 
 
+class _RecordingSplit:
+    """A split pattern that records the texts it splits."""
+
+    def __init__(self, pattern: Any) -> None:
+        self.pattern, self.texts = pattern, []
+
+    def findall(self, text: str) -> list[str]:
+        self.texts.append(text)
+        return self.pattern.findall(text)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_unicode_class_split_patterns_take_the_fast_path_on_ascii_text_only(family: str) -> None:
+    """Llama-3's and Qwen2's split patterns (``\\p{L}``, ``\\s``, a case-insensitive group) are compiled with
+    the ``regex`` module and trusted on ASCII text: there random strings over every ASCII character (and the
+    runs where the patterns differ) split as the tokenizer's own pre-tokenizer splits them and encode to its
+    ids; a segment with any other character goes to the backend whole, never through the pattern."""
+    from tokenizers import Regex, pre_tokenizers
+
+    tok = hf_tokenizer(family)
+    enc = PromptEncoder(tok)
+    assert enc.fast and enc.ascii_only
+    backend = tok.backend_tokenizer
+    pattern = LLAMA3_PATTERN if family == "llama3" else QWEN2_PATTERN
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+    rng = random.Random(17)
+    alphabet = [chr(i) for i in range(128)] + ["'s", "'LL", "'Ve", "123456", "!\n\n", " \n ", "\r\n", "word ", "  x"]
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+        assert enc.piece_re.findall(text) == [p for p, _ in split.pre_tokenize_str(text)], repr(text)
+        for special in (False, True):
+            assert enc.encode(text, special) == backend.encode(text, add_special_tokens=special).ids, repr(text)
+    recording = enc.piece_re = _RecordingSplit(enc.piece_re)
+    mixed = "plain ascii words, then ünï and ☃ " * 3
+    assert enc.encode(mixed) == backend.encode(mixed, add_special_tokens=False).ids
+    assert enc.encode("only ascii here") == backend.encode("only ascii here", add_special_tokens=False).ids
+    assert recording.texts == ["only ascii here"]
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=200))
+@settings(max_examples=300, deadline=None)
+def test_any_ascii_text_encodes_like_the_llama3_tokenizer(text: str) -> None:
+    enc = _llama3_encoder()
+    assert enc.encode(text, True) == enc.backend.encode(text, add_special_tokens=True).ids
+
+
+_LLAMA3: list[PromptEncoder] = []
+
+
+def _llama3_encoder() -> PromptEncoder:
+    if not _LLAMA3:
+        _LLAMA3.append(PromptEncoder(hf_tokenizer("llama3")))
+    return _LLAMA3[0]
+
+
 def test_random_texts_encode_like_the_full_tokenization(builtin, hf) -> None:
     rng = random.Random(11)
     for tok, specials in ((builtin, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]), (hf, SPECIALS)):

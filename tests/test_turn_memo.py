@@ -120,8 +120,8 @@ def test_the_memo_holds_at_most_its_bytes_and_forgets_the_oldest(builtin) -> Non
 def test_a_chat_conversation_continues_its_rendered_prompt_apart_from_completions(builtin, tmp_path) -> None:  # noqa: F811
     """A chat request's rendered prompt goes through the memo without special tokens: each turn gets the full
     chat encode and its block hashes, every later turn continues the one before; a completion of the same
-    text (the tokenizer adds its BOS) is remembered apart. The built-in tokenizer and an HF one without the
-    fast path (Llama-3's split pattern)."""
+    text (the tokenizer adds its BOS) is remembered apart. The built-in tokenizer and an HF one with Llama-3's
+    split pattern (the regex module's pieces on ASCII text, the backend's elsewhere)."""
     import asyncio
 
     from bench.data_path import hf_tokenizer_dir
