@@ -15,9 +15,9 @@ A remembered prompt is found by its first ``FINGERPRINT_CHARS`` characters and t
 read and changed on the event loop only (no lock): a turn with more new text than the loop encodes is
 encoded on a tokenizer thread from the turn found on the loop (``encode``, which reads neither) and kept
 when it comes back, so the conversation's next turn continues it on the loop. Prompts of at most
-``max_chars`` characters. A chat
-conversation's rendered prompt extends its previous turn's the same way (the assistant's answer and the
-new messages follow the previous generation prompt) wherever the template renders earlier turns alike.
+``max_chars`` characters. A chat conversation's rendered prompt extends its previous turn's the same way (the
+assistant's answer and the new messages follow the previous generation prompt) wherever the template renders
+earlier turns alike.
 
 A prompt's ids are a compact u32 ``array``, not a list: taking the earlier turn's ids is then a copy of
 contiguous memory, and freeing a forgotten turn one free. A list of a few thousand token ids points at
