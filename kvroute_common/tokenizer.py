@@ -16,7 +16,7 @@ special tokens and pre-tokenises with Python's ``re`` where the pattern means th
 tokenizers' Oniguruma (the built-in one), then maps each piece through a cache of piece -> ids; an unseen
 piece gets the tokenizer's own BPE model's merges on its byte-level characters. A pattern with Unicode
 classes (``\\p{L}``, ``\\s``: Llama-3's, Qwen2's) is compiled with the ``regex`` module and used only on
-ASCII text (``ascii_only``), where its classes and Oniguruma's agree (tests/test_tokenizer.py checks every
+ASCII text (``ascii_only``), where its classes and Oniguruma's agree (tests/test_text_chunks.py checks every
 ASCII character against the tokenizer's own pre-tokenizer); other text goes to the backend, whose Unicode
 tables may be of another version. Whole segments between special tokens (e.g. a long system prompt) are
 cached too. Any other tokenizer goes straight to its backend encode.
