@@ -20,7 +20,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -82,19 +81,6 @@ def measure() -> dict[str, list[float]]:
     return out
 
 
-def _run_checkout(directory: str) -> dict[str, list[float]]:
-    env = dict(os.environ, PYTHONPATH=directory)
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--measure"],
-        cwd=directory,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(proc.stdout)
-
-
 def _summary(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     return {
@@ -117,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         print(json.dumps(measure()))
         return 0
-    from bench.report import emit
+    from bench.report import emit, measure_checkout
 
     checkouts = ([("before", os.path.abspath(args.before))] if args.before else []) + [("after", os.getcwd())]
     samples: dict[str, dict[str, list[float]]] = {label: {} for label, _ in checkouts}
     for _ in range(args.rounds):
         for label, directory in checkouts:
-            for kind, values in _run_checkout(directory).items():
+            for kind, values in measure_checkout(__file__, directory).items():
                 samples[label].setdefault(kind, []).extend(values)
     result: dict[str, Any] = {
         "load_average": os.getloadavg(),

@@ -1,0 +1,155 @@
+"""How long latency mode's live footprint holds the event loop per routed prompt.
+
+    python -m bench footprint_touch                          # this checkout
+    python -m bench footprint_touch --before /tmp/before     # and another checkout, alternating, in one run
+
+Each routed prompt is touched on its rank (``LiveFootprint.touch``, then ``settle`` until nothing is
+left, as the frontend does a slice per loop iteration) and the next decision reads the rank (its live
+prefix, overflow and pressure). Timed per prompt: the sum of those calls (the loop's work for that
+prompt) and the longest single call (the longest stall). Shapes, 16-token blocks, on a rank that also
+holds 24 other live conversations of 2,048 blocks, a prompt every 50 ms of virtual time (a 10 s
+horizon: older work expires as it goes):
+
+- ``next turn``: a conversation of 8,192 blocks (128 k tokens) growing by a 16-block turn;
+- ``second question``: a shared 8,192-block document, each prompt the document and another question;
+- ``agentic turn``: a 2,048-block session growing by 16 blocks (the data-path testbed's scale);
+- ``new prompt``: 8,192 blocks nobody touched before (every block new: the same work in any design).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+PROMPTS = 100  # per shape and round
+STEP_S = 0.05
+BACKGROUND = 24
+RANK = (1, 0)
+
+
+def _fresh(next_hash: list[int], n: int) -> list[int]:
+    """``n`` sequence hashes nobody used (distinct integers: the footprint only compares them)."""
+    start = next_hash[0]
+    next_hash[0] += n
+    return list(range(start, start + n))
+
+
+def _shapes() -> dict[str, Callable[[list[int]], Iterator[list[int]]]]:
+    def growing(blocks: int) -> Callable[[list[int]], Iterator[list[int]]]:
+        def prompts(counter: list[int]) -> Iterator[list[int]]:
+            chain = _fresh(counter, blocks)
+            while True:
+                chain = chain + _fresh(counter, 16)
+                yield chain
+
+        return prompts
+
+    def questions(counter: list[int]) -> Iterator[list[int]]:
+        document = _fresh(counter, 8192)
+        while True:
+            yield document + _fresh(counter, 16)
+
+    def new(counter: list[int]) -> Iterator[list[int]]:
+        while True:
+            yield _fresh(counter, 8192)
+
+    return {"next turn": growing(8192), "second question": questions, "agentic turn": growing(2048), "new prompt": new}
+
+
+def measure() -> dict[str, dict[str, list[float]]]:
+    """Per shape, milliseconds of loop work per prompt (``total``) and its longest call (``longest``)."""
+    from router.footprint import LiveFootprint
+
+    perf = time.perf_counter
+    out: dict[str, dict[str, list[float]]] = {}
+    for shape, make in _shapes().items():
+        fp = LiveFootprint(horizon_s=10.0)
+        counter = [1]
+        now = 0.0
+        sessions = [_shapes()["agentic turn"](counter) for _ in range(BACKGROUND)]
+        for s in sessions:  # the rank's other live work
+            fp.touch(RANK, next(s), now)
+            while fp.settle():
+                pass
+        prompts = make(counter)
+        next(prompts)  # the conversation's or the document's first prompt: every block new
+        totals, longest = [], []
+        for i in range(PROMPTS):
+            now += STEP_S
+            bg = sessions[i % BACKGROUND]
+            fp.touch(RANK, next(bg), now)
+            while fp.settle():
+                pass
+            seq = next(prompts)
+            calls = []
+            t = perf()
+            fp.touch(RANK, seq, now)
+            calls.append(perf() - t)
+            while True:
+                t = perf()
+                more = fp.settle()
+                calls.append(perf() - t)
+                if not more:
+                    break
+            t = perf()
+            live = fp.live_prefix(RANK, seq, now)
+            fp.overflow_blocks(RANK, seq, 100_000, now, live)
+            fp.pressure_blocks(RANK, 100_000, now, seq, live)
+            calls.append(perf() - t)
+            totals.append(sum(calls) * 1e3)
+            longest.append(max(calls) * 1e3)
+        out[shape] = {"total": totals, "longest": longest}
+    return out
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    p90 = v[int(len(v) * 0.9)]
+    return {"p50_ms": round(statistics.median(v), 3), "p90_ms": round(p90, 3), "max_ms": round(v[-1], 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench footprint_touch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--before", default=None, help="another checkout, measured in the same run (alternating)")
+    ap.add_argument("--rounds", type=int, default=5, help="fresh processes per checkout [5]")
+    ap.add_argument("--out", default=None, help="also write the JSON result here")
+    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, JSON on stdout
+    args = ap.parse_args(argv)
+    if args.measure:
+        import json
+
+        print(json.dumps(measure()))
+        return 0
+    from bench.report import emit, measure_checkout
+
+    checkouts = ([("before", os.path.abspath(args.before))] if args.before else []) + [("after", os.getcwd())]
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {label: {} for label, _ in checkouts}
+    for _ in range(args.rounds):
+        for label, directory in checkouts:
+            for shape, kinds in measure_checkout(__file__, directory).items():
+                for kind, values in kinds.items():
+                    samples[label].setdefault(shape, {}).setdefault(kind, []).extend(values)
+    result: dict[str, Any] = {
+        "load_average": os.getloadavg(),
+        "rounds": args.rounds,
+        "checkouts": {label: directory for label, directory in checkouts},
+        "per_prompt": {
+            label: {shape: {k: _summary(v) for k, v in kinds.items()} for shape, kinds in shapes.items()}
+            for label, shapes in samples.items()
+        },
+    }
+    emit(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
