@@ -12,11 +12,18 @@ The set is the router's own record of its decisions (each booked request touches
 sequence hashes on the chosen rank), not the engine's cache: what the engine holds is the block
 index's business; what of it is still wanted is not in any event. No I/O; the caller passes the time.
 
-Its work runs on the frontend's event loop, where no step may grow with a prompt's length: a touch
-records at most ``SLICE_BLOCKS`` blocks at once and queues the rest for ``settle()`` (the frontend
-calls it again on the next loop iterations until nothing is left), and expiry removes at most
-``SLICE_BLOCKS`` blocks per call. Until a long prompt is settled, the part not yet recorded is not
-live (at most a few loop iterations).
+A rank's live blocks are kept as *runs*: the blocks one touch made live that were not live before (a
+conversation's first turn, then each later turn's new blocks; a shared document once, then each reader's
+question). A touch refreshes the runs holding its prompt's prefix (a few per chain, one per turn) and
+records only its new blocks, so a conversation's next turn or a document's next question costs the
+loop O(log prompt + runs on its chain + new blocks), not O(prompt). A block is live while the last
+touch through it is within the horizon, exactly as if every touch had stamped every block of its prompt.
+
+Its work runs on the frontend's event loop, where no step may grow with a prompt's length: a touch's
+new blocks are recorded ``SLICE_BLOCKS`` at a time, first blocks first (``settle()``: the frontend calls
+it again on the next loop iterations until nothing is left; later touches wait behind it), and expiry
+removes at most ``SLICE_BLOCKS`` blocks per call. Until a long prompt is settled, the part not yet
+recorded is not live (at most a few loop iterations).
 """
 
 from __future__ import annotations
@@ -34,50 +41,44 @@ ROOM_FREE_FULLNESS = 0.75
 SLICE_BLOCKS = 2048
 
 
-class LiveFootprint:
-    """Per rank, the sequence hashes touched within ``horizon_s`` seconds, oldest first.
+class _Run:
+    """Blocks ``start`` to ``end - 1`` of the chain ``seq`` on one rank, made live there by one touch (not
+    live before it); ``at``: the last touch through them, theirs or a later one continuing the chain."""
 
-    A prompt's blocks are touched last block first, so a chain's prefix is never older than its tail:
-    expiry removes tails before prefixes and every rank's live set stays prefix-closed per chain,
-    which lets ``live_prefix`` binary-search instead of looking up every block.
-    """
+    __slots__ = ("seq", "start", "end", "at", "head")
 
-    __slots__ = ("horizon_s", "slice_blocks", "_ranks", "_pending", "_tails")
+    def __init__(self, seq: Sequence[int], start: int, end: int, at: float, head: _Run | None) -> None:
+        self.seq = seq
+        self.start = start
+        self.end = end
+        self.at = at
+        # the run now holding blocks recorded with this one below ``start`` (split off when a touch ended
+        # inside it); the rank's index still names this run for them
+        self.head = head
 
-    def __init__(self, horizon_s: float = DEFAULT_HORIZON_S, slice_blocks: int = SLICE_BLOCKS) -> None:
-        if horizon_s <= 0:
-            raise ValueError("the live horizon must be > 0 s")
-        if slice_blocks < 1:
-            raise ValueError("a slice is at least one block")
-        self.horizon_s = horizon_s
-        self.slice_blocks = slice_blocks
-        self._ranks: dict[WorkerRank, OrderedDict[int, float]] = {}
-        # touches not fully recorded: [rank, sequence hashes, blocks of it still to record (a prefix), time]
-        self._pending: deque[list] = deque()
-        # per rank, the last block of each prompt touched within the horizon (where a next turn resumes)
-        self._tails: dict[WorkerRank, OrderedDict[int, float]] = {}
 
-    def _live(self, key: WorkerRank, now: float) -> OrderedDict[int, float] | None:
-        blocks = self._ranks.get(key)
-        if blocks is None:
-            return None
-        cutoff = now - self.horizon_s
-        for _ in range(min(len(blocks), self.slice_blocks)):  # bounded: each pass removes one expired block
-            oldest = next(iter(blocks.values()), None)
-            if oldest is None or oldest >= cutoff:
-                break
-            blocks.popitem(last=False)
-        return blocks
+class _Rank:
+    """One rank's live blocks: each sequence hash names the run it was recorded with (``owner`` follows
+    the run's ``head`` links to the run holding it now); runs oldest touch first, and every run before
+    the runs holding its chain's prefix, so expiry removes a chain's tail before its prefix."""
 
-    def live_blocks(self, key: WorkerRank, now: float) -> int:
-        blocks = self._live(key, now)
-        return 0 if blocks is None else len(blocks)
+    __slots__ = ("blocks", "runs")
 
-    def live_prefix(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> int:
-        """How many leading blocks of the prompt are live on the rank."""
-        blocks = self._live(key, now)
-        if not blocks or not seq_hashes:
-            return 0
+    def __init__(self) -> None:
+        self.blocks: dict[int, _Run] = {}
+        self.runs: OrderedDict[_Run, None] = OrderedDict()
+
+    def owner(self, seq_hash: int, position: int) -> _Run:
+        """The run holding the block at ``position`` of its chain (it is live)."""
+        run = self.blocks[seq_hash]
+        while position < run.start:  # bounded: each link goes to a run starting lower on the chain
+            assert run.head is not None
+            run = run.head
+        return run
+
+    def prefix(self, seq_hashes: Sequence[int]) -> int:
+        """How many leading blocks of the chain are recorded here (the recorded set is prefix-closed)."""
+        blocks = self.blocks
         lo, hi = 0, len(seq_hashes)  # invariant: the first lo blocks are live, block hi-1 onwards are not known
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -86,6 +87,83 @@ class LiveFootprint:
             else:
                 hi = mid - 1
         return lo
+
+    def refresh(self, seq_hashes: Sequence[int], live: int, now: float) -> None:
+        """A touch through the chain's first ``live`` blocks (all recorded): the runs holding them are
+        stamped ``now`` and move behind every other run, the one holding its last block first; a run the
+        touch ends inside is split there, its blocks past the touch keeping their stamp and place."""
+        runs = self.runs
+        pos = live
+        while pos > 0:  # bounded: each run starts lower on the chain
+            run = self.owner(seq_hashes[pos - 1], pos - 1)
+            if run.end > pos:
+                head = _Run(run.seq, run.start, pos, now, run.head)
+                run.start, run.head = pos, head
+                run = head
+            run.at = now
+            runs[run] = None
+            runs.move_to_end(run)
+            pos = run.start
+
+    def expire(self, cutoff: float, budget: int, recording: _Run | None) -> None:
+        """Remove up to ``budget`` blocks of runs last touched before ``cutoff``, oldest run first, each
+        from its last block (the chain stays prefix-closed)."""
+        runs, blocks = self.runs, self.blocks
+        while budget > 0 and runs:
+            run = next(iter(runs))
+            if run.at >= cutoff or run is recording:
+                break
+            seq, end = run.seq, run.end
+            stop = max(run.start, end - budget)
+            for i in range(end - 1, stop - 1, -1):
+                del blocks[seq[i]]
+            budget -= max(1, end - stop)
+            run.end = stop
+            if stop == run.start:
+                runs.popitem(last=False)
+
+
+class LiveFootprint:
+    """Per rank, the blocks touched within ``horizon_s`` seconds, as runs of chains (``_Rank``).
+
+    A chain's prefix is never older than its tail: expiry removes tails before prefixes and every rank's
+    live set stays prefix-closed per chain, which lets ``live_prefix`` binary-search instead of looking
+    up every block.
+    """
+
+    __slots__ = ("horizon_s", "slice_blocks", "_ranks", "_pending", "_recording", "_tails")
+
+    def __init__(self, horizon_s: float = DEFAULT_HORIZON_S, slice_blocks: int = SLICE_BLOCKS) -> None:
+        if horizon_s <= 0:
+            raise ValueError("the live horizon must be > 0 s")
+        if slice_blocks < 1:
+            raise ValueError("a slice is at least one block")
+        self.horizon_s = horizon_s
+        self.slice_blocks = slice_blocks
+        self._ranks: dict[WorkerRank, _Rank] = {}
+        # touches not fully recorded, oldest first: (rank, sequence hashes, time)
+        self._pending: deque[tuple[WorkerRank, Sequence[int], float]] = deque()
+        # the run of the oldest pending touch, once started: its blocks from ``end`` on are still to record
+        self._recording: _Run | None = None
+        # per rank, the last block of each prompt touched within the horizon (where a next turn resumes)
+        self._tails: dict[WorkerRank, OrderedDict[int, float]] = {}
+
+    def _live(self, key: WorkerRank, now: float) -> _Rank | None:
+        rank = self._ranks.get(key)
+        if rank is not None:
+            rank.expire(now - self.horizon_s, self.slice_blocks, self._recording)
+        return rank
+
+    def live_blocks(self, key: WorkerRank, now: float) -> int:
+        rank = self._live(key, now)
+        return 0 if rank is None else len(rank.blocks)
+
+    def live_prefix(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> int:
+        """How many leading blocks of the prompt are live on the rank."""
+        rank = self._live(key, now)
+        if rank is None or not seq_hashes:
+            return 0
+        return rank.prefix(seq_hashes)
 
     def overflow_blocks(
         self, key: WorkerRank, seq_hashes: Sequence[int], capacity_blocks: int, now: float, prefix: int | None = None
@@ -135,10 +213,10 @@ class LiveFootprint:
         return live * min(1.0, live / capacity_blocks)
 
     def touch(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> None:
-        """The prompt was routed to the rank: its blocks are live there from now (the first
-        ``slice_blocks`` at once, the rest by ``settle``)."""
+        """The prompt was routed to the rank: its blocks are live there from now (its new blocks a slice at
+        a time, by ``settle``, after the touches before it)."""
         if seq_hashes:
-            self._pending.append([key, seq_hashes, len(seq_hashes), now])
+            self._pending.append((key, seq_hashes, now))
             tails = self._tails.get(key)
             if tails is None:
                 tails = self._tails[key] = OrderedDict()
@@ -158,27 +236,36 @@ class LiveFootprint:
         return bool(self._pending)
 
     def settle(self) -> bool:
-        """Record up to ``slice_blocks`` blocks of the pending touches, oldest touch first and each
-        prompt last block first (so a chain's prefix is never older than its tail); returns whether
-        any are left."""
+        """Apply the pending touches, oldest first, recording up to ``slice_blocks`` new blocks (each touch
+        refreshes its live prefix's runs when it starts, then records its new blocks first to last);
+        returns whether any are left."""
         budget = self.slice_blocks
         pending = self._pending
         while budget > 0 and pending:
-            item = pending[0]
-            key, seq, end, now = item
-            blocks = self._ranks.get(key)
-            if blocks is None:
-                blocks = self._ranks[key] = OrderedDict()
-            start = max(0, end - budget)
-            for i in range(end - 1, start - 1, -1):
-                h = seq[i]
-                blocks[h] = now
-                blocks.move_to_end(h)
-            budget -= end - start
-            if start == 0:
+            key, seq, now = pending[0]
+            rank = self._ranks.get(key)
+            if rank is None:
+                rank = self._ranks[key] = _Rank()
+            run = self._recording
+            if run is None:  # the touch starts: its live prefix's runs refreshed, a run for the rest
+                live = rank.prefix(seq)
+                budget -= 1
+                if live < len(seq):
+                    run = self._recording = _Run(seq, live, live, now, None)
+                    rank.runs[run] = None  # before the prefix's runs, which move behind it
+                rank.refresh(seq, live, now)
+                if run is None:
+                    pending.popleft()
+                    continue
+            stop = min(len(seq), run.end + budget)
+            blocks = rank.blocks
+            for i in range(run.end, stop):
+                blocks[seq[i]] = run
+            budget -= stop - run.end
+            run.end = stop
+            if stop == len(seq):
                 pending.popleft()
-            else:
-                item[2] = start
+                self._recording = None
         return bool(pending)
 
     def forget_worker(self, worker_id: int) -> None:
@@ -186,6 +273,8 @@ class LiveFootprint:
             del self._ranks[key]
         for key in [k for k in self._tails if k[0] == worker_id]:
             del self._tails[key]
+        if self._pending and self._pending[0][0][0] == worker_id:
+            self._recording = None
         self._pending = deque(p for p in self._pending if p[0][0] != worker_id)
 
     def snapshot(self, now: float) -> dict[str, int]:

@@ -5,6 +5,8 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from router.footprint import LiveFootprint
@@ -63,33 +65,92 @@ def test_forgetting_a_worker_and_bad_horizons() -> None:
 
 
 def test_a_long_prompt_is_recorded_a_slice_at_a_time_and_ends_as_if_at_once() -> None:
-    """No step of the event loop grows with a prompt: a touch records at most slice_blocks blocks and
-    settle() the rest, a slice a call; settled, the footprint is the same as one recorded at once, and
-    expiry removes at most a slice per call."""
+    """No step of the event loop grows with a prompt: a touch starts (one unit of the slice) and records
+    at most slice_blocks new blocks, first blocks first, and settle() the rest, a slice a call, later
+    touches waiting behind it; settled, the footprint is the same as one recorded at once, and expiry
+    removes at most a slice per call, a chain's tail first."""
     long = _chain(list(range(4 * 100)))  # 100 blocks
     short = _chain(list(range(1000, 1016)))  # 4 blocks, touched while the long one is pending
     eager = LiveFootprint(slice_blocks=1000)
     sliced = LiveFootprint(slice_blocks=30)
     for fp in (eager, sliced):
         fp.touch((1, 0), long, now=0.0)
-        if fp is sliced:  # the long prompt's last 30 blocks
-            assert sliced._ranks[(1, 0)].keys() == set(long[70:]) and sliced.unsettled
+        if fp is sliced:  # the long prompt's first 29 blocks
+            assert sliced.live_blocks((1, 0), 0.0) == 29 and sliced.unsettled
+            assert sliced.live_prefix((1, 0), long, 0.0) == 29
         fp.touch((1, 0), short, now=0.5)  # settles another slice of the older touch first
     assert not eager.unsettled and eager.live_blocks((1, 0), 1.0) == 104
-    assert sliced._ranks[(1, 0)].keys() == set(long[40:])
-    assert sliced.settle()  # long[10:40]
-    assert len(sliced._ranks[(1, 0)]) == 90
-    assert not sliced.settle()  # long[:10], then the short prompt
-    assert list(sliced._ranks[(1, 0)].items()) == list(eager._ranks[(1, 0)].items())
+    assert sliced.live_blocks((1, 0), 1.0) == 59 and sliced.live_prefix((1, 0), short, 1.0) == 0
+    assert sliced.settle()  # long[59:89]
+    assert sliced.live_blocks((1, 0), 1.0) == 89
+    assert not sliced.settle()  # long[89:], then the short prompt
+    assert sliced._ranks[(1, 0)].blocks.keys() == eager._ranks[(1, 0)].blocks.keys() == set(long) | set(short)
     assert sliced.live_prefix((1, 0), long, 1.0) == 100 and sliced.live_prefix((1, 0), short, 1.0) == 4
-    # expiry: all 104 blocks are past the horizon; each call removes at most a slice, oldest (tails) first
+    # expiry: all 104 blocks are past the horizon; each call removes at most a slice, oldest run first, tail first
     assert sliced.live_blocks((1, 0), 100.0) == 74
-    assert sliced.live_prefix((1, 0), long, 100.0) == 40  # still prefix-closed: the tail went first
+    assert sliced.live_prefix((1, 0), long, 100.0) == 40  # another slice gone, still prefix-closed: tail first
     for _ in range(3):
         sliced.live_blocks((1, 0), 100.0)
     assert sliced.live_blocks((1, 0), 100.0) == 0
     with pytest.raises(ValueError):
         LiveFootprint(slice_blocks=0)
+
+
+def _settled(fp: LiveFootprint, key: tuple[int, int], now: float) -> int:
+    """The rank's live blocks once every pending touch is recorded and every expired block removed."""
+    for _ in range(1000):  # bounded: each call records or removes at least one unit of work
+        if not fp.settle():
+            break
+    live = fp.live_blocks(key, now)
+    for _ in range(1000):
+        after = fp.live_blocks(key, now)
+        if after == live:
+            return live
+        live = after
+    raise AssertionError("expiry did not finish")
+
+
+# a prompt: up to 8 blocks, each one of three labels, so prompts share prefixes and diverge everywhere
+_PROMPT = st.lists(st.integers(0, 2), min_size=1, max_size=8)
+_TOUCH = st.tuples(st.integers(0, 1), _PROMPT, st.sampled_from([0.0, 0.5, 2.0, 6.0, 11.0]), st.booleans())
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_TOUCH, min_size=1, max_size=25), st.sampled_from([1, 2, 3, 1000]), st.lists(_PROMPT, max_size=4))
+def test_the_footprint_is_every_touch_stamping_every_block_of_its_prompt(
+    touches: list[tuple[int, list[int], float, bool]], slice_blocks: int, probes: list[list[int]]
+) -> None:
+    """Whatever the touches (shared prefixes, prompts ending inside others, turns continuing expired ones,
+    touches arriving while earlier ones are still being recorded, any slice), once settled the live set
+    is the one a model gets by stamping every block of every touched prompt with its time: the same
+    count on every rank and the same live prefix for every prompt, at every touch's time and after it."""
+    fp = LiveFootprint(horizon_s=10.0, slice_blocks=slice_blocks)
+    model: dict[tuple[int, int], dict[int, float]] = {(0, 0): {}, (1, 0): {}}
+    now = 0.0
+
+    def chain(labels: list[int]) -> list[int]:
+        return _chain([t for label in labels for t in (label, label, label, label)])
+
+    def check(at: float) -> None:
+        for key, stamps in model.items():
+            alive = {h for h, t in stamps.items() if t >= at - 10.0}
+            assert _settled(fp, key, at) == len(alive), key
+            for labels in probes + [p for _, p, _, _ in touches]:
+                seq = chain(labels)
+                expected = next((i for i, h in enumerate(seq) if h not in alive), len(seq))
+                assert fp.live_prefix(key, seq, at) == expected, (key, labels)
+
+    for rank, labels, step, settle in touches:
+        now += step
+        seq = chain(labels)
+        fp.touch((rank, 0), seq, now)
+        for h in seq:
+            model[(rank, 0)][h] = now
+        if settle:
+            check(now)
+    check(now)
+    check(now + 5.0)
+    check(now + 10.5)
 
 
 def test_pressure_grows_with_how_full_the_live_set_makes_the_cache() -> None:
@@ -221,16 +282,16 @@ def test_the_frontend_settles_a_long_prompt_a_slice_per_loop_iteration() -> None
         fp = LiveFootprint(slice_blocks=3)
         chain = _chain(list(range(40)))  # 10 blocks
         fp.touch((1, 0), chain, now=0.0)
-        seen = [len(fp._ranks[(1, 0)])]
+        seen = [fp.live_blocks((1, 0), 0.0)]
         _settle_soon(fp)
         for _ in range(10):  # bounded: each iteration of the loop runs one step
             await asyncio.sleep(0)
-            seen.append(len(fp._ranks[(1, 0)]))
+            seen.append(fp.live_blocks((1, 0), 0.0))
             if not fp.unsettled:
                 break
         return seen
 
-    assert asyncio.run(run()) == [3, 6, 9, 10]
+    assert asyncio.run(run()) == [2, 5, 8, 10]  # the touch's start takes one unit of its first slice
 
 
 def test_latency_mode_follows_a_prefix_just_routed_before_its_kv_events_arrive() -> None:
