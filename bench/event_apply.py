@@ -15,11 +15,9 @@ per checkout, each in a fresh process, checkouts alternating.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -81,41 +79,24 @@ def measure() -> dict[str, list[float]]:
     return out
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    return {
-        "batches": len(v),
-        "p50_ms": round(statistics.median(v), 3),
-        "p90_ms": round(v[int(len(v) * 0.9)], 3),
-        "max_ms": round(v[-1], 3),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench event_apply", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--before", default=None, help="another checkout, measured in the same run (alternating)")
-    ap.add_argument("--rounds", type=int, default=5, help="fresh processes per checkout [5]")
-    ap.add_argument("--out", default=None, help="also write the JSON result here")
-    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, JSON on stdout
-    args = ap.parse_args(argv)
+    from bench.report import checkout_parser, emit, measure_checkouts, summary_ms
+
+    args = checkout_parser("python -m bench event_apply", __doc__).parse_args(argv)
     if args.measure:
         print(json.dumps(measure()))
         return 0
-    from bench.report import emit, measure_checkout
-
-    checkouts = ([("before", os.path.abspath(args.before))] if args.before else []) + [("after", os.getcwd())]
-    samples: dict[str, dict[str, list[float]]] = {label: {} for label, _ in checkouts}
-    for _ in range(args.rounds):
-        for label, directory in checkouts:
-            for kind, values in measure_checkout(__file__, directory).items():
+    checkouts, rounds = measure_checkouts(__file__, args.before, args.rounds)
+    samples: dict[str, dict[str, list[float]]] = {label: {} for label in checkouts}
+    for label, results in rounds.items():
+        for kinds in results:
+            for kind, values in kinds.items():
                 samples[label].setdefault(kind, []).extend(values)
     result: dict[str, Any] = {
         "load_average": os.getloadavg(),
         "rounds": args.rounds,
-        "checkouts": {label: directory for label, directory in checkouts},
-        "per_batch": {label: {k: _summary(v) for k, v in kinds.items()} for label, kinds in samples.items()},
+        "checkouts": checkouts,
+        "per_batch": {label: {k: summary_ms(v) for k, v in kinds.items()} for label, kinds in samples.items()},
     }
     emit(result, args.out)
     return 0

@@ -18,9 +18,8 @@ horizon: older work expires as it goes):
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -107,43 +106,26 @@ def measure() -> dict[str, dict[str, list[float]]]:
     return out
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    v = sorted(values)
-    p90 = v[int(len(v) * 0.9)]
-    return {"p50_ms": round(statistics.median(v), 3), "p90_ms": round(p90, 3), "max_ms": round(v[-1], 3)}
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench footprint_touch",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--before", default=None, help="another checkout, measured in the same run (alternating)")
-    ap.add_argument("--rounds", type=int, default=5, help="fresh processes per checkout [5]")
-    ap.add_argument("--out", default=None, help="also write the JSON result here")
-    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, JSON on stdout
-    args = ap.parse_args(argv)
-    if args.measure:
-        import json
+    from bench.report import checkout_parser, emit, measure_checkouts, summary_ms
 
+    args = checkout_parser("python -m bench footprint_touch", __doc__).parse_args(argv)
+    if args.measure:
         print(json.dumps(measure()))
         return 0
-    from bench.report import emit, measure_checkout
-
-    checkouts = ([("before", os.path.abspath(args.before))] if args.before else []) + [("after", os.getcwd())]
-    samples: dict[str, dict[str, dict[str, list[float]]]] = {label: {} for label, _ in checkouts}
-    for _ in range(args.rounds):
-        for label, directory in checkouts:
-            for shape, kinds in measure_checkout(__file__, directory).items():
+    checkouts, rounds = measure_checkouts(__file__, args.before, args.rounds)
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {label: {} for label in checkouts}
+    for label, results in rounds.items():
+        for shapes in results:
+            for shape, kinds in shapes.items():
                 for kind, values in kinds.items():
                     samples[label].setdefault(shape, {}).setdefault(kind, []).extend(values)
     result: dict[str, Any] = {
         "load_average": os.getloadavg(),
         "rounds": args.rounds,
-        "checkouts": {label: directory for label, directory in checkouts},
+        "checkouts": checkouts,
         "per_prompt": {
-            label: {shape: {k: _summary(v) for k, v in kinds.items()} for shape, kinds in shapes.items()}
+            label: {shape: {k: summary_ms(v) for k, v in kinds.items()} for shape, kinds in shapes.items()}
             for label, shapes in samples.items()
         },
     }
