@@ -12,12 +12,12 @@ The set is the router's own record of its decisions (each booked request touches
 sequence hashes on the chosen rank), not the engine's cache: what the engine holds is the block
 index's business; what of it is still wanted is not in any event. No I/O; the caller passes the time.
 
-A rank's live blocks are kept as *runs*: the blocks one touch made live that were not live before (a
-conversation's first turn, then each later turn's new blocks; a shared document once, then each reader's
-question). A touch refreshes the runs holding its prompt's prefix (a few per chain, one per turn) and
-records only its new blocks, so a conversation's next turn or a document's next question costs the
-loop O(log prompt + runs on its chain + new blocks), not O(prompt). A block is live while the last
-touch through it is within the horizon, exactly as if every touch had stamped every block of its prompt.
+A rank's live blocks are kept as *runs*: blocks made live together on one chain (a shared document
+once, then each reader's question; a conversation in one run that each turn extends). A touch stamps the
+runs holding its prompt's live prefix (one per place its chain branches from another, not one per block)
+and records only its new blocks, so a conversation's next turn or a document's next question costs the
+loop O(log prompt + branch points + new blocks), not O(prompt). A block is live while the last touch
+through it is within the horizon, exactly as if every touch had stamped every block of its prompt.
 
 Its work runs on the frontend's event loop, where no step may grow with a prompt's length: a touch's
 new blocks are recorded ``SLICE_BLOCKS`` at a time, first blocks first (``settle()``: the frontend calls
@@ -42,8 +42,8 @@ SLICE_BLOCKS = 2048
 
 
 class _Run:
-    """Blocks ``start`` to ``end - 1`` of the chain ``seq`` on one rank, made live there by one touch (not
-    live before it); ``at``: the last touch through them, theirs or a later one continuing the chain."""
+    """Blocks ``start`` to ``end - 1`` of the chain ``seq`` on one rank, made live together: one touch's new
+    blocks, and those of the touches that went on from its end; ``at``: the last touch through them."""
 
     __slots__ = ("seq", "start", "end", "at", "head")
 
@@ -251,8 +251,16 @@ class LiveFootprint:
                 live = rank.prefix(seq)
                 budget -= 1
                 if live < len(seq):
-                    run = self._recording = _Run(seq, live, live, now, None)
-                    rank.runs[run] = None  # before the prefix's runs, which move behind it
+                    last = rank.owner(seq[live - 1], live - 1) if live else None
+                    if last is not None and last.end == live:
+                        # the chain goes on where its last run ends: that run grows (a conversation keeps one
+                        # run); another branch from there splits it off again when it is touched
+                        run = last
+                        run.seq = seq
+                    else:
+                        run = _Run(seq, live, live, now, None)
+                        rank.runs[run] = None  # before the prefix's runs, which move behind it
+                    self._recording = run
                 rank.refresh(seq, live, now)
                 if run is None:
                     pending.popleft()

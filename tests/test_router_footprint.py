@@ -62,6 +62,15 @@ def test_forgetting_a_worker_and_bad_horizons() -> None:
     assert fp.snapshot(0.0) == {"2:0": 2}
     with pytest.raises(ValueError):
         LiveFootprint(0.0)
+    # a worker forgotten while its long prompt is still being recorded: the touches behind it go on
+    sliced = LiveFootprint(slice_blocks=4)
+    sliced.touch((1, 0), _chain(list(range(80))), now=0.0)  # 20 blocks: 3 recorded, the rest pending
+    sliced.touch((2, 0), _chain(list(range(500, 540))), now=0.0)  # 10 blocks, waiting behind it
+    sliced.forget_worker(1)
+    for _ in range(10):  # bounded: each call records a slice
+        if not sliced.settle():
+            break
+    assert sliced.snapshot(0.0) == {"2:0": 10} and not sliced.unsettled
 
 
 def test_a_long_prompt_is_recorded_a_slice_at_a_time_and_ends_as_if_at_once() -> None:
@@ -94,6 +103,24 @@ def test_a_long_prompt_is_recorded_a_slice_at_a_time_and_ends_as_if_at_once() ->
     assert sliced.live_blocks((1, 0), 100.0) == 0
     with pytest.raises(ValueError):
         LiveFootprint(slice_blocks=0)
+
+
+def test_a_conversation_keeps_one_run_however_many_turns_it_has() -> None:
+    """A touch stamps one run per place its chain branches, so the work of a next turn does not grow with
+    the turns before it: fifty turns of a conversation extend one run; a second conversation on the same
+    system prompt splits it once (the system prompt, the first conversation's rest, the second's)."""
+    fp = LiveFootprint()
+    system = list(range(40))  # 10 blocks
+    turns: list[int] = []
+    for t in range(50):
+        turns += list(range(1000 + 8 * t, 1008 + 8 * t))  # 2 blocks a turn
+        fp.touch((1, 0), _chain(system + turns), now=0.1 * t)
+    rank = fp._ranks[(1, 0)]
+    assert len(rank.runs) == 1 and fp.live_blocks((1, 0), 5.0) == 110
+    fp.touch((1, 0), _chain(system + list(range(5000, 5008))), now=5.0)
+    assert len(rank.runs) == 3 and fp.live_blocks((1, 0), 5.0) == 112
+    # ten seconds after the first conversation's last turn only the second conversation is live
+    assert fp.live_blocks((1, 0), 14.95) == 12 and fp.live_prefix((1, 0), _chain(system + turns), 14.95) == 10
 
 
 def _settled(fp: LiveFootprint, key: tuple[int, int], now: float) -> int:
