@@ -80,12 +80,12 @@ def measure() -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--measure"]:  # one round, importing the measured checkout
+        print(json.dumps(measure()))
+        return 0
     from bench.report import checkout_parser, emit, measure_checkouts, summary_ms
 
     args = checkout_parser("python -m bench event_apply", __doc__).parse_args(argv)
-    if args.measure:
-        print(json.dumps(measure()))
-        return 0
     checkouts, rounds = measure_checkouts(__file__, args.before, args.rounds)
     samples: dict[str, dict[str, list[float]]] = {label: {} for label in checkouts}
     for label, results in rounds.items():

@@ -25,7 +25,6 @@ def checkout_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--before", default=None, help="another checkout, measured in the same run (alternating)")
     ap.add_argument("--rounds", type=int, default=5, help="fresh processes per checkout [5]")
     ap.add_argument("--out", default=None, help="also write the JSON result here")
-    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one round, JSON on stdout
     return ap
 
 
@@ -52,7 +51,8 @@ def summary_ms(values: list[float]) -> dict[str, float]:
 
 
 def measure_checkout(script: str, directory: str) -> Any:
-    """One round of ``script --measure`` in a fresh process importing ``directory``'s code: its JSON."""
+    """One round of ``script --measure`` in a fresh process importing ``directory``'s code (the script
+    handles ``--measure`` before importing anything of ``bench``, which that checkout may not have): its JSON."""
     proc = subprocess.run(
         [sys.executable, os.path.abspath(script), "--measure"],
         cwd=directory,
