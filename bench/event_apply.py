@@ -16,7 +16,6 @@ per checkout, each in a fresh process, checkouts alternating.
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import time
@@ -83,23 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv) == ["--measure"]:  # one round, importing the measured checkout
         print(json.dumps(measure()))
         return 0
-    from bench.report import checkout_parser, emit, measure_checkouts, summary_ms
+    from bench.report import checkout_main
 
-    args = checkout_parser("python -m bench event_apply", __doc__).parse_args(argv)
-    checkouts, rounds = measure_checkouts(__file__, args.before, args.rounds)
-    samples: dict[str, dict[str, list[float]]] = {label: {} for label in checkouts}
-    for label, results in rounds.items():
-        for kinds in results:
-            for kind, values in kinds.items():
-                samples[label].setdefault(kind, []).extend(values)
-    result: dict[str, Any] = {
-        "load_average": os.getloadavg(),
-        "rounds": args.rounds,
-        "checkouts": checkouts,
-        "per_batch": {label: {k: summary_ms(v) for k, v in kinds.items()} for label, kinds in samples.items()},
-    }
-    emit(result, args.out)
-    return 0
+    return checkout_main(__file__, "python -m bench event_apply", __doc__, "per_batch", argv)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,9 @@ horizon: older work expires as it goes):
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 PROMPTS = 100  # per shape and round
 STEP_S = 0.05
@@ -110,27 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv) == ["--measure"]:  # one round, importing the measured checkout
         print(json.dumps(measure()))
         return 0
-    from bench.report import checkout_parser, emit, measure_checkouts, summary_ms
+    from bench.report import checkout_main
 
-    args = checkout_parser("python -m bench footprint_touch", __doc__).parse_args(argv)
-    checkouts, rounds = measure_checkouts(__file__, args.before, args.rounds)
-    samples: dict[str, dict[str, dict[str, list[float]]]] = {label: {} for label in checkouts}
-    for label, results in rounds.items():
-        for shapes in results:
-            for shape, kinds in shapes.items():
-                for kind, values in kinds.items():
-                    samples[label].setdefault(shape, {}).setdefault(kind, []).extend(values)
-    result: dict[str, Any] = {
-        "load_average": os.getloadavg(),
-        "rounds": args.rounds,
-        "checkouts": checkouts,
-        "per_prompt": {
-            label: {shape: {k: summary_ms(v) for k, v in kinds.items()} for shape, kinds in shapes.items()}
-            for label, shapes in samples.items()
-        },
-    }
-    emit(result, args.out)
-    return 0
+    return checkout_main(__file__, "python -m bench footprint_touch", __doc__, "per_prompt", argv)
 
 
 if __name__ == "__main__":

@@ -28,15 +28,29 @@ def checkout_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
-def measure_checkouts(script: str, before: str | None, rounds: int) -> tuple[dict[str, str], dict[str, list[Any]]]:
+def measure_checkouts(script: str, before: str | None, rounds: int) -> tuple[dict[str, str], dict[str, Any]]:
     """``rounds`` rounds, each a fresh process per checkout (``before``, when given, then this one): the
-    checkouts by label, and each one's results, a round each."""
+    checkouts by label, and each one's samples, its rounds pooled (``pool``)."""
     checkouts = ([("before", os.path.abspath(before))] if before else []) + [("after", os.getcwd())]
-    results: dict[str, list[Any]] = {label: [] for label, _ in checkouts}
+    pooled: dict[str, Any] = {label: {} for label, _ in checkouts}
     for _ in range(rounds):
         for label, directory in checkouts:
-            results[label].append(measure_checkout(script, directory))
-    return dict(checkouts), results
+            pool(pooled[label], measure_checkout(script, directory))
+    return dict(checkouts), pooled
+
+
+def pool(into: dict[str, Any], round_result: dict[str, Any]) -> None:
+    """Add one round's samples (nested dicts of lists) to ``into``, list by list."""
+    for key, value in round_result.items():
+        if isinstance(value, dict):
+            pool(into.setdefault(key, {}), value)
+        else:
+            into.setdefault(key, []).extend(value)
+
+
+def summarize(samples: dict[str, Any]) -> dict[str, Any]:
+    """``summary_ms`` of every list of samples in nested dicts."""
+    return {k: summarize(v) if isinstance(v, dict) else summary_ms(v) for k, v in samples.items()}
 
 
 def summary_ms(values: list[float]) -> dict[str, float]:
@@ -62,3 +76,18 @@ def measure_checkout(script: str, directory: str) -> Any:
         check=True,
     )
     return json.loads(proc.stdout)
+
+
+def checkout_main(script: str, prog: str, doc: str | None, key: str, argv: list[str] | None) -> int:
+    """A checkout-comparing microbenchmark's ``main`` after ``--measure``: rounds of ``script`` in every
+    checkout, each one's samples summarized under ``key``."""
+    args = checkout_parser(prog, doc).parse_args(argv)
+    checkouts, samples = measure_checkouts(script, args.before, args.rounds)
+    result: dict[str, Any] = {
+        "load_average": os.getloadavg(),
+        "rounds": args.rounds,
+        "checkouts": checkouts,
+        key: summarize(samples),
+    }
+    emit(result, args.out)
+    return 0
