@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from kvroute_common.constants import U64_MAX
+from kvroute_common.hash_shards import MASK, HashShards
 
 Worker = tuple[int, int]
 """(worker_id, dp_rank)."""
@@ -274,7 +275,7 @@ class KvIndex:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._root = _Run([], [], internal=True)
-        self._lookup: dict[Worker, dict[int, _Run]] = {}
+        self._lookup: dict[Worker, HashShards[_Run]] = {}  # per worker: external hash -> the run holding it
         self._lower: dict[str, _LowerTier] = {t: _LowerTier() for t in LOWER_TIERS}
 
     # ---------------------------------------------------------------- mutation
@@ -330,7 +331,7 @@ class KvIndex:
             return True
         lookup = self._lookup.get(w)
         if lookup is None:
-            lookup = self._lookup[w] = {}
+            lookup = self._lookup[w] = HashShards()
         if parent_ext_hash is None:
             parent = self._root
         else:
@@ -355,13 +356,13 @@ class KvIndex:
                 rest_e, rest_l = exts[i:], locs[i:]
                 if parent is not self._root and not parent.internal and parent.covers(w, len(parent.locals) - 1):
                     parent.append(w, rest_e, rest_l)
-                    lookup.update(dict.fromkeys(rest_e, parent))
+                    lookup.set_all(rest_e, parent)
                     break
                 new = _Run(rest_l, rest_e, parent=parent)
                 new.full.add(w)
                 parent.internal = True
                 parent.children[rest_l[0]] = new
-                lookup.update(dict.fromkeys(rest_e, new))
+                lookup.set_all(rest_e, new)
                 break
             run_locs = child.locals
             run_len = len(run_locs)
@@ -376,29 +377,29 @@ class KvIndex:
                 if m == n - i:  # the store ends inside this run
                     child.cover_prefix(w, m)
                     child.note_exts(w, 0, exts[i:])
-                    lookup.update(dict.fromkeys(exts[i:], child))
+                    lookup.set_all(exts[i:], child)
                     break
                 self._split(child, m)
                 child.promote(w)
                 child.note_exts(w, 0, exts[i : i + m])
-                lookup.update(dict.fromkeys(exts[i : i + m], child))
+                lookup.set_all(exts[i : i + m], child)
                 tail_e, tail_l = exts[i + m :], locs[i + m :]
                 tail_run = _Run(tail_l, tail_e, parent=child)
                 tail_run.full.add(w)
                 child.internal = True
                 child.children[tail_l[0]] = tail_run
-                lookup.update(dict.fromkeys(tail_e, tail_run))
+                lookup.set_all(tail_e, tail_run)
                 break
             child.promote(w)
             seg = exts[i : i + run_len]
             child.note_exts(w, 0, seg)
-            lookup.update(dict.fromkeys(seg, child))
+            lookup.set_all(seg, child)
             i += run_len
             parent = child
         return True
 
     def _reuse_parent_run(
-        self, w: Worker, node: _Run, ppos: int, exts: list[int], locs: list[int], lookup: dict[int, _Run]
+        self, w: Worker, node: _Run, ppos: int, exts: list[int], locs: list[int], lookup: HashShards[_Run]
     ) -> bool:
         """A store continuing inside the parent's run (same local AND external hashes) reuses it."""
         start = ppos + 1
@@ -408,11 +409,11 @@ class KvIndex:
             return False
         if len(exts) <= suffix_len:
             node.cover_prefix(w, start + len(exts))
-            lookup.update(dict.fromkeys(exts, node))
+            lookup.set_all(exts, node)
             return True
         if not node.internal:
             node.append(w, exts[suffix_len:], locs[suffix_len:])
-            lookup.update(dict.fromkeys(exts, node))
+            lookup.set_all(exts, node)
             return True
         return False
 
@@ -451,13 +452,11 @@ class KvIndex:
         node.internal = True
         lookups = self._lookup
         for w in suffix.full:
-            lookup = lookups.setdefault(w, {})
-            for p in range(len(suffix.locals)):
-                lookup[suffix.ext_of(w, p)] = suffix
+            lookups.setdefault(w, HashShards()).set_all(
+                [suffix.ext_of(w, p) for p in range(len(suffix.locals))], suffix
+            )
         for w, c in suffix.cutoffs.items():
-            lookup = lookups.setdefault(w, {})
-            for p in range(c):
-                lookup[suffix.ext_of(w, p)] = suffix
+            lookups.setdefault(w, HashShards()).set_all([suffix.ext_of(w, p) for p in range(c)], suffix)
 
     def apply_removed(self, worker_id: int, dp_rank: int, ext_hashes: Iterable[int], tier: str = DEVICE) -> int:
         """Remove blocks by external hash. Unknown hashes are skipped; returns how many were found.
@@ -472,28 +471,29 @@ class KvIndex:
             ext_hashes = list(ext_hashes)
         lookup = self._lookup.get(w)
         if lookup is None:
-            lookup = self._lookup[w] = {}
+            lookup = self._lookup[w] = HashShards()
+        parts = lookup.parts
         found = 0
         eagerly_removed: set[int] = set()
         i, n = 0, len(ext_hashes)
         while i < n:
             h = ext_hashes[i]
             i += 1
-            node = lookup.pop(h, None)
+            node = parts[h & MASK].pop(h, None)
             if node is None:
                 if h in eagerly_removed:
                     found += 1
                 continue
             first = node.index.get(h)
             if first is None:
-                lookup[h] = node
+                parts[h & MASK][h] = node
                 continue
             found += 1
             min_pos, min_hash = first, h
             if node.covers(w, first):
                 while i < n:
                     c = ext_hashes[i]
-                    if lookup.get(c) is not node:
+                    if parts[c & MASK].get(c) is not node:
                         break
                     cp = node.index.get(c)
                     if cp is None or not node.covers(w, cp):
@@ -517,26 +517,27 @@ class KvIndex:
         w = (worker_id, dp_rank)
         lookup = self._lookup.get(w)
         if lookup is None:
-            lookup = self._lookup[w] = {}
+            lookup = self._lookup[w] = HashShards()
+        parts = lookup.parts
         found = 0
         cut = self._cut
         i, n = 0, len(ext_hashes)
         while i < n:
             h = ext_hashes[i]
             i += 1
-            node = lookup.pop(h, None)
+            node = parts[h & MASK].pop(h, None)
             if node is None:
                 continue
             index = node.index
             pos = index.get(h)
             if pos is None:
-                lookup[h] = node
+                parts[h & MASK][h] = node
                 continue
             found += 1
             while i < n:
                 c = ext_hashes[i]
                 cp = index.get(c)
-                if cp is None or cp >= pos or lookup.get(c) is not node:
+                if cp is None or cp >= pos or parts[c & MASK].get(c) is not node:
                     break
                 pos, h = cp, c
                 found += 1
@@ -544,7 +545,7 @@ class KvIndex:
             cut(w, lookup, node, pos, h)
         return found
 
-    def _cut(self, w: Worker, lookup: dict[int, _Run], node: _Run, pos: int, ext: int) -> list[int]:
+    def _cut(self, w: Worker, lookup: HashShards[_Run], node: _Run, pos: int, ext: int) -> list[int]:
         """``w`` loses ``node`` from ``pos`` (the block ``ext``) on: the external hashes it no longer holds
         there, gone from its lookup."""
         current = node.cutoff(w)
@@ -559,8 +560,9 @@ class KvIndex:
                 node.full.discard(w)
                 node.cutoffs[w] = pos
         self._after_loss(node)
+        parts = lookup.parts
         for s in stale:
-            lookup.pop(s, None)
+            parts[s & MASK].pop(s, None)
         return stale
 
     @staticmethod

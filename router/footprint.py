@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from kvroute_common.hash_shards import MASK, HashShards
 from router.selection import WorkerRank
 
 DEFAULT_HORIZON_S = 10.0
@@ -62,10 +63,11 @@ class _Rank:
     the run's ``head`` links to the run holding it now); runs oldest touch first, and every run before
     the runs holding its chain's prefix, so expiry removes a chain's tail before its prefix."""
 
-    __slots__ = ("blocks", "runs")
+    __slots__ = ("blocks", "count", "runs")
 
     def __init__(self) -> None:
-        self.blocks: dict[int, _Run] = {}
+        self.blocks: HashShards[_Run] = HashShards()
+        self.count = 0  # len(blocks), kept as blocks are recorded and expired (read per decision)
         self.runs: OrderedDict[_Run, None] = OrderedDict()
 
     def owner(self, seq_hash: int, position: int) -> _Run:
@@ -78,11 +80,12 @@ class _Rank:
 
     def prefix(self, seq_hashes: Sequence[int]) -> int:
         """How many leading blocks of the chain are recorded here (the recorded set is prefix-closed)."""
-        blocks = self.blocks
+        parts = self.blocks.parts
         lo, hi = 0, len(seq_hashes)  # invariant: the first lo blocks are live, block hi-1 onwards are not known
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if seq_hashes[mid - 1] in blocks:
+            h = seq_hashes[mid - 1]
+            if h in parts[h & MASK]:
                 lo = mid
             else:
                 hi = mid - 1
@@ -108,7 +111,7 @@ class _Rank:
     def expire(self, cutoff: float, budget: int, recording: _Run | None) -> None:
         """Remove up to ``budget`` blocks of runs last touched before ``cutoff``, oldest run first, each
         from its last block (the chain stays prefix-closed)."""
-        runs, blocks = self.runs, self.blocks
+        runs, parts = self.runs, self.blocks.parts
         while budget > 0 and runs:
             run = next(iter(runs))
             if run.at >= cutoff or run is recording:
@@ -116,7 +119,9 @@ class _Rank:
             seq, end = run.seq, run.end
             stop = max(run.start, end - budget)
             for i in range(end - 1, stop - 1, -1):
-                del blocks[seq[i]]
+                h = seq[i]
+                del parts[h & MASK][h]
+            self.count -= end - stop
             budget -= max(1, end - stop)
             run.end = stop
             if stop == run.start:
@@ -156,7 +161,7 @@ class LiveFootprint:
 
     def live_blocks(self, key: WorkerRank, now: float) -> int:
         rank = self._live(key, now)
-        return 0 if rank is None else len(rank.blocks)
+        return 0 if rank is None else rank.count
 
     def live_prefix(self, key: WorkerRank, seq_hashes: Sequence[int], now: float) -> int:
         """How many leading blocks of the prompt are live on the rank."""
@@ -266,9 +271,8 @@ class LiveFootprint:
                     pending.popleft()
                     continue
             stop = min(len(seq), run.end + budget)
-            blocks = rank.blocks
-            for i in range(run.end, stop):
-                blocks[seq[i]] = run
+            rank.blocks.set_all(seq[run.end : stop], run)
+            rank.count += stop - run.end
             budget -= stop - run.end
             run.end = stop
             if stop == len(seq):

@@ -93,7 +93,7 @@ def test_a_long_prompt_is_recorded_a_slice_at_a_time_and_ends_as_if_at_once() ->
     assert sliced.settle()  # long[59:89]
     assert sliced.live_blocks((1, 0), 1.0) == 89
     assert not sliced.settle()  # long[89:], then the short prompt
-    assert sliced._ranks[(1, 0)].blocks.keys() == eager._ranks[(1, 0)].blocks.keys() == set(long) | set(short)
+    assert set(sliced._ranks[(1, 0)].blocks.keys()) == set(eager._ranks[(1, 0)].blocks.keys()) == set(long) | set(short)
     assert sliced.live_prefix((1, 0), long, 1.0) == 100 and sliced.live_prefix((1, 0), short, 1.0) == 4
     # expiry: all 104 blocks are past the horizon; each call removes at most a slice, oldest run first, tail first
     assert sliced.live_blocks((1, 0), 100.0) == 74
@@ -162,6 +162,8 @@ def test_the_footprint_is_every_touch_stamping_every_block_of_its_prompt(
         for key, stamps in model.items():
             alive = {h for h, t in stamps.items() if t >= at - 10.0}
             assert _settled(fp, key, at) == len(alive), key
+            if key in fp._ranks:  # the count kept beside the map is the map's size
+                assert fp._ranks[key].count == len(fp._ranks[key].blocks), key
             for labels in probes + [p for _, p, _, _ in touches]:
                 seq = chain(labels)
                 expected = next((i for i, h in enumerate(seq) if h not in alive), len(seq))
