@@ -19,6 +19,7 @@ horizon: older work expires as it goes):
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,16 +30,15 @@ BACKGROUND = 24
 RANK = (1, 0)
 
 
-def _fresh(next_hash: list[int], n: int) -> list[int]:
-    """``n`` sequence hashes nobody used (distinct integers: the footprint only compares them)."""
-    start = next_hash[0]
-    next_hash[0] += n
-    return list(range(start, start + n))
+def _fresh(rng: random.Random, n: int) -> list[int]:
+    """``n`` sequence hashes nobody used: random 64-bit values, as xxhash gives them (dicts keyed by
+    consecutive integers fill their tables in order, which real hashes never do)."""
+    return [rng.getrandbits(64) for _ in range(n)]
 
 
-def _shapes() -> dict[str, Callable[[list[int]], Iterator[list[int]]]]:
-    def growing(blocks: int) -> Callable[[list[int]], Iterator[list[int]]]:
-        def prompts(counter: list[int]) -> Iterator[list[int]]:
+def _shapes() -> dict[str, Callable[[random.Random], Iterator[list[int]]]]:
+    def growing(blocks: int) -> Callable[[random.Random], Iterator[list[int]]]:
+        def prompts(counter: random.Random) -> Iterator[list[int]]:
             chain = _fresh(counter, blocks)
             while True:
                 chain = chain + _fresh(counter, 16)
@@ -46,12 +46,12 @@ def _shapes() -> dict[str, Callable[[list[int]], Iterator[list[int]]]]:
 
         return prompts
 
-    def questions(counter: list[int]) -> Iterator[list[int]]:
+    def questions(counter: random.Random) -> Iterator[list[int]]:
         document = _fresh(counter, 8192)
         while True:
             yield document + _fresh(counter, 16)
 
-    def new(counter: list[int]) -> Iterator[list[int]]:
+    def new(counter: random.Random) -> Iterator[list[int]]:
         while True:
             yield _fresh(counter, 8192)
 
@@ -66,7 +66,7 @@ def measure() -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {}
     for shape, make in _shapes().items():
         fp = LiveFootprint(horizon_s=10.0)
-        counter = [1]
+        counter = random.Random(1)
         now = 0.0
         sessions = [_shapes()["agentic turn"](counter) for _ in range(BACKGROUND)]
         for s in sessions:  # the rank's other live work
