@@ -329,9 +329,7 @@ class KvIndex:
         if tier != DEVICE:
             self._lower[tier].store(w, parent_ext_hash, list(zip(exts, locs, strict=True)))
             return True
-        lookup = self._lookup.get(w)
-        if lookup is None:
-            lookup = self._lookup[w] = HashShards()
+        lookup = self._lookup_of(w)
         if parent_ext_hash is None:
             parent = self._root
         else:
@@ -450,13 +448,18 @@ class KvIndex:
             child.parent = suffix
         node.children = {suffix.locals[0]: suffix}
         node.internal = True
-        lookups = self._lookup
         for w in suffix.full:
-            lookups.setdefault(w, HashShards()).set_all(
-                [suffix.ext_of(w, p) for p in range(len(suffix.locals))], suffix
-            )
+            self._lookup_of(w).set_all([suffix.ext_of(w, p) for p in range(len(suffix.locals))], suffix)
         for w, c in suffix.cutoffs.items():
-            lookups.setdefault(w, HashShards()).set_all([suffix.ext_of(w, p) for p in range(c)], suffix)
+            self._lookup_of(w).set_all([suffix.ext_of(w, p) for p in range(c)], suffix)
+
+    def _lookup_of(self, w: Worker) -> HashShards[_Run]:
+        """The worker's map of external hash -> run, made empty the first time (not built only to be
+        thrown away, as ``setdefault`` would: a map is 64 dicts)."""
+        lookup = self._lookup.get(w)
+        if lookup is None:
+            lookup = self._lookup[w] = HashShards()
+        return lookup
 
     def apply_removed(self, worker_id: int, dp_rank: int, ext_hashes: Iterable[int], tier: str = DEVICE) -> int:
         """Remove blocks by external hash. Unknown hashes are skipped; returns how many were found.
@@ -469,9 +472,7 @@ class KvIndex:
             return self._lower[tier].remove(w, ext_hashes)
         if not isinstance(ext_hashes, list):
             ext_hashes = list(ext_hashes)
-        lookup = self._lookup.get(w)
-        if lookup is None:
-            lookup = self._lookup[w] = HashShards()
+        lookup = self._lookup_of(w)
         parts = lookup.parts
         found = 0
         eagerly_removed: set[int] = set()
@@ -515,9 +516,7 @@ class KvIndex:
         positions: each such event cuts the run where the one before cut it, and the whole stretch is
         one cut at its lowest position (the same blocks lost, each event found)."""
         w = (worker_id, dp_rank)
-        lookup = self._lookup.get(w)
-        if lookup is None:
-            lookup = self._lookup[w] = HashShards()
+        lookup = self._lookup_of(w)
         parts = lookup.parts
         found = 0
         cut = self._cut
