@@ -38,22 +38,22 @@ def _fresh(rng: random.Random, n: int) -> list[int]:
 
 def _shapes() -> dict[str, Callable[[random.Random], Iterator[list[int]]]]:
     def growing(blocks: int) -> Callable[[random.Random], Iterator[list[int]]]:
-        def prompts(counter: random.Random) -> Iterator[list[int]]:
-            chain = _fresh(counter, blocks)
+        def prompts(rng: random.Random) -> Iterator[list[int]]:
+            chain = _fresh(rng, blocks)
             while True:
-                chain = chain + _fresh(counter, 16)
+                chain = chain + _fresh(rng, 16)
                 yield chain
 
         return prompts
 
-    def questions(counter: random.Random) -> Iterator[list[int]]:
-        document = _fresh(counter, 8192)
+    def questions(rng: random.Random) -> Iterator[list[int]]:
+        document = _fresh(rng, 8192)
         while True:
-            yield document + _fresh(counter, 16)
+            yield document + _fresh(rng, 16)
 
-    def new(counter: random.Random) -> Iterator[list[int]]:
+    def new(rng: random.Random) -> Iterator[list[int]]:
         while True:
-            yield _fresh(counter, 8192)
+            yield _fresh(rng, 8192)
 
     return {"next turn": growing(8192), "second question": questions, "agentic turn": growing(2048), "new prompt": new}
 
@@ -66,14 +66,14 @@ def measure() -> dict[str, dict[str, list[float]]]:
     out: dict[str, dict[str, list[float]]] = {}
     for shape, make in _shapes().items():
         fp = LiveFootprint(horizon_s=10.0)
-        counter = random.Random(1)
+        rng = random.Random(1)
         now = 0.0
-        sessions = [_shapes()["agentic turn"](counter) for _ in range(BACKGROUND)]
+        sessions = [_shapes()["agentic turn"](rng) for _ in range(BACKGROUND)]
         for s in sessions:  # the rank's other live work
             fp.touch(RANK, next(s), now)
             while fp.settle():
                 pass
-        prompts = make(counter)
+        prompts = make(rng)
         next(prompts)  # the conversation's or the document's first prompt: every block new
         totals, longest = [], []
         for i in range(PROMPTS):
