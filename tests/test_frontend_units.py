@@ -88,6 +88,45 @@ def test_approx_shared_prefix_and_remove_worker() -> None:
     assert ax.size == 3
 
 
+def test_approx_moves_a_slice_of_blocks_per_step_however_long_the_prompt_or_large_the_expiry() -> None:
+    """A long prompt enters the prediction a slice per step, first blocks first (what is recorded is a
+    prefix at once); a mass expiry and a prune past the size bound leave a slice per step too, until
+    ``settle`` says nothing is left: the index ends as the unsliced prediction would."""
+    clock = Clock()
+    ax = ApproxIndex(4, ttl_secs=10.0, max_tree_size=60, prune_target_ratio=0.5, clock=clock, slice_blocks=8)
+    local, seq = _prompt(50)
+    ax.record(1, 0, local, seq)
+    first = ax.index.size
+    assert ax.unsettled and 0 < first <= 8 and ax.find_matches(local) == {(1, 0): first}
+    steps = 0
+    for _ in range(100):  # bounded: each step records a slice
+        before = ax.index.size
+        steps += 1
+        more = ax.settle()
+        assert 0 < ax.index.size - before <= 8 and ax.find_matches(local) == {(1, 0): ax.index.size}
+        if not more:
+            break
+    assert steps == 6 and ax.find_matches(local) == {(1, 0): 50} and ax.size == 50
+    other_local, other_seq = _prompt(20, salt=1)
+    clock.t += 1
+    ax.record(2, 0, other_local, other_seq)  # 70 > 60: pruned to 30, the first prompt's tail first
+    for _ in range(100):
+        before = ax.index.size
+        if not ax.settle():
+            break
+        assert abs(ax.index.size - before) <= 8
+    assert ax.size == ax.index.size == 30
+    assert ax.find_matches(local) == {(1, 0): 10} and ax.find_matches(other_local) == {(2, 0): 20}
+    clock.t += 100  # everything expired: removed a slice per call
+    sizes = [ax.size]
+    for _ in range(100):
+        ax.expire()
+        sizes.append(ax.size)
+        if not ax.size:
+            break
+    assert sizes == [30, 22, 14, 6, 0] and ax.index.size == 0 and not ax.unsettled
+
+
 def test_worker_arg_parsing_and_rank_endpoints() -> None:
     spec = parse_worker_arg(
         "id=1,url=http://127.0.0.1:8001/,dp_size=2,kv_events_endpoint=tcp://127.0.0.1:5557,replay_endpoint=tcp://127.0.0.1:5567"

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from frontend.observability.metrics import FrontendMetrics
     from frontend.routing.decision_log import DecisionLog
     from frontend.routing.models import ModelEntry
+    from indexer.approx import ApproxIndex
     from router.config import RouterConfig
 
 log = logging.getLogger("frontend.routing.request_router")
@@ -291,19 +292,36 @@ class RequestRouter:
         approx = entry.approx
         if approx is not None and decision.local_hashes:
             approx.record(decision.worker.id, decision.dp_rank, decision.local_hashes, decision.seq_hashes)
+            if approx.unsettled:  # a long prompt, or many expired or pruned blocks: the rest a slice at a time
+                _settle_soon(approx)
 
 
-def _settle_soon(fp: LiveFootprint) -> None:
-    """``fp.settle()`` a slice per event-loop iteration until nothing is left (at once without a loop)."""
+_settling: set[int] = set()  # the id of each footprint or predicted cache a step is scheduled for
+
+
+def _settle_soon(work: LiveFootprint | ApproxIndex) -> None:
+    """``work.settle()`` a slice per event-loop iteration until nothing is left (at once without a loop);
+    one chain of steps per object however many decisions ask for it."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # a caller outside the event loop (tests, offline tools)
-        while fp.settle():
-            pass
+        for _ in range(1 << 30):  # bounded: each call settles a slice
+            if not work.settle():
+                break
         return
+    key = id(work)
+    if key in _settling:
+        return
+    _settling.add(key)
 
     def step() -> None:
-        if fp.settle():
-            loop.call_soon(step)
+        more = False
+        try:
+            more = work.settle()
+        finally:  # a failing step ends the chain; the next decision that needs one starts another
+            if more:
+                loop.call_soon(step)
+            else:
+                _settling.discard(key)
 
     loop.call_soon(step)
