@@ -453,6 +453,24 @@ def test_approximate_mode_without_kv_events(cluster: Cluster) -> None:
     assert fe.http.get("/metrics").status_code == 200
 
 
+def test_approximate_mode_predicts_a_long_prompt_beyond_its_first_slice(cluster: Cluster) -> None:
+    """A prompt of more blocks than the prediction records per loop step (1,024): the frontend records the
+    rest on its next loop iterations, so the next decision sees the whole prompt predicted."""
+    fe = cluster.approx
+    document = " ".join(f"clause{i} of the approximate contract" for i in range(2600))
+    system = {"role": "system", "content": document}
+    first, _, comp = fe.chat([system, {"role": "user", "content": "summarise"}], max_tokens=1)
+    blocks = comp.usage.prompt_tokens // 16
+    assert blocks > 1100, blocks  # more than one slice (and within the mocker's 2,048-block cache)
+
+    def predicted() -> int:
+        d = fe.explain([system, {"role": "user", "content": "and the next clause?"}])
+        assert d["worker_id"] == first
+        return int(d["overlap_blocks"])
+
+    wait_until(lambda: predicted() >= blocks - 2, WAIT, what="the whole long prompt predicted on its worker")
+
+
 def test_client_disconnect_frees_load(cluster: Cluster) -> None:
     fe = cluster.kv
     wait_until(fe.idle, WAIT, what="idle")
