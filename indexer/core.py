@@ -591,11 +591,12 @@ class KvIndex:
     def _drop(self, w: Worker) -> None:
         lookup = self._lookup.pop(w, None)
         if lookup:
-            seen: set[int] = set()
-            for node in lookup.values():
-                if id(node) in seen:
-                    continue
-                seen.add(id(node))
+            # each run once, in the order its first block was met; deduplicated in C (runs hash by identity):
+            # a worker holds up to hundreds of thousands of blocks in a few thousand runs
+            runs: dict[_Run, None] = {}
+            for part in lookup.parts:
+                runs.update(dict.fromkeys(part.values()))
+            for node in runs:
                 node.drop(w)
                 self._after_loss(node)
         for tier in self._lower.values():
