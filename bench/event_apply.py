@@ -15,6 +15,9 @@ per checkout, each in a fresh process, checkouts alternating.
 The same again through a full cache of 131,072 blocks (2 M tokens, an 8B model's cache on one H200): 40
 prompts through a cache that holds 16, with random 64-bit block hashes as engines send them. There the
 worker's map of cached blocks is large enough that rebuilding it in one call shows in the worst batch.
+
+After each cache's batches, the worker is removed (``KvIndex.remove_worker``: an engine that died or left,
+what an engine restart's ``reset_rank`` does too), timed alone: one sample per cache and round.
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ def measure() -> dict[str, list[float]]:
             (evicting if evicts else storing).append((perf() - t) * 1e3)
         if applier.index.size != held * PROMPT_BLOCKS:
             raise RuntimeError(f"the index holds {applier.index.size} blocks, expected {held * PROMPT_BLOCKS}")
+        t = perf()
+        applier.index.remove_worker(1)  # the engine died, or left: its whole cache forgotten in one call
+        out.setdefault("worker removed" + label, []).append((perf() - t) * 1e3)
     return out
 
 
