@@ -179,9 +179,6 @@ class RecencyRuns:
         """Live blocks on every rank (each rank's count; expired ones not yet removed included)."""
         return sum(rank.count for rank in self._ranks.values())
 
-    def rank_blocks(self) -> dict[WorkerRank, int]:
-        return {key: rank.count for key, rank in self._ranks.items() if rank.count}
-
     def record(
         self, key: WorkerRank, seq_hashes: Sequence[int], now: float, local_hashes: Sequence[int] | None = None
     ) -> None:
@@ -262,7 +259,7 @@ class RecencyRuns:
         size bound); returns how many went."""
         dropped = 0
         recording = self._recording
-        while dropped < count:  # bounded: each pass removes at least one block, or stops
+        while dropped < count:  # bounded: each pass removes a block or an emptied run, or stops
             best: tuple[float, WorkerRank, RankRuns] | None = None
             for key, rank in self._ranks.items():
                 at = rank.oldest(recording)

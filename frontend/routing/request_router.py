@@ -305,9 +305,8 @@ def _settle_soon(work: LiveFootprint | ApproxIndex) -> None:
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # a caller outside the event loop (tests, offline tools)
-        for _ in range(1 << 30):  # bounded: each call settles a slice
-            if not work.settle():
-                break
+        while work.settle():  # each call settles a slice: it ends when nothing is left
+            pass
         return
     key = id(work)
     if key in _settling:
