@@ -236,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
         "[env KVROUTE_SEND_TOKEN_IDS: auto, always (or 1), never (or 0); default auto]",
     )
     g.add_argument(
+        "--parity-sample-every",
+        type=int,
+        default=_env_int("KVROUTE_PARITY_SAMPLE_EVERY") or 8,
+        metavar="N",
+        help="after the first 64 requests, one request in N collects the engine's usage for the hash-parity alarm "
+        "and the hit-rate decomposition (a stream's usage asked of the engine, and stripped when the client did not "
+        "ask for it); the others are relayed untouched; 1 = every request "
+        "[env KVROUTE_PARITY_SAMPLE_EVERY; default 8]",
+    )
+    g.add_argument(
         "--use-remote-indexer",
         default=os.environ.get("DYN_USE_REMOTE_INDEXER", ""),
         metavar="URL[,URL...]",
@@ -444,6 +454,9 @@ def make_state(ns: argparse.Namespace):
         raise SystemExit("--remote-indexer-register needs --use-remote-indexer")
     state.serve_indexer = ns.serve_indexer
     state.send_token_ids = ns.send_token_ids
+    if ns.parity_sample_every < 1:
+        raise SystemExit("--parity-sample-every must be >= 1")
+    state.parity.sample_every = ns.parity_sample_every
     state.rate_limits = _rate_limits(ns, state)
     from frontend.observability.tracing import tracing_from_args
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from test_extensions_e2e import MODEL, metric, metric_sum, run_frontend, run_mocker, words
 
+from frontend.observability.parity import ParityMonitor
 from support import REPO_ROOT, wait_until
 
 BLOCK = 16
@@ -280,3 +281,26 @@ def test_hit_rate_decomposition_adds_up_on_a_known_workload(cluster):
     assert got == expect
     assert got["captured_cached_tokens"] < got["available_cached_tokens"]  # the third request traded reuse for load
     assert got["delivered_cached_tokens"] >= records[1]["overlap_blocks"] * BLOCK
+
+
+def test_evidence_is_sampled_after_the_warm_up_and_other_streams_pass_untouched():
+    """``--parity-sample-every 4``: the first 64 requests and then one in four collect the engine's usage;
+    the client's streams look the same either way, and a client that asked for usage gets it unsampled too."""
+    warmup = ParityMonitor.WARMUP_REQUESTS
+    with run_mocker(1) as w, run_frontend([w.spec()], [MODEL], "--parity-sample-every", "4") as url:
+        system = "sampled evidence: " + words(40, seed="sampled")
+
+        def decomposed() -> float:
+            return metric(scrape(url), "kvroute_router_decomposed_requests_total", model=MODEL) or 0.0
+
+        streams = [send(url, chat(f"q{i}", system, max_tokens=1, stream=True)) for i in range(warmup + 9)]
+        for _, usage, raw in streams:  # sampled or not: no usage the client did not ask for
+            assert usage is None and b'"usage"' not in raw and raw.rstrip().endswith(b"data: [DONE]")
+        # requests 0..63, then 64, 68 and 72 of 64..72
+        wait_until(lambda: decomposed() == warmup + 3, what="evidence from the sampled requests")
+        _, usage, raw = send(url, chat("mine", system, stream=True, stream_options={"include_usage": True}))
+        assert usage is not None and usage["prompt_tokens"] > 0  # request 73, not sampled: its usage passes
+        _, usage, _ = send(url, chat("unary", system, max_tokens=1))  # request 74, not sampled
+        assert usage is not None
+        text = scrape(url)
+        assert metric(text, "kvroute_router_decomposed_requests_total", model=MODEL) == warmup + 3

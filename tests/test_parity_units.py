@@ -148,3 +148,12 @@ def test_alarm_needs_repeated_mismatches_without_a_match_and_one_match_clears_it
     )
     mon.forget(2)
     assert mon.describe(2) is None and gauge(2) is None
+
+
+def test_evidence_sampled_after_the_warm_up() -> None:
+    warm = ParityMonitor.WARMUP_REQUESTS
+    every = ParityMonitor(CollectorRegistry(), lambda: None)  # the monitor's own default: every request
+    assert all(every.sample() for _ in range(warm + 50))
+    mon = ParityMonitor(CollectorRegistry(), lambda: None, sample_every=8)
+    picked = [n for n in range(warm + 40) if mon.sample()]
+    assert picked == [*range(warm), warm, warm + 8, warm + 16, warm + 24, warm + 32]

@@ -14,7 +14,7 @@ from starlette.types import Receive
 
 from frontend.dispatch.lifecycle import Lease
 from frontend.dispatch.stream_dialect import ANTHROPIC, OPENAI, StreamDialect
-from frontend.observability.parity import RequestProbe
+from frontend.observability.parity import RequestProbe, UsageTap
 from frontend.request.hints import RequestTiming
 from frontend.routing import disagg as _disagg
 from frontend.routing.models import ModelEntry
@@ -56,6 +56,7 @@ class RequestContext:
         "counting",
         "attempt",
         "probe",
+        "evidence",
         "strip_usage",
         "migrations",
         "failed_workers",
@@ -86,6 +87,7 @@ class RequestContext:
         self.counting = False  # in the metrics (count_start) and its end not recorded yet (lease or finish_unrouted)
         self.attempt: Lease | None = None  # the lease of the latest attempt booked for it
         self.probe: RequestProbe | None = None  # the parity evidence of the current attempt
+        self.evidence = False  # sampled for parity evidence (ParityMonitor.sample): usage asked, probes made
         self.strip_usage = False  # the engine was asked for stream usage the client did not want
         self.migrations = 0  # times this request moved to another worker (--migration-limit)
         self.failed_workers: set[int] | None = None  # workers it failed on: not chosen again for it
@@ -125,6 +127,13 @@ class RequestContext:
         if self.ids_body is None:
             self.ids_body = with_prompt_ids(self.out_body, self.engine_ids)
         return self.ids_body
+
+    def usage_tap(self) -> UsageTap | None:
+        """What reads a stream's usage for the probe and strips what the client did not ask for; None when
+        there is neither (a request not sampled for evidence: its stream passes untouched)."""
+        if self.probe is None and not self.strip_usage:
+            return None
+        return UsageTap(self.probe, self.strip_usage, self.dialect.usage_key, self.dialect.parse_usage)
 
     def count_start(self, mm: ModelMetrics) -> None:
         """The request enters the metrics: started, in flight, waiting for its first token."""

@@ -24,7 +24,7 @@ from frontend.dispatch.proxy import StreamProxy, upstream_headers
 from frontend.dispatch.response_rewriter import ResponseRewriter
 from frontend.dispatch.unary_stream import UnaryAssembler, convertible, streaming_body
 from frontend.dispatch.upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
-from frontend.observability.parity import UsageTap, stream_body_with_usage
+from frontend.observability.parity import stream_body_with_usage
 from frontend.request.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
 from frontend.request.hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
 from frontend.request.validation import validate_messages, validate_sampling, validate_tools
@@ -157,8 +157,11 @@ class RequestPath:
                 ctx.rate = state.rate_limits.admit(source.headers, len(tokens))
             if kind == "completions" and state.send_token_ids != "never":  # the workers that take ids get them
                 ctx.engine_ids = engine_token_ids(body, prompt, hints)
-            if stream and kind != "messages" and source.reads_response:  # the engine's usage (cached tokens)
-                # feeds the parity alarm and the decomposition (an Anthropic stream always carries its usage)
+            # embeddings leave no KV cache behind: no hash-parity evidence to collect
+            ctx.evidence = kind != "embeddings" and state.parity.sample()
+            if ctx.evidence and stream and kind != "messages" and source.reads_response:
+                # the engine's usage (cached tokens) feeds the parity alarm and the decomposition (an
+                # Anthropic stream always carries its usage)
                 spliced, ctx.strip_usage = stream_body_with_usage(body, None if modified else raw)
                 if spliced is not None:
                     raw = spliced
@@ -406,7 +409,7 @@ class RequestPath:
                 resp_headers,
                 self._stream_failed,
                 rewriter,
-                UsageTap(ctx.probe, ctx.strip_usage, ctx.dialect.usage_key, ctx.dialect.parse_usage),
+                ctx.usage_tap(),
                 state.config.stream_idle_timeout,
                 migrator,
                 ctx.dialect,
@@ -692,8 +695,7 @@ class _RoutedNotes:
         entry, decision = lease.entry, lease.decision
         self.router.note_routed(entry, lease.request_id, decision)
         state.metrics.router_started.inc()
-        # embeddings leave no KV cache behind: no hash-parity evidence to collect
-        ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
+        ctx.probe = state.parity.begin(entry, decision, lease) if ctx.evidence else None
         if state.config.router_track_output_blocks:
             lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
         _record_routed(state, ctx.mm, decision)

@@ -44,7 +44,6 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 from starlette.responses import Response
 
-from frontend.observability.parity import UsageTap
 from frontend.request.errors import OpenAIError
 from frontend.routing.prompt import takes_prompt_ids
 
@@ -485,8 +484,7 @@ class _Stream:
         if ctx.stream:
             from frontend.dispatch.proxy import ChunkPipeline
 
-            tap = UsageTap(ctx.probe, ctx.strip_usage, ctx.dialect.usage_key, ctx.dialect.parse_usage)
-            self.chunks = ChunkPipeline(lease, ctx.dialect, self.rewriter, tap)
+            self.chunks = ChunkPipeline(lease, ctx.dialect, self.rewriter, ctx.usage_tap())
 
     def _response_chunk(self, data: bytes, end: bool) -> bytes:
         picked = self.picked
@@ -713,7 +711,7 @@ class EndpointPicker:
         lease = Lease(state.lifecycle, entry, request_id, decision, ctx.mm, ctx.t_start)
         lease.inherit(old)
         lease.hooks = [h for h in lease.hooks if h is not ctx.probe]  # its evidence was about the first choice
-        ctx.probe = state.parity.begin(entry, decision, lease) if ctx.kind != "embeddings" else None
+        ctx.probe = state.parity.begin(entry, decision, lease) if ctx.evidence else None
         if state.config.router_track_output_blocks:
             lease.track_output(ctx.hints.osl if ctx.hints is not None else None)
         picked.lease = lease
