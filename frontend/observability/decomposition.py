@@ -7,7 +7,8 @@
 All three (and the prompt tokens) are counted together when the engine's usage arrives, over the
 same requests, so ``captured/available`` (choice quality: load balancing traded reuse away) and
 ``delivered/captured`` (prediction quality: stale index, evictions, hash mismatch) are one PromQL
-ratio each. Requests whose engine reports no cached tokens are not counted.
+ratio each. Requests whose engine reports no cached tokens are not counted, nor requests outside the parity
+monitor's sample (``ParityMonitor.sample``: ratios over a sample are the fleet's ratios).
 """
 
 from __future__ import annotations
