@@ -235,10 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         "keep their text "
         "[env KVROUTE_SEND_TOKEN_IDS: auto, always (or 1), never (or 0); default auto]",
     )
+    sample_every = _env_int("KVROUTE_PARITY_SAMPLE_EVERY")
     g.add_argument(
         "--parity-sample-every",
         type=int,
-        default=_env_int("KVROUTE_PARITY_SAMPLE_EVERY") or 8,
+        default=8 if sample_every is None else sample_every,
         metavar="N",
         help="after the first 64 requests, one request in N collects the engine's usage for the hash-parity alarm "
         "and the hit-rate decomposition (a stream's usage asked of the engine, and stripped when the client did not "

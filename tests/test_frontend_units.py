@@ -650,6 +650,20 @@ def test_switch_interval_defaults_to_the_loops_and_a_non_positive_one_is_a_usage
         make_state(build_parser().parse_args(["--switch-interval-ms", "0"]))
 
 
+def test_parity_sample_every_from_the_flag_or_the_environment_and_zero_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from frontend.cli import build_parser, make_state
+
+    assert make_state(build_parser().parse_args([])).parity.sample_every == 8
+    assert make_state(build_parser().parse_args(["--parity-sample-every", "1"])).parity.sample_every == 1
+    monkeypatch.setenv("KVROUTE_PARITY_SAMPLE_EVERY", "3")
+    assert make_state(build_parser().parse_args([])).parity.sample_every == 3
+    monkeypatch.setenv("KVROUTE_PARITY_SAMPLE_EVERY", "0")
+    with pytest.raises(SystemExit, match="--parity-sample-every must be >= 1"):
+        make_state(build_parser().parse_args([]))
+
+
 def test_the_encoder_pool_leaves_the_loop_a_core_unless_the_operator_sized_it() -> None:
     from kvroute_common.tokenize_offload import ENCODER_POOL_ENV, bound_encoder_threads
 
