@@ -155,6 +155,16 @@ def test_errors_take_anthropics_shape(cluster) -> None:
 
 
 def test_messages_are_counted_under_their_own_endpoint(cluster) -> None:
+    """A success and a failure on /v1/messages, sent here (the test does not lean on the tests before it),
+    are counted under ``endpoint="messages"`` with their status. The failure is a prompt over the
+    context: refused once it is tokenized (a body refused by validation before that is not counted)."""
+    url = cluster["url"]
+    user = {"role": "user", "content": "hi"}
+    ok = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [user]})
+    assert ok.status_code == 200, ok.text
+    too_long = {"role": "user", "content": "word " * 6000}  # --max-model-len 4096
+    bad = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [too_long]})
+    assert bad.status_code == 400 and bad.json()["type"] == "error", bad.text
     text = cluster["fe"].get("/metrics").text
     lines = [
         ln

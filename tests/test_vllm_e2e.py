@@ -901,7 +901,7 @@ def test_engines_restarted_under_load_leave_no_load_and_an_index_equal_to_their_
     vllm_engines: dict[str, Any],
 ) -> None:
     """bench/leak.py against the pair: multi-turn conversations (some abandoned by the client) through
-    a kv frontend (``--migration-limit 3``) while an engine is SIGKILLed three times, each time in the
+    a kv frontend (``--migration-limit 3``) while an engine is SIGKILLed twice, each time in the
     middle of a long witness stream, and restarted on its ports. No client sees an error; every
     witness is one complete stream; loads and request gauges return to 0; the index equals what the
     engines' own KV events say they hold (each restarted engine: only blocks stored since its
@@ -910,13 +910,13 @@ def test_engines_restarted_under_load_leave_no_load_and_an_index_equal_to_their_
     from bench.leak import run_vllm
 
     engines: list[VllmEngine] = vllm_engines["pair"]
-    report = run_vllm(engines, vllm_engines["model_dir"], cycles=3, concurrency=2)
+    report = run_vllm(engines, vllm_engines["model_dir"], cycles=2, concurrency=2)
     summary = json.dumps({k: v for k, v in report.items() if k != "probes"}, indent=1)
     assert set(report["outcomes"]) <= {"ok", "cancelled_before_first_byte", "cancelled_mid_stream"}, summary
     assert report["outcomes"].get("ok", 0) >= 10, summary
     cycles = report["restart_cycles"]
-    assert len(cycles) == 3 and all(c["mid_stream"] and c["witness_complete"] for c in cycles), summary
-    assert report["migrations"] >= 3, summary
+    assert len(cycles) == 2 and all(c["mid_stream"] and c["witness_complete"] for c in cycles), summary
+    assert report["migrations"] >= 2, summary
     assert report["loads_nonzero"] == [] and not any(report["gauges"].values()), summary
     assert report["unhealthy_workers"] == [] and report["tap_incomplete"] == [], summary
     assert report["index_diff"] == {} and report["index_blocks"] == report["engine_blocks"] > 0, summary
