@@ -206,7 +206,10 @@ def restart_and_wait_read_again(
                 complete(m2, prompt_text(30 + next(n)), 0)
             return False
 
-        wait_until(read_again, timeout=60, interval=0.5, what="the restarted engine read again")
+        try:
+            wait_until(read_again, timeout=60, interval=0.5, what="the restarted engine read again")
+        except TimeoutError as exc:  # say which of the three conditions was missing
+            raise AssertionError(f"{exc}: restarts seen {restarts()}, worker {row()}") from None
         assert row()["healthy"] and restarts() == 1
         body = {"model": MODEL, "prompt": prompt_text(7), "max_tokens": 2}
         assert fe.post("/v1/completions", json=body).status_code == 200
