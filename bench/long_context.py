@@ -17,7 +17,14 @@ then does the request path alone.
   worst over the window, the long requests' statuses, and per second of the window how long the
   frontend's loop thread ran and how long it was runnable but waited for a CPU (schedstat).
   ``--split``: the tiny completions also ask for the frontend's timing (``nvext``), and their time is
-  split into before the frontend's handler had the request, in it, and after it.
+  split into before the frontend's handler had the request, in it, and after it. The tiny requests come
+  from a process of their own on raw kept-alive connections (``bench.tiny_sender``): the client is part
+  of what a percentile measures, and beside the long prompts' sender it would be measured too.
+* **The engine floor** (each latency scenario again, unless ``--no-floor``): the same long prompts through
+  the frontend, pinned to one engine, while the tiny requests go straight to the other engine. What the
+  tiny requests see there is the testbed's share (the engines, the client, the cores the frontend's work
+  on the long prompts takes); ``router_added_ms`` is the difference, percentile by percentile: what passing
+  through the frontend adds.
 * **The chat shape** (``--shapes chat``): the same with chat requests on both sides, as an agent sends
   them: a ~128 k-token user message in ``/v1/chat/completions`` at 2/s, and three 3 MB chat prompts at
   once, while tiny chat requests are sent every 10 ms (each rendered through the chat template).
@@ -43,12 +50,14 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
 from bench.report import emit
+from bench.tiny_sender import tiny_body
 from bench.tokenize_stall import _summary, big_text
 
 MODEL = "kvroute-demo"
@@ -121,121 +130,117 @@ async def _long_sender(
     await asyncio.gather(*tasks)
 
 
+class _TinyProcess:
+    """``bench.tiny_sender`` against ``url``, in a process of its own (the client is part of what a percentile
+    measures): started and warmed by ``start``, stopped by ``finish``, which returns its samples."""
+
+    def __init__(self, url: str, chat: bool, timing: bool) -> None:
+        argv = [sys.executable, "-m", "bench.tiny_sender", url, "--model", MODEL]
+        argv += ["--chat"] if chat else []
+        argv += ["--timing"] if timing else []
+        self.proc = subprocess.Popen(
+            argv, cwd=_REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_child_env()
+        )
+
+    def wait_ready(self) -> None:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"the tiny sender did not start: {line!r}")
+
+    def finish(self) -> list[list[float]]:
+        out, _ = self.proc.communicate("stop\n", timeout=120)
+        result = json.loads(out.strip().splitlines()[-1])
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        return result["samples"]
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _pinned(body: bytes, worker_id: int) -> bytes:
+    """``body`` (a JSON object) sent to ``worker_id`` whatever the router would pick (``nvext.backend_instance_id``)."""
+    return body[: body.rindex(b"}")] + b', "nvext": {"backend_instance_id": %d}}' % worker_id
+
+
 async def _scenario(
-    url: str, pid: int, bodies: list[bytes], rate: float, at_once: bool, chat: bool = False, split: bool = False
+    url: str,
+    pid: int,
+    bodies: list[bytes],
+    rate: float,
+    at_once: bool,
+    chat: bool = False,
+    split: bool = False,
+    tiny_url: str | None = None,
 ) -> dict[str, Any]:
     """Tiny requests open loop while ``bodies`` arrive at ``rate`` (or all ``at_once``, as chat
     requests); ``chat``: the tiny and the long requests are chat requests. Also reported, per second
     of the window: how long the frontend's loop thread ran, and how long it was runnable but waited
     for a CPU (other threads and processes on the cores: every request waits as long); ``split``: where the
-    tiny requests' time went (``_split``)."""
+    tiny requests' time went (``_split``). ``tiny_url``: the tiny requests go there (an engine: the floor)
+    instead of to the frontend at ``url``."""
     import httpx
 
-    samples: list[tuple[float, float]] = []
-    parts: list[tuple[float, float, float, float]] | None = [] if split else None
-    stop = asyncio.Event()
+    tiny = _TinyProcess(tiny_url or url, chat, split)
+    try:
+        tiny.wait_ready()
+    except BaseException:
+        tiny.proc.kill()
+        raise
     statuses: list[int] = []
     tokens: list[int] = []
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with (
-        httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as tiny,
-        httpx.AsyncClient(base_url=url, timeout=600.0) as big,
-    ):
-        for i in range(20):  # warm the connections
-            path, body = _tiny_request(chat, f"warm {i}")
-            await tiny.post(path, json=body)
-        sender = asyncio.create_task(_tiny_open_loop(tiny, 0.01, samples, stop, chat, parts))
+    async with httpx.AsyncClient(base_url=url, timeout=600.0) as big:
         t0 = time.perf_counter()
         sched0 = _loop_sched(pid)
-        if not bodies:  # the idle baseline: tiny requests alone
-            await asyncio.sleep(3.0)
-        elif at_once:
-            headers = {"content-type": "application/json"}
-            answers = await asyncio.gather(
-                *(big.post("/v1/chat/completions", content=b, headers=headers) for b in bodies)
-            )
-            statuses += [a.status_code for a in answers]
-        else:
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            await _long_sender(big, path, bodies, rate, statuses, tokens)
-        t1 = time.perf_counter()
-        sched1 = _loop_sched(pid)
-        stop.set()
-        await sender
-    window = [ms for t, ms in samples if t0 <= t < t1]
+        try:
+            if not bodies:  # the idle baseline: tiny requests alone
+                await asyncio.sleep(3.0)
+            elif at_once:
+                headers = {"content-type": "application/json"}
+                answers = await asyncio.gather(
+                    *(big.post("/v1/chat/completions", content=b, headers=headers) for b in bodies)
+                )
+                statuses += [a.status_code for a in answers]
+            else:
+                path = "/v1/chat/completions" if chat else "/v1/completions"
+                await _long_sender(big, path, bodies, rate, statuses, tokens)
+        finally:
+            t1 = time.perf_counter()
+            sched1 = _loop_sched(pid)
+            samples = tiny.finish()
     secs = t1 - t0
+    window = [s for s in samples if t0 <= s[0] < t1]
     out: dict[str, Any] = {
-        "tiny_ms": _summary(window),
+        "tiny_ms": _summary([s[1] for s in window]),
         "loop_run_ms_per_s": round((sched1[0] - sched0[0]) / 1e6 / secs, 1),
         "loop_cpu_wait_ms_per_s": round((sched1[1] - sched0[1]) / 1e6 / secs, 1),
         "long_statuses": sorted(set(statuses)),
         "long_prompt_tokens": round(sum(tokens) / len(tokens)) if tokens else None,
         "seconds": round(t1 - t0, 1),
     }
-    if parts is not None:
-        out["tiny_split_ms"] = _split([p[1:] for p in parts if t0 <= p[0] < t1])
+    if split:
+        out["tiny_split_ms"] = _split([(s[2], s[3], s[4]) for s in window])
     return out
 
 
-def _tiny_request(chat: bool, text: str, timing: bool = False) -> tuple[str, dict[str, Any]]:
-    """A tiny request's path and JSON body: chat (rendered through the chat template) or completion;
-    ``timing``: it asks for the frontend's own timestamps (``nvext.extra_fields``)."""
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": 1}
-    if chat:
-        body["messages"] = [{"role": "user", "content": text}]
-    else:
-        body["prompt"] = text
-    if timing:
-        body["nvext"] = {"extra_fields": ["timing"]}
-    return ("/v1/chat/completions" if chat else "/v1/completions"), body
-
-
 def _split(parts: list[tuple[float, float, float]]) -> dict[str, Any]:
-    """Where the tiny requests' time went, from (sent, finished, the frontend's timing) per request: before
-    the frontend's handler had the request (the client, the connection, the frontend's loop reaching it, the
-    body read and parsed; the frontend stamps its arrival to the millisecond), in the handler (routing, the
-    engine, the response out), and after it (the client reading the response)."""
+    """Where the tiny requests' time went, from (before, in, after the frontend's handler, ms) per request:
+    before the frontend's handler had the request (the client, the connection, the frontend's loop reaching
+    it, the body read and parsed; the frontend stamps its arrival to the millisecond), in the handler
+    (routing, the engine, the response out), and after it (the client reading the response)."""
     return {
         "before_handler": _summary([p[0] for p in parts]),
         "in_handler": _summary([p[1] for p in parts]),
         "after_handler": _summary([p[2] for p in parts]),
     }
-
-
-async def _tiny_open_loop(
-    client: Any,
-    interval: float,
-    out: list[tuple[float, float]],
-    stop: asyncio.Event,
-    chat: bool,
-    split: list[tuple[float, float, float, float]] | None = None,
-) -> None:
-    """Like tokenize_stall's open loop, with completions (no chat template on the tiny path) or chat;
-    ``split``: each request's (sent, before / in / after the frontend's handler, ms) is added there."""
-    loop = asyncio.get_running_loop()
-    tasks = []
-    next_t = loop.time()
-    i = 0
-
-    async def one(k: int) -> None:
-        t, wall = time.perf_counter(), time.time()
-        path, body = _tiny_request(chat, f"hi {k}", split is not None)
-        r = await client.post(path, json=body)
-        if r.status_code != 200:
-            raise RuntimeError(f"tiny request failed: {r.status_code} {r.text[:200]}")
-        ms = (time.perf_counter() - t) * 1e3
-        out.append((t, ms))
-        if split is not None:
-            timing = r.json()["nvext"]["timing"]
-            before = timing["request_received_ms"] - wall * 1e3
-            split.append((t, before, timing["total_time_ms"], ms - before - timing["total_time_ms"]))
-
-    while not stop.is_set():
-        i += 1
-        tasks.append(asyncio.create_task(one(i)))
-        next_t += interval
-        await asyncio.sleep(max(0.0, next_t - loop.time()))
-    await asyncio.gather(*tasks)
 
 
 def _per_request(url: str, pid: int, length: int, n: int, cpt: float, chat: bool = False) -> dict[str, Any]:
@@ -246,8 +251,8 @@ def _per_request(url: str, pid: int, length: int, n: int, cpt: float, chat: bool
     else:
         path, bodies = "/v1/completions", [_completion(length, 1000 + k, cpt) for k in range(n)]
     with httpx.Client(base_url=url, timeout=600.0) as c:
-        warm_path, warm = _tiny_request(chat, "warm")
-        c.post(warm_path, json=warm)
+        warm_path, warm = tiny_body(MODEL, "warm", chat, False)
+        c.post(warm_path, content=warm, headers={"content-type": "application/json"})
         loop0, cpu0 = _loop_ns(pid), _cpu_s(pid)
         tokens = []
         walls = []
@@ -367,35 +372,43 @@ def _run(tokenizer: str, args: argparse.Namespace, lengths: list[int]) -> dict[s
         pid = cluster.frontend.proc.pid
         shapes = [x.strip() for x in args.shapes.split(",")]
         if "latency" in args.parts:
+            engine, other = cluster.workers[1], cluster.workers[0]
+
+            def measure(name: str, bodies: list[bytes], rate: float, at_once: bool, chat: bool = False) -> None:
+                r = asyncio.run(_scenario(url, pid, bodies, rate, at_once, chat, split=args.split))
+                if args.floor:  # the same long flow pinned to one engine, the tiny requests straight to the other
+                    pinned = [_pinned(b, other.worker_id) for b in bodies]
+                    floor = asyncio.run(_scenario(url, pid, pinned, rate, at_once, chat, tiny_url=engine.url))
+                    r["engine_floor"] = floor
+                    r["router_added_ms"] = {
+                        k: round(r["tiny_ms"][k] - floor["tiny_ms"][k], 1) for k in ("p50", "p90", "p99", "max")
+                    }
+                out["scenarios"][name] = r
+                print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
+
             if "completions" in shapes:
                 if args.idle:
-                    out["scenarios"]["none (idle, 3 s)"] = asyncio.run(_scenario(url, pid, [], 1.0, False))
+                    measure("none (idle, 3 s)", [], 1.0, False)
                 for name, tokens, rate, secs in SCENARIOS:
-                    if not _chosen(name, args.scenarios):
-                        continue
-                    n = max(1, int(rate * secs))
-                    bodies = [_completion(tokens, k, cpt) for k in range(n)]
-                    out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, rate, False, split=args.split))
-                    print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
+                    if _chosen(name, args.scenarios):
+                        n = max(1, int(rate * secs))
+                        measure(name, [_completion(tokens, k, cpt) for k in range(n)], rate, False)
                 name = "three 3 MB chat prompts at once"
                 if _chosen(name, args.scenarios):
-                    bodies = [_chat(3_000_000, 500 + k) for k in range(3)]
-                    out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, 1.0, True, split=args.split))
-                    print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
+                    measure(name, [_chat(3_000_000, 500 + k) for k in range(3)], 1.0, True)
             if "chat" in shapes:
                 if args.idle:
-                    out["scenarios"]["chat: none (idle, 3 s)"] = asyncio.run(
-                        _scenario(url, pid, [], 1.0, False, chat=True)
-                    )
+                    measure("chat: none (idle, 3 s)", [], 1.0, False, chat=True)
                 for name, tokens, rate, secs in CHAT_SCENARIOS:
                     n = max(1, int(rate * secs))
-                    bodies = [_chat_tokens(tokens, 2000 + k, cpt) for k in range(n)]
-                    out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, rate, False, chat=True))
-                    print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
-                bodies = [_chat(3_000_000, 600 + k) for k in range(3)]
-                name = "chat: three 3 MB chat prompts at once"
-                out["scenarios"][name] = r = asyncio.run(_scenario(url, pid, bodies, 1.0, True, chat=True))
-                print(f"[{tokenizer}] {name}: {json.dumps(r)}", flush=True)
+                    measure(name, [_chat_tokens(tokens, 2000 + k, cpt) for k in range(n)], rate, False, chat=True)
+                measure(
+                    "chat: three 3 MB chat prompts at once",
+                    [_chat(3_000_000, 600 + k) for k in range(3)],
+                    1.0,
+                    True,
+                    True,
+                )
         if "loop" in args.parts:
             for length in lengths:
                 n = 4 if length >= 400_000 else 10
@@ -452,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--router-mode", choices=["latency", "kv"], default="latency", help="the frontend's mode [latency: recommended]"
+    )
+    ap.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the engine floor: each latency scenario again with the tiny requests sent straight to an "
+        "engine while the same long prompts go through the frontend, pinned to the other engine",
     )
     ap.add_argument("--before", default=None, help="another checkout to measure first (the 'before' figures)")
     ap.add_argument(
