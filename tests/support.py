@@ -20,7 +20,10 @@ from kvroute_common.ports import free_port, free_port_block, free_ports
 from kvroute_common.processes import REPO_ROOT, http_ready, service, stop_process, wait_until
 
 __all__ = [
+    "FAST_EXPORT",
     "REPO_ROOT",
+    "SMALL_CACHE_BLOCKS",
+    "SMALL_CACHE_BUDGET",
     "free_port",
     "free_port_block",
     "free_ports",
@@ -33,6 +36,12 @@ __all__ = [
     "until",
     "wait_until",
 ]
+
+# the small-cache vLLM engine tests share (tests/conftest.py, ``small_cache_vllm``); the differential test
+# configures the mocker alike
+SMALL_CACHE_BLOCKS = 64  # --num-gpu-blocks-override: 63 usable (block 0 is the null block)
+SMALL_CACHE_BUDGET = 200  # --max-num-batched-tokens: long prompts prefill in chunks that end mid-block
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # OpenTelemetry's batch exporter sends every 100 ms, not 5 s
 
 
 async def until(pred: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:

@@ -33,8 +33,12 @@ holding generated tokens once its KV is computed: the KV of ``prompt + max_token
 boundary (that block is stored) and some exactly on one (it is not). The next turn of a
 conversation is built by the script, not from the reply, so such blocks are never hit again.
 
-The stream compared is the replay from sequence 0 (complete by construction); the live SUB
-stream, subscribed before the first request, must equal it wherever both have a batch.
+Both engines start the script from the same state: the prefix cache reset, and the reset's
+``AllBlocksCleared`` published by a prompt shorter than a block (it stores nothing), with its tokens
+counted. The vLLM engine is the session's small-cache engine (tests/conftest.py, shared with the trace
+test), so it may have served requests before: the stream compared is the replay from the first batch
+after that reset on (complete by construction: the engine keeps 10,000 batches); the live SUB stream,
+subscribed before the first request, must equal it wherever both have a batch.
 
 Differences this test found and that were fixed in the mocker (docs/bench/mocker.md): vLLM's
 null block; cached content not de-duplicated (a recomputed block is stored again under the same
@@ -63,11 +67,11 @@ from indexer import wire
 from kvroute_common.hashing import local_block_hashes, sequence_hashes
 from kvroute_common.real_engines.vllm_cpu import SERVED_NAME, VllmEngine
 from kvroute_common.tokenizer import chat_prompt_token_ids, completion_prompt_token_ids, load_tokenizer
-from support import free_port, free_ports, service, wait_until
+from support import SMALL_CACHE_BLOCKS, SMALL_CACHE_BUDGET, free_port, free_ports, service, wait_until
 
 BS = 32
-NUM_BLOCKS = 64  # 63 usable: the script's working set is several times larger
-BUDGET = 200  # --max-num-batched-tokens: a 900-token prompt prefills in 5 chunks, ending mid-block
+NUM_BLOCKS = SMALL_CACHE_BLOCKS  # 64, 63 usable: the script's working set is several times larger
+BUDGET = SMALL_CACHE_BUDGET  # 200 tokens a step: a 900-token prompt prefills in 5 chunks, ending mid-block
 MASK = 0xFFFFFFFF  # stands for a generated token in normalised token ids (not a token id)
 SEED = 20240611
 # counters compared as their change over the script (the engine's own token accounting)
@@ -186,7 +190,8 @@ class Run:
 
     windows: list[tuple[float, float]] = field(default_factory=list)  # wall clock around each op
     cached_tokens: list[int | None] = field(default_factory=list)
-    batches: list[tuple[int, bytes]] = field(default_factory=list)  # the whole stream, from replay
+    first_seq: int = 0  # the script's first batch: the engine's earlier ones are not the script's
+    batches: list[tuple[int, bytes]] = field(default_factory=list)  # the script's whole stream, from replay
     live_seqs: list[int] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)  # change over the script
 
@@ -219,6 +224,33 @@ def replay_all(ctx: zmq.Context, endpoint: str) -> list[tuple[int, bytes]]:
         dealer.close()
 
 
+def start_clean(target: Target, ctx: zmq.Context) -> int:
+    """Reset the target's prefix cache and publish the reset (vLLM sends ``AllBlocksCleared`` with the next
+    step's batch: a prompt shorter than a block, which stores nothing, makes that step); once that batch
+    is out and the prompt's tokens are counted, the sequence number the script's first batch will get."""
+    flush = {"model": SERVED_NAME, "prompt": list(range(200, 208)), "max_tokens": 1, "temperature": 0}
+    with httpx.Client(base_url=target.url, timeout=120) as http:
+
+        def reset() -> bool:
+            r = http.post("/reset_prefix_cache")  # vLLM answers {"success": false} while blocks are held
+            return r.status_code == 200 and (not r.content or bool(r.json().get("success")))
+
+        wait_until(reset, timeout=30, what=f"{target.name}'s prefix cache reset")
+        before = read_metrics(target.url)
+        r = http.post("/v1/completions", json=flush)
+        assert r.status_code == 200, f"{target.name}: the reset's flush: {r.status_code} {r.text}"
+
+    def published() -> int | None:
+        batches = replay_all(ctx, target.replay_endpoint)
+        if not batches or not any(isinstance(e, wire.Cleared) for e in wire.decode_batch(batches[-1][1]).events):
+            return None
+        after = read_metrics(target.url)
+        counted = [after.get(n, 0.0) - before.get(n, 0.0) for n in COUNTERS[2:]] == [len(flush["prompt"]), 1]
+        return batches[-1][0] + 1 if counted else None
+
+    return wait_until(published, timeout=30, interval=0.05, what=f"{target.name}'s reset published and counted")
+
+
 def stores_first_block(payload: bytes, tokens: tuple[int, ...]) -> bool:
     """Whether the batch stores the chain that starts with the block of ``tokens``."""
     return any(
@@ -228,8 +260,14 @@ def stores_first_block(payload: bytes, tokens: tuple[int, ...]) -> bool:
 
 
 def run_script(target: Target, ops: list[Op]) -> Run:
-    """Send the ops one at a time; then collect the event stream (live SUB + replay)."""
+    """From a clean prefix cache, send the ops one at a time; then collect the script's event stream
+    (live SUB + replay)."""
     ctx = zmq.Context()
+    try:
+        run = Run(first_seq=start_clean(target, ctx))
+    except BaseException:
+        ctx.term()
+        raise
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.RCVHWM, 0)  # keep everything until drained
@@ -242,7 +280,6 @@ def run_script(target: Target, ops: list[Op]) -> Run:
     sub.disable_monitor()
     monitor.close()
     live: dict[int, bytes] = {}
-    run = Run()
     before = read_metrics(target.url)
     try:
         with httpx.Client(base_url=target.url, timeout=120) as http:
@@ -278,8 +315,9 @@ def run_script(target: Target, ops: list[Op]) -> Run:
             """The replay holds the fence's block and the live stream has caught up with the replay."""
             while sub.poll(0):
                 _topic, seq, payload = sub.recv_multipart()
-                live[wire.parse_seq(seq)] = payload
-            run.batches = replay_all(ctx, target.replay_endpoint)
+                if wire.parse_seq(seq) >= run.first_seq:
+                    live[wire.parse_seq(seq)] = payload
+            run.batches = [(s, p) for s, p in replay_all(ctx, target.replay_endpoint) if s >= run.first_seq]
             fenced = any(stores_first_block(p, fence) for _, p in run.batches)
             return fenced and bool(live) and max(live) == run.batches[-1][0]
 
@@ -302,10 +340,11 @@ def run_script(target: Target, ops: list[Op]) -> Run:
         sub.close()
         ctx.term()
     seqs = [s for s, _ in run.batches]
-    assert seqs == list(range(len(seqs))), f"{target.name}: replay is not the whole stream from 0: {seqs[:5]}..."
+    first, end = run.first_seq, run.first_seq + len(seqs)
+    assert seqs == list(range(first, end)), f"{target.name}: replay is not the whole stream from {first}: {seqs[:5]}..."
     replayed = dict(run.batches)
     run.live_seqs = sorted(live)
-    assert run.live_seqs == list(range(run.live_seqs[0], len(seqs))), f"{target.name}: live stream has gaps"
+    assert run.live_seqs == list(range(run.live_seqs[0], end)), f"{target.name}: live stream has gaps"
     assert all(live[s] == replayed[s] for s in live), f"{target.name}: a live batch differs from its replay"
     return run
 
@@ -405,28 +444,18 @@ def normalise(run: Run, ops: list[Op]) -> Recording:
             unattributed.append(ts)
             continue
         per_op[k].append(norm.batch(payload, ops[k]))
-    return Recording(per_op, run.cached_tokens, unattributed, norm.problems, run.live_seqs[0], run.counters)
+    live_from = run.live_seqs[0] - run.first_seq
+    return Recording(per_op, run.cached_tokens, unattributed, norm.problems, live_from, run.counters)
 
 
 # -- fixtures ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(vllm_python: str, tiny_model: str) -> Iterator[VllmEngine]:
-    """One real engine for the module (about 40 s to start on 2 cores)."""
-    engine = VllmEngine(
-        python=vllm_python,
-        model_dir=tiny_model,
-        num_gpu_blocks=NUM_BLOCKS,
-        extra_args=["--max-num-batched-tokens", str(BUDGET)],
-        env={"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
-    )
-    engine.start()
-    try:
-        engine.wait_ready()
-        yield engine
-    finally:
-        engine.stop()
+def vllm_engine(small_cache_vllm: VllmEngine) -> VllmEngine:
+    """The session's small-cache engine (tests/conftest.py): 64 blocks, a 200-token step budget, KV events
+    with replay, ``POST /reset_prefix_cache``; shared with the trace test, so the script starts from a reset."""
+    return small_cache_vllm
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,11 @@ import pytest
 
 from kvroute_common.real_engines.vllm_cpu import BLOCK_SIZE, SERVED_NAME, VllmEngine
 from otlp_receiver import OtlpReceiver, ReceivedSpan
-from support import free_port, frontend_client, mocker_url, service, wait_until
+from support import FAST_EXPORT, free_port, frontend_client, mocker_url, service, wait_until
 
 MODEL = "trace-model"
 SPANS = {"kvroute.request", "kvroute.tokenize", "kvroute.queue", "kvroute.route", "kvroute.engine"}
 SPANS_WITH_OUTPUT = SPANS | {"kvroute.first_token", "kvroute.stream"}
-FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # the batch exporter sends every 100 ms, not 5 s
 SPAN_KIND_SERVER, SPAN_KIND_CLIENT = 2, 3
 
 
@@ -231,35 +230,21 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
 
 
 @pytest.fixture(scope="module")
-def traced_vllm(vllm_python: str, tiny_model: str) -> Iterator[dict[str, Any]]:
-    """A small vLLM (CPU) exporting its spans with ``--otlp-traces-endpoint`` and a kvroute frontend
-    exporting to the same receiver."""
-    with contextlib.ExitStack() as stack:
-        receiver = stack.enter_context(OtlpReceiver())
-        engine = VllmEngine(
-            vllm_python,
-            tiny_model,
-            kv_events=False,
-            max_model_len=1024,
-            extra_args=["--otlp-traces-endpoint", receiver.endpoint],
-            env=FAST_EXPORT,
-        )
-        engine.start()
-        stack.callback(engine.stop)
-        engine.wait_ready()
-        port = free_port()
-        args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
-        args += ["--model-path", tiny_model, "--kv-cache-block-size", str(BLOCK_SIZE), "--no-router-kv-events"]
-        args += ["--otlp-traces-endpoint", receiver.endpoint, "--worker", f"id=1,url={engine.url}"]
-        url = f"http://127.0.0.1:{port}"
-        stack.enter_context(
-            service(
-                args,
-                ready_url=f"{url}/health",
-                timeout=120,
-                env={**FAST_EXPORT, "OTEL_SERVICE_NAME": "kvroute-frontend"},
-            )
-        )
+def traced_vllm(small_cache_vllm: VllmEngine, tiny_model: str, otlp_receiver: OtlpReceiver) -> Iterator[dict[str, Any]]:
+    """The session's small vLLM (CPU), which exports its spans with ``--otlp-traces-endpoint`` to the
+    session's receiver (tests/conftest.py), and a kvroute frontend exporting to the same receiver."""
+    engine, receiver = small_cache_vllm, otlp_receiver
+    port = free_port()
+    args = ["-m", "frontend", "--http-host", "127.0.0.1", "--http-port", str(port), "--router-mode", "kv"]
+    args += ["--model-path", tiny_model, "--kv-cache-block-size", str(BLOCK_SIZE), "--no-router-kv-events"]
+    args += ["--otlp-traces-endpoint", receiver.endpoint, "--worker", f"id=1,url={engine.url}"]
+    url = f"http://127.0.0.1:{port}"
+    with service(
+        args,
+        ready_url=f"{url}/health",
+        timeout=120,
+        env={**FAST_EXPORT, "OTEL_SERVICE_NAME": "kvroute-frontend"},
+    ):
         wait_until(
             lambda: all(w["healthy"] for w in httpx.get(f"{url}/admin/workers", timeout=2).json()["workers"]),
             60,
