@@ -12,8 +12,12 @@ Generated data is steered only so the run stays bounded and loopback-only and re
 whole context); worker URLs, and ZMQ endpoints that could be usable, point at a closed loopback
 port (no DNS, no traffic leaves the machine); the two real workers' ids cannot be generated for
 ``/admin/workers``; on the standalone services half the generated names and ids are replaced by the
-worker the fixture registered, so success paths are reached. Examples per operation:
-``KVROUTE_FUZZ_EXAMPLES`` (default 25).
+worker the fixture registered, so success paths are reached. Every operation gets schemathesis's
+three phases: the schema's own examples, the coverage phase (deterministic: each field's boundary,
+missing and wrong-typed values, other methods; ~4,900 requests over the three services) and the fuzzing
+phase, ``KVROUTE_FUZZ_EXAMPLES`` random requests per operation (default 10; seeded anew each run). At 25
+the module took 150-165 s on 2 vCPUs, at 10 about 97 s: generating a random request costs more than
+sending it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from support import free_port, free_ports, service, wait_until
 
 MODEL = "fuzz-model"
 WORKER_IDS = (7001, 7002)
-EXAMPLES = int(os.environ.get("KVROUTE_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("KVROUTE_FUZZ_EXAMPLES", "10"))
 MAX_TOKENS = 4
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
