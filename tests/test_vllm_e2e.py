@@ -1,7 +1,8 @@
 """kvroute in front of real vLLM engines (vLLM 0.32's CPU build, the tiny model with kvroute's tokenizer).
 
 Two engines (worker 1 serves LoRA adapters a1 and a2, worker 2 serves a1) and one engine with
-``--data-parallel-size 2`` are started once for the session and shared by every test here; each test
+``--data-parallel-size 2`` are started once for the session (``vllm_engines`` in tests/conftest.py, side by
+side with the other shared real engines) and shared by every test here; each test
 starts its own frontend (a few seconds) and uses prompts of its own, so no test depends on another's
 cache contents. What is shown against the real engines:
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -45,43 +45,11 @@ from kvroute_common.real_engines.vllm_cpu import BLOCK_SIZE, SERVED_NAME, VllmEn
 from support import free_port, service, wait_until
 
 MODEL = SERVED_NAME
-# a chat template other than the tiny model's (kvroute's built-in one): same tokenizer, other prompt text
-OTHER_TEMPLATE = (
-    "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<<assistant>>{% endif %}"
-)
 WAIT = 60.0  # seconds for anything the engines do (2 cores shared by three engines and the frontend)
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session")
-def vllm_engines(vllm_python: str, tiny_model: str) -> Iterator[dict[str, Any]]:
-    """Worker 1 (adapters a1, a2), worker 2 (adapter a1), a DP-2 engine and an engine rendering chats
-    with another chat template than the model's, started side by side; all but the DP-2 engine serve
-    vLLM's render routes (``--enable-scale-out``)."""
-    loras = {name: os.path.join(tiny_model, "loras", name) for name in ("a1", "a2")}
-    # the render routes, and tool calling (vLLM refuses requests with tools without a tool-call parser)
-    scale_out = ["--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
-    one = VllmEngine(vllm_python, tiny_model, loras=loras, extra_args=scale_out)
-    two = VllmEngine(vllm_python, tiny_model, loras={"a1": loras["a1"]}, extra_args=scale_out)
-    dp2 = VllmEngine(vllm_python, tiny_model, dp_size=2)
-    other = VllmEngine(
-        vllm_python,
-        tiny_model,
-        kv_events=False,
-        num_gpu_blocks=64,
-        # a request's own chat_template is honoured (the template-argument test renders with one)
-        extra_args=[*scale_out, "--chat-template", OTHER_TEMPLATE, "--trust-request-chat-template"],
-    )
-    engines = [one, two, dp2, other]
-    start_engines(engines)
-    try:
-        yield {"pair": [one, two], "dp2": dp2, "other_template": other, "model_dir": tiny_model, "all": engines}
-    finally:
-        for e in engines:
-            e.stop()
+# (the engines: ``vllm_engines``, tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)
