@@ -44,7 +44,7 @@ def text(t: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def vlm(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Kvroute, list[VllmEngine]]]:
     model_dir = write_tiny_vlm(vllm_python, str(tmp_path_factory.mktemp("tiny-vlm")))
-    # 512 blocks (16k tokens) each: the engines of test_vllm_e2e may still be up beside them
+    # 512 blocks (16k tokens) each: two engines whose KV caches take little memory
     engines = [
         VllmEngine(vllm_python, model_dir, max_model_len=2048, num_gpu_blocks=512, extra_args=list(VLM_ARGS))
         for _ in range(2)
