@@ -383,11 +383,11 @@ def pin(pids: Sequence[int], core: int) -> None:
         subprocess.run(["taskset", "-a", "-cp", str(core), str(pid)], check=False, capture_output=True)
 
 
-def idle_cpu_ms_per_s(pid: int, seconds: float) -> float:
+def idle_cpu_ms_per_s(pid: int, seconds: float, settle: float = IDLE_SETTLE_S) -> float:
     """The router's CPU per second with no request in flight (its timers, health probes, metrics
     refreshes): part of every CPU-per-request figure, whatever the traffic. The window is the
-    measurement itself (no condition to wait on); its first ``IDLE_SETTLE_S`` let start-up work end."""
-    time.sleep(IDLE_SETTLE_S)
+    measurement itself (no condition to wait on); the ``settle`` seconds before it let start-up work end."""
+    time.sleep(settle)
     r0, t0 = session_runtime_s(pid), time.monotonic()
     time.sleep(seconds)
     return 1000.0 * (session_runtime_s(pid) - r0) / (time.monotonic() - t0)
@@ -439,7 +439,7 @@ def run_cell(
         if args.pin:
             pin([c for c in cluster.pids() if c != pid] + [os.getpid()], 0)
             pin([pid], 1)
-        idle = round(idle_cpu_ms_per_s(pid, args.idle_seconds), 2) if args.idle_seconds > 0 else None
+        idle = round(idle_cpu_ms_per_s(pid, args.idle_seconds, args.idle_settle), 2) if args.idle_seconds > 0 else None
         for i, c in enumerate(concurrency):
             trace = session_trace(workload(api, output_tokens), seed=args.seed + 100 * i + 1, tokenizer_path=model_path)
             if args.requests:
@@ -713,6 +713,12 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds each router's idle CPU is measured for, before its first request (0: not measured)",
+    )
+    p.add_argument(
+        "--idle-settle",
+        type=float,
+        default=IDLE_SETTLE_S,
+        help="seconds after a router is ready before its idle CPU is measured (its start-up work ends) [%(default)s]",
     )
     p.add_argument("--runs", type=int, default=1,
                    help="runs of every cell, the routers' order rotated each run, with medians and "

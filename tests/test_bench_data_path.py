@@ -89,7 +89,7 @@ def test_a_short_run_reports_cpu_ttft_and_time_added(tmp_path) -> None:
     argv = ["--routers", "kvroute-latency,round_robin", "--runs", "2", "--tokenizers", "builtin",
             "--apis", "completions", "--concurrency", "2", "--requests", "12", "--workers", "2",
             "--no-profile", "--native", "--syscalls", "--python", f"other={other}", "--idle-seconds", "0.5",
-            "--out-dir", out]  # fmt: skip
+            "--idle-settle", "0.2", "--out-dir", out]  # fmt: skip
     assert data_path.main(argv) == 0
     with open(os.path.join(out, "data_path.json"), encoding="utf-8") as f:
         rows = json.load(f)["rows"]
