@@ -532,6 +532,7 @@ class EngineRestarts:
         self, cluster: Any, engines: list[Any], tap: EventTap, witness_tokens: int, timeout: float = 600.0
     ) -> None:
         self.port_retries = 0
+        self.unkilled: list[dict[str, Any]] = []  # why each witness that ended unkilled did
         self.cluster = cluster
         self.engines = engines
         self.tap = tap
@@ -583,13 +584,13 @@ class EngineRestarts:
         wait_until(back, self.timeout, 0.2, f"worker {worker.worker_id} healthy in the frontend again")
         return time.monotonic() - t0
 
-    @staticmethod
-    def _unkilled(tag: str, task: asyncio.Task[tuple[str, str]]) -> None:
-        """A witness that ended before its engine was killed: None (try another), or an error if it failed."""
+    def _unkilled(self, tag: str, task: asyncio.Task[tuple[str, str]], **seen: Any) -> None:
+        """A witness that ended before its engine was killed: None (try another, ``seen`` kept in
+        ``unkilled``), or an error if it failed."""
         outcome = task.result()[0]
         if outcome != "ok":
             raise RuntimeError(f"witness {tag} failed before its engine was killed: {outcome}")
-        return None
+        self.unkilled.append({"witness": tag, **seen})
 
     async def cycle(self, c: httpx.AsyncClient, n: int, gate: Gate) -> dict[str, Any]:
         """One restart of the engine serving a witness stream (``gate``: the conversations' requests).
@@ -600,7 +601,7 @@ class EngineRestarts:
             row = await self._witness_cycle(c, f"{n}.{attempt}", gate)
             if row is not None:
                 return row
-        raise RuntimeError(f"restart cycle {n}: three witnesses ended before their engine was killed")
+        raise RuntimeError(f"restart cycle {n}: three witnesses ended before their engine was killed: {self.unkilled}")
 
     async def _witness_cycle(self, c: httpx.AsyncClient, tag: str, gate: Gate) -> dict[str, Any] | None:
         from kvroute_common.processes import wait_until
@@ -631,11 +632,14 @@ class EngineRestarts:
                 _in_flight(_route(self.url, route_body)).values()
             )
 
+        polls: list[dict[int, int]] = []  # the in-flight requests each poll saw, for a witness that ends unkilled
+
         def booked_alone() -> tuple[int, int] | None:
             """The witness's worker and its prompt length once the frontend has booked it (before it
             sends it to the engine; the index learns the prompt only from the engine's KV events)."""
             record = _route(self.url, route_body)
             busy = {w: k for w, k in _in_flight(record).items() if k}
+            polls.append(busy)
             if len(busy) == 1 and sum(busy.values()) == 1:
                 return next(iter(busy)), int(record["isl"])
             return None
@@ -648,14 +652,19 @@ class EngineRestarts:
                 wait_until, frontend_idle, 60.0, 0.1, "no request in the frontend but the witness's (gate closed)"
             )
             task = loop.create_task(_exchange(c, self.url, body, on_event=on_event))
-            deadline = loop.time() + self.timeout
+            started = loop.time()
+            deadline = started + self.timeout
             while True:  # the only request in flight: the worker it is booked on serves it
                 found = await asyncio.to_thread(booked_alone)
                 if found is not None:
                     victim, isl = found
                     break
                 if task.done():  # over before its worker was read: no mid-stream kill to see
-                    return self._unkilled(tag, task)
+                    self._unkilled(
+                        tag, task, stage="before booked alone", s=round(loop.time() - started, 2),
+                        events=len(events), polls=len(polls), last_polls=polls[-3:],
+                    )  # fmt: skip
+                    return None
                 if loop.time() >= deadline:
                     raise TimeoutError(f"witness {tag}: not booked alone after {self.timeout:g} s")
                 await asyncio.sleep(0.01)  # the poll's interval, under the deadline above
@@ -666,7 +675,10 @@ class EngineRestarts:
             first_token.cancel()
             if not first.is_set():
                 if task.done():
-                    return self._unkilled(tag, task)
+                    self._unkilled(
+                        tag, task, stage="before a token", s=round(loop.time() - started, 2), events=len(events)
+                    )
+                    return None
                 raise TimeoutError(f"witness {tag}: no first token after {self.timeout:g} s")
             self.engines[victim - 1].kill()
         except BaseException:
@@ -683,6 +695,9 @@ class EngineRestarts:
         if finished_on == victim:
             # nothing was cut: the engine had generated the whole witness (its tail still on its way to a
             # slow client) when it was killed
+            self.unkilled.append(
+                {"witness": tag, "stage": "whole stream sent before the kill", "events": events_at_kill}
+            )
             return None
         # a continuation is routed with the prompt and the text generated so far: a longer input
         last_isl = ends[-1].get("routing", {}).get("isl") if ends else None
