@@ -107,6 +107,7 @@ def _small_cache_engines(request: pytest.FixtureRequest) -> list[vllm_cpu.VllmEn
         python=request.getfixturevalue("vllm_python"),
         model_dir=request.getfixturevalue("tiny_model"),
         num_gpu_blocks=SMALL_CACHE_BLOCKS,
+        eager=True,
         extra_args=["--max-num-batched-tokens", str(SMALL_CACHE_BUDGET), "--otlp-traces-endpoint", receiver.endpoint],
         env={"VLLM_SERVER_DEV_MODE": "1", **FAST_EXPORT},
     )
@@ -118,13 +119,14 @@ def _e2e_engines(request: pytest.FixtureRequest) -> list[vllm_cpu.VllmEngine]:
     loras = {name: os.path.join(tiny_model, "loras", name) for name in ("a1", "a2")}
     # the render routes, and tool calling (vLLM refuses requests with tools without a tool-call parser)
     scale_out = ["--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
-    one = vllm_cpu.VllmEngine(python, tiny_model, loras=loras, extra_args=scale_out)
-    two = vllm_cpu.VllmEngine(python, tiny_model, loras={"a1": loras["a1"]}, extra_args=scale_out)
-    dp2 = vllm_cpu.VllmEngine(python, tiny_model, dp_size=2)
+    one = vllm_cpu.VllmEngine(python, tiny_model, loras=loras, eager=True, extra_args=scale_out)
+    two = vllm_cpu.VllmEngine(python, tiny_model, loras={"a1": loras["a1"]}, eager=True, extra_args=scale_out)
+    dp2 = vllm_cpu.VllmEngine(python, tiny_model, dp_size=2, eager=True)
     other = vllm_cpu.VllmEngine(
         python,
         tiny_model,
         kv_events=False,
+        eager=True,
         num_gpu_blocks=64,
         # a request's own chat_template is honoured (the template-argument test renders with one)
         extra_args=[*scale_out, "--chat-template", OTHER_TEMPLATE, "--trust-request-chat-template"],

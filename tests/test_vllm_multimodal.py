@@ -46,7 +46,9 @@ def vlm(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     model_dir = write_tiny_vlm(vllm_python, str(tmp_path_factory.mktemp("tiny-vlm")))
     # 512 blocks (16k tokens) each: two engines whose KV caches take little memory
     engines = [
-        VllmEngine(vllm_python, model_dir, max_model_len=2048, num_gpu_blocks=512, extra_args=list(VLM_ARGS))
+        VllmEngine(
+            vllm_python, model_dir, max_model_len=2048, num_gpu_blocks=512, eager=True, extra_args=list(VLM_ARGS)
+        )
         for _ in range(2)
     ]
     start_engines(engines)
