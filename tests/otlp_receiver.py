@@ -106,6 +106,11 @@ class OtlpReceiver:
         with self.lock:
             self.spans.extend(got)
 
+    def received(self) -> list[ReceivedSpan]:
+        """Every span received so far (a copy: the server's threads keep adding)."""
+        with self.lock:
+            return list(self.spans)
+
     def trace(self, trace_id: str) -> list[ReceivedSpan]:
         with self.lock:
             return [s for s in self.spans if s.trace_id == trace_id]

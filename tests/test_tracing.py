@@ -104,11 +104,11 @@ def test_a_request_is_one_trace_under_the_clients_span(traced: dict[str, Any]) -
 def test_without_a_client_trace_kvroute_starts_one_and_errors_are_traced(traced: dict[str, Any]) -> None:
     receiver, url = traced["receiver"], traced["url"]
     with httpx.Client(base_url=url, timeout=30) as h:
-        before = {s.trace_id for s in receiver.spans}
+        before = {s.trace_id for s in receiver.received()}
         r = h.post("/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 2})
         assert r.status_code == 200
         new = wait_until(
-            lambda: [s for s in receiver.spans if s.trace_id not in before and s.name == "kvroute.request"],
+            lambda: [s for s in receiver.received() if s.trace_id not in before and s.name == "kvroute.request"],
             20,
             0.05,
             what="a new root span",
@@ -285,13 +285,15 @@ def test_one_trace_id_across_client_kvroute_and_vllm(traced_vllm: dict[str, Any]
     )
 
     # no traceparent from the client: kvroute's own context reaches vLLM (a streamed request this time)
-    before = {s.trace_id for s in receiver.spans}
+    before = {s.trace_id for s in receiver.received()}
     stream = client.chat.completions.create(
         model=SERVED_NAME, messages=[{"role": "user", "content": "And now stream."}], max_tokens=3, stream=True
     )
     assert sum(1 for _ in stream) > 0
     root = wait_until(
-        lambda: next((s for s in receiver.spans if s.trace_id not in before and s.name == "kvroute.request"), None),
+        lambda: next(
+            (s for s in receiver.received() if s.trace_id not in before and s.name == "kvroute.request"), None
+        ),
         30,
         0.05,
         what="kvroute's root span of the streamed request",
