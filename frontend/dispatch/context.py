@@ -40,6 +40,7 @@ class RequestContext:
     __slots__ = (
         "entry",
         "mm",
+        "count_as",
         "hints",
         "timing",
         "session",
@@ -107,6 +108,8 @@ class RequestContext:
         self.routed_notes: Callable[[], None] | None = None
         self.entry: ModelEntry
         self.mm: ModelMetrics
+        # its metrics once its model and type are known, until count_start (see count_refused)
+        self.count_as: ModelMetrics | None = None
 
     def sent(self) -> None:
         """The current attempt's request is written to its worker (or handed over, or failed before):
@@ -138,11 +141,20 @@ class RequestContext:
     def count_start(self, mm: ModelMetrics) -> None:
         """The request enters the metrics: started, in flight, waiting for its first token."""
         self.mm = mm
+        self.count_as = None
         mm.started.inc()
         mm.inflight.inc()
         mm.active.inc()
         mm.queued.inc()
         self.counting = True
+
+    def count_refused(self) -> None:
+        """A request refused once its model and type were known but before ``count_start`` (a value out
+        of range, a model nobody serves) enters the request metrics here, to end as an error: a request
+        that parses counts whatever its fate, one that does not (``RequestShapeError``) never does."""
+        mm = self.count_as
+        if mm is not None:
+            self.count_start(mm)
 
     def finish_unrouted(self, error_type: str, *, client_gone: bool = False, rejected: bool = False) -> None:
         """End a request that no lease ended (refused, failed or cancelled before its booking, or between
@@ -156,6 +168,7 @@ class RequestContext:
             return
         self.counting = False
         mm = self.mm
+        mm.duration.observe(time.perf_counter() - self.t_start)
         mm.inflight.dec()
         mm.active.dec()
         if self.attempt is None or not self.attempt.ttft_recorded:  # a first token already left the queue

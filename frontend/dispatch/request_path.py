@@ -25,7 +25,14 @@ from frontend.dispatch.response_rewriter import ResponseRewriter
 from frontend.dispatch.unary_stream import UnaryAssembler, convertible, streaming_body
 from frontend.dispatch.upstream import UpstreamConnectError, UpstreamError, UpstreamTimeout
 from frontend.observability.parity import stream_body_with_usage
-from frontend.request.errors import OpenAIError, as_anthropic, model_not_found, openai_error_response
+from frontend.request.errors import (
+    UNKNOWN_MODEL,
+    OpenAIError,
+    RequestShapeError,
+    as_anthropic,
+    model_not_found,
+    openai_error_response,
+)
 from frontend.request.hints import RequestTiming, apply_to_body, check_supported, engine_priority, parse_request_hints
 from frontend.request.validation import validate_messages, validate_sampling, validate_tools
 from frontend.routing import disagg as _disagg
@@ -94,18 +101,25 @@ class RequestPath:
         try:
             raw, body = await source.read(BODY_LIMIT)
             model = body.get("model")
-            if not isinstance(model, str) or not model:
-                raise OpenAIError(400, "'model' is required", "model")
-            entry = state.models.get(model)
-            if entry is None:
-                if model in state.prefill_models:
-                    raise OpenAIError(503, f"model {model} has prefill workers but no decode worker")
-                raise model_not_found(model)
+            if not isinstance(model, str):
+                raise RequestShapeError("'model' is required", "model")
             stream = body.get("stream", False)
             if stream is None:
                 stream = False
             if not isinstance(stream, bool):
-                raise OpenAIError(400, "'stream' must be a boolean", "stream")
+                raise RequestShapeError("'stream' must be a boolean", "stream")
+            request_type = "stream" if stream else "unary"
+            entry = state.models.get(model)
+            if entry is None:
+                served = model in state.prefill_models  # by prefill workers only
+                label = model if served else UNKNOWN_MODEL
+                ctx.count_as = state.metrics.model_children(label, endpoint, request_type)
+                if served:
+                    raise OpenAIError(503, f"model {model} has prefill workers but no decode worker")
+                if not model:
+                    raise OpenAIError(400, "'model' is required", "model")
+                raise model_not_found(model)
+            ctx.count_as = counted_as = state.metrics.model_children(model, endpoint, request_type)
             ctx.entry, ctx.stream, ctx.body = entry, stream, body
             if kind == "messages":  # the engine validates sampling in its own (Anthropic) terms
                 anthropic_api.validate_request(body)
@@ -114,7 +128,7 @@ class RequestPath:
             if kind == "chat":
                 validate_messages(body.get("messages"))
                 validate_tools(body)
-            ctx.count_start(state.metrics.model_children(model, endpoint, "stream" if stream else "unary"))
+            ctx.count_start(counted_as)
 
             modified = False
             hints = None
@@ -205,6 +219,10 @@ class RequestPath:
             ctx.failed_workers = source.excluded(state)
             return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
         except OpenAIError as exc:
+            # the refusals before count_start that the reference counts: a model nobody serves, on every
+            # API; a value out of range on chat completions only (its other APIs validate before counting)
+            if not isinstance(exc, RequestShapeError) and (exc.status != 400 or kind == "chat"):
+                ctx.count_refused()
             ctx.finish_unrouted(_error_type(exc.status), rejected=exc.status == 529)
             return openai_error_response(exc.status, exc.message, exc.param, getattr(exc, "headers", None))
         except ClientDisconnect:

@@ -19,6 +19,8 @@ from kvroute_common.openai_api import OpenAIError
 
 __all__ = [
     "OpenAIError",
+    "RequestShapeError",
+    "UNKNOWN_MODEL",
     "as_anthropic",
     "openai_error_body",
     "openai_error_response",
@@ -29,6 +31,18 @@ __all__ = [
 ]
 
 OVERLOAD_STATUS = 529
+UNKNOWN_MODEL = "unknown_model"
+"""The ``model`` label of a request for a model nobody serves (the client's string is not a label value)."""
+
+
+class RequestShapeError(OpenAIError):
+    """A body that is not a request of its kind: a field of the wrong JSON type, a required one missing,
+    an unknown role. Such a request does not deserialize into the API's request type, so it never
+    enters the request metrics; a well-formed request with a value out of range does (``validation``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(400, message, param)
+
 
 # error_type label of dynamo_frontend_requests_total per status
 _ERROR_TYPES = {

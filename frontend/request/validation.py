@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from frontend.request.errors import OpenAIError
+from frontend.request.errors import OpenAIError, RequestShapeError
 from kvroute_common.tokenizer import PromptError, engine_tool_dicts
 
 _SAMPLING_EPS = 1e-5
@@ -25,7 +25,13 @@ _NULL_CONTENT_ROLES = frozenset({"assistant", "function"})
 
 
 def _bad(message: str, param: str) -> OpenAIError:
+    """A value the request type allows but the engine refuses."""
     return OpenAIError(400, message, param)
+
+
+def _shape(message: str, param: str) -> RequestShapeError:
+    """A field of a type the request type does not allow."""
+    return RequestShapeError(message, param)
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -33,7 +39,7 @@ def _number(body: dict, name: str) -> float | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(f"{name} must be a number, got {type(v).__name__}.", name)
+        raise _shape(f"{name} must be a number, got {type(v).__name__}.", name)
     if not math.isfinite(v):
         raise _bad(f"{name} must be a finite number, got {v}.", name)
     return float(v)
@@ -46,7 +52,7 @@ def _integer(body: dict, name: str) -> int | None:
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer():
             return int(v)
-        raise _bad(f"{name} must be an integer, got {type(v).__name__}.", name)
+        raise _shape(f"{name} must be an integer, got {type(v).__name__}.", name)
     return v
 
 
@@ -99,7 +105,7 @@ def validate_sampling(body: dict, chat: bool) -> None:
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad("stop must be a string or a list of strings.", "stop")
+            raise _shape("stop must be a string or a list of strings.", "stop")
         if any(not s for s in stops):
             raise _bad("stop cannot contain an empty string.", "stop")
     ids = body.get("stop_token_ids")
@@ -121,7 +127,7 @@ def validate_sampling(body: dict, chat: bool) -> None:
     if chat:
         logprobs = body.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
-            raise _bad("logprobs must be a boolean.", "logprobs")
+            raise _shape("logprobs must be a boolean.", "logprobs")
         top = _integer(body, "top_logprobs")
         if top is not None:
             if top < 0 and top != -1:
@@ -148,24 +154,26 @@ def validate_tools(body: dict) -> None:
         try:
             engine_tool_dicts(tools)  # the shape checks, with the parameter named
         except PromptError as exc:
-            raise _bad(str(exc), "tools") from None
+            raise _shape(str(exc), "tools") from None
 
 
 def validate_messages(messages: Any) -> None:
     """Chat messages: a non-empty list of objects with a known role; content null only where OpenAI allows it."""
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, list):
+        raise _shape("'messages' must be a non-empty list", "messages")
+    if not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise _bad(f"messages[{i}] must be an object", "messages")
+            raise _shape(f"messages[{i}] must be an object", "messages")
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            raise _bad(f"messages[{i}].role is required", "messages")
+            raise _shape(f"messages[{i}].role is required", "messages")
         if role not in ROLES:
-            raise _bad(f"messages[{i}].role {role!r} is not one of {', '.join(sorted(ROLES))}", "messages")
+            raise _shape(f"messages[{i}].role {role!r} is not one of {', '.join(sorted(ROLES))}", "messages")
         content = m.get("content")
         if content is None and role not in _NULL_CONTENT_ROLES:
-            raise _bad(f"messages[{i}].content must not be null for role {role!r}", "messages")
+            raise _shape(f"messages[{i}].content must not be null for role {role!r}", "messages")
 
 
 class PromptLimit(NamedTuple):
