@@ -116,7 +116,9 @@ def routers() -> Iterator[tuple[httpx.Client, httpx.Client]]:
         yield reference, kvroute
 
 
-@pytest.mark.parametrize(("path", "name", "body"), CASES, ids=[f"{'chat' if 'chat' in p else 'text'}: {n}" for p, n, _ in CASES])
+@pytest.mark.parametrize(
+    ("path", "name", "body"), CASES, ids=[f"{'chat' if 'chat' in p else 'text'}: {n}" for p, n, _ in CASES]
+)
 def test_a_refused_request_is_counted_as_the_reference_counts_it(
     routers: tuple[httpx.Client, httpx.Client], path: str, name: str, body: dict[str, Any]
 ) -> None:
