@@ -115,7 +115,16 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),  # fmt: skip
     ("hash", ("kvroute_common/hashing.py", "xxhash")),
     ("metrics", ("prometheus_client/", "frontend/observability/")),
-    ("kv-events", ("indexer/", "zmq/", "kvroute_common/zmq_recv.py")),
+    (
+        "kv-events",
+        (
+            "indexer/",
+            "zmq/",
+            "kvroute_common/zmq_recv.py",
+            "kvroute_common/zmtp_sub.py",
+            "kvroute_common/loop_turns.py",
+        ),
+    ),
     ("route+book", ("router/", "slot_tracker/", "frontend/routing/")),
     (
         "relay",

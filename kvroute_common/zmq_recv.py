@@ -18,11 +18,7 @@ from typing import cast
 
 import zmq
 
-# messages read, or seconds spent, before the event loop gets a turn (HTTP requests wait meanwhile):
-# an engine's per-step batches of a long prompt hold hundreds of blocks each (~0.5 ms to apply), and
-# a burst of them in one turn held the loop for tens of milliseconds
-BATCH = 512
-TURN_SECONDS = 0.002
+from kvroute_common.loop_turns import BATCH, TURN_SECONDS, next_turn
 
 _POLLIN = int(zmq.POLLIN)  # an int: ``int & PollEvent`` builds a PollEvent, half a microsecond a check
 _EVENTS = zmq.EVENTS
@@ -40,9 +36,9 @@ async def drain_forever(
 
     ``handle`` returns None when it is done, or an awaitable for the rare message that needs one;
     reading stops until that awaitable is done. After ``batch`` messages or ``turn_seconds`` of
-    handling, the loop's other callbacks run before reading goes on. ``on_burst`` gets the number of messages each
-    wake-up found queued (1 when the reader keeps up). Runs until cancelled; an exception from
-    ``handle`` ends it."""
+    handling, the loop's other callbacks run before reading goes on (``kvroute_common.loop_turns``).
+    ``on_burst`` gets the number of messages each wake-up found queued (1 when the reader keeps up). Runs
+    until cancelled; an exception from ``handle`` ends it."""
     loop = asyncio.get_running_loop()
     fd = sock.fileno()
     get, recv = sock.get, sock.recv_multipart
@@ -50,13 +46,19 @@ async def drain_forever(
     waiting: list[Awaitable[None]] = []  # what the reader callback left to this task
     failed: list[BaseException] = []
     paused = [False]  # set while an awaitable runs or after a failure or cancellation: no reading
+    resting = [False]  # set until the next turn: the FD firing meanwhile does not start it early
     wake = asyncio.Event()
 
+    def resume() -> None:
+        resting[0] = False
+        drain()
+
     def drain() -> None:
-        if paused[0]:
-            return  # a drain scheduled before the pause
+        if paused[0] or resting[0]:
+            return  # a drain scheduled before the pause, or the FD firing before the next turn
         n = 0
-        until = clock() + turn_seconds
+        start = clock()
+        until = start + turn_seconds
         try:
             while cast(int, get(_EVENTS)) & _POLLIN:
                 pending = handle(recv(_NOBLOCK))
@@ -67,8 +69,10 @@ async def drain_forever(
                     waiting.append(pending)
                     wake.set()
                     break
-                if n == batch or clock() > until:
-                    loop.call_soon(drain)  # the loop's other callbacks first; the FD will not fire again
+                now = clock()
+                if n == batch or now > until:
+                    resting[0] = True
+                    next_turn(loop, resume, now - start, turn_seconds)
                     break
         except Exception as exc:
             loop.remove_reader(fd)

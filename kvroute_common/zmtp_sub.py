@@ -15,7 +15,8 @@ the peer closes the connection), no receive limit (messages wait in memory while
 A frame above ``max_frame_bytes`` is a protocol error (the connection is dropped and made again).
 
 Reading is fair to the loop: after ``batch`` messages or ``turn_seconds`` of handling, the loop's other
-callbacks run before the rest is handled. ``handle`` returns None, or an awaitable for the rare message
+callbacks run before the rest is handled, after a pause if the turn ran out of time
+(``kvroute_common.loop_turns``). ``handle`` returns None, or an awaitable for the rare message
 that needs one: nothing after that message is handled until it is done. An exception from ``handle``
 (or its awaitable) ends ``run``.
 """
@@ -31,11 +32,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import cast
 
+from kvroute_common.loop_turns import BATCH, TURN_SECONDS, next_turn
+
 log = logging.getLogger("kvroute_common.zmtp_sub")
 
-# messages handled, or seconds spent, before the loop gets a turn (see kvroute_common.zmq_recv)
-BATCH = 512
-TURN_SECONDS = 0.002
 RECONNECT_IVL = 0.1
 RECONNECT_IVL_MAX = 5.0
 HEARTBEAT_IVL = 5.0
@@ -301,7 +301,8 @@ class ZmtpSubscriber:
             return
         queue, handle = self.queue, self.handle
         n = 0
-        until = time.perf_counter() + self.turn_seconds
+        start = time.perf_counter()
+        until = start + self.turn_seconds
         try:
             while queue:
                 pending = handle(queue.popleft())
@@ -309,9 +310,12 @@ class ZmtpSubscriber:
                 if pending is not None:
                     self._wait(pending)
                     break
-                if queue and (n >= self.batch or time.perf_counter() > until):
-                    self._schedule()  # the loop's other callbacks first
-                    break
+                if queue:
+                    now = time.perf_counter()
+                    if n >= self.batch or now > until:
+                        self._scheduled = True
+                        next_turn(asyncio.get_running_loop(), self._deliver, now - start, self.turn_seconds)
+                        break
         except Exception as exc:  # handle's own failure: run ends with it
             self._fail(exc)
         if n and self.on_burst is not None:

@@ -7,6 +7,7 @@ publisher does (``[b"", topic, seq, payload]`` per batch, then an empty-payload 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 
@@ -492,5 +493,52 @@ def test_drain_gives_the_loop_a_turn_when_a_burst_takes_long() -> None:
             push.close(linger=0)
             pull.close(linger=0)
             ctx.term()
+
+    asyncio.run(main())
+
+
+def test_drain_pauses_after_a_turn_that_ran_out_of_time() -> None:
+    """After a turn that ran out of time the next starts no sooner than that turn's length later, and the
+    loop runs other callbacks meanwhile, even as more messages make the socket's descriptor fire."""
+    from kvroute_common.zmq_recv import drain_forever
+
+    spin = 0.006
+    spans: list[tuple[float, float]] = []
+    ticks: list[float] = []
+
+    def slow(frames: list[bytes]) -> None:
+        start = time.perf_counter()
+        while time.perf_counter() - start < spin:
+            pass
+        spans.append((start, time.perf_counter()))
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        ctx = zmq.Context()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        pull.bind("inproc://pauses")
+        push.connect("inproc://pauses")
+        push.send(b"m0")
+        loop = asyncio.get_running_loop()
+        tick = loop.create_task(ticker())
+        task = loop.create_task(drain_forever(pull, slow, turn_seconds=0.002))
+        try:
+            await until(lambda: len(spans) == 1, what="the first message")
+            for i in range(1, 4):
+                push.send(b"m%d" % i)  # arriving during the pause: the descriptor fires
+            await until(lambda: len(spans) == 4, what="the four messages")
+        finally:
+            task.cancel()
+            tick.cancel()
+            push.close(linger=0)
+            pull.close(linger=0)
+            ctx.term()
+        for (start, end), (next_start, _) in itertools.pairwise(spans):
+            assert next_start - end >= 0.7 * (end - start), spans
+            assert sum(end < t < next_start for t in ticks) >= 2, "the loop ran other callbacks in the pause"
 
     asyncio.run(main())

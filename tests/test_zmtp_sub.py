@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -207,6 +208,53 @@ def test_an_awaitable_from_the_handler_holds_later_messages_and_the_loop_gets_tu
             await until(lambda: len(got) == 10, what="the rest")
             assert got == [[b"slow"]] + [[b"m%d" % i] for i in range(9)]
             assert max(bursts) <= 3  # at most `batch` messages a turn
+
+    asyncio.run(main())
+
+
+def test_after_a_turn_that_ran_out_of_time_the_loop_is_left_alone_as_long() -> None:
+    """A burst of slow messages (a long prompt's per-step batches) is handled a turn at a time, and a turn
+    that ran out of time is followed by a pause as long as it took: a request's next step on the loop does
+    not wait behind the next batch at every step (kvroute_common.loop_turns)."""
+    spin = 0.006  # longer than a turn: every message ends one
+
+    async def main() -> None:
+        gate = asyncio.Event()
+        spans: list[tuple[float, float]] = []
+        ticks: list[float] = []
+
+        def handle(frames: list[bytes]) -> Awaitable[None] | None:
+            if frames == [b"marker"]:
+                p.got.append(frames)
+                return None
+            if frames == [b"hold"]:
+                return gate.wait()
+            start = time.perf_counter()
+            while time.perf_counter() - start < spin:
+                pass
+            spans.append((start, time.perf_counter()))
+            return None
+
+        async def ticker() -> None:
+            while True:
+                ticks.append(time.perf_counter())
+                await asyncio.sleep(0)
+
+        async with pair(handle) as p:
+            await p.subscribed()
+            p.pub.send_multipart([b"hold"])
+            for i in range(4):
+                p.pub.send_multipart([b"m%d" % i])
+            await until(lambda: len(p.sub.queue) == 4, what="the burst queued")
+            tick = asyncio.ensure_future(ticker())
+            try:
+                gate.set()
+                await until(lambda: len(spans) == 4, what="the burst handled")
+            finally:
+                tick.cancel()
+        for (start, end), (next_start, _) in itertools.pairwise(spans):
+            assert next_start - end >= 0.7 * (end - start), spans  # the pause, within the timer's granularity
+            assert sum(end < t < next_start for t in ticks) >= 2, "the loop ran other callbacks in the pause"
 
     asyncio.run(main())
 
