@@ -21,6 +21,10 @@ Measured on this machine (docs/benchmarks.md, ``python -m bench tokenize_stall``
   and the loop waited for a CPU meanwhile. ``bound_encoder_threads`` leaves the loop a core.
 * A thread hop costs ~0.1 ms; short prompts stay inline on the cached fast path, which is quicker
   than the backend for text it has seen (shared system prompts).
+* Huge prompts (over ``BULK_CHARS``) are encoded one at a time, on a thread of their own: two 3 MB prompts
+  encoded at once took both cores of a 2-vCPU guest for a second, and a tiny request beside three of them
+  waited up to 42-76 ms for the loop's thread to get a CPU (one at a time: 29-52 ms; docs/benchmarks.md,
+  "Long agentic contexts"). They wait for each other, never for a shorter prompt, nor it for them.
 * The threads are started before serving (``start``): ``Thread.start`` waits until the new thread
   runs, and started on the loop by the first long prompts, the second one held the loop 39 ms on the
   loaded machine (``--log-loop-stalls``, three 3 MB chat prompts at once).
@@ -44,6 +48,9 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TypeVar
 
 DEFAULT_OFFLOAD_CHARS = 4096
+BULK_CHARS = 1 << 19
+"""Prompts with more characters than this (~128 k tokens of English) are encoded one at a time, on a
+thread of their own (``TokenizeOffload``)."""
 LOOP_SWITCH_INTERVAL_MS = 0.5
 """The frontend's GIL switch interval (``sys.setswitchinterval``; CPython's default is 5 ms)."""
 # two threads: one huge prompt does not hold up the next one; more would only fight over 2 cores
@@ -111,45 +118,56 @@ def _content_chars(content: Any) -> int:
 
 
 class TokenizeOffload:
-    """Runs a tokenize function inline or on a small thread pool, by prompt size."""
+    """Runs a tokenize function inline, on a small thread pool, or on the bulk thread, by prompt size."""
 
-    def __init__(self, threshold_chars: int = DEFAULT_OFFLOAD_CHARS) -> None:
+    def __init__(self, threshold_chars: int = DEFAULT_OFFLOAD_CHARS, bulk_chars: int = BULK_CHARS) -> None:
         if threshold_chars < 0:
             raise ValueError("the tokenizer offload threshold must be >= 0 (0 = never offload)")
         self.threshold_chars = threshold_chars
+        self.bulk_chars = bulk_chars
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._bulk: concurrent.futures.ThreadPoolExecutor | None = None
         self.offloaded = 0  # prompts tokenized in a thread (tests and metrics read it)
 
     def offloads(self, chars: int) -> bool:
         return 0 < self.threshold_chars < chars
 
     def start(self, timeout: float = 30.0) -> None:
-        """Start every thread of the pool now, off the event loop (before serving): a pool started by
+        """Start every thread of both pools now, off the event loop (before serving): a pool started by
         ``run`` starts its threads on the loop, which waits for each to run. No-op when it never offloads."""
         if self.threshold_chars == 0 or self._pool is not None:
             return
-        pool = self._new_pool()
+        pools = [(self._new_pool(), _MAX_THREADS), (self._new_bulk_pool(), 1)]
         # each task holds its thread until all are running, so every submit starts a new thread
-        ready = threading.Barrier(_MAX_THREADS + 1)
-        for _ in range(_MAX_THREADS):
-            pool.submit(ready.wait, timeout)
+        ready = threading.Barrier(_MAX_THREADS + 1 + 1)  # the pools' threads and this one
+        for pool, threads in pools:
+            for _ in range(threads):
+                pool.submit(ready.wait, timeout)
         ready.wait(timeout)
 
     def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         self._pool = concurrent.futures.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="tokenize")
         return self._pool
 
+    def _new_bulk_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        self._bulk = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize-bulk")
+        return self._bulk
+
     async def run(self, chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, nogil=..., **kwargs)``: inline for short prompts, in a thread (``nogil=True``) for long ones
-        (a pool not ``start``-ed starts its threads here, on the loop)."""
+        """``fn(*args, nogil=..., **kwargs)``: inline for short prompts, in a thread (``nogil=True``) for long ones,
+        on the bulk thread for those over ``bulk_chars`` (a pool not ``start``-ed starts here, on the loop)."""
         if not self.offloads(chars):
             return fn(*args, nogil=False, **kwargs)
-        pool = self._pool if self._pool is not None else self._new_pool()
+        if chars > self.bulk_chars:
+            pool = self._bulk if self._bulk is not None else self._new_bulk_pool()
+        else:
+            pool = self._pool if self._pool is not None else self._new_pool()
         self.offloaded += 1
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(pool, lambda: fn(*args, nogil=True, **kwargs))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for pool in (self._pool, self._bulk):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._bulk = None

@@ -22,6 +22,7 @@ from frontend.pool.capacity import (
 from kvroute_common.openai_api import OpenAIError, responses_to_chat
 from kvroute_common.tokenize_offload import TokenizeOffload, prompt_chars
 from kvroute_common.tokenizer import PromptTooLong, chat_request_token_ids, load_tokenizer, prompt_encoder
+from support import until
 
 
 def _sse(*objs: dict) -> bytes:
@@ -309,6 +310,48 @@ def test_started_offload_runs_long_prompts_on_threads_started_before_any_request
     never = TokenizeOffload(0)
     never.start()  # never offloads: no thread
     assert set(threading.enumerate()) <= started
+
+
+def test_huge_prompts_are_encoded_one_at_a_time_on_their_own_thread_beside_the_others() -> None:
+    """Two huge prompts never encode at once (they would take both cores of a small machine from the
+    loop), and a long prompt under ``bulk_chars`` does not wait behind them."""
+    off = TokenizeOffload(100, bulk_chars=10_000)
+    off.start()
+    started = set(threading.enumerate())
+    release = threading.Event()
+    huge_running: list[int] = []
+    ran_on: dict[str, set[str]] = {"huge": set(), "long": set()}
+    most_at_once = [0]
+    lock = threading.Lock()
+
+    def huge(nogil: bool = False) -> None:
+        with lock:
+            huge_running.append(1)
+            most_at_once[0] = max(most_at_once[0], len(huge_running))
+            ran_on["huge"].add(threading.current_thread().name)
+        release.wait(10)
+        with lock:
+            huge_running.pop()
+
+    def long(nogil: bool = False) -> str:
+        ran_on["long"].add(threading.current_thread().name)
+        return "done"
+
+    async def main() -> None:
+        huges = [asyncio.ensure_future(off.run(20_000, huge)) for _ in range(3)]
+        await until(lambda: len(huge_running) == 1, what="the first huge prompt encoding")
+        assert await asyncio.wait_for(off.run(5_000, long), 10) == "done"  # not behind the huge ones
+        release.set()
+        await asyncio.gather(*huges)
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        off.close()
+    assert most_at_once[0] == 1
+    assert len(ran_on["huge"]) == 1 and next(iter(ran_on["huge"])).startswith("tokenize-bulk")
+    assert ran_on["long"].isdisjoint(ran_on["huge"]) and set(threading.enumerate()) <= started
 
 
 def test_prompt_chars_and_responses_to_chat() -> None:
