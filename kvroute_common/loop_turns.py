@@ -10,7 +10,7 @@ request needs several turns of the loop (read, send upstream, read the answer, r
 batch due at every one of them it waited behind a batch at each, ~2 ms a step; with the pause a burst takes
 at most half the loop while it lasts. A tiny request beside 128k-token prompts at 2/s: p99 19.6-22.0 ms
 without the pause, 12.9-13.1 ms with it (docs/benchmarks.md, "Long agentic contexts"). The burst is applied
-later by as much (a 128k-token prompt's ~25 ms of events over ~50 ms); what the router predicted for its own
+later by as much (a 128k-token prompt's ~23 ms of events over ~46 ms); what the router predicted for its own
 requests covers them meanwhile.
 """
 
