@@ -7,9 +7,10 @@ publisher does (``[b"", topic, seq, payload]`` per batch, then an empty-payload 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -453,6 +454,21 @@ def test_drain_reports_how_many_messages_each_wake_up_found_queued() -> None:
     asyncio.run(main())
 
 
+@contextlib.contextmanager
+def _push_pull(endpoint: str) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    """A PUSH socket connected to a PULL socket bound at ``endpoint``, closed after."""
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    pull.bind(endpoint)
+    push.connect(endpoint)
+    try:
+        yield push, pull
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
 def test_drain_gives_the_loop_a_turn_when_a_burst_takes_long() -> None:
     """A burst of slow messages (a long prompt's per-step batches) is read in turns: after
     ``turn_seconds`` of handling the loop's other callbacks run, then reading goes on, in order."""
@@ -472,27 +488,21 @@ def test_drain_gives_the_loop_a_turn_when_a_burst_takes_long() -> None:
             await asyncio.sleep(0)
 
     async def main() -> None:
-        ctx = zmq.Context()
-        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        pull.bind("inproc://turns")
-        push.connect("inproc://turns")
-        for i in range(4):
-            push.send(b"m%d" % i)
-        loop = asyncio.get_running_loop()
-        tick = loop.create_task(ticker())
-        task = loop.create_task(drain_forever(pull, slow, turn_seconds=0.002))
-        try:
-            await until(lambda: "m3" in log, what="the four messages")
-            messages = [x for x in log if x != "tick"]
-            assert messages == ["m0", "m1", "m2", "m3"]
-            first = log.index("m0")
-            assert all(log[i + 1] == "tick" for i in range(first, len(log) - 1) if log[i] != "tick"), log
-        finally:
-            task.cancel()
-            tick.cancel()
-            push.close(linger=0)
-            pull.close(linger=0)
-            ctx.term()
+        with _push_pull("inproc://turns") as (push, pull):
+            for i in range(4):
+                push.send(b"m%d" % i)
+            loop = asyncio.get_running_loop()
+            tick = loop.create_task(ticker())
+            task = loop.create_task(drain_forever(pull, slow, turn_seconds=0.002))
+            try:
+                await until(lambda: "m3" in log, what="the four messages")
+            finally:
+                task.cancel()
+                tick.cancel()
+        messages = [x for x in log if x != "tick"]
+        assert messages == ["m0", "m1", "m2", "m3"]
+        first = log.index("m0")
+        assert all(log[i + 1] == "tick" for i in range(first, len(log) - 1) if log[i] != "tick"), log
 
     asyncio.run(main())
 
@@ -518,25 +528,19 @@ def test_drain_pauses_after_a_turn_that_ran_out_of_time() -> None:
             await asyncio.sleep(0)
 
     async def main() -> None:
-        ctx = zmq.Context()
-        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        pull.bind("inproc://pauses")
-        push.connect("inproc://pauses")
-        push.send(b"m0")
-        loop = asyncio.get_running_loop()
-        tick = loop.create_task(ticker())
-        task = loop.create_task(drain_forever(pull, slow, turn_seconds=0.002))
-        try:
-            await until(lambda: len(spans) == 1, what="the first message")
-            for i in range(1, 4):
-                push.send(b"m%d" % i)  # arriving during the pause: the descriptor fires
-            await until(lambda: len(spans) == 4, what="the four messages")
-        finally:
-            task.cancel()
-            tick.cancel()
-            push.close(linger=0)
-            pull.close(linger=0)
-            ctx.term()
+        with _push_pull("inproc://pauses") as (push, pull):
+            push.send(b"m0")
+            loop = asyncio.get_running_loop()
+            tick = loop.create_task(ticker())
+            task = loop.create_task(drain_forever(pull, slow, turn_seconds=0.002))
+            try:
+                await until(lambda: len(spans) == 1, what="the first message")
+                for i in range(1, 4):
+                    push.send(b"m%d" % i)  # arriving during the pause: the descriptor fires
+                await until(lambda: len(spans) == 4, what="the four messages")
+            finally:
+                task.cancel()
+                tick.cancel()
         for (start, end), (next_start, _) in itertools.pairwise(spans):
             assert next_start - end >= 0.7 * (end - start), spans
             assert sum(end < t < next_start for t in ticks) >= 2, "the loop ran other callbacks in the pause"
