@@ -33,7 +33,7 @@ async def main(port: int, model: str) -> None:
     engine = HttpAsyncEngine(_answer, loop)
     service.add_chat_completions_model(model, "kvroute-test", engine)
     service.add_completions_model(model, "kvroute-test", engine)
-    for endpoint in ("chat", "completion"):
+    for endpoint in ("chat", "completion", "responses"):
         service.enable_endpoint(endpoint, True)
     print("ready", flush=True)
     await service.run(runtime)

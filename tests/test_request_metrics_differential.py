@@ -4,9 +4,9 @@ frontend's HTTP service (Dynamo 1.6.1's ``HttpService``, tests/reference_http.py
 The same refused requests go to both; each one's change to the request counters (``requests_total``,
 ``requests_started_total``, the request-duration histogram's count) must be the same, labels included. The
 reference counts a request for a model nobody serves (as ``model="unknown_model"``, ``not_found``) on
-every API, a value out of range (``validation``) on chat completions but not on text completions (those
-validate before counting), and never a body that does not deserialize (a field of the wrong type, a
-missing role, an unknown role): kvroute's ``RequestShapeError``.
+every API, a value out of range (``validation``) on chat completions and responses but not on text
+completions (those validate before counting), and never a body that does not deserialize (a field of the
+wrong type, a missing role, an unknown role, a response without its input): kvroute's ``RequestShapeError``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,18 @@ COMPLETIONS: dict[str, dict[str, Any]] = {
     "temperature a string": {"model": MODEL, "prompt": "x", "temperature": "hot"},
     "stream a string": {"model": MODEL, "prompt": "x", "stream": "yes"},
 }
+RESPONSES: dict[str, dict[str, Any]] = {
+    "unknown model": {"model": "nobody-serves-this", "input": "x"},
+    "unknown model, streamed": {"model": "nobody-serves-this", "input": "x", "stream": True},
+    "temperature -3": {"model": MODEL, "input": "x", "temperature": -3},
+    "top_p 7": {"model": MODEL, "input": "x", "top_p": 7},
+    "max_output_tokens 0": {"model": MODEL, "input": "x", "max_output_tokens": 0},
+    "model a number": {"model": 5, "input": "x"},
+    "temperature a string": {"model": MODEL, "input": "x", "temperature": "hot"},
+    "no input": {"model": MODEL},
+}
 CASES = [("/v1/chat/completions", name, body) for name, body in CHAT.items()]
+CASES += [("/v1/responses", name, body) for name, body in RESPONSES.items()]
 CASES += [("/v1/completions", name, body) for name, body in COMPLETIONS.items()]
 
 
@@ -116,9 +127,7 @@ def routers() -> Iterator[tuple[httpx.Client, httpx.Client]]:
         yield reference, kvroute
 
 
-@pytest.mark.parametrize(
-    ("path", "name", "body"), CASES, ids=[f"{'chat' if 'chat' in p else 'text'}: {n}" for p, n, _ in CASES]
-)
+@pytest.mark.parametrize(("path", "name", "body"), CASES, ids=[f"{p.rsplit('/', 1)[-1]}: {n}" for p, n, _ in CASES])
 def test_a_refused_request_is_counted_as_the_reference_counts_it(
     routers: tuple[httpx.Client, httpx.Client], path: str, name: str, body: dict[str, Any]
 ) -> None:

@@ -128,6 +128,8 @@ class RequestPath:
             if kind == "chat":
                 validate_messages(body.get("messages"))
                 validate_tools(body)
+            elif kind == "responses" and not isinstance(body.get("input"), (str, list)):
+                raise RequestShapeError("'input' must be a string or a list", "input")
             ctx.count_start(counted_as)
 
             modified = False
@@ -220,8 +222,8 @@ class RequestPath:
             return await self._dispatch(ctx, pinned_worker, pinned_rank, send)
         except OpenAIError as exc:
             # the refusals before count_start that the reference counts: a model nobody serves, on every
-            # API; a value out of range on chat completions only (its other APIs validate before counting)
-            if not isinstance(exc, RequestShapeError) and (exc.status != 400 or kind == "chat"):
+            # API; a value out of range on chat completions and responses (text completions validate first)
+            if not isinstance(exc, RequestShapeError) and (exc.status != 400 or kind in ("chat", "responses")):
                 ctx.count_refused()
             ctx.finish_unrouted(_error_type(exc.status), rejected=exc.status == 529)
             return openai_error_response(exc.status, exc.message, exc.param, getattr(exc, "headers", None))
