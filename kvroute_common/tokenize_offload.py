@@ -139,7 +139,7 @@ class TokenizeOffload:
             return
         pools = [(self._new_pool(), _MAX_THREADS), (self._new_bulk_pool(), 1)]
         # each task holds its thread until all are running, so every submit starts a new thread
-        ready = threading.Barrier(_MAX_THREADS + 1 + 1)  # the pools' threads and this one
+        ready = threading.Barrier(sum(threads for _, threads in pools) + 1)  # the pools' threads and this one
         for pool, threads in pools:
             for _ in range(threads):
                 pool.submit(ready.wait, timeout)
